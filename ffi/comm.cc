@@ -1,0 +1,205 @@
+#include "comm.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+
+namespace sifar {
+
+namespace {
+
+// XLA:CPU ranks share this process's memory: a workspace is an aligned block.
+class HostMemory : public Memory {
+ public:
+  char* Alloc(int, size_t bytes) override {
+    void* p = std::aligned_alloc(kAlign, AlignUp(bytes, kAlign));
+    if (p == nullptr) throw std::runtime_error("sifar_jax: host workspace allocation failed");
+    std::memset(p, 0, bytes);
+    return static_cast<char*>(p);
+  }
+  void Free(int, char* ptr) override { std::free(ptr); }
+  void Write(int, char* dst, const void* src, size_t bytes) override {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    std::memcpy(dst, src, bytes);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  }
+  void Read(int, void* dst, const char* src, size_t bytes) override {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    std::memcpy(dst, src, bytes);
+  }
+};
+
+uint64_t IndexKey(int axis_key, int ordinal) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(axis_key)) << 32) |
+         static_cast<uint32_t>(ordinal);
+}
+
+}  // namespace
+
+std::unique_ptr<Memory> MakeHostMemory() { return std::make_unique<HostMemory>(); }
+
+Comm::Comm(int id, Platform platform, int axis_key, std::string axis_name,
+           std::vector<std::vector<int>> groups, size_t slot_bytes, double timeout_s)
+    : id_(id),
+      platform_(platform),
+      axis_key_(axis_key),
+      axis_name_(std::move(axis_name)),
+      nranks_(groups.empty() ? 0 : static_cast<int>(groups[0].size())),
+      layout_(MakeWorkspaceLayout(slot_bytes)) {
+  if (slot_bytes == 0 || slot_bytes % 16 != 0)
+    throw std::invalid_argument("sifar_jax: slot_bytes must be a positive multiple of 16");
+  if (nranks_ < 1 || nranks_ > kMaxRanks)
+    throw std::invalid_argument("sifar_jax: a communicator needs 1.." + std::to_string(kMaxRanks) +
+                                " ranks per group");
+#ifdef SIFAR_WITH_CUDA
+  memory_ = platform == Platform::kCuda ? MakeCudaMemory() : MakeHostMemory();
+#else
+  if (platform == Platform::kCuda)
+    throw std::runtime_error("sifar_jax was built without CUDA support");
+  memory_ = MakeHostMemory();
+#endif
+  for (auto& ords : groups) {
+    if (static_cast<int>(ords.size()) != nranks_)
+      throw std::invalid_argument("sifar_jax: all groups of an axis must have the same size");
+    Group g;
+    g.ordinals = ords;
+    for (int ord : ords) g.workspaces.push_back(memory_->Alloc(ord, layout_.total));
+    groups_.push_back(std::move(g));
+  }
+  for (int g = 0; g < static_cast<int>(groups_.size()); ++g)
+    for (int r = 0; r < nranks_; ++r) {
+      Control c{};
+      c.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+      WriteControl(g, r, c);
+    }
+#ifdef SIFAR_WITH_CUDA
+  if (platform == Platform::kCuda)
+    for (auto& g : groups_)
+      for (int ord : g.ordinals) PreloadCudaKernels(ord);
+#endif
+}
+
+Comm::~Comm() {
+  for (auto& g : groups_)
+    for (size_t r = 0; r < g.workspaces.size(); ++r) memory_->Free(g.ordinals[r], g.workspaces[r]);
+}
+
+void Comm::WriteControl(int g, int r, const Control& c) {
+  memory_->Write(groups_[g].ordinals[r], groups_[g].workspaces[r] + layout_.control, &c,
+                 sizeof(Control));
+}
+
+Control Comm::ReadControl(int g, int r) const {
+  Control c;
+  memory_->Read(groups_[g].ordinals[r], &c, groups_[g].workspaces[r] + layout_.control,
+                sizeof(Control));
+  return c;
+}
+
+std::vector<std::array<std::array<uint64_t, kNumStats>, kNumAlgorithms>> Comm::Stats() const {
+  std::vector<std::array<std::array<uint64_t, kNumStats>, kNumAlgorithms>> out;
+  for (auto& g : groups_)
+    for (size_t r = 0; r < g.workspaces.size(); ++r) {
+      std::array<std::array<uint64_t, kNumStats>, kNumAlgorithms> s;
+      memory_->Read(g.ordinals[r], s.data(), g.workspaces[r] + layout_.stats, sizeof(s));
+      out.push_back(s);
+    }
+  return out;
+}
+
+bool Comm::FirstError(ErrorRecord* out, int* group) const {
+  for (int g = 0; g < static_cast<int>(groups_.size()); ++g)
+    for (int r = 0; r < nranks_; ++r) {
+      ErrorRecord e;
+      memory_->Read(groups_[g].ordinals[r], &e, groups_[g].workspaces[r] + layout_.error,
+                    sizeof(e));
+      if (e.failed) {
+        *out = e;
+        *group = g;
+        return true;
+      }
+    }
+  return false;
+}
+
+void Comm::SetSkew(uint32_t max_ns, uint32_t seed) {
+  for (int g = 0; g < static_cast<int>(groups_.size()); ++g)
+    for (int r = 0; r < nranks_; ++r) {
+      Control c = ReadControl(g, r);
+      c.skew_max_ns = max_ns;
+      c.skew_seed = seed;
+      WriteControl(g, r, c);
+    }
+}
+
+void Comm::SetTimeout(double seconds) {
+  for (int g = 0; g < static_cast<int>(groups_.size()); ++g)
+    for (int r = 0; r < nranks_; ++r) {
+      Control c = ReadControl(g, r);
+      c.timeout_ns = static_cast<uint64_t>(seconds * 1e9);
+      WriteControl(g, r, c);
+    }
+}
+
+void Comm::SetDrop(int rank, bool drop) {
+  if (rank < 0 || rank >= nranks_) throw std::out_of_range("sifar_jax: rank out of range");
+  for (int g = 0; g < static_cast<int>(groups_.size()); ++g) {
+    Control c = ReadControl(g, rank);
+    c.drop = drop ? 1u : 0u;
+    WriteControl(g, rank, c);
+  }
+}
+
+Registry& Registry::Get() {
+  static Registry* r = new Registry();  // never destroyed: handlers may run at exit
+  return *r;
+}
+
+int Registry::Create(Platform platform, int axis_key, const std::string& axis_name,
+                     const std::vector<std::vector<int>>& groups, size_t slot_bytes,
+                     double timeout_s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& g : groups)
+    for (int ord : g)
+      if (index_.count(IndexKey(axis_key, ord)))
+        throw std::invalid_argument("sifar_jax: device " + std::to_string(ord) +
+                                    " already has a communicator for axis '" + axis_name +
+                                    "'; call sifar_jax.shutdown() first");
+  int id = next_id_++;
+  auto comm = std::make_unique<Comm>(id, platform, axis_key, axis_name, groups, slot_bytes,
+                                     timeout_s);
+  for (int g = 0; g < static_cast<int>(groups.size()); ++g)
+    for (int r = 0; r < static_cast<int>(groups[g].size()); ++r)
+      index_[IndexKey(axis_key, groups[g][r])] = {id, g, r};
+  comms_[id] = std::move(comm);
+  return id;
+}
+
+void Registry::Destroy(int id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = comms_.find(id);
+  if (it == comms_.end()) return;
+  for (auto i = index_.begin(); i != index_.end();)
+    i = (i->second[0] == id) ? index_.erase(i) : std::next(i);
+  comms_.erase(it);
+}
+
+void Registry::DestroyAll() {
+  for (int id : Ids()) Destroy(id);
+}
+
+std::vector<int> Registry::Ids() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int> ids;
+  for (auto& kv : comms_) ids.push_back(kv.first);
+  return ids;
+}
+
+RankRef Registry::Lookup(int axis_key, int ordinal) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = index_.find(IndexKey(axis_key, ordinal));
+  if (it == index_.end()) return {};
+  return {comms_.at(it->second[0]).get(), it->second[1], it->second[2]};
+}
+
+}  // namespace sifar

@@ -1,0 +1,122 @@
+// Communicators: one per mesh axis, holding one group of ranks for every line
+// of devices along that axis.  Owns each rank's symmetric workspace through a
+// Memory backend (host memory for XLA:CPU, device memory for CUDA) and maps
+// the device ordinal an FFI handler runs on to its (group, rank).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "protocol.h"
+
+namespace sifar {
+
+enum class Platform { kCpu, kCuda };
+
+// Where workspaces live.  All copies are synchronous and only used off the
+// hot path (set-up, stats, error reports, test knobs).
+class Memory {
+ public:
+  virtual ~Memory() = default;
+  virtual char* Alloc(int ordinal, size_t bytes) = 0;  // zero-filled
+  virtual void Free(int ordinal, char* ptr) = 0;
+  virtual void Write(int ordinal, char* dst, const void* src, size_t bytes) = 0;
+  virtual void Read(int ordinal, void* dst, const char* src, size_t bytes) = 0;
+};
+
+std::unique_ptr<Memory> MakeHostMemory();
+#ifdef SIFAR_WITH_CUDA
+std::unique_ptr<Memory> MakeCudaMemory();
+// Loads every kernel on `ordinal` now: a lazy module load while a peer spins
+// can deadlock on the driver's process-wide lock.
+void PreloadCudaKernels(int ordinal);
+#endif
+
+struct Group {
+  std::vector<int> ordinals;           // rank -> device ordinal
+  std::vector<char*> workspaces;       // rank -> workspace base
+};
+
+class Comm {
+ public:
+  Comm(int id, Platform platform, int axis_key, std::string axis_name,
+       std::vector<std::vector<int>> groups, size_t slot_bytes, double timeout_s);
+  ~Comm();
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+
+  int id() const { return id_; }
+  Platform platform() const { return platform_; }
+  int axis_key() const { return axis_key_; }
+  const std::string& axis_name() const { return axis_name_; }
+  int nranks() const { return nranks_; }
+  size_t slot_bytes() const { return layout_.slot.slot_bytes; }
+  const WorkspaceLayout& layout() const { return layout_; }
+  const std::vector<Group>& groups() const { return groups_; }
+  const Group& group(int g) const { return groups_[g]; }
+
+  // Host-side views of a rank's workspace (backend copies).
+  std::vector<std::array<std::array<uint64_t, kNumStats>, kNumAlgorithms>> Stats() const;
+  // The first failure recorded by any rank, if any.
+  bool FirstError(ErrorRecord* out, int* group) const;
+  void SetSkew(uint32_t max_ns, uint32_t seed);
+  void SetTimeout(double seconds);
+  void SetDrop(int rank, bool drop);  // in every group
+
+ private:
+  void WriteControl(int g, int r, const Control& c);
+  Control ReadControl(int g, int r) const;
+
+  int id_;
+  Platform platform_;
+  int axis_key_;
+  std::string axis_name_;
+  int nranks_;
+  WorkspaceLayout layout_;
+  std::unique_ptr<Memory> memory_;
+  std::vector<Group> groups_;
+};
+
+// Where a handler invocation stands.
+struct RankRef {
+  Comm* comm = nullptr;
+  int group = -1;
+  int rank = -1;
+};
+
+// Process-wide registry.  Handlers look communicators up by (axis key, device
+// ordinal) on every call, so a destroyed communicator is an error, not a
+// dangling pointer.
+class Registry {
+ public:
+  static Registry& Get();
+  int Create(Platform platform, int axis_key, const std::string& axis_name,
+             const std::vector<std::vector<int>>& groups, size_t slot_bytes, double timeout_s);
+  void Destroy(int id);
+  void DestroyAll();
+  RankRef Lookup(int axis_key, int ordinal);
+  // Runs f(Comm&) under the registry lock; false if no such communicator.
+  template <typename F>
+  bool With(int id, F&& f) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = comms_.find(id);
+    if (it == comms_.end()) return false;
+    f(*it->second);
+    return true;
+  }
+  std::vector<int> Ids();
+
+ private:
+  std::mutex mu_;
+  int next_id_ = 1;
+  std::unordered_map<int, std::unique_ptr<Comm>> comms_;
+  // (axis_key << 32 | ordinal) -> (comm id, group, rank)
+  std::unordered_map<uint64_t, std::array<int, 3>> index_;
+};
+
+}  // namespace sifar

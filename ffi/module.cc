@@ -1,0 +1,109 @@
+// The nanobind module `sifar_jax._sifar`: FFI handler capsules and the
+// communicator registry, as plain functions the Python layer composes.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+
+#include "comm.h"
+#include "handlers.h"
+#include "protocol.h"
+
+namespace nb = nanobind;
+using namespace sifar;
+
+namespace {
+
+template <typename F>
+void WithComm(int id, F&& f) {
+  if (!Registry::Get().With(id, std::forward<F>(f)))
+    throw std::invalid_argument("sifar_jax: no communicator " + std::to_string(id));
+}
+
+template <typename T>
+nb::capsule Capsule(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+#ifdef SIFAR_WITH_CUDA
+namespace sifar {
+bool CudaCanAccessPeer(int a, int b);
+int CudaDeviceCount();
+}  // namespace sifar
+#endif
+
+NB_MODULE(_sifar, m) {
+  m.doc() = "SiFAR all-reduce: XLA FFI handlers and communicator registry";
+
+  m.def("handlers", [] {
+    nb::dict d;
+    d["cpu"] = Capsule(CpuAllReduce);
+#ifdef SIFAR_WITH_CUDA
+    d["cuda"] = Capsule(CudaAllReduce);
+#endif
+    return d;
+  });
+  m.def("built_with_cuda", [] {
+#ifdef SIFAR_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  });
+  m.def("max_ranks", [] { return kMaxRanks; });
+  m.def("workspace_bytes", [](size_t slot_bytes) { return MakeWorkspaceLayout(slot_bytes).total; });
+
+  m.def(
+      "create_comm",
+      [](const std::string& platform, int axis_key, const std::string& axis_name,
+         const std::vector<std::vector<int>>& groups, size_t slot_bytes, double timeout_s) {
+        Platform p;
+        if (platform == "cpu") p = Platform::kCpu;
+        else if (platform == "cuda") p = Platform::kCuda;
+        else throw std::invalid_argument("sifar_jax: unsupported platform '" + platform + "'");
+        nb::gil_scoped_release release;
+        return Registry::Get().Create(p, axis_key, axis_name, groups, slot_bytes, timeout_s);
+      },
+      nb::arg("platform"), nb::arg("axis_key"), nb::arg("axis_name"), nb::arg("groups"),
+      nb::arg("slot_bytes"), nb::arg("timeout_s"));
+  m.def("destroy_comm", [](int id) { Registry::Get().Destroy(id); });
+  m.def("destroy_all", [] { Registry::Get().DestroyAll(); });
+  m.def("comm_ids", [] { return Registry::Get().Ids(); });
+
+  m.def("comm_stats", [](int id) {
+    // [rank-in-comm (groups concatenated)][algorithm][calls, retries, timeouts]
+    std::vector<std::vector<std::vector<uint64_t>>> out;
+    WithComm(id, [&](Comm& c) {
+      for (auto& rank : c.Stats()) {
+        std::vector<std::vector<uint64_t>> per_alg;
+        for (auto& f : rank) per_alg.emplace_back(f.begin(), f.end());
+        out.push_back(per_alg);
+      }
+    });
+    return out;
+  });
+  m.def("comm_failure", [](int id) {
+    std::string msg;
+    WithComm(id, [&](Comm& c) { msg = DescribeFailure(c); });
+    return msg;
+  });
+  m.def("set_skew", [](int id, uint32_t max_ns, uint32_t seed) {
+    WithComm(id, [&](Comm& c) { c.SetSkew(max_ns, seed); });
+  });
+  m.def("set_timeout", [](int id, double s) { WithComm(id, [&](Comm& c) { c.SetTimeout(s); }); });
+  m.def("set_drop", [](int id, int rank, bool drop) {
+    WithComm(id, [&](Comm& c) { c.SetDrop(rank, drop); });
+  });
+
+  m.def("cuda_can_access_peer", [](int a, int b) {
+#ifdef SIFAR_WITH_CUDA
+    return CudaCanAccessPeer(a, b);
+#else
+    (void)a, (void)b;
+    return false;
+#endif
+  });
+}

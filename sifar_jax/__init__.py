@@ -1,0 +1,33 @@
+"""sifar-jax: synchronisation-free all-reduce for JAX on NVLink GPUs.
+
+    import sifar_jax
+    sifar_jax.init(mesh)
+    y = jax.shard_map(lambda x: sifar_jax.sifar_psum(x, "tp"), mesh=mesh, ...)(x)
+"""
+
+from . import algorithms, testing
+from .algorithms import ALL as ALGORITHMS
+from .comm import DEFAULT_SLOT_BYTES, communicators, init, shutdown
+from .errors import NotInitializedError, SifarError
+from .multicast import MulticastDisabledError
+from .psum import SUPPORTED_DTYPES, sifar_psum
+from .stats import check, stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ALGORITHMS",
+    "DEFAULT_SLOT_BYTES",
+    "MulticastDisabledError",
+    "NotInitializedError",
+    "SUPPORTED_DTYPES",
+    "SifarError",
+    "algorithms",
+    "check",
+    "communicators",
+    "init",
+    "shutdown",
+    "sifar_psum",
+    "stats",
+    "testing",
+]

@@ -1,0 +1,28 @@
+"""Loads the compiled extension and registers its FFI targets with XLA once."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+try:
+    from . import _sifar
+except ImportError as e:  # pragma: no cover - only when the build is missing
+    raise ImportError(
+        "sifar_jax's compiled extension is missing: install the package with "
+        "`pip install .` (or `pip install --no-build-isolation -e .`)"
+    ) from e
+
+TARGET = "sifar_allreduce"
+
+
+@functools.cache
+def register() -> frozenset[str]:
+    """Registers the handlers; returns the XLA platforms that have one."""
+    platforms = set()
+    for platform, capsule in _sifar.handlers().items():
+        xla_platform = "CUDA" if platform == "cuda" else platform
+        jax.ffi.register_ffi_target(TARGET, capsule, platform=xla_platform)
+        platforms.add(platform)
+    return frozenset(platforms)

@@ -1,0 +1,163 @@
+"""Communicators: `init(mesh)` sets one up for every axis of a mesh.
+
+A communicator for axis `a` holds one group of ranks per line of devices
+along `a` (rank = position along the axis = `lax.axis_index(a)`), and on each
+device a symmetric workspace (two payload slots plus epoch and signal words).
+The FFI handler finds its group and rank from the device it runs on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+
+import jax
+import numpy as np
+
+from . import _ext
+
+DEFAULT_SLOT_BYTES = 64 * 1024
+DEFAULT_TIMEOUT_S = float(os.environ.get("SIFAR_TIMEOUT_S", "5.0"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Communicator:
+    axis_name: str
+    axis_key: int
+    comm_id: int
+    platform: str  # "cpu" or "cuda"
+    nranks: int
+    slot_bytes: int
+    groups: tuple[tuple[int, ...], ...]  # device ids, rank order
+
+
+@dataclasses.dataclass(frozen=True)
+class Unsupported:
+    """An axis sifar_psum cannot serve; "auto" falls back to lax.psum."""
+
+    axis_name: str
+    nranks: int
+    reason: str
+
+
+_lock = threading.RLock()
+_axis_keys: dict[str, int] = {}
+_comms: dict[str, list[Communicator]] = {}
+_unsupported: dict[str, list[Unsupported]] = {}
+_settings = {"skew": (0, 0), "timeout_s": DEFAULT_TIMEOUT_S}
+
+
+def _axis_key(name: str) -> int:
+    if name not in _axis_keys:
+        _axis_keys[name] = len(_axis_keys) + 1
+    return _axis_keys[name]
+
+
+def _platform(device) -> str | None:
+    if device.platform == "cpu":
+        return "cpu"
+    if device.platform == "gpu" and "cuda" in device.client.platform_version.lower():
+        return "cuda"
+    return None
+
+
+def _groups(mesh, axis: str) -> list[list]:
+    devs = np.moveaxis(np.asarray(mesh.devices), mesh.axis_names.index(axis), -1)
+    return [list(row) for row in devs.reshape(-1, devs.shape[-1])]
+
+
+def _why_unsupported(groups: list[list], platform: str | None) -> str | None:
+    n = len(groups[0])
+    if platform is None:
+        return f"no sifar_jax handler for platform {groups[0][0].platform!r}"
+    if platform not in _ext.register():
+        return f"sifar_jax was built without its {platform} backend"
+    if n > _ext._sifar.max_ranks():
+        return f"axis has {n} devices; sifar_jax supports up to {_ext._sifar.max_ranks()}"
+    me = jax.process_index()
+    if any(d.process_index != me for g in groups for d in g):
+        return "the axis spans several processes (one process per GPU is not supported yet)"
+    if platform == "cuda":
+        for g in groups:
+            for a in g:
+                for b in g:
+                    if a is not b and not _ext._sifar.cuda_can_access_peer(
+                        a.local_hardware_id, b.local_hardware_id
+                    ):
+                        return f"GPUs {a.id} and {b.id} cannot reach each other over P2P"
+    return None
+
+
+def init(mesh, *, slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: float | None = None) -> None:
+    """Sets up a communicator for every axis of `mesh`. Idempotent.
+
+    slot_bytes: the largest payload (per all-reduce, per device) served without
+      falling back to `lax.psum`; rounded up to 16 bytes.
+    timeout_s: bound on every wait for a peer (default $SIFAR_TIMEOUT_S or 5 s).
+    """
+    slot_bytes = -(-int(slot_bytes) // 16) * 16
+    if slot_bytes <= 0:
+        raise ValueError("sifar_jax.init: slot_bytes must be positive")
+    with _lock:
+        if timeout_s is not None:
+            _settings["timeout_s"] = float(timeout_s)
+        for axis in mesh.axis_names:
+            groups = _groups(mesh, axis)
+            ids = tuple(tuple(d.id for d in g) for g in groups)
+            platform = _platform(groups[0][0])
+            if any(c.groups == ids for c in _comms.get(axis, [])):
+                continue  # already set up: init is idempotent
+            reason = _why_unsupported(groups, platform)
+            if reason is not None:
+                _unsupported.setdefault(axis, []).append(Unsupported(axis, len(groups[0]), reason))
+                continue
+            key = _axis_key(axis)
+            comm_id = _ext._sifar.create_comm(
+                platform,
+                key,
+                axis,
+                [[d.local_hardware_id for d in g] for g in groups],
+                slot_bytes,
+                _settings["timeout_s"],
+            )
+            if _settings["skew"] != (0, 0):
+                _ext._sifar.set_skew(comm_id, *_settings["skew"])
+            _comms.setdefault(axis, []).append(
+                Communicator(axis, key, comm_id, platform, len(groups[0]), slot_bytes, ids)
+            )
+
+
+def shutdown() -> None:
+    """Frees every communicator. Do not call while computations using them run."""
+    with _lock:
+        jax.effects_barrier()
+        _ext._sifar.destroy_all()
+        _comms.clear()
+        _unsupported.clear()
+
+
+def communicators(axis_name: str | None = None) -> list[Communicator]:
+    with _lock:
+        if axis_name is None:
+            return [c for cs in _comms.values() for c in cs]
+        return list(_comms.get(axis_name, []))
+
+
+def unsupported(axis_name: str) -> list[Unsupported]:
+    with _lock:
+        return list(_unsupported.get(axis_name, []))
+
+
+def set_skew(max_ns: int, seed: int) -> None:
+    with _lock:
+        _settings["skew"] = (int(max_ns), int(seed))
+        for c in communicators():
+            _ext._sifar.set_skew(c.comm_id, int(max_ns), int(seed))
+
+
+def set_timeout(seconds: float) -> None:
+    with _lock:
+        _settings["timeout_s"] = float(seconds)
+        for c in communicators():
+            _ext._sifar.set_timeout(c.comm_id, float(seconds))

@@ -1,0 +1,52 @@
+"""Fault injection for tests: skew (forces mis-speculation), dropped ranks, timeouts."""
+
+from __future__ import annotations
+
+import contextlib
+
+from . import _ext, comm
+
+
+class inject_skew(contextlib.AbstractContextManager):
+    """Before each all-reduce every rank waits a random 0..max_us microseconds.
+
+    Takes effect at once; used as a context manager it is undone on exit.
+    The waits are drawn from (seed, rank, epoch), on the device on GPUs.
+    """
+
+    def __init__(self, max_us: float, seed: int = 0):
+        if max_us < 0:
+            raise ValueError("inject_skew: max_us must be >= 0")
+        self._prev = comm._settings["skew"]
+        comm.set_skew(int(max_us * 1000), seed)
+
+    def __exit__(self, *exc):
+        comm.set_skew(*self._prev)
+        return False
+
+
+@contextlib.contextmanager
+def drop_rank(axis_name: str, rank: int):
+    """Within the block, `rank` of every group on `axis_name` never arrives:
+    it skips its all-reduces (returning its own partial), so its peers time out."""
+    comms = comm.communicators(axis_name)
+    if not comms:
+        raise ValueError(f"drop_rank: no communicator for axis {axis_name!r}")
+    for c in comms:
+        _ext._sifar.set_drop(c.comm_id, rank, True)
+    try:
+        yield
+    finally:
+        for c in comms:
+            _ext._sifar.set_drop(c.comm_id, rank, False)
+
+
+@contextlib.contextmanager
+def timeout(seconds: float):
+    """Temporarily bounds every wait for a peer by `seconds`."""
+    prev = comm._settings["timeout_s"]
+    comm.set_timeout(seconds)
+    try:
+        yield
+    finally:
+        comm.set_timeout(prev)
