@@ -28,6 +28,10 @@ nb::capsule Capsule(T* fn) {
 
 }  // namespace
 
+namespace sifar {
+void RegisterMulticastBindings(nb::module_& m);
+}  // namespace sifar
+
 #ifdef SIFAR_WITH_CUDA
 namespace sifar {
 bool CudaCanAccessPeer(int a, int b);
@@ -97,6 +101,8 @@ NB_MODULE(_sifar, m) {
   m.def("set_drop", [](int id, int rank, bool drop) {
     WithComm(id, [&](Comm& c) { c.SetDrop(rank, drop); });
   });
+
+  RegisterMulticastBindings(m);
 
   m.def("cuda_can_access_peer", [](int a, int b) {
 #ifdef SIFAR_WITH_CUDA

@@ -1,0 +1,2 @@
+// Multicast communicator set-up and the multimem.ld_reduce kernel.
+#include "multicast.h"
