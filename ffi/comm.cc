@@ -27,6 +27,10 @@ class HostMemory : public Memory {
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     std::memcpy(dst, src, bytes);
   }
+  char* AllocShared(int ordinal, size_t bytes, char** device) override {
+    return *device = Alloc(ordinal, bytes);
+  }
+  void FreeShared(int ordinal, char* host) override { Free(ordinal, host); }
 };
 
 uint64_t IndexKey(int axis_key, int ordinal) {
@@ -63,25 +67,36 @@ Comm::Comm(int id, Platform platform, int axis_key, std::string axis_name,
       throw std::invalid_argument("sifar_jax: all groups of an axis must have the same size");
     Group g;
     g.ordinals = ords;
-    for (int ord : ords) g.workspaces.push_back(memory_->Alloc(ord, layout_.total));
+    for (int ord : ords) {
+      g.workspaces.push_back(memory_->Alloc(ord, layout_.total));
+      char* dev = nullptr;
+      char* host = memory_->AllocShared(ord, sizeof(ErrorRecord), &dev);
+      g.errors.push_back(reinterpret_cast<ErrorRecord*>(host));
+      g.errors_device.push_back(reinterpret_cast<ErrorRecord*>(dev));
+    }
     groups_.push_back(std::move(g));
   }
   for (int g = 0; g < static_cast<int>(groups_.size()); ++g)
     for (int r = 0; r < nranks_; ++r) {
       Control c{};
       c.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+      c.poll_depth = kDefaultPollDepth;
+      c.poll_gap_ns = kDefaultPollGapNs;
       WriteControl(g, r, c);
     }
 #ifdef SIFAR_WITH_CUDA
   if (platform == Platform::kCuda)
     for (auto& g : groups_)
-      for (int ord : g.ordinals) PreloadCudaKernels(ord);
+      for (int ord : g.ordinals) PrepareCudaDevice(ord, g.ordinals);
 #endif
 }
 
 Comm::~Comm() {
   for (auto& g : groups_)
-    for (size_t r = 0; r < g.workspaces.size(); ++r) memory_->Free(g.ordinals[r], g.workspaces[r]);
+    for (size_t r = 0; r < g.workspaces.size(); ++r) {
+      memory_->Free(g.ordinals[r], g.workspaces[r]);
+      memory_->FreeShared(g.ordinals[r], reinterpret_cast<char*>(g.errors[r]));
+    }
 }
 
 void Comm::WriteControl(int g, int r, const Control& c) {
@@ -110,10 +125,10 @@ std::vector<std::array<std::array<uint64_t, kNumStats>, kNumAlgorithms>> Comm::S
 bool Comm::FirstError(ErrorRecord* out, int* group) const {
   for (int g = 0; g < static_cast<int>(groups_.size()); ++g)
     for (int r = 0; r < nranks_; ++r) {
+      if (!RankFailed(g, r)) continue;
       ErrorRecord e;
-      memory_->Read(groups_[g].ordinals[r], &e, groups_[g].workspaces[r] + layout_.error,
-                    sizeof(e));
-      if (e.failed) {
+      std::memcpy(&e, groups_[g].errors[r], sizeof(e));
+      {
         *out = e;
         *group = g;
         return true;
@@ -137,6 +152,18 @@ void Comm::SetTimeout(double seconds) {
     for (int r = 0; r < nranks_; ++r) {
       Control c = ReadControl(g, r);
       c.timeout_ns = static_cast<uint64_t>(seconds * 1e9);
+      WriteControl(g, r, c);
+    }
+}
+
+void Comm::SetPoll(uint32_t depth, uint32_t gap_ns) {
+  if (depth < 1 || depth > kMaxPollDepth)
+    throw std::out_of_range("sifar_jax: poll depth must be 1.." + std::to_string(kMaxPollDepth));
+  for (int g = 0; g < static_cast<int>(groups_.size()); ++g)
+    for (int r = 0; r < nranks_; ++r) {
+      Control c = ReadControl(g, r);
+      c.poll_depth = depth;
+      c.poll_gap_ns = gap_ns;
       WriteControl(g, r, c);
     }
 }

@@ -27,19 +27,26 @@ class Memory {
   virtual void Free(int ordinal, char* ptr) = 0;
   virtual void Write(int ordinal, char* dst, const void* src, size_t bytes) = 0;
   virtual void Read(int ordinal, void* dst, const char* src, size_t bytes) = 0;
+  // Memory both the host and the rank's kernels read and write without a copy
+  // (error records): returns the host pointer, *device gets the kernel's.
+  virtual char* AllocShared(int ordinal, size_t bytes, char** device) = 0;
+  virtual void FreeShared(int ordinal, char* host) = 0;
 };
 
 std::unique_ptr<Memory> MakeHostMemory();
 #ifdef SIFAR_WITH_CUDA
 std::unique_ptr<Memory> MakeCudaMemory();
-// Loads every kernel on `ordinal` now: a lazy module load while a peer spins
-// can deadlock on the driver's process-wide lock.
-void PreloadCudaKernels(int ordinal);
+// Enables peer access to every device of the group and loads every kernel on
+// `ordinal` now: a lazy module load while a peer spins can deadlock on the
+// driver's process-wide lock.
+void PrepareCudaDevice(int ordinal, const std::vector<int>& group);
 #endif
 
 struct Group {
   std::vector<int> ordinals;           // rank -> device ordinal
   std::vector<char*> workspaces;       // rank -> workspace base
+  std::vector<ErrorRecord*> errors;    // rank -> failure record, host view
+  std::vector<ErrorRecord*> errors_device;  // the same records, kernels' view
 };
 
 class Comm {
@@ -64,9 +71,13 @@ class Comm {
   std::vector<std::array<std::array<uint64_t, kNumStats>, kNumAlgorithms>> Stats() const;
   // The first failure recorded by any rank, if any.
   bool FirstError(ErrorRecord* out, int* group) const;
+  bool RankFailed(int group, int rank) const {
+    return __atomic_load_n(&groups_[group].errors[rank]->failed, __ATOMIC_ACQUIRE) != 0;
+  }
   void SetSkew(uint32_t max_ns, uint32_t seed);
   void SetTimeout(double seconds);
   void SetDrop(int rank, bool drop);  // in every group
+  void SetPoll(uint32_t depth, uint32_t gap_ns);
 
  private:
   void WriteControl(int g, int r, const Control& c);

@@ -154,7 +154,8 @@ class RankCall {
     for (int p = 0; p < n_; ++p) {
       if (p == rank_) continue;
       const uint32_t* f = &barrier(rank_)[p];
-      if (!SpinUntil([&] { return __atomic_load_n(f, __ATOMIC_ACQUIRE) >= v; })) throw Timeout{p};
+      if (!SpinUntil([&] { return Reached(__atomic_load_n(f, __ATOMIC_ACQUIRE), v); }))
+        throw Timeout{p};
     }
   }
 
@@ -269,7 +270,7 @@ class RankCall {
       std::memcpy(out_, in_, nwords_ * 4);
       return ffi::Error::Success();
     }
-    epoch_ = epochs()[0] + 1;  // CPU rank = one block: block 0's epoch
+    epoch_ = NextEpoch(epochs()[0]);  // CPU rank = one block: block 0's epoch
     epochs()[0] = epoch_;
     deadline_ = std::chrono::steady_clock::now() +
                 std::chrono::nanoseconds(LoadRelaxed(&c->timeout_ns));
@@ -299,15 +300,16 @@ class RankCall {
 
   // First failure wins the error record; every rank of the group fails fast.
   void RecordFailure(int peer) {
-    auto* e = reinterpret_cast<ErrorRecord*>(ws(rank_) + lay_.error);
+    ErrorRecord* e = grp_.errors[rank_];
     uint32_t expected = 0;
-    if (__atomic_compare_exchange_n(&e->failed, &expected, 1u, false, __ATOMIC_ACQ_REL,
+    if (__atomic_compare_exchange_n(&ctl(rank_)->error_claimed, &expected, 1u, false, __ATOMIC_ACQ_REL,
                                     __ATOMIC_ACQUIRE)) {
       e->algorithm = algorithm_;
       e->rank = rank_;
       e->peer = peer;
       e->epoch = epoch_;
       e->block = 0;
+      __atomic_store_n(&e->failed, 1u, __ATOMIC_RELEASE);
     }
     for (int r = 0; r < n_; ++r) __atomic_store_n(&ctl(r)->failed, 1u, __ATOMIC_RELEASE);
   }
@@ -327,7 +329,7 @@ class RankCall {
 };
 
 ffi::Error CpuAllReduceImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                            int32_t axis_key, int32_t algorithm, int32_t repeat) {
+                            int32_t axis_key, int32_t nranks, int32_t algorithm, int32_t repeat) {
   Elem elem;
   switch (x.element_type()) {
     case ffi::DataType::F32: elem = Elem::kF32; break;
@@ -339,7 +341,7 @@ ffi::Error CpuAllReduceImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::
   }
   RankRef ref = Registry::Get().Lookup(axis_key, ordinal);
   if (ref.comm == nullptr) return NotInitialisedError(axis_key, ordinal);
-  ffi::Error err = CheckPayload(*ref.comm, x.size_bytes(), y->size_bytes());
+  ffi::Error err = CheckPayload(*ref.comm, nranks, x.size_bytes(), y->size_bytes());
   if (err.failure()) return err;
   // repeat > 1: back-to-back all-reduces of the same input in one call (the
   // kernel-level benchmark); every one is a full call with its own epoch.
@@ -361,6 +363,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuAllReduce, CpuAllReduceImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("axis_key")
+                                  .Attr<int32_t>("nranks")
                                   .Attr<int32_t>("algorithm")
                                   .Attr<int32_t>("repeat"));
 

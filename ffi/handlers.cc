@@ -37,7 +37,14 @@ ffi::Error NotInitialisedError(int axis_key, int ordinal) {
                         "sifar_jax.shutdown() while computations that use it can run");
 }
 
-ffi::Error CheckPayload(const Comm& comm, size_t in_bytes, size_t out_bytes) {
+ffi::Error CheckPayload(const Comm& comm, int nranks, size_t in_bytes, size_t out_bytes) {
+  if (nranks != comm.nranks())
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "sifar_jax: this computation was traced for an axis of " +
+                          std::to_string(nranks) + " devices, but the communicator of axis '" +
+                          comm.axis_name() + "' now has " + std::to_string(comm.nranks()) +
+                          " ranks (sifar_jax.init was called again with another mesh); "
+                          "re-trace the function");
   if (in_bytes != out_bytes)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "sifar_jax: output size mismatch");
   if (in_bytes % 16 != 0)

@@ -23,6 +23,7 @@ std::string DescribeFailure(const Comm& comm);
 
 xla::ffi::Error FailedError(const Comm& comm);
 xla::ffi::Error NotInitialisedError(int axis_key, int ordinal);
-xla::ffi::Error CheckPayload(const Comm& comm, size_t in_bytes, size_t out_bytes);
+// The call was traced for an axis of `nranks` devices and its payload fits.
+xla::ffi::Error CheckPayload(const Comm& comm, int nranks, size_t in_bytes, size_t out_bytes);
 
 }  // namespace sifar

@@ -98,6 +98,9 @@ NB_MODULE(_sifar, m) {
     WithComm(id, [&](Comm& c) { c.SetSkew(max_ns, seed); });
   });
   m.def("set_timeout", [](int id, double s) { WithComm(id, [&](Comm& c) { c.SetTimeout(s); }); });
+  m.def("set_poll", [](int id, uint32_t depth, uint32_t gap_ns) {
+    WithComm(id, [&](Comm& c) { c.SetPoll(depth, gap_ns); });
+  });
   m.def("set_drop", [](int id, int rank, bool drop) {
     WithComm(id, [&](Comm& c) { c.SetDrop(rank, drop); });
   });

@@ -46,10 +46,19 @@ SIFAR_HD uint64_t PackLL(uint32_t data, uint32_t epoch) {
 SIFAR_HD uint32_t LLData(uint64_t w) { return static_cast<uint32_t>(w); }
 SIFAR_HD uint32_t LLEpoch(uint64_t w) { return static_cast<uint32_t>(w >> 32); }
 
-// Barrier flag values: monotonic in (epoch, phase), so a waiter tests ">=" and
-// no flag is ever reset (no ABA between consecutive all-reduces).
+// Epochs count a block's all-reduces from 1.  They skip 0 and 1 when the
+// 32-bit counter wraps: 0 is the tag of never-written words, and skipping two
+// keeps the slot parity alternating (0xffffffff is odd, 2 is even).
+SIFAR_HD uint32_t NextEpoch(uint32_t e) { return e + 1 == 0 ? 2u : e + 1; }
+
+// Barrier flag values: monotonic in (epoch, phase) modulo 2^32, so a waiter
+// tests "reached" with a wrap-safe difference and no flag is ever reset (no
+// ABA between consecutive all-reduces; peers are never 2^31 phases apart).
 enum BarrierPhase : uint32_t { kTop = 1, kMid = 2, kBottom = 3 };
 SIFAR_HD uint32_t BarrierValue(uint32_t epoch, uint32_t phase) { return epoch * 4u + phase; }
+SIFAR_HD bool Reached(uint32_t seen, uint32_t wanted) {
+  return static_cast<int32_t>(seen - wanted) >= 0;
+}
 
 // Dual buffering: consecutive epochs alternate slots.  Finishing epoch e-1
 // proves every peer started e-1, hence finished e-2, so slot e%2 is free at e.
@@ -86,6 +95,7 @@ SIFAR_HD Piece PieceOf(size_t run_begin, size_t run_end, int rank, int nranks) {
 // barriers write) it directly: P2P pointers on GPUs, shared memory on the CPU.
 //
 //   Control        written by the host at set-up and by any rank on failure
+//                  (the ErrorRecord lives apart, in host-visible memory)
 //   epochs         per-block epoch counters, local only
 //   barrier        [block][peer] arrival values, written by the peers
 //   stats          [algorithm][calls, retries, timeouts], local only
@@ -96,16 +106,27 @@ SIFAR_HD Piece PieceOf(size_t run_begin, size_t run_end, int rank, int nranks) {
 // can never validate as the other.
 // ---------------------------------------------------------------------------
 struct Control {
+  // Read by every block at kernel start (one 16-byte load each).
   uint32_t failed;       // set by any rank that timed out: all ranks fail fast
   uint32_t skew_max_ns;  // testing.inject_skew: random wait before each call
   uint32_t skew_seed;
   uint32_t drop;         // testing.drop_rank: this rank skips its all-reduces
+  // Read when a speculative read comes back stale.
+  uint32_t poll_depth;   // sifar: polling loads kept in flight per peer line (1..kMaxPollDepth)
+  uint32_t poll_gap_ns;  // sifar: spacing between those loads
+  uint32_t error_claimed;  // the first failing thread of this rank wins it
+  uint32_t pad0;
   uint64_t timeout_ns;   // bound on every spin
-  uint64_t pad[5];
+  uint64_t pad[3];
 };
+constexpr uint32_t kMaxPollDepth = 4;
+constexpr uint32_t kDefaultPollDepth = 1;
+constexpr uint32_t kDefaultPollGapNs = 0;
 static_assert(sizeof(Control) == 64, "Control is one cache-line-sized record");
 
-// A failure description, written once by the first rank that times out.
+// A failure description, written once per rank by its first thread that
+// times out: it wins Control::error_claimed, fills the fields, then
+// publishes `failed`.  Host-visible memory: the host reads it without a copy.
 struct ErrorRecord {
   uint32_t failed;
   int32_t algorithm;
@@ -141,7 +162,7 @@ SIFAR_HD SlotLayout MakeSlotLayout(size_t slot_bytes) {
 
 struct WorkspaceLayout {
   SlotLayout slot;
-  size_t control, error, epochs, barrier, stats, slots, total;
+  size_t control, epochs, barrier, stats, slots, total;
 };
 
 SIFAR_HD WorkspaceLayout MakeWorkspaceLayout(size_t slot_bytes) {
@@ -150,8 +171,6 @@ SIFAR_HD WorkspaceLayout MakeWorkspaceLayout(size_t slot_bytes) {
   size_t off = 0;
   w.control = off;
   off = AlignUp(off + sizeof(Control), kAlign);
-  w.error = off;
-  off = AlignUp(off + sizeof(ErrorRecord), kAlign);
   w.epochs = off;
   off = AlignUp(off + kMaxBlocks * sizeof(uint32_t), kAlign);
   w.barrier = off;

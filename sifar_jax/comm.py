@@ -89,8 +89,25 @@ def _why_unsupported(groups: list[list], platform: str | None) -> str | None:
     return None
 
 
+def _drop_overlapping(axis: str, devices: set[int]) -> None:
+    """A device serves one communicator per axis name: a new mesh that reuses
+    devices under the same axis name replaces the communicators it overlaps."""
+    keep = []
+    for c in _comms.get(axis, []):
+        if devices.isdisjoint(d for g in c.groups for d in g):
+            keep.append(c)
+        else:
+            jax.effects_barrier()
+            _ext._sifar.destroy_comm(c.comm_id)
+    _comms[axis] = keep
+
+
 def init(mesh, *, slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: float | None = None) -> None:
     """Sets up a communicator for every axis of `mesh`. Idempotent.
+
+    Calling it with another mesh that reuses devices under the same axis name
+    replaces their communicators (functions traced for the old mesh then raise
+    a clear error until re-traced).
 
     slot_bytes: the largest payload (per all-reduce, per device) served without
       falling back to `lax.psum`; rounded up to 16 bytes.
@@ -106,8 +123,9 @@ def init(mesh, *, slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: float | None 
             groups = _groups(mesh, axis)
             ids = tuple(tuple(d.id for d in g) for g in groups)
             platform = _platform(groups[0][0])
-            if any(c.groups == ids for c in _comms.get(axis, [])):
+            if any(c.groups == ids and c.slot_bytes == slot_bytes for c in _comms.get(axis, [])):
                 continue  # already set up: init is idempotent
+            _drop_overlapping(axis, {d for g in ids for d in g})
             reason = _why_unsupported(groups, platform)
             if reason is not None:
                 _unsupported.setdefault(axis, []).append(Unsupported(axis, len(groups[0]), reason))

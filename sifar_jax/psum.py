@@ -115,6 +115,7 @@ def sifar_psum(x, axis_name, *, algorithm: str = algorithms.AUTO, _repeat: int =
     out = call(
         flat,
         axis_key=np.int32(comms[0].axis_key),
+        nranks=np.int32(n),
         algorithm=np.int32(algorithms.IDS[chosen]),
         repeat=np.int32(_repeat),
     )

@@ -1,0 +1,145 @@
+// The CUDA FFI handler: finds the rank's communicator, checks the payload and
+// launches the algorithm's kernel on XLA's stream.  Command-buffer compatible:
+// nothing here depends on host state that changes between calls (epochs live
+// in device memory and are advanced by the kernels).
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "comm.h"
+#include "cuda_check.h"
+#include "cuda_kernels.cuh"
+#include "handlers.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace sifar {
+namespace {
+
+using cuda::KernelArgs;
+using cuda::kThreads;
+
+constexpr int kPortable = kSifar + 1;  // algorithms with a kernel here
+constexpr int kElems = 3;              // f32, bf16, f16
+
+// sifar keeps its polling loads in registers: bound the ranks at compile time.
+template <typename T, int ALG>
+void Launch(const KernelArgs& a, int grid, cudaStream_t stream) {
+  if constexpr (ALG == kSifar) {
+    if (a.nranks <= 2) cuda::AllReduceKernel<T, ALG, 2><<<grid, kThreads, 0, stream>>>(a);
+    else if (a.nranks <= 4) cuda::AllReduceKernel<T, ALG, 4><<<grid, kThreads, 0, stream>>>(a);
+    else cuda::AllReduceKernel<T, ALG, 8><<<grid, kThreads, 0, stream>>>(a);
+  } else {
+    cuda::AllReduceKernel<T, ALG><<<grid, kThreads, 0, stream>>>(a);
+  }
+}
+
+template <typename T>
+constexpr void (*kLaunchRow[kPortable])(const KernelArgs&, int, cudaStream_t) = {
+    Launch<T, kOneshot>, Launch<T, kTwoshot>, Launch<T, kOneshotDB>, Launch<T, kSifarFlag>,
+    Launch<T, kSifar>};
+
+using LaunchFn = void (*)(const KernelArgs&, int, cudaStream_t);
+const LaunchFn* const kLaunch[kElems] = {kLaunchRow<float>, kLaunchRow<__nv_bfloat16>,
+                                         kLaunchRow<__half>};
+
+template <typename T, int ALG, int NR = kMaxRanks>
+void LoadOne() {
+  cudaFuncAttributes attr;
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::AllReduceKernel<T, ALG, NR>));
+}
+template <typename T>
+void LoadRow() {
+  LoadOne<T, kOneshot>();
+  LoadOne<T, kTwoshot>();
+  LoadOne<T, kOneshotDB>();
+  LoadOne<T, kSifarFlag>();
+  LoadOne<T, kSifar, 2>();
+  LoadOne<T, kSifar, 4>();
+  LoadOne<T, kSifar, 8>();
+}
+
+int ElemIndex(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return 0;
+    case ffi::DataType::BF16: return 1;
+    case ffi::DataType::F16: return 2;
+    default: return -1;
+  }
+}
+
+// Bytes one thread moves per line: LL lines carry 8 payload bytes.
+size_t LineBytes(int algorithm) { return algorithm == kSifar ? 8 : 16; }
+
+ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                             ffi::Result<ffi::AnyBuffer> y, int32_t axis_key, int32_t nranks, int32_t algorithm,
+                             int32_t repeat) {
+  const int elem = ElemIndex(x.element_type());
+  if (elem < 0)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "sifar_jax: only float32, bfloat16 and float16 are supported");
+  RankRef ref = Registry::Get().Lookup(axis_key, ordinal);
+  if (ref.comm == nullptr) return NotInitialisedError(axis_key, ordinal);
+  Comm& comm = *ref.comm;
+  ffi::Error err = CheckPayload(comm, nranks, x.size_bytes(), y->size_bytes());
+  if (err.failure()) return err;
+  // A failure seen by any rank of the group surfaces at the next call (when
+  // XLA replays a command buffer this host code does not run: check() does).
+  for (int r = 0; r < comm.nranks(); ++r)
+    if (comm.RankFailed(ref.group, r)) return FailedError(comm);
+  if (algorithm < 0 || algorithm >= kPortable)
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      std::string("sifar_jax: algorithm '") + AlgorithmName(algorithm) +
+                          "' has no CUDA kernel in this build");
+  const size_t nbytes = x.size_bytes();
+  if (nbytes == 0) return ffi::Error::Success();
+  if (reinterpret_cast<uintptr_t>(x.untyped_data()) % 16 ||
+      reinterpret_cast<uintptr_t>(y->untyped_data()) % 16)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "sifar_jax: buffers must be 16-byte aligned");
+
+  KernelArgs a{};
+  a.in = x.untyped_data();
+  a.out = y->untyped_data();
+  a.nbytes = nbytes;
+  a.rank = ref.rank;
+  a.nranks = comm.nranks();
+  a.repeat = repeat < 1 ? 1 : repeat;
+  const Group& g = comm.group(ref.group);
+  for (int r = 0; r < a.nranks; ++r) a.ws[r] = g.workspaces[r];
+  a.err = g.errors_device[ref.rank];
+  a.lay = comm.layout();
+
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess || current != ordinal) cudaSetDevice(ordinal);
+  const int grid = BlocksFor(nbytes / LineBytes(algorithm), kThreads);
+  kLaunch[elem][algorithm](a, grid, stream);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      std::string("sifar_jax: kernel launch failed: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+void PreloadCudaKernelsOnCurrentDevice() {
+  LoadRow<float>();
+  LoadRow<__nv_bfloat16>();
+  LoadRow<__half>();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaAllReduce, CudaAllReduceImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("axis_key")
+                                  .Attr<int32_t>("nranks")
+                                  .Attr<int32_t>("algorithm")
+                                  .Attr<int32_t>("repeat"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace sifar

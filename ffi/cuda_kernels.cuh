@@ -1,0 +1,476 @@
+// The CUDA all-reduce kernels, one template per algorithm, on the protocol of
+// protocol.h.  One thread moves one 16-byte line per round; a line always
+// belongs to the same block (BlockOfLine), and every block keeps its own
+// epoch, so no kernel needs a grid-wide synchronisation.
+//
+// Memory-ordering helpers are named for what they guarantee; peers' memory is
+// only read with strong (volatile / acquire, system-scope) loads, so no stale
+// L1 line is ever used.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "protocol.h"
+
+namespace sifar {
+namespace cuda {
+
+constexpr int kThreads = 256;
+
+struct KernelArgs {
+  const void* in;
+  void* out;
+  size_t nbytes;  // payload, a multiple of 16
+  int rank;
+  int nranks;
+  int repeat;  // back-to-back all-reduces in this launch (benchmarks)
+  char* ws[kMaxRanks];  // every rank's workspace (P2P pointers)
+  ErrorRecord* err;     // this rank's failure record (host-mapped)
+  WorkspaceLayout lay;
+};
+
+// --------------------------------------------------------------- PTX ----
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// Acquire: everything the peer wrote before its release is visible after.
+__device__ __forceinline__ uint32_t LoadAcquireSys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+// Release: this thread's (and, after a bar.sync, its block's) earlier writes
+// are visible to whoever acquires the flag.
+__device__ __forceinline__ void StoreReleaseSys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Relaxed system-scope accesses: never served from a stale L1 line.
+__device__ __forceinline__ uint32_t LoadStrong(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void StoreStrong(uint32_t* p, uint32_t v) {
+  asm volatile("st.volatile.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint4 LoadStrong16(const void* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+// Epoch-tagged line: two 8-byte words, each single-copy atomic (a vector
+// access is a set of element accesses), so each word is whole or stale.
+__device__ __forceinline__ void StoreLL(uint64_t* p, uint64_t a, uint64_t b) {
+  asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
+}
+__device__ __forceinline__ void LoadLL(const uint64_t* p, uint64_t& a, uint64_t& b) {
+  asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
+}
+__device__ __forceinline__ uint64_t LoadLLWord(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// ------------------------------------------------------------ numbers ----
+// Partials are added in rank order in fp32 and rounded once, so every rank
+// (and the CPU backend) gets the same bits.
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
+  static constexpr int kPerWord = 1;
+  static constexpr uint32_t kNaNWord = 0x7fc00000u;
+  __device__ static void Add(float* acc, uint32_t w, bool first) {
+    float v = __uint_as_float(w);
+    acc[0] = first ? v : acc[0] + v;
+  }
+  __device__ static uint32_t Round(const float* acc) { return __float_as_uint(acc[0]); }
+};
+template <>
+struct Elem<__nv_bfloat16> {
+  static constexpr int kPerWord = 2;
+  static constexpr uint32_t kNaNWord = 0x7fc07fc0u;
+  __device__ static void Add(float* acc, uint32_t w, bool first) {
+    float lo = __uint_as_float(w << 16), hi = __uint_as_float(w & 0xffff0000u);
+    acc[0] = first ? lo : acc[0] + lo;
+    acc[1] = first ? hi : acc[1] + hi;
+  }
+  __device__ static uint32_t Round(const float* acc) {
+    uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(acc[0]));
+    uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(acc[1]));
+    return lo | (hi << 16);
+  }
+};
+template <>
+struct Elem<__half> {
+  static constexpr int kPerWord = 2;
+  static constexpr uint32_t kNaNWord = 0x7e007e00u;
+  __device__ static void Add(float* acc, uint32_t w, bool first) {
+    float lo = __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)));
+    float hi = __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
+    acc[0] = first ? lo : acc[0] + lo;
+    acc[1] = first ? hi : acc[1] + hi;
+  }
+  __device__ static uint32_t Round(const float* acc) {
+    uint32_t lo = __half_as_ushort(__float2half_rn(acc[0]));
+    uint32_t hi = __half_as_ushort(__float2half_rn(acc[1]));
+    return lo | (hi << 16);
+  }
+};
+
+// Adds a 16-byte line of plain payload into acc (4 words).
+template <typename T>
+__device__ __forceinline__ void AddLine(float* acc, uint4 v, bool first) {
+  constexpr int K = Elem<T>::kPerWord;
+  Elem<T>::Add(acc + 0 * K, v.x, first);
+  Elem<T>::Add(acc + 1 * K, v.y, first);
+  Elem<T>::Add(acc + 2 * K, v.z, first);
+  Elem<T>::Add(acc + 3 * K, v.w, first);
+}
+template <typename T>
+__device__ __forceinline__ uint4 RoundLine(const float* acc) {
+  constexpr int K = Elem<T>::kPerWord;
+  return make_uint4(Elem<T>::Round(acc), Elem<T>::Round(acc + K), Elem<T>::Round(acc + 2 * K),
+                    Elem<T>::Round(acc + 3 * K));
+}
+
+// ---------------------------------------------------------- workspace ----
+struct Ws {
+  const KernelArgs& a;
+  __device__ Control* ctl(int r) const { return reinterpret_cast<Control*>(a.ws[r] + a.lay.control); }
+  __device__ uint32_t* epochs() const { return reinterpret_cast<uint32_t*>(a.ws[a.rank] + a.lay.epochs); }
+  __device__ uint32_t* barrier(int r) const {
+    return reinterpret_cast<uint32_t*>(a.ws[r] + a.lay.barrier);
+  }
+  __device__ unsigned long long* stat(int alg, int field) const {
+    return reinterpret_cast<unsigned long long*>(a.ws[a.rank] + a.lay.stats) + alg * kNumStats + field;
+  }
+  __device__ char* slot(int r, uint32_t e) const {
+    return a.ws[r] + a.lay.slots + SlotParity(e) * a.lay.slot.total;
+  }
+  __device__ uint4* plain(int r, uint32_t e) const {
+    return reinterpret_cast<uint4*>(slot(r, e) + a.lay.slot.plain);
+  }
+  __device__ uint4* tmp(int r, uint32_t e) const {
+    return reinterpret_cast<uint4*>(slot(r, e) + a.lay.slot.tmp);
+  }
+  __device__ uint64_t* ll(int r, uint32_t e) const {
+    return reinterpret_cast<uint64_t*>(slot(r, e) + a.lay.slot.ll);
+  }
+  __device__ uint32_t* flags(int r, uint32_t e) const {
+    return reinterpret_cast<uint32_t*>(slot(r, e) + a.lay.slot.flags);
+  }
+};
+
+// Per-thread state of one all-reduce call.
+struct CallState {
+  uint32_t epoch;
+  uint64_t deadline;  // 0 until the first wait: the fast path never reads the clock
+  bool retried;
+  int failed_peer;  // >= 0 once this thread timed out waiting for that rank; -2: comm failed
+};
+
+// Gives up when another rank declared the communicator failed or the deadline
+// passed (checked every 16th spin: the clock and the flag cost a load each).
+__device__ __forceinline__ bool ExpiredNow(const Ws& w, CallState& s, int peer) {
+  if (LoadStrong(&w.ctl(w.a.rank)->failed)) {
+    s.failed_peer = -2;  // another rank already failed: give up at once
+    return true;
+  }
+  const uint64_t now = GlobalTimerNs();
+  if (s.deadline == 0) {
+    s.deadline = now + w.ctl(w.a.rank)->timeout_ns;
+  } else if (now > s.deadline) {
+    s.failed_peer = peer;
+    return true;
+  }
+  return false;
+}
+__device__ __forceinline__ bool Expired(const Ws& w, CallState& s, int peer, uint32_t spins) {
+  return (spins & 15u) == 15u && ExpiredNow(w, s, peer);
+}
+
+// The first thread of this rank to time out describes the failure; every rank
+// of the group is told to fail fast.
+__device__ void RecordFailure(const Ws& w, int algorithm, const CallState& s) {
+  if (atomicCAS(&w.ctl(w.a.rank)->error_claimed, 0u, 1u) == 0u) {
+    ErrorRecord* e = w.a.err;
+    e->algorithm = algorithm;
+    e->rank = w.a.rank;
+    e->peer = s.failed_peer;
+    e->epoch = s.epoch;
+    e->block = blockIdx.x;
+    __threadfence_system();
+    StoreStrong(&e->failed, 1u);
+  }
+  for (int r = 0; r < w.a.nranks; ++r) StoreStrong(&w.ctl(r)->failed, 1u);
+}
+
+// Lines of this block, round by round: the same ownership for every size.
+#define SIFAR_FOR_EACH_LINE(line, nlines)                                                \
+  for (size_t line = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x;           \
+       line < (nlines); line += static_cast<size_t>(kMaxBlocks) * kThreads)
+
+template <typename T>
+__device__ void FillNaN(const KernelArgs& a) {
+  const uint32_t n = Elem<T>::kNaNWord;
+  SIFAR_FOR_EACH_LINE(line, a.nbytes / 16) {
+    reinterpret_cast<uint4*>(a.out)[line] = make_uint4(n, n, n, n);
+  }
+}
+
+// ---------------------------------------------------------- barriers ----
+// Every rank's block `blockIdx.x` has reached (epoch, phase), and this block's
+// earlier writes to its own workspace are visible to them.  Block-wide.
+__device__ bool AllRanksReached(const Ws& w, CallState& s, uint32_t phase) {
+  __syncthreads();
+  const uint32_t v = BarrierValue(s.epoch, phase);
+  const int t = threadIdx.x;
+  bool ok = true;
+  if (t < w.a.nranks && t != w.a.rank) {
+    StoreReleaseSys(w.barrier(t) + blockIdx.x * kMaxRanks + w.a.rank, v);
+    const uint32_t* f = w.barrier(w.a.rank) + blockIdx.x * kMaxRanks + t;
+    for (uint32_t spins = 0; !Reached(LoadAcquireSys(f), v); ++spins)
+      if (Expired(w, s, t, spins)) {
+        ok = false;
+        break;
+      }
+  }
+  return __syncthreads_and(ok) != 0;
+}
+
+// ------------------------------------------------------------- bodies ----
+// oneshot / oneshot_db: publish, top barrier, pull-reduce [, bottom barrier].
+template <typename T>
+__device__ bool Oneshot(const Ws& w, CallState& s, bool bottom) {
+  const KernelArgs& a = w.a;
+  const size_t nlines = a.nbytes / 16;
+  const uint4* in = static_cast<const uint4*>(a.in);
+  SIFAR_FOR_EACH_LINE(line, nlines) { w.plain(a.rank, s.epoch)[line] = in[line]; }
+  if (!AllRanksReached(w, s, kTop)) return false;
+  SIFAR_FOR_EACH_LINE(line, nlines) {
+    float acc[4 * Elem<T>::kPerWord];
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p) {
+      if (p >= a.nranks) break;
+      uint4 v = p == a.rank ? in[line] : LoadStrong16(w.plain(p, s.epoch) + line);
+      AddLine<T>(acc, v, p == 0);
+    }
+    static_cast<uint4*>(a.out)[line] = RoundLine<T>(acc);
+  }
+  return bottom ? AllRanksReached(w, s, kBottom) : true;
+}
+
+// twoshot: rank r reduces the r-th piece of each block's run of lines and
+// publishes it; the others gather it.
+template <typename T>
+__device__ bool Twoshot(const Ws& w, CallState& s) {
+  const KernelArgs& a = w.a;
+  const size_t nlines = a.nbytes / 16;
+  const uint4* in = static_cast<const uint4*>(a.in);
+  uint4* out = static_cast<uint4*>(a.out);
+  SIFAR_FOR_EACH_LINE(line, nlines) { w.plain(a.rank, s.epoch)[line] = in[line]; }
+  if (!AllRanksReached(w, s, kTop)) return false;
+  auto owner = [&](size_t line) {
+    size_t run_begin = line - threadIdx.x;
+    size_t run_end = min(run_begin + kThreads, nlines);
+    size_t per = (run_end - run_begin + a.nranks - 1) / a.nranks;
+    return static_cast<int>((line - run_begin) / per);
+  };
+  SIFAR_FOR_EACH_LINE(line, nlines) {
+    if (owner(line) != a.rank) continue;
+    float acc[4 * Elem<T>::kPerWord];
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p) {
+      if (p >= a.nranks) break;
+      uint4 v = p == a.rank ? in[line] : LoadStrong16(w.plain(p, s.epoch) + line);
+      AddLine<T>(acc, v, p == 0);
+    }
+    uint4 r = RoundLine<T>(acc);
+    w.tmp(a.rank, s.epoch)[line] = r;
+    out[line] = r;
+  }
+  if (!AllRanksReached(w, s, kMid)) return false;
+  SIFAR_FOR_EACH_LINE(line, nlines) {
+    int q = owner(line);
+    if (q != a.rank) out[line] = LoadStrong16(w.tmp(q, s.epoch) + line);
+  }
+  return AllRanksReached(w, s, kBottom);
+}
+
+// sifar_flag (the paper): publish payload then a per-block flag; pull every
+// peer's payload and flag together (the flag "reduced alongside"), accept iff
+// the flags sum to N*epoch, else re-pull the whole block.  The loads are not
+// ordered: a stale payload with a fresh flag is unlikely, not impossible
+// (DESIGN.md section 1) -- which is why `sifar` tags every word instead.
+template <typename T>
+__device__ bool SifarFlag(const Ws& w, CallState& s) {
+  const KernelArgs& a = w.a;
+  const size_t nlines = a.nbytes / 16;
+  const uint4* in = static_cast<const uint4*>(a.in);
+  SIFAR_FOR_EACH_LINE(line, nlines) { w.plain(a.rank, s.epoch)[line] = in[line]; }
+  __syncthreads();
+  if (threadIdx.x == 0) StoreReleaseSys(w.flags(a.rank, s.epoch) + blockIdx.x, s.epoch);
+  for (;;) {
+    uint64_t flag_sum = 0;
+    int stale = -1;
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p) {
+      if (p >= a.nranks) break;
+      const uint32_t f = p == a.rank ? s.epoch : LoadStrong(w.flags(p, s.epoch) + blockIdx.x);
+      flag_sum += f;
+      if (f != s.epoch) stale = p;
+    }
+    SIFAR_FOR_EACH_LINE(line, nlines) {
+      float acc[4 * Elem<T>::kPerWord];
+#pragma unroll
+      for (int p = 0; p < kMaxRanks; ++p) {
+        if (p >= a.nranks) break;
+        uint4 v = p == a.rank ? in[line] : LoadStrong16(w.plain(p, s.epoch) + line);
+        AddLine<T>(acc, v, p == 0);
+      }
+      static_cast<uint4*>(a.out)[line] = RoundLine<T>(acc);
+    }
+    // Flags are never ahead of this epoch in this slot, so the sum is N*epoch
+    // only if every flag is fresh.
+    if (__syncthreads_and(flag_sum == static_cast<uint64_t>(a.nranks) * s.epoch)) return true;
+    s.retried = true;
+    if (__syncthreads_or(threadIdx.x == 0 && stale >= 0 && ExpiredNow(w, s, stale))) return false;
+  }
+}
+
+// sifar: publish epoch-tagged words; pull every peer's words at once; re-read
+// only the words whose tag is stale.  No flag and no barrier: correct without
+// any timing assumption, because validity travels inside each 8-byte word.
+// While waiting, up to `depth` polling loads per peer stay in flight, `gap` ns
+// apart, so a word that lands is seen about one one-way latency later rather
+// than a whole round trip.  NR bounds the ranks at compile time (registers).
+template <typename T, int NR>
+__device__ bool Sifar(const Ws& w, CallState& s, uint32_t depth, uint32_t gap_ns) {
+  const KernelArgs& a = w.a;
+  const size_t nlines = a.nbytes / 8;  // an LL line carries 8 payload bytes
+  const uint2* in = static_cast<const uint2*>(a.in);
+  const uint32_t e = s.epoch;
+  constexpr int D = kMaxPollDepth;
+  SIFAR_FOR_EACH_LINE(line, nlines) {
+    const uint2 mine = in[line];
+    StoreLL(w.ll(a.rank, e) + 2 * line, PackLL(mine.x, e), PackLL(mine.y, e));
+    uint32_t missing = 0;  // bit 2p+k: word k of peer p not yet seen fresh
+#pragma unroll
+    for (int p = 0; p < NR; ++p)
+      if (p < a.nranks && p != a.rank) missing |= 3u << (2 * p);
+    uint64_t v[D][NR][2];
+    uint64_t got[NR][2];
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      if (d >= static_cast<int>(depth)) break;
+      if (d) __nanosleep(gap_ns);
+#pragma unroll
+      for (int p = 0; p < NR; ++p)
+        if ((missing >> (2 * p)) & 3u) LoadLL(w.ll(p, e) + 2 * line, v[d][p][0], v[d][p][1]);
+    }
+    for (uint32_t spins = 0; missing; ++spins) {
+#pragma unroll
+      for (int d = 0; d < D; ++d) {
+        if (d >= static_cast<int>(depth) || !missing) break;
+#pragma unroll
+        for (int p = 0; p < NR; ++p)
+#pragma unroll
+          for (int k = 0; k < 2; ++k)
+            if (((missing >> (2 * p + k)) & 1u) && LLEpoch(v[d][p][k]) == e) {
+              got[p][k] = v[d][p][k];
+              missing &= ~(1u << (2 * p + k));
+            }
+        if (!missing) break;
+        s.retried = true;  // mis-speculation: this wave was (partly) stale
+#pragma unroll
+        for (int p = 0; p < NR; ++p)
+          if ((missing >> (2 * p)) & 3u) LoadLL(w.ll(p, e) + 2 * line, v[d][p][0], v[d][p][1]);
+      }
+      if (missing && Expired(w, s, (__ffs(missing) - 1) / 2, spins)) return false;
+    }
+    float acc[2 * Elem<T>::kPerWord];
+#pragma unroll
+    for (int p = 0; p < NR; ++p) {
+      if (p >= a.nranks) break;
+      const uint32_t w0 = p == a.rank ? mine.x : LLData(got[p][0]);
+      const uint32_t w1 = p == a.rank ? mine.y : LLData(got[p][1]);
+      Elem<T>::Add(acc, w0, p == 0);
+      Elem<T>::Add(acc + Elem<T>::kPerWord, w1, p == 0);
+    }
+    static_cast<uint2*>(a.out)[line] =
+        make_uint2(Elem<T>::Round(acc), Elem<T>::Round(acc + Elem<T>::kPerWord));
+  }
+  return true;
+}
+
+// --------------------------------------------------------------- kernel ----
+template <typename T, int ALG, int NR = kMaxRanks>
+__global__ void __launch_bounds__(kThreads) AllReduceKernel(KernelArgs a) {
+  const Ws w{a};
+  const Control* ctl = w.ctl(a.rank);
+  // Issued together: the control words and this block's epoch.
+  const uint4 c = LoadStrong16(ctl);  // failed, skew_max_ns, skew_seed, drop
+  const uint4 poll = LoadStrong16(&ctl->poll_depth);  // depth, gap_ns, -, -
+  uint32_t epoch = LoadStrong(w.epochs() + blockIdx.x);
+  if (c.w) {  // testing.drop_rank: this rank never arrives
+    SIFAR_FOR_EACH_LINE(line, a.nbytes / 16) {
+      static_cast<uint4*>(a.out)[line] = static_cast<const uint4*>(a.in)[line];
+    }
+    return;
+  }
+  if (c.x) {  // the communicator failed earlier: never return a plausible result
+    FillNaN<T>(a);
+    return;
+  }
+  CallState s{};
+  bool ok = true;
+  for (int i = 0; i < a.repeat && ok; ++i) {
+    epoch = NextEpoch(epoch);
+    s.epoch = epoch;
+    s.retried = false;
+    s.failed_peer = -1;
+    s.deadline = 0;
+    if (c.y) {  // testing.inject_skew: a deterministic per-(rank, epoch) wait
+      const uint64_t until = GlobalTimerNs() + SkewNs(c.y, c.z, a.rank, epoch);
+      while (GlobalTimerNs() < until) {
+      }
+    }
+    if (ALG == kOneshot) ok = Oneshot<T>(w, s, true);
+    if (ALG == kOneshotDB) ok = Oneshot<T>(w, s, false);
+    if (ALG == kTwoshot) ok = Twoshot<T>(w, s);
+    if (ALG == kSifarFlag) ok = SifarFlag<T>(w, s);
+    if (ALG == kSifar) ok = Sifar<T, NR>(w, s, poll.x, poll.y);
+    // Counted per warp: mis-speculations are rare, so are these atomics.
+    // The warp also leaves the loop together (the votes need every lane).
+    const bool warp_retried = __any_sync(0xffffffffu, s.retried);
+    const bool warp_timed_out = __any_sync(0xffffffffu, !ok && s.failed_peer >= 0);
+    if (!ok && s.failed_peer >= 0) RecordFailure(w, ALG, s);
+    ok = __all_sync(0xffffffffu, ok);
+    if ((threadIdx.x & 31u) == 0) {
+      if (warp_retried) atomicAdd(w.stat(ALG, kRetries), 1ull);
+      if (warp_timed_out) atomicAdd(w.stat(ALG, kTimeouts), 1ull);
+    }
+  }
+  if (!ok) {
+    FillNaN<T>(a);
+    return;
+  }
+  if (threadIdx.x == 0) {
+    w.epochs()[blockIdx.x] = epoch;
+    if (blockIdx.x == 0) atomicAdd(w.stat(ALG, kCalls), static_cast<unsigned long long>(a.repeat));
+  }
+}
+
+}  // namespace cuda
+}  // namespace sifar
