@@ -69,11 +69,12 @@ class LlamaConfig:
 
     @classmethod
     def tiny(cls, **kw) -> "LlamaConfig":
-        """Test model. original_max_position_embeddings is small so that all three regimes of the
-        Llama 3 rope scaling (unchanged, smoothed, divided by factor) occur at head_dim 16."""
+        """Test model: 4 KV heads so TP=1, 2 and 4 all split it (GQA group 2, head_dim 16).
+        original_max_position_embeddings is small so that all three regimes of the Llama 3 rope
+        scaling (unchanged, smoothed, divided by factor) occur."""
         base = dict(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-            num_heads=4, num_kv_heads=2, rope_theta=10000.0,
+            vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
+            num_heads=8, num_kv_heads=4, rope_theta=10000.0,
             rope_scaling=RopeScaling(4.0, 1.0, 4.0, 64), rms_norm_eps=1e-5,
             tie_word_embeddings=False, max_seq_len=128, dtype="float32")
         base.update(kw)

@@ -1,0 +1,342 @@
+"""Llama 3.x decoder in Flax NNX, written as the computation of ONE tensor-parallel rank.
+
+The modules are built with global shapes (so `nnx.split` gives the global parameter pytree that the
+loader shards onto the mesh) but their `__call__` only ever sees a rank's local shards: inside
+`jax.shard_map` we `nnx.merge` the graphdef with the local pieces. All local sizes are therefore
+read from the weights' shapes, never from the config.
+
+Tensor-parallel layout (Megatron style; tp = size of the mesh axis):
+  attn.qkv   [hidden, kv_heads, group+2, head_dim]  split over kv heads (dim 1). Each KV group
+             holds its `group` query heads, then k, then v, so a contiguous split hands a rank
+             whole GQA groups and the layout does not depend on tp. One matmul for q, k and v.
+  attn.o     [heads, head_dim, hidden]              split over heads (dim 0), row-parallel
+  mlp.gate_up[hidden, 2, ffn]                       split over ffn (dim 2); one matmul for both
+  mlp.down   [ffn, hidden]                          split over ffn (dim 0), row-parallel
+  embed      [vocab, hidden]                        replicated (a lookup is cheap; sharding it
+                                                    would add a third all-reduce per token)
+  lm_head    [hidden, vocab]                        split over vocab (dim 1): at 8B shapes a
+                                                    replicated head would be 1 GB read per token
+                                                    per GPU. The logits leave shard_map vocab-
+                                                    sharded; XLA gathers/argmaxes outside.
+  norms                                             replicated
+Each row-parallel output (o, down) is followed by one all-reduce: 2 per layer.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .config import LlamaConfig
+
+AllReduceFn = Callable[[jax.Array, str], jax.Array]
+ALLREDUCE_KINDS = ("psum", "sifar", "identity")
+
+
+# ---- the one switch between all-reduce implementations -------------------------------------------
+
+def make_allreduce(kind: str = "psum", algorithm: str = "auto") -> AllReduceFn:
+    """Return f(x, axis_name) -> sum of x over the mesh axis (inside shard_map).
+
+    "psum": jax.lax.psum.  "sifar": sifar_jax.sifar_psum (requires sifar_jax.init(mesh) first;
+    the Decoder does that).  "identity": no communication at all — wrong numbers, but the timing
+    upper bound for a free all-reduce.
+    """
+    if kind == "psum":
+        return lambda x, axis_name: jax.lax.psum(x, axis_name)
+    if kind == "identity":
+        return lambda x, axis_name: x
+    if kind == "sifar":
+        def sifar(x, axis_name):
+            import sifar_jax  # lazily: the models work without the extension built
+
+            return sifar_jax.sifar_psum(x, axis_name, algorithm=algorithm)
+
+        return sifar
+    raise ValueError(f"allreduce must be one of {ALLREDUCE_KINDS}, got {kind!r}")
+
+
+class TPContext:
+    """Per-trace view of the tensor-parallel axis that every layer receives.
+
+    Lives only while one shard_map body is traced. `buffers` is the pytree threaded through the
+    decode state as state["ar"] (empty for now) and returned, updated, by the forward.
+    """
+
+    def __init__(self, axis_name: str, size: int, allreduce: AllReduceFn, buffers: Any = None):
+        self.axis_name = axis_name
+        self.size = size
+        self._allreduce = allreduce
+        self.buffers = {} if buffers is None else buffers
+        self.count = 0  # all-reduces issued so far in this trace
+
+    def rank(self) -> jax.Array:
+        return jax.lax.axis_index(self.axis_name)
+
+    def all_reduce(self, x: jax.Array) -> jax.Array:
+        # HOOK(sifar dual buffers): when self.buffers holds a pair of all-reduce buffers, this
+        # becomes, by parity of the all-reduce index,
+        #     slot = self.count % 2
+        #     y, self.buffers[slot] = sifar_jax.sifar_psum_into(x, self.axis_name,
+        #                                                       self.buffers[slot], ...)
+        # The decode state donates state["ar"] every step, so the buffers are written in place.
+        self.count += 1
+        return self._allreduce(x, self.axis_name)
+
+
+def check_tp(config: LlamaConfig, tp: int) -> None:
+    """Raise a clear error if the model cannot be split tp ways."""
+    problems = []
+    if config.num_kv_heads % tp:
+        problems.append(f"num_kv_heads={config.num_kv_heads} (each rank holds whole KV heads)")
+    if config.num_heads % tp:
+        problems.append(f"num_heads={config.num_heads}")
+    if config.intermediate_size % tp:
+        problems.append(f"intermediate_size={config.intermediate_size}")
+    if config.vocab_size % tp:
+        problems.append(f"vocab_size={config.vocab_size} (lm_head is split over vocab)")
+    if problems:
+        raise ValueError(f"tensor parallelism tp={tp} must divide " + ", ".join(problems))
+
+
+# ---- rotary embeddings ----------------------------------------------------------------------------
+
+def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim/2], with Llama 3 scaling (as transformers' `llama3` rope)."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq.astype(np.float32)
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [T, head_dim] (the half-frequencies repeated twice: HF's rotate_half layout)."""
+    ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    ang = jnp.concatenate([ang, ang], axis=-1)
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [..., T, heads..., head_dim]; cos/sin already broadcastable to x."""
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+# ---- modules (per-rank __call__) ------------------------------------------------------------------
+
+def _normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # float32 statistics, then scale in the activation dtype (as transformers does)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        c = config
+        dt = jnp.dtype(c.dtype)
+        self.group = c.group_size
+        self.head_dim = c.head_dim
+        self.qkv = nnx.Param(_normal(rngs, (c.hidden_size, c.num_kv_heads, c.group_size + 2,
+                                            c.head_dim), c.hidden_size ** -0.5, dt))
+        self.o = nnx.Param(_normal(rngs, (c.num_heads, c.head_dim, c.hidden_size),
+                                   (c.num_heads * c.head_dim) ** -0.5, dt))
+
+    def __call__(self, x, cos, sin, kv_cache, positions, tp: TPContext):
+        """x [B, T, hidden]; kv_cache {"k","v"}: [B, S, local_kv_heads, head_dim]."""
+        g, d = self.group, self.head_dim
+        qkv = jnp.einsum("bth,hkgd->btkgd", x, self.qkv[...])  # k: local kv heads
+        q, k, v = qkv[..., :g, :], qkv[..., g, :], qkv[..., g + 1, :]
+        q = apply_rope(q, cos[None, :, None, None, :], sin[None, :, None, None, :])
+        k = apply_rope(k, cos[None, :, None, :], sin[None, :, None, :])
+
+        # write this step's keys/values in place (the cache is donated), then attend over the
+        # whole cache with a position mask: shapes stay static, so one compiled step serves all.
+        start = positions[0]
+        kc = jax.lax.dynamic_update_slice(kv_cache["k"], k.astype(kv_cache["k"].dtype), (0, start, 0, 0))
+        vc = jax.lax.dynamic_update_slice(kv_cache["v"], v.astype(kv_cache["v"].dtype), (0, start, 0, 0))
+
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, kc, preferred_element_type=jnp.float32)
+        scores = scores * (d ** -0.5)
+        visible = positions[:, None] >= jnp.arange(kc.shape[1])[None, :]  # [T, S]
+        scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(vc.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, vc, preferred_element_type=jnp.float32)
+        out = out.astype(x.dtype).reshape(*x.shape[:2], -1, d)  # heads in (kv group, group) order
+        partial = jnp.einsum("bthd,hdm->btm", out, self.o[...])  # row-parallel: partial sum
+        return tp.all_reduce(partial), {"k": kc, "v": vc}
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        c = config
+        dt = jnp.dtype(c.dtype)
+        self.gate_up = nnx.Param(_normal(rngs, (c.hidden_size, 2, c.intermediate_size),
+                                         c.hidden_size ** -0.5, dt))
+        self.down = nnx.Param(_normal(rngs, (c.intermediate_size, c.hidden_size),
+                                      c.intermediate_size ** -0.5, dt))
+
+    def __call__(self, x, tp: TPContext):
+        h = jnp.einsum("bth,hcf->btcf", x, self.gate_up[...])
+        a = jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
+        return tp.all_reduce(a @ self.down[...])  # row-parallel: partial sum
+
+
+class Block(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        dt = jnp.dtype(config.dtype)
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+        self.attn = Attention(config, rngs=rngs)
+        self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x, cos, sin, kv_cache, positions, tp: TPContext):
+        a, kv_cache = self.attn(self.input_norm(x), cos, sin, kv_cache, positions, tp)
+        x = x + a
+        x = x + self.mlp(self.post_norm(x), tp)
+        return x, kv_cache
+
+
+class Llama(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        dt = jnp.dtype(config.dtype)
+        self.config = config
+        self.embed = nnx.Param(_normal(rngs, (config.vocab_size, config.hidden_size), 1.0, dt))
+        self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Param(_normal(rngs, (config.hidden_size, config.vocab_size),
+                                             config.hidden_size ** -0.5, dt))
+
+    def __call__(self, tokens, positions, cache, tp: TPContext, last_only: bool = False):
+        """tokens [B, T] int32; positions [T] int32, contiguous, shared by the batch (the cache
+        is written at positions[0]); cache: list over layers of {"k","v"}.
+        Returns (local logits [B, T or 1, vocab/tp] float32, new cache)."""
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(self.config))
+        new_cache = []
+        for layer, kv in zip(self.layers, cache):
+            x, kv = layer(x, cos, sin, kv, positions, tp)
+            new_cache.append(kv)
+        if last_only:
+            x = x[:, -1:]
+        x = self.norm(x)
+        if self.config.tie_word_embeddings:
+            # this rank's vocab slice of the (replicated) embedding table
+            n = self.config.vocab_size // tp.size
+            w = jax.lax.dynamic_slice_in_dim(self.embed[...], tp.rank() * n, n, axis=0)
+            logits = jnp.einsum("bth,vh->btv", x, w, preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("bth,hv->btv", x, self.lm_head[...],
+                                preferred_element_type=jnp.float32)
+        return logits, new_cache
+
+
+# ---- global pytrees: shapes, shardings, the shard_map'd forward ------------------------------------
+
+# Which dimension of each (global) parameter is split over the tp axis; others are replicated.
+TP_DIM = {"qkv": 1, "o": 0, "gate_up": 2, "down": 0, "lm_head": 1}
+
+
+@functools.lru_cache(maxsize=None)
+def abstract_model(config: LlamaConfig) -> tuple[nnx.GraphDef, dict]:
+    """(graphdef, pure-dict pytree of ShapeDtypeStruct) without allocating anything."""
+    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def _spec_for(name: str, ndim: int, axis_name: str) -> P:
+    dim = TP_DIM.get(name)
+    if dim is None:
+        return P()
+    return P(*[axis_name if i == dim else None for i in range(ndim)])
+
+
+def param_specs(params: dict, axis_name: str = "tp") -> dict:
+    """PartitionSpec pytree for a parameter pytree (arrays or ShapeDtypeStructs)."""
+    def spec(path, leaf):
+        return _spec_for(str(getattr(path[-1], "key", path[-1])), len(leaf.shape), axis_name)
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def param_shardings(config: LlamaConfig, mesh: Mesh, axis_name: str = "tp") -> dict:
+    _, abstract = abstract_model(config)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(abstract, axis_name))
+
+
+def cache_spec(axis_name: str = "tp") -> P:
+    return P(None, None, axis_name, None)  # [B, S, kv_heads, head_dim], split over kv heads
+
+
+def init_cache(config: LlamaConfig, mesh: Mesh, batch_size: int, max_seq_len: int,
+               axis_name: str = "tp") -> list:
+    """Zero KV cache, created directly sharded (no host copy)."""
+    shape = (batch_size, max_seq_len, config.num_kv_heads, config.head_dim)
+    sharding = NamedSharding(mesh, cache_spec(axis_name))
+    make = jax.jit(lambda: [{"k": jnp.zeros(shape, config.dtype), "v": jnp.zeros(shape, config.dtype)}
+                            for _ in range(config.num_layers)],
+                   out_shardings=sharding)
+    return make()
+
+
+def make_forward(config: LlamaConfig, mesh: Mesh, *, allreduce: str = "psum",
+                 algorithm: str = "auto", axis_name: str = "tp", last_only: bool = False,
+                 ar_specs: Any = None):
+    """The TP forward as a pure function, ready for jax.jit:
+
+        forward(params, cache, tokens, positions, ar) -> (logits, cache, ar)
+
+    params/cache are global arrays sharded as param_specs/cache_spec; tokens [B, T] and positions
+    [T] are replicated; logits [B, T (1 if last_only), vocab] come out split over vocab; `ar` is
+    the all-reduce buffer pytree of the decode state ({} for now; `ar_specs` its specs).
+    Works for a 1-device mesh (tp=1) too.
+    """
+    tp = mesh.shape[axis_name]
+    check_tp(config, tp)
+    graphdef, abstract = abstract_model(config)
+    pspecs = param_specs(abstract, axis_name)
+    cspec = [{"k": cache_spec(axis_name), "v": cache_spec(axis_name)}] * config.num_layers
+    aspecs = {} if ar_specs is None else ar_specs
+    reduce_fn = make_allreduce(allreduce, algorithm)
+
+    def per_rank(params, cache, tokens, positions, ar):
+        model = nnx.merge(graphdef, params)
+        ctx = TPContext(axis_name, tp, reduce_fn, ar)
+        logits, cache = model(tokens, positions, cache, ctx, last_only=last_only)
+        return logits, cache, ctx.buffers
+
+    # check_vma=False: the sifar custom call does not carry varying-manual-axes types.
+    return jax.shard_map(
+        per_rank, mesh=mesh,
+        in_specs=(pspecs, cspec, P(), P(), aspecs),
+        out_specs=(P(None, None, axis_name), cspec, aspecs),
+        check_vma=False)

@@ -1,0 +1,325 @@
+"""The Flax Llama decoder against an independent float64 NumPy forward pass, and across TP sizes
+and all-reduce implementations (tiny preset, float32, 8 host CPU devices from conftest.py)."""
+
+import json
+import warnings
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from models import Decoder, LlamaConfig, load_hf_checkpoint, make_mesh
+from models import llama
+
+# The tiny preset as a Hugging Face config.json, written out by hand so the parser is tested too.
+HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
+    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "rope_theta": 10000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "max_position_embeddings": 128,
+    "torch_dtype": "float32", "hidden_act": "silu",
+}
+STEPS = 64
+
+
+def _need(n):
+    if len(jax.devices()) < n:
+        pytest.skip(f"needs {n} devices, have {len(jax.devices())} (conftest sets XLA_FLAGS)")
+
+
+def _sifar_missing():
+    try:
+        import sifar_jax
+    except Exception as e:  # not built yet, or no extension for this platform
+        return f"import sifar_jax failed: {e!r}"
+    if not hasattr(sifar_jax, "sifar_psum"):
+        return "sifar_jax has no sifar_psum yet"
+    return None
+
+
+# ---- independent reference (HF layout, float64, full causal forward, no cache) ------------------
+
+def random_hf_weights(cfg: dict, seed: int, tied: bool = False) -> dict:
+    rng = np.random.default_rng(seed)
+    H, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = H // nh
+
+    def lin(out, inp):
+        return (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
+
+    def norm():  # random, never all ones, so a swapped norm weight is caught
+        return (1.0 + 0.2 * rng.standard_normal(H)).astype(np.float32)
+
+    w = {"model.embed_tokens.weight": rng.standard_normal((V, H)).astype(np.float32),
+         "model.norm.weight": norm()}
+    if not tied:
+        w["lm_head.weight"] = lin(V, H)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = lin(nh * d, H)
+        w[p + "self_attn.k_proj.weight"] = lin(nkv * d, H)
+        w[p + "self_attn.v_proj.weight"] = lin(nkv * d, H)
+        w[p + "self_attn.o_proj.weight"] = lin(H, nh * d)
+        w[p + "mlp.gate_proj.weight"] = lin(F, H)
+        w[p + "mlp.up_proj.weight"] = lin(F, H)
+        w[p + "mlp.down_proj.weight"] = lin(H, F)
+        w[p + "input_layernorm.weight"] = norm()
+        w[p + "post_attention_layernorm.weight"] = norm()
+    return w
+
+
+def ref_inv_freq(cfg: dict) -> np.ndarray:
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / cfg["rope_theta"] ** (np.arange(0, d, 2) / d)
+    s = cfg.get("rope_scaling")
+    if not s:
+        return freqs
+    out = []
+    for f in freqs:  # the Llama 3.1 reference recipe, one frequency at a time
+        wavelen = 2 * np.pi / f
+        orig = s["original_max_position_embeddings"]
+        if wavelen < orig / s["high_freq_factor"]:
+            out.append(f)
+        elif wavelen > orig / s["low_freq_factor"]:
+            out.append(f / s["factor"])
+        else:
+            smooth = (orig / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+            out.append((1 - smooth) * f / s["factor"] + smooth * f)
+    return np.array(out)
+
+
+def ref_logits(w: dict, cfg: dict, tokens: np.ndarray) -> np.ndarray:
+    """tokens [T] -> logits [T, vocab], float64."""
+    w = {k: v.astype(np.float64) for k, v in w.items()}
+    H, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d, eps, T = H // nh, cfg["rms_norm_eps"], len(tokens)
+
+    def rms(x, g):
+        return g * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+    def rope(x):  # x [T, heads, d]; rotate_half convention
+        ang = np.arange(T)[:, None] * ref_inv_freq(cfg)[None, :]
+        cos = np.cos(np.concatenate([ang, ang], -1))[:, None, :]
+        sin = np.sin(np.concatenate([ang, ang], -1))[:, None, :]
+        rot = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], axis=-1)
+        return x * cos + rot * sin
+
+    x = w["model.embed_tokens.weight"][tokens]
+    causal = np.tril(np.ones((T, T), bool))
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = rms(x, w[p + "input_layernorm.weight"])
+        q = rope((h @ w[p + "self_attn.q_proj.weight"].T).reshape(T, nh, d))
+        k = rope((h @ w[p + "self_attn.k_proj.weight"].T).reshape(T, nkv, d))
+        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, d)
+        k, v = np.repeat(k, nh // nkv, axis=1), np.repeat(v, nh // nkv, axis=1)  # HF repeat_kv
+        s = np.einsum("thd,shd->hts", q, k) / np.sqrt(d)
+        s = np.where(causal, s, -np.inf)
+        pr = np.exp(s - s.max(-1, keepdims=True))
+        pr /= pr.sum(-1, keepdims=True)
+        o = np.einsum("hts,shd->thd", pr, v).reshape(T, nh * d)
+        x = x + o @ w[p + "self_attn.o_proj.weight"].T
+        h = rms(x, w[p + "post_attention_layernorm.weight"])
+        g = h @ w[p + "mlp.gate_proj.weight"].T
+        u = h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (g / (1 + np.exp(-g)) * u) @ w[p + "mlp.down_proj.weight"].T
+    x = rms(x, w["model.norm.weight"])
+    head = w["model.embed_tokens.weight"] if cfg["tie_word_embeddings"] else w["lm_head.weight"]
+    return x @ head.T
+
+
+def assert_close_ref(got, want, rtol=1e-4):
+    # relative to the logits' scale: float32 vs float64 over a 2-layer model
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+
+
+# ---- fixtures ---------------------------------------------------------------------------------------
+
+def _write_checkpoint(path, cfg, weights):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file(weights, str(path / "model.safetensors"))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    weights = random_hf_weights(HF_CONFIG, seed=1)
+    path = _write_checkpoint(tmp_path_factory.mktemp("tiny"), HF_CONFIG, weights)
+    return path, weights
+
+
+@pytest.fixture(scope="module")
+def loaded(hf):
+    """tp -> (mesh, config, params), loaded once per TP size."""
+    cache = {}
+
+    def get(tp):
+        _need(tp)
+        if tp not in cache:
+            mesh = make_mesh(tp)
+            config, params = load_hf_checkpoint(hf[0], mesh)
+            cache[tp] = mesh, config, params
+        return cache[tp]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def sequence():
+    return np.random.default_rng(7).integers(0, HF_CONFIG["vocab_size"], STEPS, dtype=np.int32)
+
+
+@pytest.fixture(scope="module")
+def reference(hf, sequence):
+    return ref_logits(hf[1], HF_CONFIG, sequence)
+
+
+@pytest.fixture(scope="module")
+def baseline(loaded, sequence):
+    """TP=1 lax.psum: teacher-forced logits of every step, and greedy tokens."""
+    mesh, config, params = loaded(1)
+    dec = Decoder(config, mesh, params)
+    return dec.teacher_forced_logits(sequence[None]), dec.generate(sequence[None, :8], STEPS)
+
+
+# ---- tests ------------------------------------------------------------------------------------------
+
+def test_hf_config_is_tiny_preset():
+    assert LlamaConfig.from_hf_config(HF_CONFIG) == LlamaConfig.tiny()
+
+
+def test_rope_frequencies_match_reference():
+    for cfg in (HF_CONFIG, LlamaConfig.llama3_8b().to_hf_config()):
+        config = LlamaConfig.from_hf_config(cfg)
+        np.testing.assert_allclose(llama.rope_inv_freq(config), ref_inv_freq(cfg), rtol=1e-6)
+    # the tiny preset exercises all three regimes of the Llama 3 scaling
+    inv, base = ref_inv_freq(HF_CONFIG), ref_inv_freq({**HF_CONFIG, "rope_scaling": None})
+    ratio = base / inv
+    assert (ratio == 1).any() and (np.isclose(ratio, 4.0)).any()
+    assert ((ratio > 1) & ~np.isclose(ratio, 4.0)).any()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_prefill_and_decode_match_numpy_reference(loaded, sequence, reference, tp):
+    mesh, config, params = loaded(tp)
+    dec = Decoder(config, mesh, params)
+    n_prompt, n_steps = 8, 8
+    prefill = np.asarray(dec.prefill(sequence[None, :n_prompt]))[0]
+    assert_close_ref(prefill, reference[:n_prompt])
+    for t in range(n_prompt, n_prompt + n_steps):
+        step = np.asarray(dec.step(sequence[t:t + 1]))[0]
+        assert_close_ref(step, reference[t])
+
+
+def test_batch_of_two_matches_reference(hf, loaded):
+    mesh, config, params = loaded(2)
+    seqs = np.random.default_rng(3).integers(0, 256, (2, 12), dtype=np.int32)
+    dec = Decoder(config, mesh, params, batch_size=2)
+    got = np.concatenate([np.asarray(dec.prefill(seqs[:, :6]))] +
+                         [np.asarray(dec.step(seqs[:, t]))[:, None] for t in range(6, 12)], axis=1)
+    for b in range(2):
+        assert_close_ref(got[b], ref_logits(hf[1], HF_CONFIG, seqs[b]))
+
+
+def test_tied_embeddings_match_reference(tmp_path):
+    _need(2)
+    cfg = {**HF_CONFIG, "tie_word_embeddings": True}
+    weights = random_hf_weights(cfg, seed=5, tied=True)
+    mesh = make_mesh(2)
+    config, params = load_hf_checkpoint(_write_checkpoint(tmp_path, cfg, weights), mesh)
+    assert config.tie_word_embeddings and "lm_head" not in params
+    tokens = np.random.default_rng(4).integers(0, 256, 16, dtype=np.int32)
+    got = Decoder(config, mesh, params).teacher_forced_logits(tokens[None])[0]
+    assert_close_ref(got, ref_logits(weights, cfg, tokens))
+
+
+def _check_against_baseline(baseline, reference, sequence, config, mesh, params, **kw):
+    logits0, tokens0 = baseline
+    dec = Decoder(config, mesh, params, **kw)
+    logits = dec.teacher_forced_logits(sequence[None])
+    assert logits.shape == (1, STEPS, config.vocab_size)
+    # same logits as TP=1 at every one of the 64 steps, up to float32 summation order
+    scale = np.abs(logits0).max()
+    for t in range(STEPS):
+        np.testing.assert_allclose(logits[0, t], logits0[0, t], rtol=2e-5, atol=2e-6 * scale,
+                                   err_msg=f"step {t}")
+    assert_close_ref(logits[0], reference)
+    np.testing.assert_array_equal(dec.generate(sequence[None, :8], STEPS), tokens0)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_psum_tp_matches_single_device(baseline, reference, loaded, sequence, tp):
+    mesh, config, params = loaded(tp)
+    _check_against_baseline(baseline, reference, sequence, config, mesh, params, allreduce="psum")
+
+
+@pytest.fixture
+def sifar_clean():
+    """sifar_jax allows one communicator per device and axis name: start and end each test with
+    none, since the TP=2 and TP=4 meshes share devices."""
+    import sifar_jax
+
+    sifar_jax.shutdown()
+    yield
+    sifar_jax.shutdown()
+
+
+@pytest.mark.skipif(_sifar_missing() is not None, reason=str(_sifar_missing()))
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sifar_tp_matches_single_device(baseline, reference, loaded, sequence, tp, sifar_clean):
+    mesh, config, params = loaded(tp)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _check_against_baseline(baseline, reference, sequence, config, mesh, params,
+                                allreduce="sifar", algorithm="auto")
+    fallbacks = [str(w.message) for w in caught if "falling back" in str(w.message)]
+    assert not fallbacks, f"sifar fell back to lax.psum, so this tested nothing: {fallbacks}"
+
+
+def test_identity_allreduce_is_the_switch(loaded, sequence):
+    tokens = sequence[None, :8]
+    mesh, config, params = loaded(1)
+    psum1 = Decoder(config, mesh, params).teacher_forced_logits(tokens)
+    ident1 = Decoder(config, mesh, params, allreduce="identity").teacher_forced_logits(tokens)
+    np.testing.assert_array_equal(ident1, psum1)  # a sum over one device is the identity
+    mesh, config, params = loaded(2)
+    ident2 = Decoder(config, mesh, params, allreduce="identity").teacher_forced_logits(tokens)
+    assert np.isfinite(ident2).all() and not np.allclose(ident2, psum1, atol=1e-2)
+
+
+def test_state_is_donated_and_updated_in_place(loaded):
+    mesh, config, params = loaded(2)
+    dec = Decoder(config, mesh, params)
+    old = jax.tree.leaves(dec.state)
+    tok = dec.greedy(np.array([[1, 2, 3]], np.int32))
+    tok = dec.greedy(tok)
+    assert tok.shape == (1, 1) and tok.sharding.is_fully_replicated
+    assert all(a.is_deleted() for a in old), "decode state was not donated"
+    assert int(dec.state["pos"]) == 4
+
+
+def test_errors(loaded):
+    mesh, config, params = loaded(1)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        llama.check_tp(config, 8)
+    _need(8)
+    with pytest.raises(ValueError, match="tp=8"):
+        Decoder(config, make_mesh(8), params)
+    with pytest.raises(ValueError, match="allreduce"):
+        llama.make_allreduce("nccl")
+    dec = Decoder(config, mesh, params, max_seq_len=8)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        dec.prefill(np.zeros((1, 9), np.int32))
+
+
+def test_llama3_8b_shapes():
+    config = LlamaConfig.llama3_8b()
+    _, abstract = llama.abstract_model(config)  # no allocation
+    assert sum(a.size for a in jax.tree.leaves(abstract)) == 8_030_261_248
+    for tp in (1, 2, 4, 8):
+        llama.check_tp(config, tp)
