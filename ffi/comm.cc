@@ -86,12 +86,23 @@ Comm::Comm(int id, Platform platform, int axis_key, std::string axis_name,
     }
 #ifdef SIFAR_WITH_CUDA
   if (platform == Platform::kCuda)
-    for (auto& g : groups_)
-      for (int ord : g.ordinals) PrepareCudaDevice(ord, g.ordinals);
+    for (auto& g : groups_) {
+      // The guard reads the environment first and makes no CUDA call when it
+      // refuses (always, on hosts where multicast is off).
+      std::optional<std::string> refusal = MulticastRefusalHere(g.ordinals);
+      if (refusal) g.multicast_refusal = *refusal;
+      else g.multicast = CreateMulticastGroup(g.ordinals, slot_bytes);
+      for (int ord : g.ordinals) PrepareCudaDevice(ord, g.ordinals, g.multicast != nullptr);
+    }
+#else
+  for (auto& g : groups_) g.multicast_refusal = "sifar_jax was built without CUDA";
 #endif
+  if (platform == Platform::kCpu)
+    for (auto& g : groups_) g.multicast_refusal = "multicast needs NVLink GPUs";
 }
 
 Comm::~Comm() {
+  for (auto& g : groups_) g.multicast.reset();  // unmaps before the workspaces go
   for (auto& g : groups_)
     for (size_t r = 0; r < g.workspaces.size(); ++r) {
       memory_->Free(g.ordinals[r], g.workspaces[r]);
@@ -166,6 +177,29 @@ void Comm::SetPoll(uint32_t depth, uint32_t gap_ns) {
       c.poll_gap_ns = gap_ns;
       WriteControl(g, r, c);
     }
+}
+
+void Comm::RegisterBuffer(int group, const std::vector<uintptr_t>& per_rank) {
+  if (group < 0 || group >= static_cast<int>(groups_.size()) ||
+      static_cast<int>(per_rank.size()) != nranks_)
+    throw std::invalid_argument("sifar_jax: RegisterBuffer needs one pointer per rank");
+  std::array<char*, kMaxRanks> b{};
+  for (int r = 0; r < nranks_; ++r) {
+    if (per_rank[r] % 16) throw std::invalid_argument("sifar_jax: buffers must be 16-byte aligned");
+    b[r] = reinterpret_cast<char*>(per_rank[r]);
+  }
+  std::lock_guard<std::mutex> lock(buffers_mu_);
+  groups_[group].buffers.push_back(b);
+}
+
+bool Comm::FindBuffer(int group, int rank, const void* ptr, char* (&slots)[kMaxRanks]) const {
+  std::lock_guard<std::mutex> lock(buffers_mu_);
+  for (const auto& b : groups_[group].buffers)
+    if (b[rank] == ptr) {
+      for (int r = 0; r < kMaxRanks; ++r) slots[r] = b[r];
+      return true;
+    }
+  return false;
 }
 
 void Comm::SetDrop(int rank, bool drop) {

@@ -12,6 +12,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "multicast.h"
 #include "protocol.h"
 
 namespace sifar {
@@ -39,7 +40,9 @@ std::unique_ptr<Memory> MakeCudaMemory();
 // Enables peer access to every device of the group and loads every kernel on
 // `ordinal` now: a lazy module load while a peer spins can deadlock on the
 // driver's process-wide lock.
-void PrepareCudaDevice(int ordinal, const std::vector<int>& group);
+// `multicast`: also load the multicast kernels (only where a multicast group
+// exists, so hosts with multicast off never load that code).
+void PrepareCudaDevice(int ordinal, const std::vector<int>& group, bool multicast);
 #endif
 
 struct Group {
@@ -47,6 +50,13 @@ struct Group {
   std::vector<char*> workspaces;       // rank -> workspace base
   std::vector<ErrorRecord*> errors;    // rank -> failure record, host view
   std::vector<ErrorRecord*> errors_device;  // the same records, kernels' view
+  // NVLink multicast (algorithm "multicast"): set up only where the guard
+  // allows it; otherwise the guard's reason.
+  std::shared_ptr<MulticastGroup> multicast;
+  std::string multicast_refusal;
+  // Explicit dual buffering: user-visible buffers, each one Slot per rank,
+  // registered when sifar_jax.make_buffers creates them.  Index -> [rank].
+  std::vector<std::array<char*, kMaxRanks>> buffers;
 };
 
 class Comm {
@@ -79,6 +89,13 @@ class Comm {
   void SetDrop(int rank, bool drop);  // in every group
   void SetPoll(uint32_t depth, uint32_t gap_ns);
 
+  // Explicit buffers: `per_rank[r]` is rank r's copy (slot_total_bytes each).
+  void RegisterBuffer(int group, const std::vector<uintptr_t>& per_rank);
+  // Fills slots[r] with every rank's copy of the buffer whose rank-`rank` copy
+  // starts at `ptr`; false if `ptr` is not a registered buffer.
+  bool FindBuffer(int group, int rank, const void* ptr, char* (&slots)[kMaxRanks]) const;
+  size_t slot_total_bytes() const { return layout_.slot.total; }
+
  private:
   void WriteControl(int g, int r, const Control& c);
   Control ReadControl(int g, int r) const;
@@ -91,6 +108,7 @@ class Comm {
   WorkspaceLayout layout_;
   std::unique_ptr<Memory> memory_;
   std::vector<Group> groups_;
+  mutable std::mutex buffers_mu_;  // registration (Python) vs lookups (handlers)
 };
 
 // Where a handler invocation stands.

@@ -104,7 +104,7 @@ struct Timeout {
 class RankCall {
  public:
   RankCall(Comm& comm, int group, int rank, int algorithm, Elem elem, const uint32_t* in,
-           uint32_t* out, size_t nwords)
+           uint32_t* out, size_t nwords, char* const* slots)
       : comm_(comm),
         lay_(comm.layout()),
         grp_(comm.group(group)),
@@ -115,6 +115,7 @@ class RankCall {
         in_(in),
         out_(out),
         nwords_(nwords),
+        slots_(slots),
         acc_(elem == Elem::kF32 ? nwords : 2 * nwords) {}
 
   char* ws(int r) const { return grp_.workspaces[r]; }
@@ -124,10 +125,17 @@ class RankCall {
   unsigned long long* stats() const {
     return reinterpret_cast<unsigned long long*>(ws(rank_) + lay_.stats);
   }
-  char* slot(int r) const { return ws(r) + lay_.slots + SlotParity(epoch_) * lay_.slot.total; }
+  // The internal slot of this epoch's parity, or the user's buffer.
+  char* slot(int r) const {
+    return slots_ ? slots_[r] : ws(r) + lay_.slots + SlotParity(epoch_) * lay_.slot.total;
+  }
   uint32_t* plain(int r) const { return reinterpret_cast<uint32_t*>(slot(r) + lay_.slot.plain); }
   uint32_t* tmp(int r) const { return reinterpret_cast<uint32_t*>(slot(r) + lay_.slot.tmp); }
-  uint64_t* ll(int r) const { return reinterpret_cast<uint64_t*>(slot(r) + lay_.slot.ll); }
+  // Epoch-tagged words from rank `src`, in rank `owner`'s slot.
+  uint64_t* ll(int owner, int src) const {
+    return reinterpret_cast<uint64_t*>(slot(owner) + lay_.slot.ll +
+                                       src * LLRegionBytes(lay_.slot.slot_bytes));
+  }
   uint32_t* flag(int r) const { return reinterpret_cast<uint32_t*>(slot(r) + lay_.slot.flags); }
 
   void Count(int field) { __atomic_fetch_add(&stats()[algorithm_ * kNumStats + field], 1ull, __ATOMIC_RELAXED); }
@@ -228,16 +236,20 @@ class RankCall {
   }
 
   // SiFAR: publish epoch-tagged words, pull every peer's words at once,
-  // re-read only the words whose tag is stale.  No flag, no barrier.
-  void Sifar() {
-    uint64_t* mine = ll(rank_);
-    for (size_t i = 0; i < nwords_; ++i) StoreRelaxed(&mine[i], PackLL(in_[i], epoch_));
+  // re-read only the words whose tag is stale.  No flag, no barrier.  With
+  // `push` the words go into every peer's slot and each rank reads its own.
+  void Sifar(bool push) {
+    for (int p = 0; p < n_; ++p) {  // publish into our slot (pull) or every peer's (push)
+      if (push ? p == rank_ : p != rank_) continue;
+      uint64_t* dst = ll(p, rank_);
+      for (size_t i = 0; i < nwords_; ++i) StoreRelaxed(&dst[i], PackLL(in_[i], epoch_));
+    }
     std::vector<std::vector<uint32_t>> got(n_, std::vector<uint32_t>(nwords_));
     std::vector<size_t> stale;
     bool retried = false;
     for (int p = 0; p < n_; ++p) {
       if (p == rank_) continue;
-      const uint64_t* src = ll(p);
+      const uint64_t* src = push ? ll(rank_, p) : ll(p, p);
       stale.clear();
       for (size_t i = 0; i < nwords_; ++i) {
         uint64_t w = LoadRelaxed(&src[i]);
@@ -283,7 +295,8 @@ class RankCall {
         case kOneshotDB: Oneshot(false); break;
         case kTwoshot: Twoshot(); break;
         case kSifarFlag: SifarFlag(); break;
-        case kSifar: Sifar(); break;
+        case kSifar: Sifar(false); break;
+        case kSifarPush: Sifar(true); break;
         default:
           return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                             "sifar_jax: algorithm " + std::to_string(algorithm_) +
@@ -323,13 +336,15 @@ class RankCall {
   const uint32_t* in_;
   uint32_t* out_;
   size_t nwords_;
+  char* const* slots_;  // explicit buffers (every rank's), or null
   std::vector<float> acc_;
   uint32_t epoch_ = 0;
   std::chrono::steady_clock::time_point deadline_;
 };
 
-ffi::Error CpuAllReduceImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                            int32_t axis_key, int32_t nranks, int32_t algorithm, int32_t repeat) {
+ffi::Error RunCpu(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer>& y,
+                  int32_t axis_key, int32_t nranks, int32_t algorithm, int32_t repeat,
+                  const ffi::AnyBuffer* buf) {
   Elem elem;
   switch (x.element_type()) {
     case ffi::DataType::F32: elem = Elem::kF32; break;
@@ -343,19 +358,52 @@ ffi::Error CpuAllReduceImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::
   if (ref.comm == nullptr) return NotInitialisedError(axis_key, ordinal);
   ffi::Error err = CheckPayload(*ref.comm, nranks, x.size_bytes(), y->size_bytes());
   if (err.failure()) return err;
+  char* slots[kMaxRanks] = {};
+  if (buf != nullptr) {
+    err = ResolveBuffer(*ref.comm, ref.group, ref.rank, buf->untyped_data(), buf->size_bytes(),
+                        slots);
+    if (err.failure()) return err;
+  }
   // repeat > 1: back-to-back all-reduces of the same input in one call (the
   // kernel-level benchmark); every one is a full call with its own epoch.
   for (int32_t i = 0; i < std::max(repeat, 1); ++i) {
     RankCall call(*ref.comm, ref.group, ref.rank, algorithm, elem,
                   static_cast<const uint32_t*>(x.untyped_data()),
-                  static_cast<uint32_t*>(y->untyped_data()), x.size_bytes() / 4);
-    ffi::Error err = call.Run();
+                  static_cast<uint32_t*>(y->untyped_data()), x.size_bytes() / 4,
+                  buf != nullptr ? slots : nullptr);
+    err = call.Run();
     if (err.failure()) return err;
   }
   return ffi::Error::Success();
 }
 
+ffi::Error CpuAllReduceImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                            int32_t axis_key, int32_t nranks, int32_t algorithm, int32_t repeat) {
+  return RunCpu(ordinal, x, y, axis_key, nranks, algorithm, repeat, nullptr);
+}
+
+ffi::Error CpuAllReduceIntoImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer buf,
+                                ffi::AnyBuffer /*prev*/, ffi::Result<ffi::AnyBuffer> y,
+                                ffi::Result<ffi::AnyBuffer> /*buf_out: aliases buf*/,
+                                int32_t axis_key, int32_t nranks, int32_t algorithm,
+                                int32_t repeat) {
+  return RunCpu(ordinal, x, y, axis_key, nranks, algorithm, repeat, &buf);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuAllReduceInto, CpuAllReduceIntoImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("axis_key")
+                                  .Attr<int32_t>("nranks")
+                                  .Attr<int32_t>("algorithm")
+                                  .Attr<int32_t>("repeat"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuAllReduce, CpuAllReduceImpl,
                               ffi::Ffi::Bind()

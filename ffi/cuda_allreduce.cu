@@ -10,6 +10,7 @@
 #include "cuda_check.h"
 #include "cuda_kernels.cuh"
 #include "handlers.h"
+#include "multicast.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -19,14 +20,17 @@ namespace {
 
 using cuda::KernelArgs;
 using cuda::kThreads;
+// Blocks of every algorithm share the per-block epochs.
+static_assert(kThreads == kMulticastLinesPerBlock, "one line-to-block ownership for all kernels");
 
-constexpr int kPortable = kSifar + 1;  // algorithms with a kernel here
+// Algorithms with a kernel here (multicast has its own module).
+constexpr bool HasKernel(int alg) { return alg >= 0 && alg < kNumAlgorithms && alg != kMulticast; }
 constexpr int kElems = 3;              // f32, bf16, f16
 
 // sifar keeps its polling loads in registers: bound the ranks at compile time.
 template <typename T, int ALG>
 void Launch(const KernelArgs& a, int grid, cudaStream_t stream) {
-  if constexpr (ALG == kSifar) {
+  if constexpr (ALG == kSifar || ALG == kSifarPush) {
     if (a.nranks <= 2) cuda::AllReduceKernel<T, ALG, 2><<<grid, kThreads, 0, stream>>>(a);
     else if (a.nranks <= 4) cuda::AllReduceKernel<T, ALG, 4><<<grid, kThreads, 0, stream>>>(a);
     else cuda::AllReduceKernel<T, ALG, 8><<<grid, kThreads, 0, stream>>>(a);
@@ -36,9 +40,9 @@ void Launch(const KernelArgs& a, int grid, cudaStream_t stream) {
 }
 
 template <typename T>
-constexpr void (*kLaunchRow[kPortable])(const KernelArgs&, int, cudaStream_t) = {
+constexpr void (*kLaunchRow[kNumAlgorithms])(const KernelArgs&, int, cudaStream_t) = {
     Launch<T, kOneshot>, Launch<T, kTwoshot>, Launch<T, kOneshotDB>, Launch<T, kSifarFlag>,
-    Launch<T, kSifar>};
+    Launch<T, kSifar>,   nullptr,             Launch<T, kSifarPush>};
 
 using LaunchFn = void (*)(const KernelArgs&, int, cudaStream_t);
 const LaunchFn* const kLaunch[kElems] = {kLaunchRow<float>, kLaunchRow<__nv_bfloat16>,
@@ -58,6 +62,9 @@ void LoadRow() {
   LoadOne<T, kSifar, 2>();
   LoadOne<T, kSifar, 4>();
   LoadOne<T, kSifar, 8>();
+  LoadOne<T, kSifarPush, 2>();
+  LoadOne<T, kSifarPush, 4>();
+  LoadOne<T, kSifarPush, 8>();
 }
 
 int ElemIndex(ffi::DataType t) {
@@ -70,11 +77,36 @@ int ElemIndex(ffi::DataType t) {
 }
 
 // Bytes one thread moves per line: LL lines carry 8 payload bytes.
-size_t LineBytes(int algorithm) { return algorithm == kSifar ? 8 : 16; }
+size_t LineBytes(int algorithm) { return algorithm == kSifar || algorithm == kSifarPush ? 8 : 16; }
 
-ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                             ffi::Result<ffi::AnyBuffer> y, int32_t axis_key, int32_t nranks, int32_t algorithm,
-                             int32_t repeat) {
+ffi::Error LaunchFailed(cudaError_t e) {
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string("sifar_jax: kernel launch failed: ") + cudaGetErrorString(e));
+}
+
+ffi::Error LaunchMulticast(const Group& g, int rank, int elem, ffi::AnyBuffer x,
+                           ffi::Result<ffi::AnyBuffer>& y, int32_t repeat, const Comm& comm,
+                           cudaStream_t stream) {
+  if (!g.multicast)
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "sifar_jax: algorithm 'multicast' refused: " + g.multicast_refusal);
+  MulticastCall call;
+  call.rank = rank;
+  call.elem_type = elem;  // same order: f32, bf16, f16
+  call.in = x.untyped_data();
+  call.out = y->untyped_data();
+  call.bytes = x.size_bytes();
+  call.repeat = repeat < 1 ? 1 : repeat;
+  for (int r = 0; r < comm.nranks(); ++r) call.workspaces[r] = g.workspaces[r];
+  call.err = g.errors_device[rank];
+  call.layout = comm.layout();
+  cudaError_t e = LaunchMulticastAllReduce(*g.multicast, call, stream);
+  return e == cudaSuccess ? ffi::Error::Success() : LaunchFailed(e);
+}
+
+ffi::Error RunCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                   ffi::Result<ffi::AnyBuffer>& y, int32_t axis_key, int32_t nranks,
+                   int32_t algorithm, int32_t repeat, const ffi::AnyBuffer* buf) {
   const int elem = ElemIndex(x.element_type());
   if (elem < 0)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
@@ -88,7 +120,9 @@ ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   // XLA replays a command buffer this host code does not run: check() does).
   for (int r = 0; r < comm.nranks(); ++r)
     if (comm.RankFailed(ref.group, r)) return FailedError(comm);
-  if (algorithm < 0 || algorithm >= kPortable)
+  const Group& g = comm.group(ref.group);
+  if (algorithm == kMulticast) return LaunchMulticast(g, ref.rank, elem, x, y, repeat, comm, stream);
+  if (!HasKernel(algorithm))
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       std::string("sifar_jax: algorithm '") + AlgorithmName(algorithm) +
                           "' has no CUDA kernel in this build");
@@ -106,8 +140,14 @@ ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   a.rank = ref.rank;
   a.nranks = comm.nranks();
   a.repeat = repeat < 1 ? 1 : repeat;
-  const Group& g = comm.group(ref.group);
   for (int r = 0; r < a.nranks; ++r) a.ws[r] = g.workspaces[r];
+  if (buf != nullptr) {
+    if (algorithm == kMulticast)
+      return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                        "sifar_jax: explicit buffers are not supported with multicast");
+    err = ResolveBuffer(comm, ref.group, ref.rank, buf->untyped_data(), buf->size_bytes(), a.slots);
+    if (err.failure()) return err;
+  }
   a.err = g.errors_device[ref.rank];
   a.lay = comm.layout();
 
@@ -116,10 +156,22 @@ ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   const int grid = BlocksFor(nbytes / LineBytes(algorithm), kThreads);
   kLaunch[elem][algorithm](a, grid, stream);
   cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return ffi::Error(ffi::ErrorCode::kInternal,
-                      std::string("sifar_jax: kernel launch failed: ") + cudaGetErrorString(e));
-  return ffi::Error::Success();
+  return e == cudaSuccess ? ffi::Error::Success() : LaunchFailed(e);
+}
+
+ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                             ffi::Result<ffi::AnyBuffer> y, int32_t axis_key, int32_t nranks,
+                             int32_t algorithm, int32_t repeat) {
+  return RunCuda(stream, ordinal, x, y, axis_key, nranks, algorithm, repeat, nullptr);
+}
+
+ffi::Error CudaAllReduceIntoImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                                 ffi::AnyBuffer buf, ffi::AnyBuffer /*prev*/,
+                                 ffi::Result<ffi::AnyBuffer> y,
+                                 ffi::Result<ffi::AnyBuffer> /*buf_out: aliases buf*/,
+                                 int32_t axis_key, int32_t nranks, int32_t algorithm,
+                                 int32_t repeat) {
+  return RunCuda(stream, ordinal, x, y, axis_key, nranks, algorithm, repeat, &buf);
 }
 
 }  // namespace
@@ -135,6 +187,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaAllReduce, CudaAllReduceImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("axis_key")
+                                  .Attr<int32_t>("nranks")
+                                  .Attr<int32_t>("algorithm")
+                                  .Attr<int32_t>("repeat"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaAllReduceInto, CudaAllReduceIntoImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("axis_key")
                                   .Attr<int32_t>("nranks")

@@ -29,6 +29,7 @@ struct KernelArgs {
   int nranks;
   int repeat;  // back-to-back all-reduces in this launch (benchmarks)
   char* ws[kMaxRanks];  // every rank's workspace (P2P pointers)
+  char* slots[kMaxRanks];  // explicit buffers (every rank's), or all null: internal slots
   ErrorRecord* err;     // this rank's failure record (host-mapped)
   WorkspaceLayout lay;
 };
@@ -155,8 +156,9 @@ struct Ws {
   __device__ unsigned long long* stat(int alg, int field) const {
     return reinterpret_cast<unsigned long long*>(a.ws[a.rank] + a.lay.stats) + alg * kNumStats + field;
   }
+  // The internal slot of this epoch's parity, or the user's buffer.
   __device__ char* slot(int r, uint32_t e) const {
-    return a.ws[r] + a.lay.slots + SlotParity(e) * a.lay.slot.total;
+    return a.slots[r] ? a.slots[r] : a.ws[r] + a.lay.slots + SlotParity(e) * a.lay.slot.total;
   }
   __device__ uint4* plain(int r, uint32_t e) const {
     return reinterpret_cast<uint4*>(slot(r, e) + a.lay.slot.plain);
@@ -164,8 +166,10 @@ struct Ws {
   __device__ uint4* tmp(int r, uint32_t e) const {
     return reinterpret_cast<uint4*>(slot(r, e) + a.lay.slot.tmp);
   }
-  __device__ uint64_t* ll(int r, uint32_t e) const {
-    return reinterpret_cast<uint64_t*>(slot(r, e) + a.lay.slot.ll);
+  // Epoch-tagged words from rank `src`, in rank `owner`'s slot.
+  __device__ uint64_t* ll(int owner, int src, uint32_t e) const {
+    return reinterpret_cast<uint64_t*>(slot(owner, e) + a.lay.slot.ll +
+                                       src * LLRegionBytes(a.lay.slot.slot_bytes));
   }
   __device__ uint32_t* flags(int r, uint32_t e) const {
     return reinterpret_cast<uint32_t*>(slot(r, e) + a.lay.slot.flags);
@@ -353,9 +357,10 @@ __device__ bool SifarFlag(const Ws& w, CallState& s) {
 // only the words whose tag is stale.  No flag and no barrier: correct without
 // any timing assumption, because validity travels inside each 8-byte word.
 // While waiting, up to `depth` polling loads per peer stay in flight, `gap` ns
-// apart, so a word that lands is seen about one one-way latency later rather
-// than a whole round trip.  NR bounds the ranks at compile time (registers).
-template <typename T, int NR>
+// apart.  NR bounds the ranks at compile time (registers).
+// PUSH (sifar_push): the same words are stored into every peer's slot and each
+// rank polls its own memory, trading N-1 remote stores for local polls.
+template <typename T, int NR, bool PUSH>
 __device__ bool Sifar(const Ws& w, CallState& s, uint32_t depth, uint32_t gap_ns) {
   const KernelArgs& a = w.a;
   const size_t nlines = a.nbytes / 8;  // an LL line carries 8 payload bytes
@@ -364,7 +369,16 @@ __device__ bool Sifar(const Ws& w, CallState& s, uint32_t depth, uint32_t gap_ns
   constexpr int D = kMaxPollDepth;
   SIFAR_FOR_EACH_LINE(line, nlines) {
     const uint2 mine = in[line];
-    StoreLL(w.ll(a.rank, e) + 2 * line, PackLL(mine.x, e), PackLL(mine.y, e));
+    const uint64_t lo = PackLL(mine.x, e), hi = PackLL(mine.y, e);
+    if (PUSH) {
+#pragma unroll
+      for (int p = 0; p < NR; ++p)
+        if (p < a.nranks && p != a.rank) StoreLL(w.ll(p, a.rank, e) + 2 * line, lo, hi);
+    } else {
+      StoreLL(w.ll(a.rank, a.rank, e) + 2 * line, lo, hi);
+    }
+    // Where peer p's words for this line are read from.
+    auto src = [&](int p) { return (PUSH ? w.ll(a.rank, p, e) : w.ll(p, p, e)) + 2 * line; };
     uint32_t missing = 0;  // bit 2p+k: word k of peer p not yet seen fresh
 #pragma unroll
     for (int p = 0; p < NR; ++p)
@@ -377,7 +391,7 @@ __device__ bool Sifar(const Ws& w, CallState& s, uint32_t depth, uint32_t gap_ns
       if (d) __nanosleep(gap_ns);
 #pragma unroll
       for (int p = 0; p < NR; ++p)
-        if ((missing >> (2 * p)) & 3u) LoadLL(w.ll(p, e) + 2 * line, v[d][p][0], v[d][p][1]);
+        if ((missing >> (2 * p)) & 3u) LoadLL(src(p), v[d][p][0], v[d][p][1]);
     }
     for (uint32_t spins = 0; missing; ++spins) {
 #pragma unroll
@@ -395,7 +409,7 @@ __device__ bool Sifar(const Ws& w, CallState& s, uint32_t depth, uint32_t gap_ns
         s.retried = true;  // mis-speculation: this wave was (partly) stale
 #pragma unroll
         for (int p = 0; p < NR; ++p)
-          if ((missing >> (2 * p)) & 3u) LoadLL(w.ll(p, e) + 2 * line, v[d][p][0], v[d][p][1]);
+          if ((missing >> (2 * p)) & 3u) LoadLL(src(p), v[d][p][0], v[d][p][1]);
       }
       if (missing && Expired(w, s, (__ffs(missing) - 1) / 2, spins)) return false;
     }
@@ -419,6 +433,12 @@ template <typename T, int ALG, int NR = kMaxRanks>
 __global__ void __launch_bounds__(kThreads) AllReduceKernel(KernelArgs a) {
   const Ws w{a};
   const Control* ctl = w.ctl(a.rank);
+  // Start fetching this thread's first input line now, not after the control
+  // words come back (one memory latency less at the start of every call).
+  constexpr size_t kLine = (ALG == kSifar || ALG == kSifarPush) ? 8 : 16;
+  const size_t first = (static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x) * kLine;
+  if (first < a.nbytes)
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(static_cast<const char*>(a.in) + first));
   // Issued together: the control words and this block's epoch.
   const uint4 c = LoadStrong16(ctl);  // failed, skew_max_ns, skew_seed, drop
   const uint4 poll = LoadStrong16(&ctl->poll_depth);  // depth, gap_ns, -, -
@@ -450,7 +470,8 @@ __global__ void __launch_bounds__(kThreads) AllReduceKernel(KernelArgs a) {
     if (ALG == kOneshotDB) ok = Oneshot<T>(w, s, false);
     if (ALG == kTwoshot) ok = Twoshot<T>(w, s);
     if (ALG == kSifarFlag) ok = SifarFlag<T>(w, s);
-    if (ALG == kSifar) ok = Sifar<T, NR>(w, s, poll.x, poll.y);
+    if (ALG == kSifar) ok = Sifar<T, NR, false>(w, s, poll.x, poll.y);
+    if (ALG == kSifarPush) ok = Sifar<T, NR, true>(w, s, poll.x, poll.y);
     // Counted per warp: mis-speculations are rare, so are these atomics.
     // The warp also leaves the loop together (the votes need every lane).
     const bool warp_retried = __any_sync(0xffffffffu, s.retried);

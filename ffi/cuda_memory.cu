@@ -8,6 +8,7 @@
 #include <string>
 
 #include "comm.h"
+#include "multicast.h"
 #include "cuda_check.h"
 
 namespace sifar {
@@ -90,7 +91,7 @@ int CudaDeviceCount() {
 
 void PreloadCudaKernelsOnCurrentDevice();  // cuda_allreduce.cu
 
-void PrepareCudaDevice(int ordinal, const std::vector<int>& group) {
+void PrepareCudaDevice(int ordinal, const std::vector<int>& group, bool multicast) {
   OnDevice on(ordinal);
   for (int peer : group) {
     if (peer == ordinal) continue;
@@ -100,6 +101,7 @@ void PrepareCudaDevice(int ordinal, const std::vector<int>& group) {
     else SIFAR_CUDA_CHECK(e);
   }
   PreloadCudaKernelsOnCurrentDevice();
+  if (multicast) SIFAR_CUDA_CHECK(PreloadMulticastKernels());
 }
 
 }  // namespace sifar

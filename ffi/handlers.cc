@@ -5,8 +5,8 @@ namespace ffi = xla::ffi;
 namespace sifar {
 
 const char* AlgorithmName(int algorithm) {
-  static const char* names[kNumAlgorithms] = {"oneshot",    "twoshot", "oneshot_db",
-                                              "sifar_flag", "sifar",   "multicast"};
+  static const char* names[kNumAlgorithms] = {"oneshot", "twoshot",   "oneshot_db", "sifar_flag",
+                                              "sifar",   "multicast", "sifar_push"};
   return (algorithm >= 0 && algorithm < kNumAlgorithms) ? names[algorithm] : "unknown";
 }
 
@@ -55,6 +55,23 @@ ffi::Error CheckPayload(const Comm& comm, int nranks, size_t in_bytes, size_t ou
                       "sifar_jax: payload of " + std::to_string(in_bytes) +
                           " bytes exceeds the slot of " + std::to_string(comm.slot_bytes()) +
                           " bytes");
+  return ffi::Error::Success();
+}
+
+ffi::Error ResolveBuffer(const Comm& comm, int group, int rank, const void* buf,
+                         size_t buf_bytes, char* (&slots)[kMaxRanks]) {
+  if (buf_bytes < comm.slot_total_bytes())
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "sifar_jax.sifar_psum_into: the buffer is smaller than a slot; make it "
+                      "with sifar_jax.make_buffers");
+  if (!comm.FindBuffer(group, rank, buf, slots))
+    return ffi::Error(
+        ffi::ErrorCode::kFailedPrecondition,
+        "sifar_jax.sifar_psum_into: rank " + std::to_string(rank) + " of axis '" +
+            comm.axis_name() +
+            "' was given a buffer that sifar_jax.make_buffers did not register: XLA copied it. "
+            "Pass both buffers into the jitted step with donate_argnums, return them, and "
+            "feed the returned buffers to the next step");
   return ffi::Error::Success();
 }
 

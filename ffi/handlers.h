@@ -10,9 +10,14 @@
 
 namespace sifar {
 
+// sifar_allreduce: x -> y, on the communicator's internal dual slots.
+// sifar_allreduce_into: (x, buf, prev) -> (y, buf), on user buffers (buf
+// aliased in place, prev kept alive so the alternation is visible to XLA).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuAllReduce);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuAllReduceInto);
 #ifdef SIFAR_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaAllReduce);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaAllReduceInto);
 #endif
 
 const char* AlgorithmName(int algorithm);
@@ -25,5 +30,9 @@ xla::ffi::Error FailedError(const Comm& comm);
 xla::ffi::Error NotInitialisedError(int axis_key, int ordinal);
 // The call was traced for an axis of `nranks` devices and its payload fits.
 xla::ffi::Error CheckPayload(const Comm& comm, int nranks, size_t in_bytes, size_t out_bytes);
+
+// Every rank's copy of the registered buffer `buf` (explicit dual buffering).
+xla::ffi::Error ResolveBuffer(const Comm& comm, int group, int rank, const void* buf,
+                              size_t buf_bytes, char* (&slots)[kMaxRanks]);
 
 }  // namespace sifar

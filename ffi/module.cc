@@ -42,12 +42,17 @@ int CudaDeviceCount();
 NB_MODULE(_sifar, m) {
   m.doc() = "SiFAR all-reduce: XLA FFI handlers and communicator registry";
 
+  // {target: {platform: capsule}}
   m.def("handlers", [] {
-    nb::dict d;
-    d["cpu"] = Capsule(CpuAllReduce);
+    nb::dict plain, into, d;
+    plain["cpu"] = Capsule(CpuAllReduce);
+    into["cpu"] = Capsule(CpuAllReduceInto);
 #ifdef SIFAR_WITH_CUDA
-    d["cuda"] = Capsule(CudaAllReduce);
+    plain["cuda"] = Capsule(CudaAllReduce);
+    into["cuda"] = Capsule(CudaAllReduceInto);
 #endif
+    d["sifar_allreduce"] = plain;
+    d["sifar_allreduce_into"] = into;
     return d;
   });
   m.def("built_with_cuda", [] {
@@ -93,6 +98,23 @@ NB_MODULE(_sifar, m) {
     std::string msg;
     WithComm(id, [&](Comm& c) { msg = DescribeFailure(c); });
     return msg;
+  });
+  m.def("comm_multicast_refusal", [](int id) {
+    // "" when every group of the communicator has a live multicast group.
+    std::string why;
+    WithComm(id, [&](Comm& c) {
+      for (auto& g : c.groups())
+        if (!g.multicast) why = g.multicast_refusal.empty() ? "no multicast group" : g.multicast_refusal;
+    });
+    return why;
+  });
+  m.def("slot_total_bytes", [](int id) {
+    size_t n = 0;
+    WithComm(id, [&](Comm& c) { n = c.slot_total_bytes(); });
+    return n;
+  });
+  m.def("register_buffer", [](int id, int group, const std::vector<uintptr_t>& per_rank) {
+    WithComm(id, [&](Comm& c) { c.RegisterBuffer(group, per_rank); });
   });
   m.def("set_skew", [](int id, uint32_t max_ns, uint32_t seed) {
     WithComm(id, [&](Comm& c) { c.SetSkew(max_ns, seed); });

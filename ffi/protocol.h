@@ -23,7 +23,8 @@ enum Algorithm : int32_t {
   kSifarFlag = 3,  // paper: speculative pull, per-block flag reduced alongside, re-pull on mismatch
   kSifar = 4,      // dual buffering + speculative pull of epoch-tagged words (correct by construction)
   kMulticast = 5,  // redundant pull through NVLink multicast (GPU only, opt-in)
-  kNumAlgorithms = 6,
+  kSifarPush = 6,  // sifar with the words pushed into the peers' inboxes, polled locally
+  kNumAlgorithms = 7,
 };
 
 constexpr int kMaxRanks = 8;
@@ -139,6 +140,10 @@ struct ErrorRecord {
 
 enum StatField { kCalls = 0, kRetries = 1, kTimeouts = 2, kNumStats = 3 };
 
+// Epoch-tagged words of one source rank: sifar (pull) reads them from the
+// source's own slot, sifar_push writes them into every destination's slot.
+SIFAR_HD size_t LLRegionBytes(size_t slot_bytes) { return 2 * slot_bytes; }
+
 struct SlotLayout {
   size_t slot_bytes;  // max payload bytes
   size_t plain, tmp, ll, flags, total;
@@ -152,8 +157,8 @@ SIFAR_HD SlotLayout MakeSlotLayout(size_t slot_bytes) {
   off = AlignUp(off + slot_bytes, kAlign);
   s.tmp = off;  // twoshot: this rank's reduced piece, gathered by the peers
   off = AlignUp(off + slot_bytes, kAlign);
-  s.ll = off;  // 2x: every 4 payload bytes travel with a 4-byte epoch
-  off = AlignUp(off + 2 * slot_bytes, kAlign);
+  s.ll = off;  // [source rank][2x payload]: every 4 payload bytes travel with a 4-byte epoch
+  off = AlignUp(off + kMaxRanks * LLRegionBytes(slot_bytes), kAlign);
   s.flags = off;  // sifar_flag: per-block validation word
   off = AlignUp(off + kMaxBlocks * sizeof(uint32_t), kAlign);
   s.total = off;

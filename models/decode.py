@@ -38,10 +38,10 @@ def _init_sifar(mesh: Mesh) -> None:
 class Decoder:
     """Greedy decoder for one batch of equal-length sequences.
 
-    state = {"cache": [per layer {"k","v"}], "pos": int32 scalar, "ar": {}} — donated every call.
-    HOOK(sifar dual buffers): put the pair of all-reduce buffers in state["ar"] (in reset()) and
-    pass their PartitionSpecs as `ar_specs` to make_forward; the forward hands them to every
-    all-reduce through TPContext and returns them, so they are donated like the cache.
+    state = {"cache": [per layer {"k","v"}], "pos": int32 scalar, "ar": {...}} — donated every
+    call. With allreduce="sifar_buffers", state["ar"] holds the pair of all-reduce buffers from
+    sifar_jax.make_buffers ({"a", "b"}); the forward hands them to every all-reduce (alternating
+    by parity) and returns them, so they are donated like the cache and never copied.
 
     allreduce="sifar" calls sifar_jax.init(mesh). A prefill's all-reduce payload is
     batch x prompt_len x hidden: past sifar's slot size it falls back to lax.psum with
@@ -59,9 +59,17 @@ class Decoder:
         self.max_seq_len = max_seq_len or config.max_seq_len
         self.tp = mesh.shape[axis_name]
         llama.check_tp(config, self.tp)
-        if allreduce == "sifar":
+        self._buffers = None
+        if allreduce in ("sifar", "sifar_buffers"):
             _init_sifar(mesh)
-        kw = dict(allreduce=allreduce, algorithm=algorithm, axis_name=axis_name)
+        ar_specs = None
+        if allreduce == "sifar_buffers":
+            import sifar_jax
+
+            self._buffers = sifar_jax.make_buffers(mesh, axis_name)
+            spec = sifar_jax.buffer_spec(mesh)
+            ar_specs = {"a": spec, "b": spec}
+        kw = dict(allreduce=allreduce, algorithm=algorithm, axis_name=axis_name, ar_specs=ar_specs)
         fwd_all = llama.make_forward(config, mesh, **kw)
         fwd_last = llama.make_forward(config, mesh, last_only=True, **kw)
         self._replicated = NamedSharding(mesh, P())
@@ -91,7 +99,9 @@ class Decoder:
         if self.state is None:
             cache = llama.init_cache(self.config, self.mesh, self.batch_size, self.max_seq_len,
                                      self.axis_name)
-            self.state = {"cache": cache, "pos": None, "ar": {}}
+            ar = {} if self._buffers is None else dict(self._buffers._asdict())
+            self._buffers = None  # owned by the state from now on (donated every step)
+            self.state = {"cache": cache, "pos": None, "ar": ar}
         self.state["pos"] = jax.device_put(jnp.int32(0), self._replicated)
         self._pos = 0
 

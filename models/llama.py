@@ -36,7 +36,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .config import LlamaConfig
 
 AllReduceFn = Callable[[jax.Array, str], jax.Array]
-ALLREDUCE_KINDS = ("psum", "sifar", "identity")
+# sifar_buffers: sifar with explicit dual buffers threaded through the decode state.
+ALLREDUCE_KINDS = ("psum", "sifar", "sifar_buffers", "identity")
 
 
 # ---- the one switch between all-reduce implementations -------------------------------------------
@@ -52,7 +53,7 @@ def make_allreduce(kind: str = "psum", algorithm: str = "auto") -> AllReduceFn:
         return lambda x, axis_name: jax.lax.psum(x, axis_name)
     if kind == "identity":
         return lambda x, axis_name: x
-    if kind == "sifar":
+    if kind in ("sifar", "sifar_buffers"):  # sifar_buffers: see make_allreduce_into
         def sifar(x, axis_name):
             import sifar_jax  # lazily: the models work without the extension built
 
@@ -62,6 +63,16 @@ def make_allreduce(kind: str = "psum", algorithm: str = "auto") -> AllReduceFn:
     raise ValueError(f"allreduce must be one of {ALLREDUCE_KINDS}, got {kind!r}")
 
 
+def make_allreduce_into(algorithm: str = "auto"):
+    """f(x, axis_name, buf, prev) -> (sum, buf): sifar with explicit dual buffers."""
+    def sifar_into(x, axis_name, buf, prev):
+        import sifar_jax
+
+        return sifar_jax.sifar_psum_into(x, axis_name, buf, prev, algorithm=algorithm)
+
+    return sifar_into
+
+
 class TPContext:
     """Per-trace view of the tensor-parallel axis that every layer receives.
 
@@ -69,25 +80,30 @@ class TPContext:
     decode state as state["ar"] (empty for now) and returned, updated, by the forward.
     """
 
-    def __init__(self, axis_name: str, size: int, allreduce: AllReduceFn, buffers: Any = None):
+    def __init__(self, axis_name: str, size: int, allreduce: AllReduceFn, buffers: Any = None,
+                 allreduce_into=None):
         self.axis_name = axis_name
         self.size = size
         self._allreduce = allreduce
-        self.buffers = {} if buffers is None else buffers
+        self._allreduce_into = allreduce_into
+        self.buffers = {} if buffers is None else dict(buffers)
         self.count = 0  # all-reduces issued so far in this trace
 
     def rank(self) -> jax.Array:
         return jax.lax.axis_index(self.axis_name)
 
     def all_reduce(self, x: jax.Array) -> jax.Array:
-        # HOOK(sifar dual buffers): when self.buffers holds a pair of all-reduce buffers, this
-        # becomes, by parity of the all-reduce index,
-        #     slot = self.count % 2
-        #     y, self.buffers[slot] = sifar_jax.sifar_psum_into(x, self.axis_name,
-        #                                                       self.buffers[slot], ...)
-        # The decode state donates state["ar"] every step, so the buffers are written in place.
+        if self.buffers:
+            # Explicit dual buffering: all-reduce k writes into buffer k % 2 and keeps the other
+            # (the one all-reduce k-1 wrote) alive. The decode state donates state["ar"] every
+            # step, so both are written in place and keep their registered addresses.
+            cur, prev = ("a", "b") if self.count % 2 == 0 else ("b", "a")
+            y, self.buffers[cur] = self._allreduce_into(x, self.axis_name, self.buffers[cur],
+                                                        self.buffers[prev])
+        else:
+            y = self._allreduce(x, self.axis_name)
         self.count += 1
-        return self._allreduce(x, self.axis_name)
+        return y
 
 
 def check_tp(config: LlamaConfig, tp: int) -> None:
@@ -330,8 +346,13 @@ def make_forward(config: LlamaConfig, mesh: Mesh, *, allreduce: str = "psum",
 
     def per_rank(params, cache, tokens, positions, ar):
         model = nnx.merge(graphdef, params)
-        ctx = TPContext(axis_name, tp, reduce_fn, ar)
+        ctx = TPContext(axis_name, tp, reduce_fn, ar, make_allreduce_into(algorithm))
         logits, cache = model(tokens, positions, cache, ctx, last_only=last_only)
+        if ctx.buffers and ctx.count % 2:
+            # The next step starts with buffer "a" again: an odd count would reuse the buffer
+            # the last all-reduce wrote, which dual buffering forbids.
+            raise ValueError(f"explicit dual buffers need an even number of all-reduces per step, "
+                             f"got {ctx.count}")
         return logits, cache, ctx.buffers
 
     # check_vma=False: the sifar custom call does not carry varying-manual-axes types.

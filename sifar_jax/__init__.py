@@ -7,6 +7,7 @@
 
 from . import algorithms, testing
 from .algorithms import ALL as ALGORITHMS
+from .buffers import DualBuffers, buffer_spec, make_buffers, sifar_psum_into
 from .comm import DEFAULT_SLOT_BYTES, communicators, init, shutdown
 from .errors import NotInitializedError, SifarError
 from .multicast import MulticastDisabledError
@@ -18,16 +19,20 @@ __version__ = "0.1.0"
 __all__ = [
     "ALGORITHMS",
     "DEFAULT_SLOT_BYTES",
+    "DualBuffers",
     "MulticastDisabledError",
     "NotInitializedError",
     "SUPPORTED_DTYPES",
     "SifarError",
     "algorithms",
+    "buffer_spec",
     "check",
     "communicators",
     "init",
+    "make_buffers",
     "shutdown",
     "sifar_psum",
+    "sifar_psum_into",
     "stats",
     "testing",
 ]

@@ -14,15 +14,17 @@ except ImportError as e:  # pragma: no cover - only when the build is missing
         "`pip install .` (or `pip install --no-build-isolation -e .`)"
     ) from e
 
-TARGET = "sifar_allreduce"
+TARGET = "sifar_allreduce"  # x -> y on the internal dual slots
+TARGET_INTO = "sifar_allreduce_into"  # (x, buf, prev) -> (y, buf) on user buffers
 
 
 @functools.cache
 def register() -> frozenset[str]:
     """Registers the handlers; returns the XLA platforms that have one."""
     platforms = set()
-    for platform, capsule in _sifar.handlers().items():
-        xla_platform = "CUDA" if platform == "cuda" else platform
-        jax.ffi.register_ffi_target(TARGET, capsule, platform=xla_platform)
-        platforms.add(platform)
+    for target, by_platform in _sifar.handlers().items():
+        for platform, capsule in by_platform.items():
+            xla_platform = "CUDA" if platform == "cuda" else platform
+            jax.ffi.register_ffi_target(target, capsule, platform=xla_platform)
+            platforms.add(platform)
     return frozenset(platforms)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -33,12 +34,105 @@ def _axis_size(axis_name) -> int:
         ) from e
 
 
-def _pick(algorithm: str, platform: str) -> str:
+def _multicast_refusal(comms) -> str | None:
+    """Why these communicators cannot use multicast (None if all can)."""
+    for c in comms:
+        why = _ext._sifar.comm_multicast_refusal(c.comm_id)
+        if why:
+            return why
+    return None
+
+
+def _pick(algorithm: str, comms) -> str:
     if algorithm != algorithms.AUTO:
         return algorithm
-    if platform == "cuda" and multicast.enabled():
+    if comms[0].platform == "cuda" and multicast.enabled() and _multicast_refusal(comms) is None:
         return algorithms.MULTICAST
     return algorithms.SIFAR
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """How one call runs: which communicators, algorithm and padding."""
+
+    comms: list
+    algorithm: str
+    nranks: int
+    pad: int  # elements appended to reach whole 16-byte lines
+
+    @property
+    def platform(self) -> str:
+        return self.comms[0].platform
+
+    def attrs(self, repeat: int = 1) -> dict:
+        return dict(
+            axis_key=np.int32(self.comms[0].axis_key),
+            nranks=np.int32(self.nranks),
+            algorithm=np.int32(algorithms.IDS[self.algorithm]),
+            repeat=np.int32(repeat),
+        )
+
+
+def _plan(x, axis_name, algorithm: str, api: str):
+    """Trace-time checks. Returns a _Plan, or a string: why "auto" falls back."""
+    algorithms.validate(algorithm)
+    dtype = jnp.dtype(x.dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"sifar_jax.{api}: dtype {dtype} is not supported; use float32, bfloat16 or "
+            f"float16 (or lax.psum for other types)"
+        )
+    explicit = algorithm != algorithms.AUTO
+
+    def cannot(reason: str):
+        if explicit:
+            raise ValueError(f"sifar_jax.{api}(algorithm={algorithm!r}): {reason}")
+        return reason
+
+    if isinstance(axis_name, (tuple, list)):
+        if len(axis_name) != 1:
+            return cannot("reducing over several axes at once is not supported")
+        axis_name = axis_name[0]
+    n = _axis_size(axis_name)
+
+    comms = [c for c in comm.communicators(axis_name) if c.nranks == n]
+    if not comms:
+        unsupported = [u for u in comm.unsupported(axis_name) if u.nranks == n]
+        if unsupported:
+            return cannot(unsupported[0].reason)
+        raise NotInitializedError(
+            f"sifar_jax.{api}: no communicator for axis {axis_name!r} of size {n}; "
+            f"call sifar_jax.init(mesh) with the mesh you pass to shard_map first"
+        )
+    chosen = _pick(algorithm, comms)
+    if chosen == algorithms.MULTICAST:
+        multicast.require_enabled()  # the guard: a clear error while multicast is off
+        if comms[0].platform != "cuda":
+            return cannot("multicast needs NVLink GPUs")
+        why = _multicast_refusal(comms)
+        if why:
+            raise multicast.MulticastDisabledError(f"sifar_jax: algorithm 'multicast' refused: {why}")
+
+    nbytes = x.size * dtype.itemsize
+    padded = -(-nbytes // _LINE) * _LINE
+    slot = min(c.slot_bytes for c in comms)
+    if padded > slot:
+        return cannot(
+            f"payload of {padded} bytes exceeds the {slot}-byte slot "
+            f"(raise it with sifar_jax.init(mesh, slot_bytes=...))"
+        )
+    return _Plan(comms, chosen, n, (padded - nbytes) // dtype.itemsize)
+
+
+def _flat(x, plan: _Plan):
+    flat = x.reshape(-1)
+    return jnp.pad(flat, (0, plan.pad)) if plan.pad else flat
+
+
+def _unflat(out, x, plan: _Plan):
+    if plan.pad:
+        out = out[: x.size]
+    return out.reshape(x.shape)
 
 
 def sifar_psum(x, axis_name, *, algorithm: str = algorithms.AUTO, _repeat: int = 1):
@@ -53,72 +147,18 @@ def sifar_psum(x, axis_name, *, algorithm: str = algorithms.AUTO, _repeat: int =
     `_repeat` (benchmarks only): run that many all-reduces of `x` back to back
     inside one handler call / kernel launch, the paper's kernel-level method.
     """
-    algorithms.validate(algorithm)
     x = jnp.asarray(x)
-    dtype = jnp.dtype(x.dtype)
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"sifar_jax.sifar_psum: dtype {dtype} is not supported; use float32, bfloat16 or "
-            f"float16 (or lax.psum for other types)"
-        )
-    explicit = algorithm != algorithms.AUTO
-
-    def cannot(reason: str, exc=ValueError):
-        if explicit:
-            raise exc(f"sifar_jax.sifar_psum(algorithm={algorithm!r}): {reason}")
-        return _fallback(x, axis_name, reason)
-
-    if isinstance(axis_name, (tuple, list)):
-        if len(axis_name) != 1:
-            return cannot("reducing over several axes at once is not supported")
-        axis_name = axis_name[0]
-    n = _axis_size(axis_name)
-
-    comms = [c for c in comm.communicators(axis_name) if c.nranks == n]
-    if not comms:
-        unsupported = [u for u in comm.unsupported(axis_name) if u.nranks == n]
-        if unsupported:
-            return cannot(unsupported[0].reason)
-        raise NotInitializedError(
-            f"sifar_jax.sifar_psum: no communicator for axis {axis_name!r} of size {n}; "
-            f"call sifar_jax.init(mesh) with the mesh you pass to shard_map first"
-        )
-    platform = comms[0].platform
-    chosen = _pick(algorithm, platform)
-    if chosen == algorithms.MULTICAST:
-        if platform != "cuda":
-            return cannot("multicast needs NVLink GPUs")
-        multicast.require_enabled()  # raises a clear error while it is off
-
-    nbytes = x.size * dtype.itemsize
-    padded = -(-nbytes // _LINE) * _LINE
-    slot = min(c.slot_bytes for c in comms)
-    if padded > slot:
-        return cannot(
-            f"payload of {padded} bytes exceeds the {slot}-byte slot "
-            f"(raise it with sifar_jax.init(mesh, slot_bytes=...))"
-        )
+    plan = _plan(x, axis_name, algorithm, "sifar_psum")
+    if isinstance(plan, str):
+        return _fallback(x, axis_name, plan)
     if x.size == 0:
         return x
-
-    flat = x.reshape(-1)
-    pad = (padded - nbytes) // dtype.itemsize
-    if pad:
-        flat = jnp.pad(flat, (0, pad))
+    flat = _flat(x, plan)
     call = jax.ffi.ffi_call(
         _ext.TARGET,
         jax.ShapeDtypeStruct(flat.shape, flat.dtype),
         # On XLA:CPU independent custom calls may run concurrently; marking the
         # call side-effecting keeps every rank's all-reduces in program order.
-        has_side_effect=(platform == "cpu"),
+        has_side_effect=(plan.platform == "cpu"),
     )
-    out = call(
-        flat,
-        axis_key=np.int32(comms[0].axis_key),
-        nranks=np.int32(n),
-        algorithm=np.int32(algorithms.IDS[chosen]),
-        repeat=np.int32(_repeat),
-    )
-    if pad:
-        out = out[: x.size]
-    return out.reshape(x.shape)
+    return _unflat(call(flat, **plan.attrs(_repeat)), x, plan)
