@@ -89,6 +89,31 @@ def _why_unsupported(groups: list[list], platform: str | None) -> str | None:
     return None
 
 
+def _wait_for_effects() -> None:
+    """Waits for computations that may still use the communicators.
+
+    On XLA:CPU sifar_psum is side-effecting, and JAX keeps the runtime token of
+    a failed side-effecting computation: every later effects_barrier re-raises
+    that (already reported) error. Forget it, so shutdown() and init() work
+    after a failure.
+    """
+    try:
+        jax.effects_barrier()
+    except Exception:  # noqa: BLE001 - the failing call already raised it
+        try:
+            from jax._src import dispatch
+
+            tokens = dispatch.runtime_tokens
+            for tok in [*tokens.current_tokens.values(), *tokens.output_runtime_tokens.values()]:
+                try:
+                    tok.block_until_ready()
+                except Exception:  # noqa: BLE001
+                    pass
+            tokens.clear()
+        except Exception:  # noqa: BLE001 - private API moved: nothing more to do
+            pass
+
+
 def _drop_overlapping(axis: str, devices: set[int]) -> None:
     """A device serves one communicator per axis name: a new mesh that reuses
     devices under the same axis name replaces the communicators it overlaps."""
@@ -97,7 +122,7 @@ def _drop_overlapping(axis: str, devices: set[int]) -> None:
         if devices.isdisjoint(d for g in c.groups for d in g):
             keep.append(c)
         else:
-            jax.effects_barrier()
+            _wait_for_effects()
             _ext._sifar.destroy_comm(c.comm_id)
     _comms[axis] = keep
 
@@ -149,7 +174,7 @@ def init(mesh, *, slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: float | None 
 def shutdown() -> None:
     """Frees every communicator. Do not call while computations using them run."""
     with _lock:
-        jax.effects_barrier()
+        _wait_for_effects()
         _ext._sifar.destroy_all()
         _comms.clear()
         _unsupported.clear()
