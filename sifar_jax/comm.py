@@ -127,7 +127,7 @@ def _drop_overlapping(axis: str, devices: set[int]) -> None:
     _comms[axis] = keep
 
 
-def init(mesh, *, slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: float | None = None) -> None:
+def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None) -> None:
     """Sets up a communicator for every axis of `mesh`. Idempotent.
 
     Calling it with another mesh that reuses devices under the same axis name
@@ -135,10 +135,12 @@ def init(mesh, *, slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: float | None 
     a clear error until re-traced).
 
     slot_bytes: the largest payload (per all-reduce, per device) served without
-      falling back to `lax.psum`; rounded up to 16 bytes.
+      falling back to `lax.psum`; rounded up to 16 bytes. Default 64 KiB; when
+      omitted, an axis already set up keeps its slot.
     timeout_s: bound on every wait for a peer (default $SIFAR_TIMEOUT_S or 5 s).
     """
-    slot_bytes = -(-int(slot_bytes) // 16) * 16
+    keep_slot = slot_bytes is None
+    slot_bytes = -(-int(DEFAULT_SLOT_BYTES if keep_slot else slot_bytes) // 16) * 16
     if slot_bytes <= 0:
         raise ValueError("sifar_jax.init: slot_bytes must be positive")
     with _lock:
@@ -148,7 +150,8 @@ def init(mesh, *, slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: float | None 
             groups = _groups(mesh, axis)
             ids = tuple(tuple(d.id for d in g) for g in groups)
             platform = _platform(groups[0][0])
-            if any(c.groups == ids and c.slot_bytes == slot_bytes for c in _comms.get(axis, [])):
+            if any(c.groups == ids and (keep_slot or c.slot_bytes == slot_bytes)
+                   for c in _comms.get(axis, [])):
                 continue  # already set up: init is idempotent
             _drop_overlapping(axis, {d for g in ids for d in g})
             reason = _why_unsupported(groups, platform)
