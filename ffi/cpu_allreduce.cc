@@ -377,13 +377,15 @@ ffi::Error RunCpu(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer>
   return ffi::Error::Success();
 }
 
-ffi::Error CpuAllReduceImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+ffi::Error CpuAllReduceImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::RemainingArgs /*after*/,
+                            ffi::Result<ffi::AnyBuffer> y,
                             int32_t axis_key, int32_t nranks, int32_t algorithm, int32_t repeat) {
   return RunCpu(ordinal, x, y, axis_key, nranks, algorithm, repeat, nullptr);
 }
 
 ffi::Error CpuAllReduceIntoImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer buf,
-                                ffi::AnyBuffer /*prev*/, ffi::Result<ffi::AnyBuffer> y,
+                                ffi::AnyBuffer /*prev*/, ffi::RemainingArgs /*after*/,
+                                ffi::Result<ffi::AnyBuffer> y,
                                 ffi::Result<ffi::AnyBuffer> /*buf_out: aliases buf*/,
                                 int32_t axis_key, int32_t nranks, int32_t algorithm,
                                 int32_t repeat) {
@@ -398,6 +400,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuAllReduceInto, CpuAllReduceIntoImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()  // "after": ordering only, never read
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("axis_key")
@@ -409,6 +412,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuAllReduce, CpuAllReduceImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
+                                  // "after": the previous all-reduce's result,
+                                  // never read; the buffer dependence makes
+                                  // XLA run the calls in trace order.
+                                  .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("axis_key")
                                   .Attr<int32_t>("nranks")

@@ -160,14 +160,14 @@ ffi::Error RunCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
 }
 
 ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                             ffi::Result<ffi::AnyBuffer> y, int32_t axis_key, int32_t nranks,
+                             ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> y, int32_t axis_key, int32_t nranks,
                              int32_t algorithm, int32_t repeat) {
   return RunCuda(stream, ordinal, x, y, axis_key, nranks, algorithm, repeat, nullptr);
 }
 
 ffi::Error CudaAllReduceIntoImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                  ffi::AnyBuffer buf, ffi::AnyBuffer /*prev*/,
-                                 ffi::Result<ffi::AnyBuffer> y,
+                                 ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> y,
                                  ffi::Result<ffi::AnyBuffer> /*buf_out: aliases buf*/,
                                  int32_t axis_key, int32_t nranks, int32_t algorithm,
                                  int32_t repeat) {
@@ -187,6 +187,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaAllReduce, CudaAllReduceImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()  // "after": ordering only, never read
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("axis_key")
                                   .Attr<int32_t>("nranks")
@@ -201,6 +202,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaAllReduceInto, CudaAllReduceIntoImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()  // "after": ordering only, never read
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("axis_key")

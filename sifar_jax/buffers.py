@@ -98,5 +98,6 @@ def sifar_psum_into(x, axis_name, buf, prev, *, algorithm: str = "auto"):
         input_output_aliases={1: 1},
         has_side_effect=(plan.platform == "cpu"),
     )
-    out, buf = call(flat, buf, prev, **plan.attrs())
+    out, buf = call(flat, buf, prev, *psum._after(flat), **plan.attrs())
+    psum._remember(flat, out)
     return psum._unflat(out, x, plan), buf

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,31 @@ from .errors import NotInitializedError
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _LINE = 16  # bytes: the payload is moved in 16-byte lines
 _warned: set[str] = set()
+# The previous sifar_psum result in each jaxpr being traced (see _after).
+_last_result: "weakref.WeakKeyDictionary[object, object]" = weakref.WeakKeyDictionary()
+
+
+def _after(flat) -> list:
+    """Ordering operands for the next all-reduce traced into flat's jaxpr.
+
+    All ranks must run their all-reduces in the same order, and side effects do
+    not order custom calls: XLA:CPU's thunk executor runs independent ones
+    concurrently on its thread pool, in any order (silently mixing up sums), and
+    XLA:GPU may too in concurrent command-buffer regions. Passing the previous
+    result of the same jaxpr as an extra operand, which the handler never reads,
+    is a real buffer dependence every scheduler honours: calls run in trace
+    order. (Calls in different jaxprs, e.g. inside and outside a scan body,
+    are not chained.)
+    """
+    trace = getattr(flat, "_trace", None)
+    prev = _last_result.get(trace) if trace is not None else None
+    return [] if prev is None else [prev]
+
+
+def _remember(flat, out) -> None:
+    trace = getattr(flat, "_trace", None)
+    if trace is not None:
+        _last_result[trace] = out
 
 
 def _fallback(x, axis_name, reason: str):
@@ -157,8 +183,10 @@ def sifar_psum(x, axis_name, *, algorithm: str = algorithms.AUTO, _repeat: int =
     call = jax.ffi.ffi_call(
         _ext.TARGET,
         jax.ShapeDtypeStruct(flat.shape, flat.dtype),
-        # On XLA:CPU independent custom calls may run concurrently; marking the
-        # call side-effecting keeps every rank's all-reduces in program order.
+        # Keeps the call when its result is unused on XLA:CPU, where a failed
+        # all-reduce must still surface; ordering comes from _after.
         has_side_effect=(plan.platform == "cpu"),
     )
-    return _unflat(call(flat, **plan.attrs(_repeat)), x, plan)
+    out = call(flat, *_after(flat), **plan.attrs(_repeat))
+    _remember(flat, out)
+    return _unflat(out, x, plan)

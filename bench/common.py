@@ -1,0 +1,307 @@
+"""Helpers shared by the benchmarks: device set-up, timing, statistics, a host
+tag, a description of the environment, and JSON / Markdown / PNG output.
+
+Import this module before jax when you want `use_host_devices()` to take
+effect: XLA reads XLA_FLAGS once, when its backend starts. Nothing here imports
+jax at module level.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+_HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+# ------------------------------------------------------------------ devices --
+def use_host_devices(n: int = 8) -> None:
+    """Asks XLA:CPU for n host devices (unless XLA_FLAGS already says how many).
+    Call before jax is imported; harmless on GPU hosts (only the CPU backend
+    reads the flag)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _HOST_DEVICES_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {_HOST_DEVICES_FLAG}={n}".strip()
+
+
+def bench_devices(min_gpus: int = 2) -> tuple[str, list]:
+    """("gpu", GPUs) when at least min_gpus are visible, else ("cpu", host devices)."""
+    import jax
+
+    try:
+        gpus = [d for d in jax.devices("gpu") if d.platform == "gpu"]
+    except RuntimeError:
+        gpus = []
+    if len(gpus) >= min_gpus:
+        return "gpu", gpus
+    return "cpu", jax.devices("cpu")
+
+
+def powers_of_two_up_to(n: int, start: int = 2) -> list[int]:
+    out, t = [], start
+    while t <= n:
+        out.append(t)
+        t *= 2
+    return out
+
+
+# ----------------------------------------------------------------- host tag --
+def _short_gpu_name(kind: str) -> str:
+    """'NVIDIA H200' -> 'H200', 'NVIDIA H100 80GB HBM3' -> 'H100'."""
+    name = re.sub(r"^(NVIDIA|Tesla)\s+", "", kind.strip(), flags=re.I)
+    name = name.split()[0] if name else "gpu"
+    return re.sub(r"[^A-Za-z0-9_.-]", "", name) or "gpu"
+
+
+def host_tag(devices: Sequence | None = None) -> str:
+    """A short tag naming the hardware the numbers came from: '2xH200', 'cpu-2core'."""
+    if devices is None:
+        _, devices = bench_devices()
+    gpus = [d for d in devices if d.platform == "gpu"]
+    if gpus:
+        return f"{len(gpus)}x{_short_gpu_name(gpus[0].device_kind)}"
+    return f"cpu-{os.cpu_count()}core"
+
+
+# -------------------------------------------------------------- environment --
+def _nvidia_smi(query: str) -> str | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run(
+            [exe, f"--query-gpu={query}", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [line.strip() for line in out.splitlines() if line.strip()]
+    return lines[0] if lines else None
+
+
+def _driver_version() -> str | None:
+    v = _nvidia_smi("driver_version")
+    if v:
+        return v
+    try:  # without nvidia-smi: the kernel module's banner
+        text = Path("/proc/driver/nvidia/version").read_text()
+        m = re.search(r"Kernel Module\s+([0-9.]+)", text)
+        return m.group(1) if m else None
+    except OSError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def describe_environment(devices: Sequence | None = None) -> dict:
+    """What a reader needs to interpret the numbers (and to reproduce them)."""
+    import jax
+    import jaxlib
+
+    if devices is None:
+        _, devices = bench_devices()
+    kind = "gpu" if any(d.platform == "gpu" for d in devices) else "cpu"
+    env = {
+        "host": host_tag(devices),
+        "hostname": socket.gethostname(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "platform": kind,
+        "devices": len(devices),
+        "device_kind": devices[0].device_kind if devices else None,
+        "gpu": devices[0].device_kind if kind == "gpu" else None,
+        "driver": _driver_version() if kind == "gpu" else None,
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": getattr(jaxlib, "__version__", None) or jax.lib.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+    try:
+        env["platform_version"] = devices[0].client.platform_version
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    try:
+        import sifar_jax
+
+        env["sifar_jax"] = sifar_jax.__version__
+    except Exception:  # noqa: BLE001
+        env["sifar_jax"] = None
+    return env
+
+
+# ------------------------------------------------------------------- timing --
+def block(x):
+    import jax
+
+    return jax.block_until_ready(x)
+
+
+def time_calls(fn: Callable, args: tuple, inner: int = 1) -> float:
+    """Seconds per call: `inner` back-to-back calls (dispatched asynchronously),
+    then one wait for the last result."""
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(inner):
+        out = fn(*args)
+    block(out)
+    return (time.perf_counter() - t0) / inner
+
+
+def warm_up(fn: Callable, args: tuple, times: int = 3) -> None:
+    for _ in range(times):
+        block(fn(*args))
+
+
+def paired_differences(
+    fn_small: Callable,
+    fn_large: Callable,
+    args: tuple,
+    extra_work: float,
+    runs: int,
+    inner: int = 1,
+    on_run: Callable[[], None] | None = None,
+) -> list[float]:
+    """Per-unit seconds from runs of (fn_large - fn_small) / extra_work.
+
+    The two functions differ only in `extra_work` units (e.g. all-reduces), so
+    the difference cancels launch and dispatch overhead. They are timed
+    alternately, run by run, so slow drifts hit both alike.
+    """
+    out = []
+    for _ in range(runs):
+        t_small = time_calls(fn_small, args, inner)
+        t_large = time_calls(fn_large, args, inner)
+        out.append((t_large - t_small) / extra_work)
+        if on_run is not None:
+            on_run()
+    return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]."""
+    v = sorted(values)
+    if not v:
+        return math.nan
+    k = (len(v) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def summarize_us(seconds: Sequence[float]) -> dict:
+    """{us_median, us_p10, us_p90} of per-unit seconds."""
+    us = [s * 1e6 for s in seconds]
+    return {
+        "us_median": round(statistics.median(us), 3),
+        "us_p10": round(percentile(us, 10), 3),
+        "us_p90": round(percentile(us, 90), 3),
+    }
+
+
+def progress(total: int, desc: str):
+    """A tqdm bar on stderr (a no-op stand-in when tqdm is missing)."""
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit="case", dynamic_ncols=True, file=sys.stderr,
+                    mininterval=0.5)
+    except ImportError:  # pragma: no cover
+
+        class _Bar:
+            def update(self, n=1):
+                pass
+
+            def set_postfix_str(self, s):
+                pass
+
+            def write(self, s):
+                print(s, file=sys.stderr)
+
+            def close(self):
+                pass
+
+        return _Bar()
+
+
+# ------------------------------------------------------------------- output --
+def results_path(out_dir: str | os.PathLike | None, stem: str, host: str, suffix: str) -> Path:
+    d = Path(out_dir) if out_dir else DEFAULT_OUT
+    d.mkdir(parents=True, exist_ok=True)
+    return d / f"{stem}-{host}{suffix}"
+
+
+def write_json(path: Path, records: list[dict]) -> Path:
+    path.write_text(json.dumps(records, indent=1) + "\n")
+    return path
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence]) -> str:
+    headers = [str(h) for h in headers]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(str(c) for c in row) + " |")
+    return "\n".join(lines)
+
+
+def environment_markdown(env: dict) -> str:
+    keys = [
+        ("host", "host"), ("hostname", "hostname"), ("date", "date"), ("gpu", "GPU"),
+        ("devices", "devices used"), ("driver", "driver"), ("platform_version", "platform"),
+        ("cpu", "CPU"), ("cpu_count", "CPU cores"), ("python", "Python"), ("jax", "jax"),
+        ("jaxlib", "jaxlib"), ("sifar_jax", "sifar_jax"), ("xla_flags", "XLA_FLAGS"),
+    ]
+    rows = [(label, f"`{env[k]}`" if k == "xla_flags" else env[k]) for k, label in keys
+            if env.get(k) not in (None, "")]
+    return markdown_table(["", ""], rows)
+
+
+def write_markdown(path: Path, title: str, env: dict, sections: Sequence[tuple[str, str]],
+                   notes: Sequence[str] = ()) -> Path:
+    """A report: title, environment table, notes, then (heading, body) sections."""
+    parts = [f"# {title}", "", environment_markdown(env), ""]
+    parts += [f"> {n}" for n in notes]
+    if notes:
+        parts.append("")
+    for heading, body in sections:
+        parts += [f"## {heading}", "", body, ""]
+    path.write_text("\n".join(parts))
+    return path
+
+
+def fmt_us(x: float) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.2f}" if abs(x) < 100 else f"{x:.0f}"
+
+
+def plain_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
+    """A fixed-width text table for the terminal."""
+    cols = [[str(h)] + [str(r[i]) for r in rows] for i, h in enumerate(headers)]
+    widths = [max(len(c) for c in col) for col in cols]
+    line = "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(headers, widths)))
+    out = [line, "  ".join("-" * w for w in widths)]
+    for r in rows:
+        out.append("  ".join(str(c).rjust(w) if i else str(c).ljust(w)
+                             for i, (c, w) in enumerate(zip(r, widths))))
+    return "\n".join(out)

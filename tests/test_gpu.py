@@ -1,0 +1,493 @@
+"""CUDA backend tests: skipped unless at least two GPUs are visible.
+
+On the GPU host:
+    python -m pytest -q tests/test_gpu.py                 # everything, stress test included
+    python -m pytest -q tests/test_gpu.py -m "not slow"   # without the stress test
+
+Correctness of every portable algorithm against lax.psum and a float64
+reference at TP=2 (and TP=4/8 on sub-meshes when that many GPUs exist), with
+XLA command buffers on (in this process: XLA's default) and off (in a
+subprocess, since XLA_FLAGS is read once at start-up); a stress test of
+100,000 skewed all-reduces that checks every result on the device; a dropped
+rank that must time out, not hang.
+
+NVLink multicast is never executed here: every call names a portable
+algorithm explicitly (never "auto", which could pick multicast where it is
+enabled), and the one test about multicast only traces and lowers, after
+checking that the guard refuses.
+
+This file is also a script: `python tests/test_gpu.py --child` runs the
+correctness checks and prints a JSON summary (used for the command-buffers-off
+run). SIFAR_GPU_TESTS_ON_CPU=1 runs the whole file on XLA:CPU host devices
+instead, to dry-run its logic on a machine without GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import subprocess
+import sys
+import time
+import zlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import sifar_jax
+from sifar_jax import multicast, testing
+
+DRY_RUN_ON_CPU = os.environ.get("SIFAR_GPU_TESTS_ON_CPU") == "1"
+ALGS = tuple(a for a in sifar_jax.ALGORITHMS if a != "multicast")
+assert "auto" not in ALGS and "multicast" not in ALGS  # never run multicast from here
+DTYPES = {
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+}
+SLOT = sifar_jax.DEFAULT_SLOT_BYTES  # 64 KB
+STRESS_CALLS = int(os.environ.get("SIFAR_STRESS_CALLS", "100"))
+STRESS_STEPS = int(os.environ.get("SIFAR_STRESS_STEPS", "1000"))
+
+
+def devices() -> list:
+    if DRY_RUN_ON_CPU:
+        return jax.devices("cpu")
+    try:
+        return [d for d in jax.devices("gpu") if d.platform == "gpu"]
+    except RuntimeError:
+        return []
+
+
+def tp_sizes() -> list[int]:
+    return [t for t in (2, 4, 8) if t <= len(devices())]
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(len(devices()) < 2, reason="needs at least 2 CUDA GPUs"),
+]
+
+
+def make_mesh(tp: int) -> Mesh:
+    return Mesh(np.array(devices()[:tp]), ("tp",))
+
+
+@contextlib.contextmanager
+def hang_guard(seconds: float):
+    """Kills the process, dumping every thread's stack, if the block hangs."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+# ------------------------------------------------------------------ numbers --
+def shapes_for(dtype) -> list[tuple[int, ...]]:
+    """From one element (2 bytes for bf16) up to exactly the slot."""
+    s = SLOT // np.dtype(dtype).itemsize
+    flat = [1, 3, 8, 37, 1000, 2048, 4096, 8192, 16384, s - 1, s]  # 4..64 KB of bf16
+    shapes = [(k,) for k in sorted(set(flat)) if k <= s]
+    return shapes + [(3, 5), (2, 3, 7), (4, s // 4)]
+
+
+def make_inputs(rng, n, shape, dtype) -> np.ndarray:
+    """|x| in [0.5, 2), one sign per element shared by all ranks: the sum has
+    no cancellation and is never zero, so an unwritten element cannot pass."""
+    mag = rng.uniform(0.5, 2.0, size=(n, *shape))
+    sign = np.where(rng.random(shape) < 0.5, -1.0, 1.0)
+    return (mag * sign).astype(dtype)
+
+
+def int_view(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    return a.view({2: np.int16, 4: np.int32}[a.dtype.itemsize]).astype(np.int64)
+
+
+def compare(got: np.ndarray, lax_got: np.ndarray, x: np.ndarray, what: str) -> list[str]:
+    """got/lax_got: (n, *shape), one row per rank. Returns the failures."""
+    n, dtype = x.shape[0], x.dtype
+    fails = []
+    bits = int_view(got)
+    if not (bits == bits[:1]).all():
+        fails.append(f"{what}: ranks are not bit-identical")
+    ref = x.astype(np.float64).sum(0).astype(dtype)
+    g = got[0].astype(np.float64)
+    if not np.isfinite(g).all() or (g == 0).any():
+        fails.append(f"{what}: NaN/inf/zero in the output (an element was not written)")
+    elif dtype == np.float32:
+        err = np.abs(g - ref.astype(np.float64)) / np.abs(ref.astype(np.float64))
+        if err.max() > 1e-6 * n:
+            fails.append(f"{what}: relative error {err.max():.3g} vs the float64 reference")
+    else:
+        ulps = np.abs(int_view(got[0]) - int_view(ref))
+        if ulps.max() > 1:
+            fails.append(f"{what}: {int((ulps > 1).sum())} elements > 1 ulp off the reference")
+    eps = {4: 2.0**-23, 2: 2.0**-7 if dtype == DTYPES["bfloat16"] else 2.0**-10}[dtype.itemsize]
+    lg = lax_got[0].astype(np.float64)
+    rel = np.abs(g - lg) / np.maximum(np.abs(lg), 1e-30)
+    if rel.max() > 2 * n * eps:
+        fails.append(f"{what}: differs from lax.psum by {rel.max():.3g} (relative)")
+    return fails
+
+
+# ---------------------------------------------------------------- functions --
+_FUNCS: dict = {}
+
+
+def matrix_fn(mesh, algorithm, count):
+    """count inputs (n, *shape_i) -> count pairs (sifar_psum, lax.psum), one jit."""
+    key = ("matrix", tuple(mesh.devices.flat), algorithm, count)
+    if key not in _FUNCS:
+
+        def body(*xs):
+            return tuple(
+                (
+                    sifar_jax.sifar_psum(x[0], "tp", algorithm=algorithm)[None],
+                    jax.lax.psum(x[0], "tp")[None],
+                )
+                for x in xs
+            )
+
+        spec = P("tp")
+        _FUNCS[key] = jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=(spec,) * count, out_specs=((spec, spec),) * count)
+        )
+    return _FUNCS[key]
+
+
+def check_matrix(mesh, algorithm, dtype_name, seed=0) -> tuple[int, list[str]]:
+    n = mesh.shape["tp"]
+    dtype = DTYPES[dtype_name]
+    shapes = shapes_for(dtype)
+    f = matrix_fn(mesh, algorithm, len(shapes))
+    fails, checked = [], 0
+    for call in range(2):  # the second call reuses the executable (and the other slot)
+        rng = np.random.default_rng(zlib.crc32(repr((n, algorithm, dtype_name, seed, call)).encode()))
+        xs = [make_inputs(rng, n, s, dtype) for s in shapes]
+        before = sifar_jax.stats()[algorithm]["calls"]
+        outs = jax.block_until_ready(f(*xs))
+        calls = sifar_jax.stats()[algorithm]["calls"] - before
+        if calls != n * len(shapes):
+            fails.append(f"tp={n} {algorithm}: stats counted {calls} calls, want {n * len(shapes)}")
+        for x, (got, lax_got) in zip(xs, outs):
+            checked += 1
+            what = f"tp={n} {algorithm} {dtype_name} {x.shape[1:]} call {call}"
+            fails += compare(np.asarray(got), np.asarray(lax_got), x, what)
+    return checked, fails
+
+
+def chain_fn(mesh, algorithm, steps):
+    """y <- reduce(0.5 * y + x[k]) * (1/n), data-dependent, unrolled in one jit."""
+    n = mesh.shape["tp"]
+    key = ("chain", tuple(mesh.devices.flat), algorithm, steps)
+    if key not in _FUNCS:
+
+        def body(y0, xs):
+            y, outs = y0[0], []
+            for k in range(steps):
+                v = 0.5 * y + xs[0, k]
+                s = jax.lax.psum(v, "tp") if algorithm is None else sifar_jax.sifar_psum(
+                    v, "tp", algorithm=algorithm
+                )
+                y = s * np.float32(1.0 / n)
+                outs.append(y)
+            return jnp.stack(outs)[None]
+
+        _FUNCS[key] = jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp")), out_specs=P("tp"))
+        )
+    return _FUNCS[key]
+
+
+def chain_reference(y0: np.ndarray, xs: np.ndarray) -> np.ndarray:
+    """float32, ranks added in order 0..n-1, one rounding per add (the protocol)."""
+    n, steps = xs.shape[:2]
+    y, outs = y0, []
+    for k in range(steps):
+        v = (np.float32(0.5) * y + xs[:, k]).astype(np.float32)
+        acc = v[0].copy()
+        for r in range(1, n):
+            acc = (acc + v[r]).astype(np.float32)
+        yk = (acc * np.float32(1.0 / n)).astype(np.float32)
+        outs.append(yk)
+        y = np.broadcast_to(yk, y.shape)
+    return np.stack(outs)
+
+
+def check_chain(mesh, algorithm, steps=64, size=1000) -> list[str]:
+    n = mesh.shape["tp"]
+    rng = np.random.default_rng(zlib.crc32(repr((n, algorithm, "chain")).encode()))
+    y0 = rng.uniform(0.5, 2.0, (n, size)).astype(np.float32)
+    xs = rng.uniform(0.5, 2.0, (n, steps, size)).astype(np.float32)
+    got = np.asarray(chain_fn(mesh, algorithm, steps)(y0, xs))
+    lax_got = np.asarray(chain_fn(mesh, None, steps)(y0, xs))
+    fails = []
+    bits = got.view(np.int32)
+    if not (bits == bits[:1]).all():
+        fails.append(f"chain tp={n} {algorithm}: ranks are not bit-identical")
+    bad = np.nonzero((bits[0] != chain_reference(y0, xs).view(np.int32)).any(axis=1))[0]
+    if bad.size:
+        fails.append(f"chain tp={n} {algorithm}: steps {bad[:10].tolist()} differ from the emulation")
+    if not np.allclose(got[0], lax_got[0], rtol=1e-5):
+        fails.append(f"chain tp={n} {algorithm}: differs from the lax.psum chain")
+    return fails
+
+
+# -------------------------------------------------------------------- tests --
+@pytest.fixture
+def gpus(request):
+    """conftest's gpu_devices (skips without 2 GPUs), or the CPU host devices in
+    a SIFAR_GPU_TESTS_ON_CPU=1 dry run."""
+    if DRY_RUN_ON_CPU:
+        return devices()
+    return request.getfixturevalue("gpu_devices")
+
+
+@pytest.fixture(scope="class", params=[2, 4, 8], ids=lambda t: f"tp{t}")
+def tp_mesh(request):
+    if request.param > len(devices()):
+        pytest.skip(f"needs {request.param} GPUs")
+    sifar_jax.shutdown()
+    mesh = make_mesh(request.param)
+    sifar_jax.init(mesh)
+    yield mesh
+    sifar_jax.shutdown()
+
+
+class TestCorrectness:
+    """Command buffers as XLA configures them by default (on)."""
+
+    @pytest.mark.parametrize("dtype_name", list(DTYPES))
+    @pytest.mark.parametrize("algorithm", ALGS)
+    def test_matrix(self, tp_mesh, algorithm, dtype_name):
+        checked, fails = check_matrix(tp_mesh, algorithm, dtype_name)
+        assert checked > 0
+        assert not fails, "\n".join(fails[:20])
+
+    @pytest.mark.parametrize("algorithm", ALGS)
+    def test_chain(self, tp_mesh, algorithm):
+        fails = check_chain(tp_mesh, algorithm)
+        assert not fails, "\n".join(fails)
+
+    def test_mixed_chain(self, tp_mesh):
+        """Algorithms interleaved on one communicator, in one jit."""
+        n = tp_mesh.shape["tp"]
+
+        def body(x):
+            y = x[0]
+            outs = []
+            for k in range(4 * len(ALGS)):
+                y = sifar_jax.sifar_psum(y, "tp", algorithm=ALGS[k % len(ALGS)]) * np.float32(1 / n)
+                outs.append(y)
+            return jnp.stack(outs)[None]
+
+        f = jax.jit(jax.shard_map(body, mesh=tp_mesh, in_specs=P("tp"), out_specs=P("tp")))
+        x = make_inputs(np.random.default_rng(n), n, (4096,), np.float32)
+        got = np.asarray(f(x))
+        bits = got.view(np.int32)
+        assert (bits == bits[:1]).all()
+        first = x.astype(np.float64).sum(0) / n
+        np.testing.assert_allclose(got[0, -1], first, rtol=1e-5)  # a fixed point after step 1
+
+    @pytest.mark.parametrize("algorithm", ALGS)
+    def test_repeat_in_one_launch(self, tp_mesh, algorithm):
+        """_repeat (the kernel-level benchmark) gives the single call's result."""
+        n = tp_mesh.shape["tp"]
+        outs = {}
+        for r in (1, 1000):
+            f = jax.jit(
+                jax.shard_map(
+                    lambda v, r=r: sifar_jax.sifar_psum(v[0], "tp", algorithm=algorithm, _repeat=r)[None],
+                    mesh=tp_mesh, in_specs=P("tp"), out_specs=P("tp"),
+                )
+            )
+            x = make_inputs(np.random.default_rng(7), n, (4096,), DTYPES["bfloat16"])
+            before = sifar_jax.stats()[algorithm]["calls"]
+            outs[r] = np.asarray(f(x))
+            assert sifar_jax.stats()[algorithm]["calls"] - before == r * n
+        np.testing.assert_array_equal(int_view(outs[1000]), int_view(outs[1]))
+        sifar_jax.check()
+
+
+def test_command_buffers_off(gpus):
+    """The same checks in a fresh process with XLA command buffers disabled."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # this process holds GPU memory too
+    r = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child"],
+        env=env, capture_output=True, text=True, timeout=1800,
+    )
+    tail = (r.stdout[-4000:] + "\n" + r.stderr[-4000:]).strip()
+    assert r.returncode == 0, tail
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["checked"] > 0 and not summary["failures"], tail
+    assert "--xla_gpu_enable_command_buffer=" in summary["xla_flags"]
+
+
+def _child_main() -> int:
+    """Runs every correctness check on every TP size; prints a JSON summary."""
+    checked, fails = 0, []
+    for tp in tp_sizes():
+        sifar_jax.shutdown()
+        mesh = make_mesh(tp)
+        sifar_jax.init(mesh)
+        for alg in ALGS:
+            for dt in DTYPES:
+                c, f = check_matrix(mesh, alg, dt, seed=1)
+                checked += c
+                fails += f
+            fails += check_chain(mesh, alg)
+            checked += 1
+        try:
+            sifar_jax.check()
+        except sifar_jax.SifarError as e:
+            fails.append(str(e))
+        sifar_jax.shutdown()
+    print(json.dumps({"checked": checked, "failures": fails[:50],
+                      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                      "devices": [str(d) for d in devices()]}))
+    return 1 if fails else 0
+
+
+# ------------------------------------------------------------------- stress --
+def stress_fn(mesh, steps, size):
+    """steps data-dependent sifar all-reduces in a device loop; every result is
+    checked on the device against its exact value, mismatches are counted.
+
+    Rank r contributes a_r[i] = ((3 * prev[i] + 7 * i + k + 5 * r + 11 * c) % 31) + 1
+    (small integers: every sum is exact in bfloat16, in any order), where prev
+    is the previous all-reduce's result, k the step and c the call. Each rank
+    computes the expected sum over all ranks itself.
+    """
+    n = mesh.shape["tp"]
+
+    def body(c):
+        r = jax.lax.axis_index("tp")
+        i = jnp.arange(size, dtype=jnp.int32)
+
+        def step(k, carry):
+            prev, bad = carry
+            base = 3 * prev + 7 * i + k + 11 * c[0]
+            mine = ((base + 5 * r) % 31 + 1).astype(jnp.bfloat16)
+            want = sum((base + 5 * q) % 31 + 1 for q in range(n))
+            got = sifar_jax.sifar_psum(mine, "tp", algorithm="sifar").astype(jnp.int32)
+            return got, bad + jnp.sum(got != want, dtype=jnp.int32)
+
+        _, bad = jax.lax.fori_loop(0, steps, step, (jnp.zeros(size, jnp.int32), jnp.int32(0)))
+        return bad[None]
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P("tp")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4, 8], ids=lambda t: f"tp{t}")
+def test_stress_100k_skewed(gpus, mesh_factory, tp):
+    if tp > len(devices()):
+        pytest.skip(f"needs {tp} GPUs")
+    factory = mesh_factory(devices())
+    factory.close()
+    mesh = factory(tp)
+    size = 4096  # 8 KB of bf16, the decode payload
+    f = stress_fn(mesh, STRESS_STEPS, size)
+    jax.block_until_ready(f(np.int32([0])))  # compile
+    before = sifar_jax.stats()["sifar"]
+    bad = np.zeros(tp, np.int64)
+    with hang_guard(1800), testing.inject_skew(50, seed=tp):
+        results = [f(np.int32([c])) for c in range(1, STRESS_CALLS + 1)]
+        for res in results:
+            bad += np.asarray(res)
+    after = sifar_jax.stats()["sifar"]
+    sifar_jax.check()
+    total = STRESS_CALLS * STRESS_STEPS
+    assert after["calls"] - before["calls"] == tp * total
+    assert after["timeouts"] == before["timeouts"]
+    assert bad.sum() == 0, f"{bad.tolist()} mismatching elements (per rank) in {total} all-reduces"
+    assert after["retries"] > before["retries"], "the skew never caused a mis-speculation"
+    factory.close()
+
+
+# --------------------------------------------------------------- dropped rank --
+@pytest.mark.parametrize("algorithm", ALGS)
+def test_dropped_rank_times_out(gpus, mesh_factory, algorithm):
+    factory = mesh_factory(devices())
+    factory.close()
+    mesh = factory(2)
+    f = jax.jit(
+        jax.shard_map(
+            lambda v: sifar_jax.sifar_psum(v[0], "tp", algorithm=algorithm)[None],
+            mesh=mesh, in_specs=P("tp"), out_specs=P("tp"),
+        )
+    )
+    x = np.arange(1, 2 * 512 + 1, dtype=np.float32).reshape(2, 512)
+    np.testing.assert_array_equal(np.asarray(f(x))[0], x.sum(0))
+
+    raised = None
+    t0 = time.perf_counter()
+    with hang_guard(300), testing.timeout(0.5), testing.drop_rank("tp", 1):
+        for _ in range(2):  # the error may surface on the call or on the next one
+            try:
+                jax.block_until_ready(f(x))
+            except Exception as e:  # noqa: BLE001 - XlaRuntimeError, whatever jax calls it
+                raised = e
+                break
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 30, f"the dropped rank took {elapsed:.1f} s to report"
+    if raised is not None:
+        assert "timed out" in str(raised), str(raised)
+    with pytest.raises(sifar_jax.SifarError, match=r"axis 'tp'.*rank \d+, epoch \d+") as e:
+        sifar_jax.check()
+    assert "rank 1" in str(e.value), str(e.value)
+
+    # Recovery: shutdown() and init() again.
+    sifar_jax.shutdown()
+    sifar_jax.init(mesh)
+    with hang_guard(300):
+        for _ in range(3):
+            np.testing.assert_array_equal(np.asarray(f(x))[0], x.sum(0))
+    sifar_jax.check()
+    factory.close()
+
+
+# ------------------------------------------------------------------ multicast --
+def test_multicast_is_refused_here(gpus, mesh_factory):
+    """Only traces and lowers: nothing is executed, and only after the guard
+    has said no. Skipped (not run!) wherever multicast would be allowed."""
+    if multicast.refusal() is None:
+        pytest.skip("multicast is enabled on this host; not exercising it from the test suite")
+    factory = mesh_factory(devices())
+    factory.close()
+    mesh = factory(2)
+    body = lambda v: sifar_jax.sifar_psum(v[0], "tp", algorithm="multicast")[None]  # noqa: E731
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+    expected = (ValueError, sifar_jax.MulticastDisabledError) if DRY_RUN_ON_CPU else (
+        sifar_jax.MulticastDisabledError,
+    )
+    with pytest.raises(expected, match="multicast"):
+        f.lower(jax.ShapeDtypeStruct((2, 4096), jnp.bfloat16))
+    factory.close()
+
+
+def test_multicast_guard_names_the_host_setting():
+    """On the GPU hosts NCCL_NVLS_ENABLE=0 (etc.) are set: even with the
+    opt-in, the guard must refuse and say why. Pure Python, nothing runs."""
+    set_here = {v: os.environ[v] for v in multicast.DISABLING if v in os.environ}
+    if not any(os.environ[v].strip() == off for v, off in multicast.DISABLING.items() if v in os.environ):
+        pytest.skip(f"none of {sorted(multicast.DISABLING)} turns multicast off here ({set_here})")
+    reason = multicast.refusal(environ=dict(os.environ, **{multicast.ENABLE_VAR: "1"}))
+    assert reason is not None and any(v in reason for v in multicast.DISABLING), reason
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--child"]:
+        sys.exit(_child_main())
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
