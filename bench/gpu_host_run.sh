@@ -23,7 +23,7 @@ for step in "${steps[@]}"; do
   case "$step" in
     tests)
       log "tests: pytest tests/test_gpu.py tests/test_buffers.py"
-      timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -rs tests/test_gpu.py tests/test_buffers.py \
+      timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -rs -s tests/test_gpu.py tests/test_buffers.py \
         2>&1 | grep -v "^[WI][0-9]\{4\}" | tee -a "$LOG" | tail -25 ;;
     allreduce)
       log "bench.allreduce ${ALLREDUCE_ARGS:-}"

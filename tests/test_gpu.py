@@ -409,6 +409,9 @@ def test_stress_100k_skewed(gpus, mesh_factory, tp):
     after = sifar_jax.stats()["sifar"]
     sifar_jax.check()
     total = STRESS_CALLS * STRESS_STEPS
+    print(f"\nstress tp={tp}: {total} skewed all-reduces, {int(bad.sum())} mismatching elements, "
+          f"retries {after['retries'] - before['retries']}, timeouts "
+          f"{after['timeouts'] - before['timeouts']}")
     assert after["calls"] - before["calls"] == tp * total
     assert after["timeouts"] == before["timeouts"]
     assert bad.sum() == 0, f"{bad.tolist()} mismatching elements (per rank) in {total} all-reduces"
