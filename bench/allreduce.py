@@ -321,7 +321,7 @@ def write_outputs(args, records, meta, env, warnings_out):
                 rows.append([level, tp, alg, f"{b / 1024:g} KB", f"{rate:.3f}"])
         if rows:
             sections.append((
-                "Mis-speculation (retries per all-reduce per rank; per thread block on GPUs)",
+                "Mis-speculation (retries per all-reduce per rank; per warp on GPUs)",
                 common.markdown_table(["level", "TP", "algorithm", "size", "retries"], rows),
             ))
     md_path = common.write_markdown(

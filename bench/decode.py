@@ -477,9 +477,11 @@ def write_outputs(args, s, env, records, platform, final: bool):
         notes.append(CPU_NOTE)
     notes.append(describe_run(s) + ".")
     notes.append(
-        "TPOT: wall time of one `Decoder.greedy` step followed by block_until_ready (median and "
-        "p99 over the timed steps); tokens/s = 1 / median. Pipelined: steps dispatched back to "
-        "back and waited for once (host overhead hidden behind the device). vs psum: tokens/s "
+        "TPOT: the device-bound step time, steps dispatched back to back with the token fed "
+        "straight back on the device (as a serving loop runs), from the difference of runs of "
+        f"{PIPELINE_STEPS[1]} and {PIPELINE_STEPS[0]} steps; median and p99 over the samples; "
+        "tokens/s = 1 / median. Sync: one step followed by block_until_ready (median), which "
+        "adds XLA's host-side launch of the step. vs psum: tokens/s "
         "relative to lax.psum at the same TP. Gap recovered: (t_psum - t_x) / (t_psum - "
         "t_identity), the share of the all-reduce cost that the variant removes (identity = no "
         "all-reduce at all: wrong numbers, the upper bound). Same tokens as psum: how many "
@@ -506,7 +508,7 @@ def write_outputs(args, s, env, records, platform, final: bool):
     if sifar_rows:
         sections.append((
             "sifar_jax.stats() (prefill + warm-up + both passes; calls once per rank, retries "
-            "per thread block on GPUs)",
+            "per warp on GPUs)",
             common.markdown_table(["all-reduce", "TP", "algorithm used", "counters", "check"],
                                   sifar_rows)))
     compile_rows = [[r["allreduce"], r["tp"], f"{r['compile_s']:.1f}", f"{r['setup_s']:.1f}"]

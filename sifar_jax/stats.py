@@ -13,7 +13,7 @@ def stats(per_rank: bool = False) -> dict:
 
     calls: all-reduces completed, counted once per rank (a TP=2 all-reduce counts 2).
     retries: mis-speculations detected and re-read (once per rank and call on the
-      CPU, once per thread block and call on GPUs).
+      CPU, once per warp and call on GPUs).
     timeouts: waits that hit the deadline.
     With per_rank=True: {axis: [[per-rank dict], ...]} instead.
     """
