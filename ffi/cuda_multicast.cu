@@ -45,6 +45,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "cuda_kernels.cuh"
 #include "multicast.h"
 
 namespace sifar {
@@ -70,27 +71,12 @@ struct McArgs {
   MulticastLayout ml;
 };
 
-__device__ __forceinline__ uint64_t GlobalTimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ uint32_t LoadVolatile(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint4 LoadVolatile16(const void* p) {
-  uint4 v;
-  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
-  return v;
-}
-__device__ __forceinline__ void StoreVolatile(uint32_t* p, uint32_t v) {
-  asm volatile("st.volatile.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
+// Clock and strong loads/stores: the portable kernels' helpers.
+using cuda::GlobalTimerNs;
+using cuda::LoadStrong;
+using cuda::LoadStrong16;
+using cuda::StoreStrong;
+
 // The same bytes are reached through two virtual aliases (unicast and
 // multicast): order this thread's accesses across them.
 __device__ __forceinline__ void FenceProxyAlias() { asm volatile("fence.proxy.alias;" ::: "memory"); }
@@ -199,10 +185,10 @@ __device__ void RecordTimeout(const McArgs& a, uint32_t epoch) {
     e->epoch = epoch;
     e->block = blockIdx.x;
     __threadfence_system();
-    StoreVolatile(&e->failed, 1u);
+    StoreStrong(&e->failed, 1u);
   }
   atomicAdd(Stat(a, kTimeouts), 1ull);
-  for (int r = 0; r < a.nranks; ++r) StoreVolatile(&CtlOf(a, r)->failed, 1u);
+  for (int r = 0; r < a.nranks; ++r) StoreStrong(&CtlOf(a, r)->failed, 1u);
 }
 
 // One all-reduce of this block at epoch e.  False when it gave up.
@@ -244,8 +230,8 @@ __device__ bool Step(const McArgs& a, uint32_t e, uint64_t deadline) {
         valid = true;
         break;
       }
-      if (LoadVolatile(&CtlOf(a, a.rank)->failed)) break;  // another rank failed
-      if (GlobalTimer() > deadline) {
+      if (LoadStrong(&CtlOf(a, a.rank)->failed)) break;  // another rank failed
+      if (GlobalTimerNs() > deadline) {
         RecordTimeout(a, e);
         break;
       }
@@ -260,8 +246,8 @@ template <int E>
 __global__ void __launch_bounds__(kThreads) MulticastAllReduceKernel(McArgs a) {
   const Control* ctl = CtlOf(a, a.rank);
   uint32_t* epochs = reinterpret_cast<uint32_t*>(a.ws[a.rank] + a.lay.epochs);
-  const uint4 c = LoadVolatile16(ctl);  // failed, skew_max_ns, skew_seed, drop
-  uint32_t epoch = LoadVolatile(epochs + blockIdx.x);
+  const uint4 c = LoadStrong16(ctl);  // failed, skew_max_ns, skew_seed, drop
+  uint32_t epoch = LoadStrong(epochs + blockIdx.x);
   if (c.w) {  // testing.drop_rank: this rank never arrives
     SIFAR_MC_FOR_EACH_LINE(line, a) { a.out[line] = a.in[line]; }
     return;
@@ -270,10 +256,10 @@ __global__ void __launch_bounds__(kThreads) MulticastAllReduceKernel(McArgs a) {
   const uint64_t timeout_ns = ctl->timeout_ns;
   for (int i = 0; i < a.repeat && ok; ++i) {
     epoch = NextEpoch(epoch);
-    uint64_t now = GlobalTimer();
+    uint64_t now = GlobalTimerNs();
     if (c.y) {  // testing.inject_skew
       const uint64_t until = now + SkewNs(c.y, c.z, a.rank, epoch);
-      while ((now = GlobalTimer()) < until) {
+      while ((now = GlobalTimerNs()) < until) {
       }
     }
     ok = Step<E>(a, epoch, now + timeout_ns);

@@ -37,29 +37,10 @@ def gpu_device_list() -> list:
 
 
 def clear_failed_effects() -> None:
-    """Waits for outstanding side effects, forgetting a computation that failed.
-
-    sifar_psum is a side-effecting custom call on XLA:CPU, and JAX keeps the
-    runtime token of a failed side-effecting computation until the next one is
-    dispatched on that device: every later jax.effects_barrier() (and so
-    sifar_jax.shutdown(), which calls it) re-raises the old error. Tests that
-    provoke failures call this so the next test starts clean.
-    """
-    try:
-        jax.effects_barrier()
-    except Exception:  # noqa: BLE001 - the failure was already reported by the call
-        try:
-            from jax._src import dispatch  # private: guarded, best effort
-
-            tokens = dispatch.runtime_tokens
-            for tok in [*tokens.current_tokens.values(), *tokens.output_runtime_tokens.values()]:
-                try:
-                    tok.block_until_ready()
-                except Exception:  # noqa: BLE001
-                    pass
-            tokens.clear()
-        except Exception:  # noqa: BLE001
-            pass
+    """Waits for outstanding side effects, forgetting a computation that failed
+    (JAX keeps re-raising a failed side-effecting call's error otherwise), so
+    the next test starts clean. The library does the same in shutdown()."""
+    sifar_jax.comm._wait_for_effects()
 
 
 class MeshFactory:
