@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import warnings
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +16,11 @@ from .errors import NotInitializedError
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _LINE = 16  # bytes: the payload is moved in 16-byte lines
 _warned: set[str] = set()
-# The previous sifar_psum result in each jaxpr being traced (see _after).
-_last_result: "weakref.WeakKeyDictionary[object, object]" = weakref.WeakKeyDictionary()
+# The previous sifar_psum result in each jaxpr being traced (see _after):
+# id(trace) -> (trace, result), most recent last. A result keeps its trace (and
+# so the jaxpr being built) alive, so only the last few traces are remembered.
+_last_result: collections.OrderedDict = collections.OrderedDict()
+_REMEMBERED_TRACES = 16
 
 
 def _after(flat) -> list:
@@ -33,14 +36,17 @@ def _after(flat) -> list:
     are not chained.)
     """
     trace = getattr(flat, "_trace", None)
-    prev = _last_result.get(trace) if trace is not None else None
-    return [] if prev is None else [prev]
+    entry = _last_result.get(id(trace)) if trace is not None else None
+    return [entry[1]] if entry is not None and entry[0] is trace else []
 
 
 def _remember(flat, out) -> None:
     trace = getattr(flat, "_trace", None)
     if trace is not None:
-        _last_result[trace] = out
+        _last_result[id(trace)] = (trace, out)
+        _last_result.move_to_end(id(trace))
+        while len(_last_result) > _REMEMBERED_TRACES:
+            _last_result.popitem(last=False)
 
 
 def _fallback(x, axis_name, reason: str):
