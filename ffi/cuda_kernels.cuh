@@ -206,7 +206,7 @@ __device__ __forceinline__ bool Expired(const Ws& w, CallState& s, int peer, uin
 
 // The first thread of this rank to time out describes the failure; every rank
 // of the group is told to fail fast.
-__device__ void RecordFailure(const Ws& w, int algorithm, const CallState& s) {
+__device__ inline void RecordFailure(const Ws& w, int algorithm, const CallState& s) {
   if (atomicCAS(&w.ctl(w.a.rank)->error_claimed, 0u, 1u) == 0u) {
     ErrorRecord* e = w.a.err;
     e->algorithm = algorithm;
@@ -236,7 +236,7 @@ __device__ void FillNaN(const KernelArgs& a) {
 // ---------------------------------------------------------- barriers ----
 // Every rank's block `blockIdx.x` has reached (epoch, phase), and this block's
 // earlier writes to its own workspace are visible to them.  Block-wide.
-__device__ bool AllRanksReached(const Ws& w, CallState& s, uint32_t phase) {
+__device__ inline bool AllRanksReached(const Ws& w, CallState& s, uint32_t phase) {
   __syncthreads();
   const uint32_t v = BarrierValue(s.epoch, phase);
   const int t = threadIdx.x;
