@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import sifar_jax
 from sifar_jax import testing
+from reference import chain_reference_f32
 
 SLOT = 4096
 STEPS = 300
@@ -50,23 +51,6 @@ def scan_chain_fn(mesh, algorithm):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp")), out_specs=P("tp")))
 
 
-def emulate_f32(y0: np.ndarray, xs: np.ndarray) -> np.ndarray:
-    """The same chain as the protocol computes it: float32, ranks added in
-    order 0..n-1, one rounding per add (n is a power of two: / n is exact)."""
-    n, steps = xs.shape[:2]
-    y = y0
-    outs = []
-    for k in range(steps):
-        v = (np.float32(0.5) * y + xs[:, k]).astype(np.float32)
-        acc = v[0].copy()
-        for r in range(1, n):
-            acc = (acc + v[r]).astype(np.float32)
-        yk = (acc / np.float32(n)).astype(np.float32)
-        outs.append(yk)
-        y = np.broadcast_to(yk, y.shape)
-    return np.stack(outs)
-
-
 @pytest.mark.parametrize("algorithm", ["sifar", "sifar_flag", "oneshot_db"])
 @pytest.mark.parametrize("n", [4, 8])
 def test_skew_keeps_results_exact(cpu_mesh, n, algorithm):
@@ -75,7 +59,7 @@ def test_skew_keeps_results_exact(cpu_mesh, n, algorithm):
     rng = np.random.default_rng([n, len(algorithm)])
     y0 = rng.uniform(0.5, 2.0, (n, SIZE)).astype(np.float32)
     xs = rng.uniform(0.5, 2.0, (n, STEPS, SIZE)).astype(np.float32)
-    want = emulate_f32(y0, xs)
+    want = chain_reference_f32(y0, xs)
     jax.block_until_ready(f(y0, xs))  # compile and warm up outside the measured window
     before = sifar_jax.stats()[algorithm]
     with hang_guard(300), testing.inject_skew(200, seed=n):
