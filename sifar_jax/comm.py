@@ -145,7 +145,7 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None)
         raise ValueError("sifar_jax.init: slot_bytes must be positive")
     with _lock:
         if timeout_s is not None:
-            _settings["timeout_s"] = float(timeout_s)
+            set_timeout(timeout_s)  # existing communicators too
         for axis in mesh.axis_names:
             groups = _groups(mesh, axis)
             ids = tuple(tuple(d.id for d in g) for g in groups)
