@@ -368,11 +368,7 @@ def plot(records, path, host, kind):
     title = f"All-reduce latency, {host}"
     if kind == "cpu":
         title += " (XLA:CPU protocol demo, not GPU performance)"
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, title, path)
 
 
 def main(argv=None) -> int:

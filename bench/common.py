@@ -305,3 +305,14 @@ def plain_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
         out.append("  ".join(str(c).rjust(w) if i else str(c).ljust(w)
                              for i, (c, w) in enumerate(zip(r, widths))))
     return "\n".join(out)
+
+
+def save_figure(fig, title: str, path):
+    """Titles, lays out, writes (PNG, 120 dpi) and closes a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

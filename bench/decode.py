@@ -561,11 +561,7 @@ def plot(records, order, path, host, platform, s):
     title = f"Decode throughput, {s['preset']} {s['dtype']}, context {s['context']}, {host}"
     if platform == "cpu":
         title += " (XLA:CPU smoke test, not GPU performance)"
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, title, path)
 
 
 def main(argv=None) -> int:

@@ -137,46 +137,41 @@ bool Comm::FirstError(ErrorRecord* out, int* group) const {
   for (int g = 0; g < static_cast<int>(groups_.size()); ++g)
     for (int r = 0; r < nranks_; ++r) {
       if (!RankFailed(g, r)) continue;
-      ErrorRecord e;
-      std::memcpy(&e, groups_[g].errors[r], sizeof(e));
-      {
-        *out = e;
-        *group = g;
-        return true;
-      }
+      std::memcpy(out, groups_[g].errors[r], sizeof(ErrorRecord));
+      *group = g;
+      return true;
     }
   return false;
 }
 
-void Comm::SetSkew(uint32_t max_ns, uint32_t seed) {
+void Comm::UpdateControl(int rank, const std::function<void(Control&)>& update) {
   for (int g = 0; g < static_cast<int>(groups_.size()); ++g)
     for (int r = 0; r < nranks_; ++r) {
+      if (rank >= 0 && r != rank) continue;
       Control c = ReadControl(g, r);
-      c.skew_max_ns = max_ns;
-      c.skew_seed = seed;
+      update(c);
       WriteControl(g, r, c);
     }
 }
 
+void Comm::SetSkew(uint32_t max_ns, uint32_t seed) {
+  UpdateControl(-1, [&](Control& c) {
+    c.skew_max_ns = max_ns;
+    c.skew_seed = seed;
+  });
+}
+
 void Comm::SetTimeout(double seconds) {
-  for (int g = 0; g < static_cast<int>(groups_.size()); ++g)
-    for (int r = 0; r < nranks_; ++r) {
-      Control c = ReadControl(g, r);
-      c.timeout_ns = static_cast<uint64_t>(seconds * 1e9);
-      WriteControl(g, r, c);
-    }
+  UpdateControl(-1, [&](Control& c) { c.timeout_ns = static_cast<uint64_t>(seconds * 1e9); });
 }
 
 void Comm::SetPoll(uint32_t depth, uint32_t gap_ns) {
   if (depth < 1 || depth > kMaxPollDepth)
     throw std::out_of_range("sifar_jax: poll depth must be 1.." + std::to_string(kMaxPollDepth));
-  for (int g = 0; g < static_cast<int>(groups_.size()); ++g)
-    for (int r = 0; r < nranks_; ++r) {
-      Control c = ReadControl(g, r);
-      c.poll_depth = depth;
-      c.poll_gap_ns = gap_ns;
-      WriteControl(g, r, c);
-    }
+  UpdateControl(-1, [&](Control& c) {
+    c.poll_depth = depth;
+    c.poll_gap_ns = gap_ns;
+  });
 }
 
 void Comm::RegisterBuffer(int group, const std::vector<uintptr_t>& per_rank) {
@@ -204,11 +199,7 @@ bool Comm::FindBuffer(int group, int rank, const void* ptr, char* (&slots)[kMaxR
 
 void Comm::SetDrop(int rank, bool drop) {
   if (rank < 0 || rank >= nranks_) throw std::out_of_range("sifar_jax: rank out of range");
-  for (int g = 0; g < static_cast<int>(groups_.size()); ++g) {
-    Control c = ReadControl(g, rank);
-    c.drop = drop ? 1u : 0u;
-    WriteControl(g, rank, c);
-  }
+  UpdateControl(rank, [&](Control& c) { c.drop = drop ? 1u : 0u; });
 }
 
 Registry& Registry::Get() {

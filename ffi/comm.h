@@ -5,6 +5,7 @@
 #pragma once
 
 #include <array>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -98,6 +99,8 @@ class Comm {
 
  private:
   void WriteControl(int g, int r, const Control& c);
+  // Read-modify-write of the Control of `rank` (every rank if < 0) in every group.
+  void UpdateControl(int rank, const std::function<void(Control&)>& update);
   Control ReadControl(int g, int r) const;
 
   int id_;

@@ -395,31 +395,23 @@ ffi::Error CpuAllReduceIntoImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffe
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuAllReduceInto, CpuAllReduceIntoImpl,
-                              ffi::Ffi::Bind()
+                              WithAllReduceAttrs(ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()  // "after": ordering only, never read
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("axis_key")
-                                  .Attr<int32_t>("nranks")
-                                  .Attr<int32_t>("algorithm")
-                                  .Attr<int32_t>("repeat"));
+                                  .Ret<ffi::AnyBuffer>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuAllReduce, CpuAllReduceImpl,
-                              ffi::Ffi::Bind()
+                              WithAllReduceAttrs(ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
                                   // "after": the previous all-reduce's result,
                                   // never read; the buffer dependence makes
                                   // XLA run the calls in trace order.
                                   .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("axis_key")
-                                  .Attr<int32_t>("nranks")
-                                  .Attr<int32_t>("algorithm")
-                                  .Attr<int32_t>("repeat"));
+                                  .Ret<ffi::AnyBuffer>()));
 
 }  // namespace sifar

@@ -183,20 +183,16 @@ void PreloadCudaKernelsOnCurrentDevice() {
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaAllReduce, CudaAllReduceImpl,
-                              ffi::Ffi::Bind()
+                              WithAllReduceAttrs(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()  // "after": ordering only, never read
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("axis_key")
-                                  .Attr<int32_t>("nranks")
-                                  .Attr<int32_t>("algorithm")
-                                  .Attr<int32_t>("repeat"),
+                                  .Ret<ffi::AnyBuffer>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaAllReduceInto, CudaAllReduceIntoImpl,
-                              ffi::Ffi::Bind()
+                              WithAllReduceAttrs(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
@@ -204,11 +200,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaAllReduceInto, CudaAllReduceIntoImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()  // "after": ordering only, never read
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("axis_key")
-                                  .Attr<int32_t>("nranks")
-                                  .Attr<int32_t>("algorithm")
-                                  .Attr<int32_t>("repeat"),
+                                  .Ret<ffi::AnyBuffer>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace sifar

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <string>
+#include <utility>
 
 #include "comm.h"
 #include "xla/ffi/api/ffi.h"
@@ -19,6 +20,17 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuAllReduceInto);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaAllReduce);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaAllReduceInto);
 #endif
+
+// The attributes every all-reduce call carries (sifar_jax/psum.py, _Plan.attrs),
+// appended to a handler's binding.
+template <typename Binding>
+auto WithAllReduceAttrs(Binding binding) {
+  return std::move(binding)
+      .template Attr<int32_t>("axis_key")
+      .template Attr<int32_t>("nranks")
+      .template Attr<int32_t>("algorithm")
+      .template Attr<int32_t>("repeat");
+}
 
 const char* AlgorithmName(int algorithm);
 
