@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _ext, comm, psum
+from . import _ext, comm, ordering, psum
 from .errors import NotInitializedError
 
 
@@ -98,6 +98,6 @@ def sifar_psum_into(x, axis_name, buf, prev, *, algorithm: str = "auto"):
         input_output_aliases={1: 1},
         has_side_effect=(plan.platform == "cpu"),
     )
-    out, buf = call(flat, buf, prev, *psum._after(flat), **plan.attrs())
-    psum._remember(flat, out)
+    out, buf = call(flat, buf, prev, *ordering.operands(flat), **plan.attrs())
+    ordering.remember(flat, out)
     return psum._unflat(out, x, plan), buf

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import warnings
 
@@ -10,43 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ext, algorithms, comm, multicast
+from . import _ext, algorithms, comm, multicast, ordering
 from .errors import NotInitializedError
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _LINE = 16  # bytes: the payload is moved in 16-byte lines
 _warned: set[str] = set()
-# The previous sifar_psum result in each jaxpr being traced (see _after):
-# id(trace) -> (trace, result), most recent last. A result keeps its trace (and
-# so the jaxpr being built) alive, so only the last few traces are remembered.
-_last_result: collections.OrderedDict = collections.OrderedDict()
-_REMEMBERED_TRACES = 16
-
-
-def _after(flat) -> list:
-    """Ordering operands for the next all-reduce traced into flat's jaxpr.
-
-    All ranks must run their all-reduces in the same order, and side effects do
-    not order custom calls: XLA:CPU's thunk executor runs independent ones
-    concurrently on its thread pool, in any order (silently mixing up sums), and
-    XLA:GPU may too in concurrent command-buffer regions. Passing the previous
-    result of the same jaxpr as an extra operand, which the handler never reads,
-    is a real buffer dependence every scheduler honours: calls run in trace
-    order. (Calls in different jaxprs, e.g. inside and outside a scan body,
-    are not chained.)
-    """
-    trace = getattr(flat, "_trace", None)
-    entry = _last_result.get(id(trace)) if trace is not None else None
-    return [entry[1]] if entry is not None and entry[0] is trace else []
-
-
-def _remember(flat, out) -> None:
-    trace = getattr(flat, "_trace", None)
-    if trace is not None:
-        _last_result[id(trace)] = (trace, out)
-        _last_result.move_to_end(id(trace))
-        while len(_last_result) > _REMEMBERED_TRACES:
-            _last_result.popitem(last=False)
 
 
 def _fallback(x, axis_name, reason: str):
@@ -190,9 +158,9 @@ def sifar_psum(x, axis_name, *, algorithm: str = algorithms.AUTO, _repeat: int =
         _ext.TARGET,
         jax.ShapeDtypeStruct(flat.shape, flat.dtype),
         # Keeps the call when its result is unused on XLA:CPU, where a failed
-        # all-reduce must still surface; ordering comes from _after.
+        # all-reduce must still surface; ordering comes from sifar_jax.ordering.
         has_side_effect=(plan.platform == "cpu"),
     )
-    out = call(flat, *_after(flat), **plan.attrs(_repeat))
-    _remember(flat, out)
+    out = call(flat, *ordering.operands(flat), **plan.attrs(_repeat))
+    ordering.remember(flat, out)
     return _unflat(out, x, plan)

@@ -1,0 +1,82 @@
+"""The order of all-reduces: every rank must pair the same calls.
+
+Side effects do not order custom calls: XLA:CPU runs independent ones
+concurrently, XLA:GPU command buffers make them concurrent graph nodes. Two
+mechanisms make the order a property of the communicator (docs/design.md,
+"Ordering"):
+
+* Within one jaxpr, every call takes the previous call's result as an extra
+  operand that the handler never reads (`operands`/`remember`): a buffer
+  dependence every scheduler honours, so calls run in trace order.
+* Across jaxprs (a scan body and its caller, separate executables, threads),
+  which no data dependence links, each jaxpr is a *chain* with its own id
+  (`chain_id`). The communicator keeps one lane (epochs and slots) per chain
+  slot, and every epoch tag carries the chain, so two chains never pair each
+  other's words: independent chains run concurrently without mixing, and a
+  mismatch that cannot be resolved times out with a clear error instead of
+  returning a wrong sum.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+
+_lock = threading.Lock()
+_next_chain = itertools.count(1)
+# trace -> [chain id, weak ref to the last result]. Both sides weak (a tracer
+# refers to its trace), so a finished trace is forgotten and no limit on the
+# number of remembered traces is needed; the trace keeps its tracers alive.
+_chains: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# Traces that cannot be weakly referenced (none in current JAX) fall back to
+# this strong map keyed by id, pruned when full.
+_strong: dict = {}
+_STRONG_LIMIT = 64
+
+
+def _trace_of(x):
+    return getattr(x, "_trace", None)
+
+
+def _entry(trace):
+    try:
+        e = _chains.get(trace)
+        if e is None:
+            e = _chains[trace] = [next(_next_chain), None]
+        return e
+    except TypeError:  # not weak-referenceable
+        e = _strong.get(id(trace))
+        if e is None or e[2] is not trace:
+            if len(_strong) >= _STRONG_LIMIT:
+                _strong.pop(next(iter(_strong)))
+            e = _strong[id(trace)] = [next(_next_chain), None, trace]
+        return e
+
+
+def chain_id(x) -> int:
+    """The chain of the jaxpr `x` is being traced into (0 outside any trace)."""
+    trace = _trace_of(x)
+    if trace is None:
+        return 0
+    with _lock:
+        return _entry(trace)[0]
+
+
+def operands(x) -> list:
+    """Ordering operands for the next all-reduce traced into x's jaxpr."""
+    trace = _trace_of(x)
+    if trace is None:
+        return []
+    with _lock:
+        ref = _entry(trace)[1]
+    last = None if ref is None else ref()
+    return [] if last is None else [last]
+
+
+def remember(x, out) -> None:
+    """Records `out` as the latest all-reduce result of x's jaxpr."""
+    trace = _trace_of(x)
+    if trace is not None:
+        with _lock:
+            _entry(trace)[1] = weakref.ref(out)
