@@ -30,6 +30,7 @@ nb::capsule Capsule(T* fn) {
 
 namespace sifar {
 void RegisterMulticastBindings(nb::module_& m);
+void RegisterTestingBindings(nb::module_& t);
 }  // namespace sifar
 
 #ifdef SIFAR_WITH_CUDA
@@ -128,6 +129,8 @@ NB_MODULE(_sifar, m) {
   });
 
   RegisterMulticastBindings(m);
+  nb::module_ testing = m.def_submodule("_testing", "Test-only hooks (sifar_jax._testing)");
+  RegisterTestingBindings(testing);
 
   m.def("cuda_can_access_peer", [](int a, int b) {
 #ifdef SIFAR_WITH_CUDA

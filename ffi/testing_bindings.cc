@@ -1,0 +1,58 @@
+// `sifar_jax._testing`: hooks for the test suite only (never used by the
+// library itself): raw access to a communicator's Control words.
+#include <nanobind/nanobind.h>
+
+#include <chrono>
+#include <cstddef>
+#include <stdexcept>
+
+#include "comm.h"
+#include "protocol.h"
+
+namespace nb = nanobind;
+
+namespace sifar {
+
+namespace {
+
+template <typename F>
+void WithComm(int id, F&& f) {
+  if (!Registry::Get().With(id, std::forward<F>(f)))
+    throw std::invalid_argument("sifar_jax: no communicator " + std::to_string(id));
+}
+
+}  // namespace
+
+void RegisterTestingBindings(nb::module_& t) {
+  // The host address of Control::failed of (group, rank): CPU communicators only.
+  t.def("control_failed_address", [](int id, int group, int rank) {
+    uintptr_t addr = 0;
+    WithComm(id, [&](Comm& c) {
+      if (c.platform() != Platform::kCpu)
+        throw std::invalid_argument("control_failed_address: CPU communicators only");
+      char* ws = c.group(group).workspaces.at(rank);
+      addr = reinterpret_cast<uintptr_t>(ws + c.layout().control + offsetof(Control, failed));
+    });
+    return addr;
+  });
+  // What a kernel does when it fails: one atomic store, no lock.
+  t.def("store_u32", [](uintptr_t addr, uint32_t v) {
+    __atomic_store_n(reinterpret_cast<uint32_t*>(addr), v, __ATOMIC_SEQ_CST);
+  });
+  t.def("load_u32", [](uintptr_t addr) {
+    return __atomic_load_n(reinterpret_cast<const uint32_t*>(addr), __ATOMIC_SEQ_CST);
+  });
+  // The host's knobs, changed `iterations` times in a tight loop (GIL released),
+  // alternating between two settings so every write changes something.
+  t.def("hammer_control", [](int id, int iterations) {
+    nb::gil_scoped_release release;
+    WithComm(id, [&](Comm& c) {
+      for (int i = 0; i < iterations; ++i) {
+        c.SetPoll(1 + (i & 1), 0);
+        c.SetSkew(0, static_cast<uint32_t>(i));
+      }
+    });
+  });
+}
+
+}  // namespace sifar

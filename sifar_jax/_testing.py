@@ -1,0 +1,9 @@
+"""Test-only hooks of the compiled extension (its `_testing` submodule).
+
+Nothing in sifar_jax uses these; the test suite and the GPU harness do.
+"""
+
+from ._ext import _sifar
+
+_mod = _sifar._testing
+globals().update({k: getattr(_mod, k) for k in dir(_mod) if not k.startswith("__")})
