@@ -20,7 +20,17 @@ class HostMemory : public Memory {
   void Free(int, char* ptr) override { std::free(ptr); }
   void Write(int, char* dst, const void* src, size_t bytes) override {
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    std::memcpy(dst, src, bytes);
+    if (bytes == 4 && reinterpret_cast<uintptr_t>(dst) % 4 == 0) {
+      uint32_t v;
+      std::memcpy(&v, src, 4);
+      __atomic_store_n(reinterpret_cast<uint32_t*>(dst), v, __ATOMIC_SEQ_CST);
+    } else if (bytes == 8 && reinterpret_cast<uintptr_t>(dst) % 8 == 0) {
+      uint64_t v;
+      std::memcpy(&v, src, 8);
+      __atomic_store_n(reinterpret_cast<uint64_t*>(dst), v, __ATOMIC_SEQ_CST);
+    } else {
+      std::memcpy(dst, src, bytes);
+    }
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
   }
   void Read(int, void* dst, const char* src, size_t bytes) override {
@@ -76,14 +86,14 @@ Comm::Comm(int id, Platform platform, int axis_key, std::string axis_name,
     }
     groups_.push_back(std::move(g));
   }
-  for (int g = 0; g < static_cast<int>(groups_.size()); ++g)
-    for (int r = 0; r < nranks_; ++r) {
-      Control c{};
-      c.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
-      c.poll_depth = kDefaultPollDepth;
-      c.poll_gap_ns = kDefaultPollGapNs;
-      WriteControl(g, r, c);
-    }
+  // Fresh workspaces, no kernel yet: the whole Control, `failed` included.
+  Control init{};
+  init.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+  init.poll_depth = kDefaultPollDepth;
+  init.poll_gap_ns = kDefaultPollGapNs;
+  for (auto& g : groups_)
+    for (int r = 0; r < nranks_; ++r)
+      memory_->Write(g.ordinals[r], g.workspaces[r] + layout_.control, &init, sizeof(Control));
 #ifdef SIFAR_WITH_CUDA
   if (platform == Platform::kCuda)
     for (auto& g : groups_) {
@@ -110,18 +120,6 @@ Comm::~Comm() {
     }
 }
 
-void Comm::WriteControl(int g, int r, const Control& c) {
-  memory_->Write(groups_[g].ordinals[r], groups_[g].workspaces[r] + layout_.control, &c,
-                 sizeof(Control));
-}
-
-Control Comm::ReadControl(int g, int r) const {
-  Control c;
-  memory_->Read(groups_[g].ordinals[r], &c, groups_[g].workspaces[r] + layout_.control,
-                sizeof(Control));
-  return c;
-}
-
 std::vector<std::array<std::array<uint64_t, kNumStats>, kNumAlgorithms>> Comm::Stats() const {
   std::vector<std::array<std::array<uint64_t, kNumStats>, kNumAlgorithms>> out;
   for (auto& g : groups_)
@@ -144,34 +142,32 @@ bool Comm::FirstError(ErrorRecord* out, int* group) const {
   return false;
 }
 
-void Comm::UpdateControl(int rank, const std::function<void(Control&)>& update) {
-  for (int g = 0; g < static_cast<int>(groups_.size()); ++g)
-    for (int r = 0; r < nranks_; ++r) {
-      if (rank >= 0 && r != rank) continue;
-      Control c = ReadControl(g, r);
-      update(c);
-      WriteControl(g, r, c);
-    }
+template <typename T>
+void Comm::WriteControlField(int rank, size_t offset, T value) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "one aligned word per write");
+  for (auto& g : groups_)
+    for (int r = 0; r < nranks_; ++r)
+      if (rank < 0 || r == rank)
+        memory_->Write(g.ordinals[r], g.workspaces[r] + layout_.control + offset, &value,
+                       sizeof(T));
 }
 
 void Comm::SetSkew(uint32_t max_ns, uint32_t seed) {
-  UpdateControl(-1, [&](Control& c) {
-    c.skew_max_ns = max_ns;
-    c.skew_seed = seed;
-  });
+  // Two words: a kernel starting in between draws from (new max, old seed),
+  // which is as random as any other draw.
+  WriteControlField(-1, offsetof(Control, skew_max_ns), max_ns);
+  WriteControlField(-1, offsetof(Control, skew_seed), seed);
 }
 
 void Comm::SetTimeout(double seconds) {
-  UpdateControl(-1, [&](Control& c) { c.timeout_ns = static_cast<uint64_t>(seconds * 1e9); });
+  WriteControlField(-1, offsetof(Control, timeout_ns), static_cast<uint64_t>(seconds * 1e9));
 }
 
 void Comm::SetPoll(uint32_t depth, uint32_t gap_ns) {
   if (depth < 1 || depth > kMaxPollDepth)
     throw std::out_of_range("sifar_jax: poll depth must be 1.." + std::to_string(kMaxPollDepth));
-  UpdateControl(-1, [&](Control& c) {
-    c.poll_depth = depth;
-    c.poll_gap_ns = gap_ns;
-  });
+  WriteControlField(-1, offsetof(Control, poll_depth), depth);
+  WriteControlField(-1, offsetof(Control, poll_gap_ns), gap_ns);
 }
 
 void Comm::RegisterBuffer(int group, const std::vector<uintptr_t>& per_rank) {
@@ -199,7 +195,7 @@ bool Comm::FindBuffer(int group, int rank, const void* ptr, char* (&slots)[kMaxR
 
 void Comm::SetDrop(int rank, bool drop) {
   if (rank < 0 || rank >= nranks_) throw std::out_of_range("sifar_jax: rank out of range");
-  UpdateControl(rank, [&](Control& c) { c.drop = drop ? 1u : 0u; });
+  WriteControlField(rank, offsetof(Control, drop), drop ? 1u : 0u);
 }
 
 Registry& Registry::Get() {

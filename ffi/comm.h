@@ -5,7 +5,7 @@
 #pragma once
 
 #include <array>
-#include <functional>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -27,6 +27,8 @@ class Memory {
   virtual ~Memory() = default;
   virtual char* Alloc(int ordinal, size_t bytes) = 0;  // zero-filled
   virtual void Free(int ordinal, char* ptr) = 0;
+  // An aligned write of 4 or 8 bytes is one access: kernels may read the word
+  // meanwhile and see the old or the new value, never a mix.
   virtual void Write(int ordinal, char* dst, const void* src, size_t bytes) = 0;
   virtual void Read(int ordinal, void* dst, const char* src, size_t bytes) = 0;
   // Memory both the host and the rank's kernels read and write without a copy
@@ -98,10 +100,12 @@ class Comm {
   size_t slot_total_bytes() const { return layout_.slot.total; }
 
  private:
-  void WriteControl(int g, int r, const Control& c);
-  // Read-modify-write of the Control of `rank` (every rank if < 0) in every group.
-  void UpdateControl(int rank, const std::function<void(Control&)>& update);
-  Control ReadControl(int g, int r) const;
+  // Writes one Control field of `rank` (every rank if < 0) in every group.
+  // Only that field: kernels may be running, and `failed` / `error_claimed`
+  // belong to them (the host writes those only when it (re)initialises a
+  // workspace that no kernel uses).
+  template <typename T>
+  void WriteControlField(int rank, size_t offset, T value);
 
   int id_;
   Platform platform_;
