@@ -34,3 +34,147 @@ def test_host_knobs_never_clear_a_failure(cpu_mesh):
         sifar_jax.shutdown()
         del mesh
     assert cleared == 0, f"the host cleared a kernel's failure in {cleared} of {trials} trials"
+
+
+# ------------------------------------------------------------------ re-init --
+def _sum_fn(mesh, algorithm="sifar", calls=6):
+    """calls chained all-reduces (sifar_psum and lax.psum side by side)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    def body(v):
+        y, ref = v[0], v[0]
+        for _ in range(calls):
+            y = sifar_jax.sifar_psum(y, "tp", algorithm=algorithm) - y
+            ref = jax.lax.psum(ref, "tp") - ref
+        return y[None], ref[None]
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=(P("tp"), P("tp"))))
+
+
+def _inputs(n, size, seed):
+    """Small integers: every sum is exact in any order, so sifar_psum and
+    lax.psum must agree bit for bit."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(-8, 9, (n, size)).astype(np.float32)
+
+
+def _assert_exact(f, x):
+    import numpy as np
+
+    got, ref = (np.asarray(a) for a in f(x))
+    assert np.abs(ref).max() > 0
+    np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("algorithm", ["sifar", "oneshot_db"])
+def test_old_executable_runs_after_reinit_with_another_slot(cpu_mesh, algorithm):
+    """shutdown(); init(mesh, slot_bytes=other): a function compiled before
+    and one compiled after both stay exact, in any order."""
+    n, size = 4, 200  # 800 bytes: fits both slots
+    mesh = cpu_mesh(n, slot_bytes=4096)
+    old = _sum_fn(mesh, algorithm)
+    x = _inputs(n, size, 0)
+    _assert_exact(old, x)
+    sifar_jax.shutdown()
+    sifar_jax.init(mesh, slot_bytes=8192)
+    new = _sum_fn(mesh, algorithm)
+    for k in range(3):
+        _assert_exact(old, _inputs(n, size, 10 + k))
+        _assert_exact(new, _inputs(n, size, 20 + k))
+    sifar_jax.check()
+
+
+def _workspaces():
+    return {p for c in sifar_jax.communicators() for g in _testing.comm_workspaces(c.comm_id)
+            for p in g}
+
+
+def test_workspaces_outlive_shutdown_and_are_reused(cpu_mesh):
+    """An executable may hold a communicator's workspace pointers (CUDA graphs
+    bake them in): shutdown() keeps the memory in a pool, init() with the same
+    devices and slot takes it back (zeroed), release_memory=True frees it."""
+    mesh = cpu_mesh(2, slot_bytes=4096)
+    first = _workspaces()
+    sifar_jax.shutdown()
+    assert first <= _testing.pooled_workspaces(), "shutdown() freed memory an executable may use"
+    sifar_jax.init(mesh, slot_bytes=8192)
+    other = _workspaces()
+    assert other.isdisjoint(first)
+    sifar_jax.shutdown()
+    sifar_jax.init(mesh, slot_bytes=4096)
+    assert _workspaces() == first, "the pooled workspaces of this group and slot were not reused"
+    _assert_exact(_sum_fn(mesh), _inputs(2, 64, 1))
+    sifar_jax.shutdown(release_memory=True)
+    assert not (first | other) & _testing.pooled_workspaces()
+
+
+def test_workspace_bytes_is_what_each_device_reserves():
+    for slot in (16, 4096, sifar_jax.DEFAULT_SLOT_BYTES):
+        b = sifar_jax.workspace_bytes(slot)
+        assert b == sifar_jax.workspace_bytes(slot, nranks=8) > 2 * slot
+    assert sifar_jax.workspace_bytes(4096) < sifar_jax.workspace_bytes(8192)
+    assert sifar_jax.workspace_bytes(4000) == sifar_jax.workspace_bytes(4000 + 15)  # rounded to 16
+    with pytest.raises(ValueError):
+        sifar_jax.workspace_bytes(0)
+    with pytest.raises(ValueError):
+        sifar_jax.workspace_bytes(4096, nranks=9)
+
+
+# ----------------------------------------------------------------- teardown --
+_TEARDOWN_CHILD = r"""
+import json, os, sys, threading, time
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+import sifar_jax
+from sifar_jax import _ext
+
+mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("tp",))
+sifar_jax.init(mesh, timeout_s=TIMEOUT)
+f = jax.jit(jax.shard_map(lambda v: sifar_jax.sifar_psum(v[0], "tp", algorithm="ALG")[None],
+                          mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+x = np.ones((4, 1024), np.float32)
+np.asarray(f(x))
+[c] = sifar_jax.communicators("tp")
+_ext._sifar.set_drop(c.comm_id, 1, True)  # ranks 0, 2, 3 wait for rank 1 until the timeout
+result = {}
+
+def run():
+    try:
+        jax.block_until_ready(f(x))
+        result["error"] = None
+    except Exception as e:
+        result["error"] = str(e)
+    result["done"] = time.perf_counter()
+
+t = threading.Thread(target=run)
+t.start()
+time.sleep(0.4)  # the ranks are spinning now
+t0 = time.perf_counter()
+_ext._sifar.destroy_all()  # the C++ teardown itself, without Python's effects barrier
+t1 = time.perf_counter()
+_ext._sifar.release_pooled_memory()  # really frees: a rank still running would fault
+t.join()
+print(json.dumps({"destroy_s": t1 - t0, "error": result["error"], "done_before": result["done"] <= t1 + 0.05}))
+"""
+
+
+@pytest.mark.parametrize("algorithm", ["sifar", "oneshot"])
+def test_teardown_waits_for_every_rank_before_freeing(algorithm):
+    """Destroying a communicator while its ranks still wait for a peer: the
+    teardown returns only after every rank's call has ended (here by timing
+    out), so freeing the memory afterwards is safe."""
+    import json
+    import subprocess
+    import sys
+
+    timeout = 1.5
+    code = _TEARDOWN_CHILD.replace("TIMEOUT", str(timeout)).replace("ALG", algorithm)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"the child died (rc {r.returncode}):\n{r.stderr[-3000:]}"
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["error"] is not None and "timed out" in out["error"], out
+    assert out["destroy_s"] > 0.5, f"destroy returned while ranks were still waiting: {out}"
+    assert out["done_before"], out
