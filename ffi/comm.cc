@@ -1,15 +1,19 @@
 #include "comm.h"
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <stdexcept>
+#include <thread>
+#include <tuple>
 
 namespace sifar {
 
 namespace {
 
 // XLA:CPU ranks share this process's memory: a workspace is an aligned block.
-class HostMemory : public Memory {
+class HostBackend : public Backend {
  public:
   char* Alloc(int, size_t bytes) override {
     void* p = std::aligned_alloc(kAlign, AlignUp(bytes, kAlign));
@@ -18,6 +22,10 @@ class HostMemory : public Memory {
     return static_cast<char*>(p);
   }
   void Free(int, char* ptr) override { std::free(ptr); }
+  void Zero(int, char* ptr, size_t bytes) override {
+    std::memset(ptr, 0, bytes);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  }
   void Write(int, char* dst, const void* src, size_t bytes) override {
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     if (bytes == 4 && reinterpret_cast<uintptr_t>(dst) % 4 == 0) {
@@ -41,6 +49,10 @@ class HostMemory : public Memory {
     return *device = Alloc(ordinal, bytes);
   }
   void FreeShared(int ordinal, char* host) override { Free(ordinal, host); }
+  void Synchronize(int) override {}
+  void PrepareGroup(Group& g, size_t) override {
+    g.multicast_refusal = "multicast needs NVLink GPUs";
+  }
 };
 
 uint64_t IndexKey(int axis_key, int ordinal) {
@@ -48,9 +60,143 @@ uint64_t IndexKey(int axis_key, int ordinal) {
          static_cast<uint32_t>(ordinal);
 }
 
+// ------------------------------------------------------------------- pool --
+// Memory of one group, pooled for the process's lifetime.  Keyed by axis too,
+// so an old executable of axis A and a new communicator of axis A share a
+// workspace (one sequence of epochs), never one of another axis.
+struct PoolKey {
+  Platform platform;
+  int axis_key;
+  std::vector<int> ordinals;
+  size_t bytes;
+  bool operator<(const PoolKey& o) const {
+    return std::tie(platform, axis_key, ordinals, bytes) <
+           std::tie(o.platform, o.axis_key, o.ordinals, o.bytes);
+  }
+};
+
+struct PooledGroup {
+  std::vector<char*> workspaces;
+  std::vector<ErrorRecord*> errors, errors_device;
+};
+
+class Pool {
+ public:
+  static Pool& Get() {
+    static Pool* p = new Pool();  // never destroyed: handlers may run at exit
+    return *p;
+  }
+
+  // Fills g's memory: a pooled set for this key (waited for and zeroed), or a
+  // new one.
+  void Acquire(const PoolKey& key, Backend& backend, Group& g) {
+    PooledGroup m;
+    bool reused = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = free_.find(key);
+      if (it != free_.end()) {
+        m = std::move(it->second);
+        free_.erase(it);
+        reused = true;
+      }
+    }
+    if (reused) {
+      // An old executable may have run on it since: let it finish everywhere,
+      // then every rank restarts from epoch 0 together.
+      for (int ord : key.ordinals) backend.Synchronize(ord);
+      for (size_t r = 0; r < key.ordinals.size(); ++r) {
+        backend.Zero(key.ordinals[r], m.workspaces[r], key.bytes);
+        std::memset(m.errors[r], 0, sizeof(ErrorRecord));
+      }
+    } else {
+      try {
+        for (int ord : key.ordinals) {
+          m.workspaces.push_back(backend.Alloc(ord, key.bytes));
+          char* dev = nullptr;
+          char* host = backend.AllocShared(ord, sizeof(ErrorRecord), &dev);
+          m.errors.push_back(reinterpret_cast<ErrorRecord*>(host));
+          m.errors_device.push_back(reinterpret_cast<ErrorRecord*>(dev));
+        }
+      } catch (...) {
+        FreeGroup(key, backend, m);
+        throw;
+      }
+    }
+    g.workspaces = std::move(m.workspaces);
+    g.errors = std::move(m.errors);
+    g.errors_device = std::move(m.errors_device);
+  }
+
+  // Takes g's memory back (the caller has waited for every device).
+  void Release(const PoolKey& key, Group& g) {
+    if (g.workspaces.empty()) return;
+    PooledGroup m{std::move(g.workspaces), std::move(g.errors), std::move(g.errors_device)};
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.emplace(key, std::move(m));
+  }
+
+  // A multicast group is not reused (the guard decides anew at every init),
+  // but an old executable may still name its mappings: keep it.
+  void Retire(std::shared_ptr<MulticastGroup> mc) {
+    if (!mc) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    retired_.push_back(std::move(mc));
+  }
+
+  std::vector<PoolEntryInfo> Entries() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<PoolEntryInfo> out;
+    for (auto& kv : free_)
+      out.push_back({kv.first.platform, kv.first.axis_key, kv.first.ordinals, kv.first.bytes,
+                     kv.second.workspaces});
+    return out;
+  }
+
+  void FreeAll() {
+    std::multimap<PoolKey, PooledGroup> free;
+    std::vector<std::shared_ptr<MulticastGroup>> retired;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      free.swap(free_);
+      retired.swap(retired_);
+    }
+    for (auto& kv : free)
+      for (int ord : kv.first.ordinals) BackendFor(kv.first.platform).Synchronize(ord);
+    retired.clear();  // unmaps the multicast views before the workspaces go
+    for (auto& kv : free) FreeGroup(kv.first, BackendFor(kv.first.platform), kv.second);
+  }
+
+ private:
+  static void FreeGroup(const PoolKey& key, Backend& backend, PooledGroup& m) {
+    for (size_t r = 0; r < m.workspaces.size(); ++r) backend.Free(key.ordinals[r], m.workspaces[r]);
+    for (size_t r = 0; r < m.errors.size(); ++r)
+      backend.FreeShared(key.ordinals[r], reinterpret_cast<char*>(m.errors[r]));
+  }
+
+  std::mutex mu_;
+  std::multimap<PoolKey, PooledGroup> free_;
+  std::vector<std::shared_ptr<MulticastGroup>> retired_;
+};
+
 }  // namespace
 
-std::unique_ptr<Memory> MakeHostMemory() { return std::make_unique<HostMemory>(); }
+#ifdef SIFAR_WITH_CUDA
+Backend& CudaBackend();  // cuda_memory.cu
+#endif
+
+Backend& BackendFor(Platform platform) {
+  static HostBackend* host = new HostBackend();
+  if (platform == Platform::kCpu) return *host;
+#ifdef SIFAR_WITH_CUDA
+  return CudaBackend();
+#else
+  throw std::runtime_error("sifar_jax was built without CUDA support");
+#endif
+}
+
+std::vector<PoolEntryInfo> PooledMemory() { return Pool::Get().Entries(); }
+void ReleasePooledMemory() { Pool::Get().FreeAll(); }
 
 Comm::Comm(int id, Platform platform, int axis_key, std::string axis_name,
            std::vector<std::vector<int>> groups, size_t slot_bytes, double timeout_s)
@@ -59,65 +205,50 @@ Comm::Comm(int id, Platform platform, int axis_key, std::string axis_name,
       axis_key_(axis_key),
       axis_name_(std::move(axis_name)),
       nranks_(groups.empty() ? 0 : static_cast<int>(groups[0].size())),
-      layout_(MakeWorkspaceLayout(slot_bytes)) {
+      layout_(MakeWorkspaceLayout(slot_bytes)),
+      backend_(&BackendFor(platform)) {
   if (slot_bytes == 0 || slot_bytes % 16 != 0)
     throw std::invalid_argument("sifar_jax: slot_bytes must be a positive multiple of 16");
   if (nranks_ < 1 || nranks_ > kMaxRanks)
     throw std::invalid_argument("sifar_jax: a communicator needs 1.." + std::to_string(kMaxRanks) +
                                 " ranks per group");
-#ifdef SIFAR_WITH_CUDA
-  memory_ = platform == Platform::kCuda ? MakeCudaMemory() : MakeHostMemory();
-#else
-  if (platform == Platform::kCuda)
-    throw std::runtime_error("sifar_jax was built without CUDA support");
-  memory_ = MakeHostMemory();
-#endif
-  for (auto& ords : groups) {
+  for (auto& ords : groups)
     if (static_cast<int>(ords.size()) != nranks_)
       throw std::invalid_argument("sifar_jax: all groups of an axis must have the same size");
-    Group g;
-    g.ordinals = ords;
-    for (int ord : ords) {
-      g.workspaces.push_back(memory_->Alloc(ord, layout_.total));
-      char* dev = nullptr;
-      char* host = memory_->AllocShared(ord, sizeof(ErrorRecord), &dev);
-      g.errors.push_back(reinterpret_cast<ErrorRecord*>(host));
-      g.errors_device.push_back(reinterpret_cast<ErrorRecord*>(dev));
+  try {
+    for (auto& ords : groups) {
+      groups_.emplace_back();
+      groups_.back().ordinals = ords;
+      Pool::Get().Acquire({platform_, axis_key_, ords, layout_.total}, *backend_, groups_.back());
     }
-    groups_.push_back(std::move(g));
+    // Fresh or zeroed workspaces, no kernel on them: the whole Control,
+    // `failed` included.
+    Control init{};
+    init.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+    init.poll_depth = kDefaultPollDepth;
+    init.poll_gap_ns = kDefaultPollGapNs;
+    for (auto& g : groups_)
+      for (int r = 0; r < nranks_; ++r)
+        backend_->Write(g.ordinals[r], g.workspaces[r] + layout_.control, &init, sizeof(Control));
+    for (auto& g : groups_) backend_->PrepareGroup(g, slot_bytes);
+  } catch (...) {
+    ReturnMemory();
+    throw;
   }
-  // Fresh workspaces, no kernel yet: the whole Control, `failed` included.
-  Control init{};
-  init.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
-  init.poll_depth = kDefaultPollDepth;
-  init.poll_gap_ns = kDefaultPollGapNs;
-  for (auto& g : groups_)
-    for (int r = 0; r < nranks_; ++r)
-      memory_->Write(g.ordinals[r], g.workspaces[r] + layout_.control, &init, sizeof(Control));
-#ifdef SIFAR_WITH_CUDA
-  if (platform == Platform::kCuda)
-    for (auto& g : groups_) {
-      // The guard reads the environment first and makes no CUDA call when it
-      // refuses (always, on hosts where multicast is off).
-      std::optional<std::string> refusal = MulticastRefusalHere(g.ordinals);
-      if (refusal) g.multicast_refusal = *refusal;
-      else g.multicast = CreateMulticastGroup(g.ordinals, slot_bytes);
-      for (int ord : g.ordinals) PrepareCudaDevice(ord, g.ordinals, g.multicast != nullptr);
-    }
-#else
-  for (auto& g : groups_) g.multicast_refusal = "sifar_jax was built without CUDA";
-#endif
-  if (platform == Platform::kCpu)
-    for (auto& g : groups_) g.multicast_refusal = "multicast needs NVLink GPUs";
+  buffers_.resize(groups_.size());
 }
 
-Comm::~Comm() {
-  for (auto& g : groups_) g.multicast.reset();  // unmaps before the workspaces go
+Comm::~Comm() { ReturnMemory(); }
+
+void Comm::ReturnMemory() {
+  // Every device of every group first: a rank's kernel may still read a
+  // peer's workspace after its own device is idle.
   for (auto& g : groups_)
-    for (size_t r = 0; r < g.workspaces.size(); ++r) {
-      memory_->Free(g.ordinals[r], g.workspaces[r]);
-      memory_->FreeShared(g.ordinals[r], reinterpret_cast<char*>(g.errors[r]));
-    }
+    for (int ord : g.ordinals) backend_->Synchronize(ord);
+  for (auto& g : groups_) {
+    Pool::Get().Retire(std::move(g.multicast));
+    Pool::Get().Release({platform_, axis_key_, g.ordinals, layout_.total}, g);
+  }
 }
 
 std::vector<std::array<std::array<uint64_t, kNumStats>, kNumAlgorithms>> Comm::Stats() const {
@@ -125,7 +256,7 @@ std::vector<std::array<std::array<uint64_t, kNumStats>, kNumAlgorithms>> Comm::S
   for (auto& g : groups_)
     for (size_t r = 0; r < g.workspaces.size(); ++r) {
       std::array<std::array<uint64_t, kNumStats>, kNumAlgorithms> s;
-      memory_->Read(g.ordinals[r], s.data(), g.workspaces[r] + layout_.stats, sizeof(s));
+      backend_->Read(g.ordinals[r], s.data(), g.workspaces[r] + layout_.stats, sizeof(s));
       out.push_back(s);
     }
   return out;
@@ -148,8 +279,8 @@ void Comm::WriteControlField(int rank, size_t offset, T value) {
   for (auto& g : groups_)
     for (int r = 0; r < nranks_; ++r)
       if (rank < 0 || r == rank)
-        memory_->Write(g.ordinals[r], g.workspaces[r] + layout_.control + offset, &value,
-                       sizeof(T));
+        backend_->Write(g.ordinals[r], g.workspaces[r] + layout_.control + offset, &value,
+                        sizeof(T));
 }
 
 void Comm::SetSkew(uint32_t max_ns, uint32_t seed) {
@@ -170,6 +301,11 @@ void Comm::SetPoll(uint32_t depth, uint32_t gap_ns) {
   WriteControlField(-1, offsetof(Control, poll_gap_ns), gap_ns);
 }
 
+void Comm::SetDrop(int rank, bool drop) {
+  if (rank < 0 || rank >= nranks_) throw std::out_of_range("sifar_jax: rank out of range");
+  WriteControlField(rank, offsetof(Control, drop), drop ? 1u : 0u);
+}
+
 void Comm::RegisterBuffer(int group, const std::vector<uintptr_t>& per_rank) {
   if (group < 0 || group >= static_cast<int>(groups_.size()) ||
       static_cast<int>(per_rank.size()) != nranks_)
@@ -180,12 +316,12 @@ void Comm::RegisterBuffer(int group, const std::vector<uintptr_t>& per_rank) {
     b[r] = reinterpret_cast<char*>(per_rank[r]);
   }
   std::lock_guard<std::mutex> lock(buffers_mu_);
-  groups_[group].buffers.push_back(b);
+  buffers_[group].push_back(b);
 }
 
 bool Comm::FindBuffer(int group, int rank, const void* ptr, char* (&slots)[kMaxRanks]) const {
   std::lock_guard<std::mutex> lock(buffers_mu_);
-  for (const auto& b : groups_[group].buffers)
+  for (const auto& b : buffers_[group])
     if (b[rank] == ptr) {
       for (int r = 0; r < kMaxRanks; ++r) slots[r] = b[r];
       return true;
@@ -193,11 +329,7 @@ bool Comm::FindBuffer(int group, int rank, const void* ptr, char* (&slots)[kMaxR
   return false;
 }
 
-void Comm::SetDrop(int rank, bool drop) {
-  if (rank < 0 || rank >= nranks_) throw std::out_of_range("sifar_jax: rank out of range");
-  WriteControlField(rank, offsetof(Control, drop), drop ? 1u : 0u);
-}
-
+// --------------------------------------------------------------- registry --
 Registry& Registry::Get() {
   static Registry* r = new Registry();  // never destroyed: handlers may run at exit
   return *r;
@@ -214,7 +346,7 @@ int Registry::Create(Platform platform, int axis_key, const std::string& axis_na
                                     " already has a communicator for axis '" + axis_name +
                                     "'; call sifar_jax.shutdown() first");
   int id = next_id_++;
-  auto comm = std::make_unique<Comm>(id, platform, axis_key, axis_name, groups, slot_bytes,
+  auto comm = std::make_shared<Comm>(id, platform, axis_key, axis_name, groups, slot_bytes,
                                      timeout_s);
   for (int g = 0; g < static_cast<int>(groups.size()); ++g)
     for (int r = 0; r < static_cast<int>(groups[g].size()); ++r)
@@ -224,12 +356,20 @@ int Registry::Create(Platform platform, int axis_key, const std::string& axis_na
 }
 
 void Registry::Destroy(int id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = comms_.find(id);
-  if (it == comms_.end()) return;
-  for (auto i = index_.begin(); i != index_.end();)
-    i = (i->second[0] == id) ? index_.erase(i) : std::next(i);
-  comms_.erase(it);
+  std::shared_ptr<Comm> comm;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = comms_.find(id);
+    if (it == comms_.end()) return;
+    for (auto i = index_.begin(); i != index_.end();)
+      i = (i->second[0] == id) ? index_.erase(i) : std::next(i);
+    comm = std::move(it->second);
+    comms_.erase(it);
+  }
+  // No new handler call can find it now.  Those under way end by themselves:
+  // a rank whose peer will not come any more times out.
+  while (comm.use_count() > 1) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  comm.reset();  // ~Comm waits for the devices, then pools the memory
 }
 
 void Registry::DestroyAll() {
@@ -243,11 +383,17 @@ std::vector<int> Registry::Ids() {
   return ids;
 }
 
+int Registry::CallsInFlight(int id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = comms_.find(id);
+  return it == comms_.end() ? 0 : static_cast<int>(it->second.use_count()) - 1;
+}
+
 RankRef Registry::Lookup(int axis_key, int ordinal) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = index_.find(IndexKey(axis_key, ordinal));
   if (it == index_.end()) return {};
-  return {comms_.at(it->second[0]).get(), it->second[1], it->second[2]};
+  return {comms_.at(it->second[0]), it->second[1], it->second[2]};
 }
 
 }  // namespace sifar

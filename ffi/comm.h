@@ -1,7 +1,16 @@
 // Communicators: one per mesh axis, holding one group of ranks for every line
-// of devices along that axis.  Owns each rank's symmetric workspace through a
-// Memory backend (host memory for XLA:CPU, device memory for CUDA) and maps
-// the device ordinal an FFI handler runs on to its (group, rank).
+// of devices along that axis.  Each rank's symmetric workspace comes from a
+// process-wide pool (host memory for XLA:CPU, device memory for CUDA) and the
+// registry maps the device ordinal an FFI handler runs on to its (group, rank).
+//
+// Life cycle (docs: sifar_jax/comm.py):
+// - Workspaces and error records are never freed while the process runs
+//   (unless asked to): an executable compiled before shutdown() may hold
+//   their addresses (kernel arguments recorded into a CUDA graph) and run
+//   again.  Destroying a communicator returns its memory to the pool; a new
+//   communicator of the same axis, devices and layout takes it back, zeroed.
+// - Teardown waits for every handler call and every device of every group
+//   before any memory changes hands.
 #pragma once
 
 #include <array>
@@ -13,20 +22,26 @@
 #include <unordered_map>
 #include <vector>
 
-#include "multicast.h"
 #include "protocol.h"
 
 namespace sifar {
 
+// The optional NVLink multicast variant of a group (multicast.h); opaque here.
+struct MulticastGroup;
+
 enum class Platform { kCpu, kCuda };
 
-// Where workspaces live.  All copies are synchronous and only used off the
-// hot path (set-up, stats, error reports, test knobs).
-class Memory {
+struct Group;
+
+// Where workspaces live and how a group's devices get ready.  All copies are
+// synchronous and only used off the hot path (set-up, stats, error reports,
+// test knobs).
+class Backend {
  public:
-  virtual ~Memory() = default;
+  virtual ~Backend() = default;
   virtual char* Alloc(int ordinal, size_t bytes) = 0;  // zero-filled
   virtual void Free(int ordinal, char* ptr) = 0;
+  virtual void Zero(int ordinal, char* ptr, size_t bytes) = 0;
   // An aligned write of 4 or 8 bytes is one access: kernels may read the word
   // meanwhile and see the old or the new value, never a mix.
   virtual void Write(int ordinal, char* dst, const void* src, size_t bytes) = 0;
@@ -35,18 +50,17 @@ class Memory {
   // (error records): returns the host pointer, *device gets the kernel's.
   virtual char* AllocShared(int ordinal, size_t bytes, char** device) = 0;
   virtual void FreeShared(int ordinal, char* host) = 0;
+  // Returns once nothing runs on `ordinal` any more; never throws.  (CPU
+  // handlers run on the caller's threads: the registry waits for them.)
+  virtual void Synchronize(int ordinal) = 0;
+  // Readies a new group's devices (peer access, eager kernel loads) and sets
+  // up its multicast variant where the guard allows it, else records why not
+  // in g.multicast_refusal.
+  virtual void PrepareGroup(Group& g, size_t slot_bytes) = 0;
 };
 
-std::unique_ptr<Memory> MakeHostMemory();
-#ifdef SIFAR_WITH_CUDA
-std::unique_ptr<Memory> MakeCudaMemory();
-// Enables peer access to every device of the group and loads every kernel on
-// `ordinal` now: a lazy module load while a peer spins can deadlock on the
-// driver's process-wide lock.
-// `multicast`: also load the multicast kernels (only where a multicast group
-// exists, so hosts with multicast off never load that code).
-void PrepareCudaDevice(int ordinal, const std::vector<int>& group, bool multicast);
-#endif
+// The process-wide backend of a platform; throws where this build lacks it.
+Backend& BackendFor(Platform platform);
 
 struct Group {
   std::vector<int> ordinals;           // rank -> device ordinal
@@ -57,15 +71,13 @@ struct Group {
   // allows it; otherwise the guard's reason.
   std::shared_ptr<MulticastGroup> multicast;
   std::string multicast_refusal;
-  // Explicit dual buffering: user-visible buffers, each one Slot per rank,
-  // registered when sifar_jax.make_buffers creates them.  Index -> [rank].
-  std::vector<std::array<char*, kMaxRanks>> buffers;
 };
 
 class Comm {
  public:
   Comm(int id, Platform platform, int axis_key, std::string axis_name,
        std::vector<std::vector<int>> groups, size_t slot_bytes, double timeout_s);
+  // Waits for every device of every group, then returns the memory to the pool.
   ~Comm();
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;
@@ -106,6 +118,7 @@ class Comm {
   // workspace that no kernel uses).
   template <typename T>
   void WriteControlField(int rank, size_t offset, T value);
+  void ReturnMemory();  // every group's memory back to the pool
 
   int id_;
   Platform platform_;
@@ -113,14 +126,18 @@ class Comm {
   std::string axis_name_;
   int nranks_;
   WorkspaceLayout layout_;
-  std::unique_ptr<Memory> memory_;
+  Backend* backend_;
   std::vector<Group> groups_;
+  // Explicit dual buffering: user-visible buffers, each one Slot per rank,
+  // registered when sifar_jax.make_buffers creates them.  [group][index][rank]
+  std::vector<std::vector<std::array<char*, kMaxRanks>>> buffers_;
   mutable std::mutex buffers_mu_;  // registration (Python) vs lookups (handlers)
 };
 
-// Where a handler invocation stands.
+// Where a handler invocation stands.  Holding `comm` keeps the communicator
+// (and so its memory) alive until the handler returns.
 struct RankRef {
-  Comm* comm = nullptr;
+  std::shared_ptr<Comm> comm;
   int group = -1;
   int rank = -1;
 };
@@ -133,6 +150,8 @@ class Registry {
   static Registry& Get();
   int Create(Platform platform, int axis_key, const std::string& axis_name,
              const std::vector<std::vector<int>>& groups, size_t slot_bytes, double timeout_s);
+  // Unlists the communicator, waits until no handler call holds it, then
+  // destroys it (which waits for its devices); returns after all of that.
   void Destroy(int id);
   void DestroyAll();
   RankRef Lookup(int axis_key, int ordinal);
@@ -146,13 +165,29 @@ class Registry {
     return true;
   }
   std::vector<int> Ids();
+  // Handler calls holding communicator `id` right now (tests).
+  int CallsInFlight(int id);
 
  private:
   std::mutex mu_;
   int next_id_ = 1;
-  std::unordered_map<int, std::unique_ptr<Comm>> comms_;
+  std::unordered_map<int, std::shared_ptr<Comm>> comms_;
   // (axis_key << 32 | ordinal) -> (comm id, group, rank)
   std::unordered_map<uint64_t, std::array<int, 3>> index_;
 };
+
+// The pool of workspaces and error records (see the top of this file).
+struct PoolEntryInfo {
+  Platform platform;
+  int axis_key;
+  std::vector<int> ordinals;
+  size_t workspace_bytes;
+  std::vector<char*> workspaces;  // rank order
+};
+// What the pool holds now (memory no communicator uses).
+std::vector<PoolEntryInfo> PooledMemory();
+// Frees every pooled workspace, error record and retired multicast group.
+// Only safe when no executable that used them will run again.
+void ReleasePooledMemory();
 
 }  // namespace sifar

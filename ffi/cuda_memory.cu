@@ -1,35 +1,41 @@
-// Device memory for communicator workspaces, peer access, and eager kernel
-// loading.  Off the hot path: every call here is synchronous and checked.
+// The CUDA backend: device memory for communicator workspaces, host-mapped
+// error records, peer access, eager kernel loading and the multicast variant
+// of a group.  Off the hot path: every call here is synchronous and checked.
 #include <cuda_runtime.h>
 
 #include <cstring>
-
+#include <optional>
 #include <stdexcept>
 #include <string>
 
 #include "comm.h"
-#include "multicast.h"
 #include "cuda_check.h"
+#include "multicast.h"
 
 namespace sifar {
 
+void PreloadCudaKernelsOnCurrentDevice();  // cuda_allreduce.cu
+
 namespace {
 
-// Runs on `ordinal`, restoring the caller's device (the Python thread's
-// device matters to JAX and to the user).
-class OnDevice {
- public:
-  explicit OnDevice(int ordinal) {
-    SIFAR_CUDA_CHECK(cudaGetDevice(&prev_));
-    SIFAR_CUDA_CHECK(cudaSetDevice(ordinal));
+// Enables peer access to every device of the group and loads every kernel on
+// `ordinal` now: a lazy module load while a peer spins can deadlock on the
+// driver's process-wide lock.  `multicast`: also the multicast kernels (only
+// where a multicast group exists, so hosts with multicast off never load them).
+void PrepareDevice(int ordinal, const std::vector<int>& group, bool multicast) {
+  OnDevice on(ordinal);
+  for (int peer : group) {
+    if (peer == ordinal) continue;
+    // XLA normally enabled this already when it created its GPU client.
+    cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+    if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
+    else SIFAR_CUDA_CHECK(e);
   }
-  ~OnDevice() { cudaSetDevice(prev_); }
+  PreloadCudaKernelsOnCurrentDevice();
+  if (multicast) SIFAR_CUDA_CHECK(PreloadMulticastKernels());
+}
 
- private:
-  int prev_ = 0;
-};
-
-class CudaMemory : public Memory {
+class CudaBackendImpl : public Backend {
  public:
   char* Alloc(int ordinal, size_t bytes) override {
     OnDevice on(ordinal);
@@ -39,10 +45,15 @@ class CudaMemory : public Memory {
     SIFAR_CUDA_CHECK(cudaDeviceSynchronize());
     return static_cast<char*>(p);
   }
-  void Free(int ordinal, char* ptr) override {
+  void Free(int ordinal, char* ptr) override {  // the caller has synchronised
     OnDevice on(ordinal);
-    cudaDeviceSynchronize();  // a kernel may still read it; never throw here
     cudaFree(ptr);
+    cudaGetLastError();
+  }
+  void Zero(int ordinal, char* ptr, size_t bytes) override {
+    OnDevice on(ordinal);
+    SIFAR_CUDA_CHECK(cudaMemset(ptr, 0, bytes));
+    SIFAR_CUDA_CHECK(cudaDeviceSynchronize());
   }
   void Write(int ordinal, char* dst, const void* src, size_t bytes) override {
     OnDevice on(ordinal);
@@ -64,12 +75,35 @@ class CudaMemory : public Memory {
     *device = static_cast<char*>(d);
     return static_cast<char*>(h);
   }
-  void FreeShared(int, char* host) override { cudaFreeHost(host); }
+  void FreeShared(int, char* host) override {
+    cudaFreeHost(host);
+    cudaGetLastError();
+  }
+  void Synchronize(int ordinal) override {
+    try {
+      OnDevice on(ordinal);
+      cudaDeviceSynchronize();  // a kernel's own failure is reported elsewhere
+      cudaGetLastError();
+    } catch (const std::exception&) {
+      // The device is gone or broken: nothing of ours runs on it any more.
+    }
+  }
+  void PrepareGroup(Group& g, size_t slot_bytes) override {
+    // The guard reads the environment first and makes no CUDA call when it
+    // refuses (always, on hosts where multicast is off).
+    std::optional<std::string> refusal = MulticastRefusalHere(g.ordinals);
+    if (refusal) g.multicast_refusal = *refusal;
+    else g.multicast = CreateMulticastGroup(g.ordinals, slot_bytes);
+    for (int ord : g.ordinals) PrepareDevice(ord, g.ordinals, g.multicast != nullptr);
+  }
 };
 
 }  // namespace
 
-std::unique_ptr<Memory> MakeCudaMemory() { return std::make_unique<CudaMemory>(); }
+Backend& CudaBackend() {
+  static CudaBackendImpl* b = new CudaBackendImpl();  // never destroyed (see Registry)
+  return *b;
+}
 
 bool CudaCanAccessPeer(int a, int b) {
   int ok = 0;
@@ -87,21 +121,6 @@ int CudaDeviceCount() {
     return 0;
   }
   return n;
-}
-
-void PreloadCudaKernelsOnCurrentDevice();  // cuda_allreduce.cu
-
-void PrepareCudaDevice(int ordinal, const std::vector<int>& group, bool multicast) {
-  OnDevice on(ordinal);
-  for (int peer : group) {
-    if (peer == ordinal) continue;
-    // XLA normally enabled this already when it created its GPU client.
-    cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
-    if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
-    else SIFAR_CUDA_CHECK(e);
-  }
-  PreloadCudaKernelsOnCurrentDevice();
-  if (multicast) SIFAR_CUDA_CHECK(PreloadMulticastKernels());
 }
 
 }  // namespace sifar

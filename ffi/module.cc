@@ -64,7 +64,17 @@ NB_MODULE(_sifar, m) {
 #endif
   });
   m.def("max_ranks", [] { return kMaxRanks; });
-  m.def("workspace_bytes", [](size_t slot_bytes) { return MakeWorkspaceLayout(slot_bytes).total; });
+  m.def(
+      "workspace_bytes",
+      [](size_t slot_bytes, int nranks) {
+        if (slot_bytes == 0 || slot_bytes % 16 != 0)
+          throw std::invalid_argument("sifar_jax: slot_bytes must be a positive multiple of 16");
+        if (nranks < 1 || nranks > kMaxRanks)
+          throw std::invalid_argument("sifar_jax: nranks must be 1.." + std::to_string(kMaxRanks));
+        return MakeWorkspaceLayout(slot_bytes).total;  // the same for every rank count today
+      },
+      nb::arg("slot_bytes"), nb::arg("nranks"),
+      "Device memory one rank of one communicator reserves for this slot size");
 
   m.def(
       "create_comm",
@@ -79,8 +89,19 @@ NB_MODULE(_sifar, m) {
       },
       nb::arg("platform"), nb::arg("axis_key"), nb::arg("axis_name"), nb::arg("groups"),
       nb::arg("slot_bytes"), nb::arg("timeout_s"));
-  m.def("destroy_comm", [](int id) { Registry::Get().Destroy(id); });
-  m.def("destroy_all", [] { Registry::Get().DestroyAll(); });
+  // Both wait for the communicators' handler calls and devices (no GIL held).
+  m.def("destroy_comm", [](int id) {
+    nb::gil_scoped_release release;
+    Registry::Get().Destroy(id);
+  });
+  m.def("destroy_all", [] {
+    nb::gil_scoped_release release;
+    Registry::Get().DestroyAll();
+  });
+  m.def("release_pooled_memory", [] {
+    nb::gil_scoped_release release;
+    ReleasePooledMemory();
+  });
   m.def("comm_ids", [] { return Registry::Get().Ids(); });
 
   m.def("comm_stats", [](int id) {

@@ -1,6 +1,7 @@
 // `sifar_jax._testing`: hooks for the test suite only (never used by the
 // library itself): raw access to a communicator's Control words.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 
 #include <chrono>
 #include <cstddef>
@@ -35,6 +36,25 @@ void RegisterTestingBindings(nb::module_& t) {
     });
     return addr;
   });
+  // [group][rank] workspace addresses of a live communicator.
+  t.def("comm_workspaces", [](int id) {
+    std::vector<std::vector<uintptr_t>> out;
+    WithComm(id, [&](Comm& c) {
+      for (auto& g : c.groups()) {
+        out.emplace_back();
+        for (char* ws : g.workspaces) out.back().push_back(reinterpret_cast<uintptr_t>(ws));
+      }
+    });
+    return out;
+  });
+  // Workspace addresses the pool holds (no communicator uses them).
+  t.def("pooled_workspace_list", [] {
+    std::vector<uintptr_t> out;
+    for (auto& e : PooledMemory())
+      for (char* ws : e.workspaces) out.push_back(reinterpret_cast<uintptr_t>(ws));
+    return out;
+  });
+  t.def("calls_in_flight", [](int id) { return Registry::Get().CallsInFlight(id); });
   // What a kernel does when it fails: one atomic store, no lock.
   t.def("store_u32", [](uintptr_t addr, uint32_t v) {
     __atomic_store_n(reinterpret_cast<uint32_t*>(addr), v, __ATOMIC_SEQ_CST);

@@ -8,7 +8,7 @@
 from . import algorithms, testing
 from .algorithms import ALL as ALGORITHMS
 from .buffers import DualBuffers, buffer_spec, make_buffers, sifar_psum_into
-from .comm import DEFAULT_SLOT_BYTES, communicators, init, shutdown
+from .comm import DEFAULT_SLOT_BYTES, communicators, init, shutdown, workspace_bytes
 from .errors import NotInitializedError, SifarError
 from .multicast import MulticastDisabledError
 from .psum import SUPPORTED_DTYPES, sifar_psum
@@ -35,4 +35,5 @@ __all__ = [
     "sifar_psum_into",
     "stats",
     "testing",
+    "workspace_bytes",
 ]

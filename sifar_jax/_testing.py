@@ -7,3 +7,8 @@ from ._ext import _sifar
 
 _mod = _sifar._testing
 globals().update({k: getattr(_mod, k) for k in dir(_mod) if not k.startswith("__")})
+
+
+def pooled_workspaces() -> set[int]:
+    """Workspace addresses in the pool (memory no communicator uses now)."""
+    return set(_mod.pooled_workspace_list())

@@ -4,6 +4,24 @@ A communicator for axis `a` holds one group of ranks per line of devices
 along `a` (rank = position along the axis = `lax.axis_index(a)`), and on each
 device a symmetric workspace (two payload slots plus epoch and signal words).
 The FFI handler finds its group and rank from the device it runs on.
+
+Memory. Each device reserves `workspace_bytes(slot_bytes)` per communicator
+it belongs to (one per mesh axis): about 36 x slot_bytes, so 2.3 MiB at the
+default 64 KiB slot and 36 MiB at 1 MiB (two slots, each with the plain
+payload, twoshot's reduced piece, and the epoch-tagged words, which take twice
+the payload for each of up to 8 source ranks).
+
+Life cycle. `shutdown()` waits until nothing runs on any device of any
+communicator, then returns the workspaces to a process-wide pool instead of
+freeing them: an executable compiled before may hold their addresses (XLA
+records kernel arguments into CUDA graphs) and may run again, so that memory
+must stay valid. `init()` for the same axis, devices and slot size takes the
+pooled memory back (zeroed, so every rank restarts its epochs together);
+another slot size allocates anew. The pool therefore holds at most one
+workspace per (axis, devices, slot size) ever used (more only if several
+communicators of one axis lived at once). `shutdown(release_memory=True)`
+frees the pool: only do that when no executable compiled before will run
+again (re-trace and recompile everything that uses sifar_jax).
 """
 
 from __future__ import annotations
@@ -127,6 +145,21 @@ def _drop_overlapping(axis: str, devices: set[int]) -> None:
     _comms[axis] = keep
 
 
+def _round_slot(slot_bytes: int) -> int:
+    slot_bytes = -(-int(slot_bytes) // 16) * 16
+    if slot_bytes <= 0:
+        raise ValueError("sifar_jax: slot_bytes must be positive")
+    return slot_bytes
+
+
+def workspace_bytes(slot_bytes: int = DEFAULT_SLOT_BYTES, nranks: int = 2) -> int:
+    """Device memory each rank of one communicator reserves for `slot_bytes`
+    (rounded up to 16 bytes as init does), for an axis of `nranks` devices."""
+    if not 1 <= int(nranks) <= _ext._sifar.max_ranks():
+        raise ValueError(f"sifar_jax.workspace_bytes: nranks must be 1..{_ext._sifar.max_ranks()}")
+    return int(_ext._sifar.workspace_bytes(_round_slot(slot_bytes), int(nranks)))
+
+
 def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None) -> None:
     """Sets up a communicator for every axis of `mesh`. Idempotent.
 
@@ -136,13 +169,12 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None)
 
     slot_bytes: the largest payload (per all-reduce, per device) served without
       falling back to `lax.psum`; rounded up to 16 bytes. Default 64 KiB; when
-      omitted, an axis already set up keeps its slot.
+      omitted, an axis already set up keeps its slot. Each device reserves
+      `workspace_bytes(slot_bytes)` per axis (see the module docstring).
     timeout_s: bound on every wait for a peer (default $SIFAR_TIMEOUT_S or 5 s).
     """
     keep_slot = slot_bytes is None
-    slot_bytes = -(-int(DEFAULT_SLOT_BYTES if keep_slot else slot_bytes) // 16) * 16
-    if slot_bytes <= 0:
-        raise ValueError("sifar_jax.init: slot_bytes must be positive")
+    slot_bytes = _round_slot(DEFAULT_SLOT_BYTES if keep_slot else slot_bytes)
     with _lock:
         if timeout_s is not None:
             set_timeout(timeout_s)  # existing communicators too
@@ -174,13 +206,20 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None)
             )
 
 
-def shutdown() -> None:
-    """Frees every communicator. Do not call while computations using them run."""
+def shutdown(release_memory: bool = False) -> None:
+    """Destroys every communicator; returns once nothing runs on their devices.
+
+    Their workspaces go back to the pool (module docstring), so executables
+    compiled before stay safe to run. release_memory=True also frees the pool:
+    only when no executable compiled before will run again.
+    """
     with _lock:
         _wait_for_effects()
         _ext._sifar.destroy_all()
         _comms.clear()
         _unsupported.clear()
+        if release_memory:
+            _ext._sifar.release_pooled_memory()
 
 
 def communicators(axis_name: str | None = None) -> list[Communicator]:
