@@ -1,5 +1,7 @@
 #include "comm.h"
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -236,6 +238,7 @@ Comm::Comm(int id, Platform platform, int axis_key, std::string axis_name,
     throw;
   }
   buffers_.resize(groups_.size());
+  last_buffer_.assign(groups_.size(), {});
 }
 
 Comm::~Comm() { ReturnMemory(); }
@@ -306,27 +309,80 @@ void Comm::SetDrop(int rank, bool drop) {
   WriteControlField(rank, offsetof(Control, drop), drop ? 1u : 0u);
 }
 
-void Comm::RegisterBuffer(int group, const std::vector<uintptr_t>& per_rank) {
+uint64_t Comm::RegisterBuffer(int group, const std::vector<uintptr_t>& per_rank,
+                              size_t bytes) {
   if (group < 0 || group >= static_cast<int>(groups_.size()) ||
       static_cast<int>(per_rank.size()) != nranks_)
     throw std::invalid_argument("sifar_jax: RegisterBuffer needs one pointer per rank");
-  std::array<char*, kMaxRanks> b{};
+  if (bytes < slot_total_bytes())
+    throw std::invalid_argument("sifar_jax: a buffer must hold a whole slot");
+  static std::atomic<uint64_t> next_id{1};
+  RegisteredBuffer b{next_id++, {}, bytes};
   for (int r = 0; r < nranks_; ++r) {
     if (per_rank[r] % 16) throw std::invalid_argument("sifar_jax: buffers must be 16-byte aligned");
-    b[r] = reinterpret_cast<char*>(per_rank[r]);
+    b.per_rank[r] = reinterpret_cast<char*>(per_rank[r]);
   }
+  auto overlaps = [&](const RegisteredBuffer& old) {
+    for (int r = 0; r < nranks_; ++r)
+      if (old.per_rank[r] < b.per_rank[r] + b.bytes && b.per_rank[r] < old.per_rank[r] + old.bytes)
+        return true;
+    return false;
+  };
   std::lock_guard<std::mutex> lock(buffers_mu_);
-  buffers_[group].push_back(b);
+  auto& list = buffers_[group];
+  list.erase(std::remove_if(list.begin(), list.end(), overlaps), list.end());
+  list.push_back(b);
+  return b.id;
 }
 
-bool Comm::FindBuffer(int group, int rank, const void* ptr, char* (&slots)[kMaxRanks]) const {
+bool Comm::UnregisterBuffer(uint64_t id) {
   std::lock_guard<std::mutex> lock(buffers_mu_);
-  for (const auto& b : buffers_[group])
-    if (b[rank] == ptr) {
-      for (int r = 0; r < kMaxRanks; ++r) slots[r] = b[r];
-      return true;
-    }
+  for (auto& list : buffers_)
+    for (auto it = list.begin(); it != list.end(); ++it)
+      if (it->id == id) {
+        list.erase(it);
+        return true;
+      }
   return false;
+}
+
+std::vector<RegisteredBuffer> Comm::Buffers(int group) const {
+  std::lock_guard<std::mutex> lock(buffers_mu_);
+  return buffers_.at(group);
+}
+
+bool Comm::FindBuffer(int group, int rank, const void* ptr, char* (&slots)[kMaxRanks],
+                      std::string* why, bool in_run_order) const {
+  const std::string who = "sifar_jax.sifar_psum_into: rank " + std::to_string(rank) +
+                          " of axis '" + axis_name_ + "'";
+  std::lock_guard<std::mutex> lock(buffers_mu_);
+  const RegisteredBuffer* found = nullptr;
+  for (const auto& b : buffers_[group]) {
+    if (b.per_rank[rank] != ptr) continue;
+    if (found != nullptr) {  // cannot happen while registrations follow the arrays' lives
+      *why = who + " was given a buffer that matches two registered buffers; make new "
+             "buffers with sifar_jax.make_buffers";
+      return false;
+    }
+    found = &b;
+  }
+  if (found == nullptr) {
+    *why = who + " was given a buffer that sifar_jax.make_buffers did not register: XLA copied "
+           "it (or it was made before the last sifar_jax.init). Pass both buffers into the "
+           "jitted step with donate_argnums, return them, and feed the returned buffers to the "
+           "next step";
+    return false;
+  }
+  uint64_t& last = last_buffer_[group][rank];
+  if (in_run_order && last == found->id) {
+    *why = who + " was given the buffer its previous all-reduce wrote: consecutive calls of "
+           "sifar_psum_into must alternate the two buffers of sifar_jax.make_buffers "
+           "(y, a = sifar_psum_into(x, axis, a, b); z, b = sifar_psum_into(y, axis, b, a))";
+    return false;
+  }
+  last = in_run_order ? found->id : 0;  // 0: unknown
+  for (int r = 0; r < kMaxRanks; ++r) slots[r] = found->per_rank[r];
+  return true;
 }
 
 // --------------------------------------------------------------- registry --

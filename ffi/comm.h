@@ -73,6 +73,14 @@ struct Group {
   std::string multicast_refusal;
 };
 
+// Explicit dual buffering: a user buffer registered by sifar_jax.make_buffers,
+// one copy per rank of one group.
+struct RegisteredBuffer {
+  uint64_t id;                            // unique in the process
+  std::array<char*, kMaxRanks> per_rank;  // rank -> its copy
+  size_t bytes;                           // of each copy
+};
+
 class Comm {
  public:
   Comm(int id, Platform platform, int axis_key, std::string axis_name,
@@ -104,11 +112,22 @@ class Comm {
   void SetDrop(int rank, bool drop);  // in every group
   void SetPoll(uint32_t depth, uint32_t gap_ns);
 
-  // Explicit buffers: `per_rank[r]` is rank r's copy (slot_total_bytes each).
-  void RegisterBuffer(int group, const std::vector<uintptr_t>& per_rank);
-  // Fills slots[r] with every rank's copy of the buffer whose rank-`rank` copy
-  // starts at `ptr`; false if `ptr` is not a registered buffer.
-  bool FindBuffer(int group, int rank, const void* ptr, char* (&slots)[kMaxRanks]) const;
+  // Explicit buffers.  `per_rank[r]` is rank r's copy (`bytes` each).  A new
+  // registration drops every older one that overlaps it on any rank: its
+  // memory has been freed, since a live allocation now occupies it.
+  // Returns the registration's id.
+  uint64_t RegisterBuffer(int group, const std::vector<uintptr_t>& per_rank, size_t bytes);
+  bool UnregisterBuffer(uint64_t id);  // false if there is no such registration
+  std::vector<RegisteredBuffer> Buffers(int group) const;
+  // Fills slots[r] with every rank's copy of the one registered buffer whose
+  // rank-`rank` copy starts at `ptr`.  False, with *why set to the message
+  // for the user, if there is none, if several match, or if this rank's
+  // previous explicit call used the same registered buffer (dual buffering
+  // needs the two buffers to alternate).  `in_run_order`: this rank's calls
+  // reach FindBuffer in the order they run (false while a CUDA graph is
+  // recorded: that check is skipped and its memory forgotten).
+  bool FindBuffer(int group, int rank, const void* ptr, char* (&slots)[kMaxRanks],
+                  std::string* why, bool in_run_order = true) const;
   size_t slot_total_bytes() const { return layout_.slot.total; }
 
  private:
@@ -128,10 +147,12 @@ class Comm {
   WorkspaceLayout layout_;
   Backend* backend_;
   std::vector<Group> groups_;
-  // Explicit dual buffering: user-visible buffers, each one Slot per rank,
-  // registered when sifar_jax.make_buffers creates them.  [group][index][rank]
-  std::vector<std::vector<std::array<char*, kMaxRanks>>> buffers_;
-  mutable std::mutex buffers_mu_;  // registration (Python) vs lookups (handlers)
+  // Registration (Python) vs lookups (handlers).
+  mutable std::mutex buffers_mu_;
+  std::vector<std::vector<RegisteredBuffer>> buffers_;  // [group]
+  // [group][rank]: the registration of this rank's previous explicit call
+  // (a registration, not an address: a new array may reuse a dead one's).
+  mutable std::vector<std::array<uint64_t, kMaxRanks>> last_buffer_;
 };
 
 // Where a handler invocation stands.  Holding `comm` keeps the communicator

@@ -145,7 +145,11 @@ ffi::Error RunCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
     if (algorithm == kMulticast)
       return ffi::Error(ffi::ErrorCode::kUnimplemented,
                         "sifar_jax: explicit buffers are not supported with multicast");
-    err = ResolveBuffer(comm, ref.group, ref.rank, buf->untyped_data(), buf->size_bytes(), a.slots);
+    // While XLA records a command buffer, handler calls do not follow the run order.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) cudaGetLastError();
+    err = ResolveBuffer(comm, ref.group, ref.rank, buf->untyped_data(), buf->size_bytes(), a.slots,
+                        capture == cudaStreamCaptureStatusNone);
     if (err.failure()) return err;
   }
   a.err = g.errors_device[ref.rank];

@@ -59,19 +59,14 @@ ffi::Error CheckPayload(const Comm& comm, int nranks, size_t in_bytes, size_t ou
 }
 
 ffi::Error ResolveBuffer(const Comm& comm, int group, int rank, const void* buf,
-                         size_t buf_bytes, char* (&slots)[kMaxRanks]) {
+                         size_t buf_bytes, char* (&slots)[kMaxRanks], bool in_run_order) {
   if (buf_bytes < comm.slot_total_bytes())
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "sifar_jax.sifar_psum_into: the buffer is smaller than a slot; make it "
                       "with sifar_jax.make_buffers");
-  if (!comm.FindBuffer(group, rank, buf, slots))
-    return ffi::Error(
-        ffi::ErrorCode::kFailedPrecondition,
-        "sifar_jax.sifar_psum_into: rank " + std::to_string(rank) + " of axis '" +
-            comm.axis_name() +
-            "' was given a buffer that sifar_jax.make_buffers did not register: XLA copied it. "
-            "Pass both buffers into the jitted step with donate_argnums, return them, and "
-            "feed the returned buffers to the next step");
+  std::string why;
+  if (!comm.FindBuffer(group, rank, buf, slots, &why, in_run_order))
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, why);
   return ffi::Error::Success();
 }
 

@@ -44,7 +44,9 @@ xla::ffi::Error NotInitialisedError(int axis_key, int ordinal);
 xla::ffi::Error CheckPayload(const Comm& comm, int nranks, size_t in_bytes, size_t out_bytes);
 
 // Every rank's copy of the registered buffer `buf` (explicit dual buffering).
+// `in_run_order`: see Comm::FindBuffer.
 xla::ffi::Error ResolveBuffer(const Comm& comm, int group, int rank, const void* buf,
-                              size_t buf_bytes, char* (&slots)[kMaxRanks]);
+                              size_t buf_bytes, char* (&slots)[kMaxRanks],
+                              bool in_run_order = true);
 
 }  // namespace sifar

@@ -135,8 +135,23 @@ NB_MODULE(_sifar, m) {
     WithComm(id, [&](Comm& c) { n = c.slot_total_bytes(); });
     return n;
   });
-  m.def("register_buffer", [](int id, int group, const std::vector<uintptr_t>& per_rank) {
-    WithComm(id, [&](Comm& c) { c.RegisterBuffer(group, per_rank); });
+  m.def("register_buffer",
+        [](int id, int group, const std::vector<uintptr_t>& per_rank, size_t bytes) {
+          uint64_t reg = 0;
+          WithComm(id, [&](Comm& c) { reg = c.RegisterBuffer(group, per_rank, bytes); });
+          return reg;
+        });
+  m.def("unregister_buffer", [](int id, uint64_t reg) {
+    bool found = false;
+    WithComm(id, [&](Comm& c) { found = c.UnregisterBuffer(reg); });
+    return found;
+  });
+  m.def("buffer_ids", [](int id, int group) {
+    std::vector<uint64_t> ids;
+    WithComm(id, [&](Comm& c) {
+      for (auto& b : c.Buffers(group)) ids.push_back(b.id);
+    });
+    return ids;
   });
   m.def("set_skew", [](int id, uint32_t max_ns, uint32_t seed) {
     WithComm(id, [&](Comm& c) { c.SetSkew(max_ns, seed); });

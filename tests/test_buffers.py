@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import sifar_jax
+from test_faults import hang_guard
 
 N = 4
 
@@ -123,3 +124,105 @@ def test_decoder_with_explicit_buffers_matches_psum():
     assert not [line for line in hlo.splitlines() if "u8[" in line and " copy" in line]
     sifar_jax.check()
     sifar_jax.shutdown()
+
+
+def _decoder_like(mesh, rng):
+    """What a Decoder with allreduce="sifar_buffers" does: a state holding its
+    own arrays and the all-reduce buffers, donated to a jitted step."""
+    spec = sifar_jax.buffer_spec(mesh)
+    size = int(rng.integers(64, 512))
+
+    def body(x, h, a, b):
+        y, a = sifar_jax.sifar_psum_into(x * h, "tp", a, b)
+        z, b = sifar_jax.sifar_psum_into(y, "tp", b, a)
+        return z, h + 1, a, b
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(x, state):
+        z, h, a, b = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp"), spec, spec),
+                                   out_specs=(P("tp"), P("tp"), spec, spec))(x, *state)
+        return z, (h, a, b)
+
+    h = jnp.ones((N, size), jnp.float32)
+    a, b = sifar_jax.make_buffers(mesh, "tp")
+    return step, (h, a, b), size
+
+
+def test_building_using_and_dropping_many_decoders_never_hangs(mesh):
+    """Buffers die with their decoder; a new pair may land where an old one
+    was on some ranks and elsewhere on others. Every pair must be matched on
+    every rank, never an old pair at a reused address (that hangs)."""
+    rng = np.random.default_rng(0)
+    with hang_guard(300), sifar_jax.testing.timeout(2.0):
+        for k in range(8):
+            step, state, size = _decoder_like(mesh, rng)
+            for i in range(3):
+                x = jnp.asarray(rng.integers(-4, 5, (N, size)).astype(np.float32))
+                z, state = step(x, state)
+                want = np.asarray(x).sum(0) * (i + 1) * N
+                np.testing.assert_array_equal(np.asarray(z), np.broadcast_to(want, (N, size)),
+                                              err_msg=f"decoder {k}, step {i}")
+            del step, state
+    sifar_jax.check()
+
+
+def _one_call_step(mesh):
+    """Each call of this step writes `a` once: two calls in a row reuse it."""
+    spec = sifar_jax.buffer_spec(mesh)
+
+    def body(x, a, b):
+        y, a = sifar_jax.sifar_psum_into(x, "tp", a, b)
+        return y, a, b
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), spec, spec),
+                                 out_specs=(P("tp"), spec, spec)), donate_argnums=(1, 2))
+
+
+def test_the_same_buffer_twice_in_a_row_is_a_clear_error(mesh):
+    bufs = sifar_jax.make_buffers(mesh, "tp")
+    x = jnp.ones((N, 64), jnp.float32)
+    spec = sifar_jax.buffer_spec(mesh)
+
+    def traced(body):
+        f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), spec, spec), out_specs=P("tp"))
+        return jax.jit(f).lower(x, *bufs)
+
+    # At trace time: buf is prev, and buf written by the call just before.
+    with pytest.raises(ValueError, match="buf and prev are the same buffer"):
+        traced(lambda x, a, b: sifar_jax.sifar_psum_into(x, "tp", a, a)[0])
+
+    def twice(x, a, b):
+        y, a = sifar_jax.sifar_psum_into(x, "tp", a, b)
+        return sifar_jax.sifar_psum_into(y, "tp", a, b)[0]
+
+    with pytest.raises(ValueError, match="previous sifar_psum_into wrote"):
+        traced(twice)
+
+    # At run time, across executables: the handler remembers each rank's last buffer.
+    step = _one_call_step(mesh)
+    y, a, b = step(x, *bufs)
+    np.testing.assert_array_equal(np.asarray(y), np.full((N, 64), N, np.float32))
+    with pytest.raises(Exception, match="the buffer its previous all-reduce wrote"):
+        np.asarray(step(x, a, b)[0])
+
+
+def test_registrations_follow_the_arrays_lives(mesh):
+    """make_buffers drops the registrations of buffers no longer alive (a
+    donated buffer lives on in the step's output and stays registered)."""
+    from sifar_jax import _ext
+
+    [c] = sifar_jax.communicators("tp")
+    ids = lambda: set(_ext._sifar.buffer_ids(c.comm_id, 0))  # noqa: E731
+    first = sifar_jax.make_buffers(mesh, "tp")
+    x = jnp.ones((N, 64), jnp.float32)
+    z, first = _step(mesh)(x, first)  # donated: the output arrays hold the memory now
+    kept = ids()
+    assert len(kept) == 2
+    second = sifar_jax.make_buffers(mesh, "tp")
+    assert kept < ids() and len(ids()) == 4, "a donated-and-returned pair was dropped"
+    del first
+    third = sifar_jax.make_buffers(mesh, "tp")
+    assert not kept & ids() and len(ids()) == 4, "the dead pair is still registered"
+    for bufs in (second, third):
+        z, bufs = _step(mesh)(x, bufs)
+        np.testing.assert_array_equal(np.asarray(z), np.full((N, 64), N * N * 0.25, np.float32))
