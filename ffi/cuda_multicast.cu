@@ -45,6 +45,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "cuda_check.h"
 #include "cuda_kernels.cuh"
 #include "multicast.h"
 
@@ -54,28 +55,33 @@ namespace sifar {
 namespace {
 
 constexpr int kThreads = kMulticastLinesPerBlock;
+static_assert(kThreads == cuda::kThreads, "one line-to-block ownership for all kernels");
 constexpr int kBatch = 4;  // lines in flight per thread when a thread owns several
 
 struct McArgs {
-  const uint4* in;
-  uint4* out;
-  size_t lines;
-  int rank;
-  int nranks;
-  int repeat;
+  // What the portable kernels' helpers need (workspaces, Control, epochs,
+  // stats, error record, the payload); `slots` stays unused.
+  cuda::KernelArgs k;
   char* uc;  // this rank's share, unicast mapping (its own stores)
   char* mc;  // the multicast mapping on this device (ld_reduce)
-  char* ws[kMaxRanks];
-  ErrorRecord* err;
-  WorkspaceLayout lay;
   MulticastLayout ml;
 };
 
-// Clock and strong loads/stores: the portable kernels' helpers.
-using cuda::GlobalTimerNs;
-using cuda::LoadStrong;
-using cuda::LoadStrong16;
-using cuda::StoreStrong;
+// The C++ type of an element type.
+template <int E>
+struct ElemOf;
+template <>
+struct ElemOf<kElemF32> {
+  using type = float;
+};
+template <>
+struct ElemOf<kElemBf16> {
+  using type = __nv_bfloat16;
+};
+template <>
+struct ElemOf<kElemF16> {
+  using type = __half;
+};
 
 // The same bytes are reached through two virtual aliases (unicast and
 // multicast): order this thread's accesses across them.
@@ -101,7 +107,7 @@ __device__ __forceinline__ uint64_t ReduceFlagAcquire(const MulticastFlag* mc) {
 template <int E>
 __device__ __forceinline__ uint4 ReduceLine(const uint4* mc);
 template <>
-__device__ __forceinline__ uint4 ReduceLine<kMcF32>(const uint4* mc) {
+__device__ __forceinline__ uint4 ReduceLine<kElemF32>(const uint4* mc) {
   uint4 v;
   asm volatile("multimem.ld_reduce.relaxed.sys.global.add.v4.f32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
@@ -110,7 +116,7 @@ __device__ __forceinline__ uint4 ReduceLine<kMcF32>(const uint4* mc) {
   return v;
 }
 template <>
-__device__ __forceinline__ uint4 ReduceLine<kMcBf16>(const uint4* mc) {
+__device__ __forceinline__ uint4 ReduceLine<kElemBf16>(const uint4* mc) {
   uint4 v;
   asm volatile("multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.bf16x2 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
@@ -119,7 +125,7 @@ __device__ __forceinline__ uint4 ReduceLine<kMcBf16>(const uint4* mc) {
   return v;
 }
 template <>
-__device__ __forceinline__ uint4 ReduceLine<kMcF16>(const uint4* mc) {
+__device__ __forceinline__ uint4 ReduceLine<kElemF16>(const uint4* mc) {
   uint4 v;
   asm volatile("multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.f16x2 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
@@ -128,72 +134,36 @@ __device__ __forceinline__ uint4 ReduceLine<kMcF16>(const uint4* mc) {
   return v;
 }
 
-template <int E>
-struct NaNWord;
-template <>
-struct NaNWord<kMcF32> {
-  static constexpr uint32_t kValue = 0x7fc00000u;
-};
-template <>
-struct NaNWord<kMcBf16> {
-  static constexpr uint32_t kValue = 0x7fc07fc0u;
-};
-template <>
-struct NaNWord<kMcF16> {
-  static constexpr uint32_t kValue = 0x7e007e00u;
-};
-
 // This thread's lines: first, first + stride, ... (the same ownership as
-// BlockOfLine with kMulticastLinesPerBlock lines per block).
-#define SIFAR_MC_FOR_EACH_LINE(line, a)                                                        \
-  for (size_t line = MulticastFirstLine(blockIdx.x, threadIdx.x); line < (a).lines;            \
+// BlockOfLine with kMulticastLinesPerBlock lines per block; replayed on the
+// host by the tests through MulticastFirstLine / MulticastLineStride).
+#define SIFAR_MC_FOR_EACH_LINE(line, lines)                                                    \
+  for (size_t line = MulticastFirstLine(blockIdx.x, threadIdx.x); line < (lines);              \
        line += MulticastLineStride())
 
 // Pulls this thread's lines, kBatch reductions in flight before the stores.
 template <int E>
 __device__ __forceinline__ void PullLines(const McArgs& a, const uint4* all) {
   const size_t stride = MulticastLineStride();
-  for (size_t base = MulticastFirstLine(blockIdx.x, threadIdx.x); base < a.lines;
+  const size_t lines = a.k.nbytes / 16;
+  uint4* out = static_cast<uint4*>(a.k.out);
+  for (size_t base = MulticastFirstLine(blockIdx.x, threadIdx.x); base < lines;
        base += kBatch * stride) {
     uint4 v[kBatch];
 #pragma unroll
     for (int j = 0; j < kBatch; ++j)
-      if (base + j * stride < a.lines) v[j] = ReduceLine<E>(all + base + j * stride);
+      if (base + j * stride < lines) v[j] = ReduceLine<E>(all + base + j * stride);
 #pragma unroll
     for (int j = 0; j < kBatch; ++j)
-      if (base + j * stride < a.lines) a.out[base + j * stride] = v[j];
+      if (base + j * stride < lines) out[base + j * stride] = v[j];
   }
 }
 
-__device__ Control* CtlOf(const McArgs& a, int r) {
-  return reinterpret_cast<Control*>(a.ws[r] + a.lay.control);
-}
-__device__ unsigned long long* Stat(const McArgs& a, int field) {
-  return reinterpret_cast<unsigned long long*>(a.ws[a.rank] + a.lay.stats) +
-         kMulticast * kNumStats + field;
-}
-
-// The first timing-out thread of this rank describes the failure (the flag
-// sum does not say which peer is late: peer -1); every rank is told to fail
-// fast.  The same rules as the portable kernels.
-__device__ void RecordTimeout(const McArgs& a, uint32_t epoch) {
-  if (atomicCAS(&CtlOf(a, a.rank)->error_claimed, 0u, 1u) == 0u) {
-    ErrorRecord* e = a.err;
-    e->algorithm = kMulticast;
-    e->rank = a.rank;
-    e->peer = -1;
-    e->epoch = epoch;
-    e->block = blockIdx.x;
-    __threadfence_system();
-    StoreStrong(&e->failed, 1u);
-  }
-  atomicAdd(Stat(a, kTimeouts), 1ull);
-  for (int r = 0; r < a.nranks; ++r) StoreStrong(&CtlOf(a, r)->failed, 1u);
-}
-
-// One all-reduce of this block at epoch e.  False when it gave up.
+// One all-reduce of this block at epoch s.epoch.  False when it gave up
+// (this rank timed out, or another rank failed the communicator).
 template <int E>
-__device__ bool Step(const McArgs& a, uint32_t e, uint64_t deadline) {
+__device__ bool Step(const McArgs& a, const cuda::Ws& w, cuda::CallState& s) {
+  const uint32_t e = s.epoch;
   const size_t slot = MulticastSlotOffset(a.ml, e);
   uint4* mine = reinterpret_cast<uint4*>(a.uc + slot + a.ml.payload);
   const uint4* all = reinterpret_cast<const uint4*>(a.mc + slot + a.ml.payload);
@@ -205,7 +175,8 @@ __device__ bool Step(const McArgs& a, uint32_t e, uint64_t deadline) {
   // at e-2 returned their values before step e-1, so they cannot see these
   // writes.)  The proxy fence orders the unicast writes before any multicast
   // access to the same bytes; the release after the barrier publishes them.
-  SIFAR_MC_FOR_EACH_LINE(line, a) { mine[line] = a.in[line]; }
+  const uint4* in = static_cast<const uint4*>(a.k.in);
+  SIFAR_MC_FOR_EACH_LINE(line, a.k.nbytes / 16) { mine[line] = in[line]; }
   FenceProxyAlias();
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -214,25 +185,29 @@ __device__ bool Step(const McArgs& a, uint32_t e, uint64_t deadline) {
   }
 
   // 2. Speculative pull: the flag sum and the payload issued together.
+  const int n = a.k.nranks;
   uint64_t flag_sum = 0;
   if (threadIdx.x == 0) flag_sum = ReduceFlagRelaxed(all_flags);
   PullLines<E>(a, all);
-  if (__syncthreads_or(threadIdx.x == 0 && MulticastFlagsValid(flag_sum, a.nranks, e)))
-    return true;
+  if (__syncthreads_or(threadIdx.x == 0 && MulticastFlagsValid(flag_sum, n, e))) return true;
 
   // 3. Mis-speculation: wait (acquire) until every rank's flag is e, then
-  // pull again; the barrier orders the other threads' loads after it.
+  // pull again; the barrier orders the other threads' loads after it.  The
+  // bound and the failure record are the portable kernels'.
   bool valid = false;
   if (threadIdx.x == 0) {
-    atomicAdd(Stat(a, kRetries), 1ull);
-    for (;;) {
-      if (MulticastFlagsValid(ReduceFlagAcquire(all_flags), a.nranks, e)) {
+    atomicAdd(w.stat(kMulticast, kRetries), 1ull);
+    for (uint32_t spins = 0;; ++spins) {
+      if (MulticastFlagsValid(ReduceFlagAcquire(all_flags), n, e)) {
         valid = true;
         break;
       }
-      if (LoadStrong(&CtlOf(a, a.rank)->failed)) break;  // another rank failed
-      if (GlobalTimerNs() > deadline) {
-        RecordTimeout(a, e);
+      if (cuda::Expired(w, s, 0, spins)) {
+        if (s.failed_peer != -2) {  // our own deadline passed (-2: another rank failed)
+          s.failed_peer = -1;       // the flag sum does not say which peer is late
+          cuda::RecordFailure(w, kMulticast, s);
+          atomicAdd(w.stat(kMulticast, kTimeouts), 1ull);
+        }
         break;
       }
     }
@@ -244,35 +219,38 @@ __device__ bool Step(const McArgs& a, uint32_t e, uint64_t deadline) {
 
 template <int E>
 __global__ void __launch_bounds__(kThreads) MulticastAllReduceKernel(McArgs a) {
-  const Control* ctl = CtlOf(a, a.rank);
-  uint32_t* epochs = reinterpret_cast<uint32_t*>(a.ws[a.rank] + a.lay.epochs);
-  const uint4 c = LoadStrong16(ctl);  // failed, skew_max_ns, skew_seed, drop
-  uint32_t epoch = LoadStrong(epochs + blockIdx.x);
+  using T = typename ElemOf<E>::type;
+  const cuda::Ws w{a.k};
+  const uint4 c = cuda::LoadStrong16(w.ctl(a.k.rank));  // failed, skew_max_ns, skew_seed, drop
+  uint32_t epoch = cuda::LoadStrong(w.epochs() + blockIdx.x);
   if (c.w) {  // testing.drop_rank: this rank never arrives
-    SIFAR_MC_FOR_EACH_LINE(line, a) { a.out[line] = a.in[line]; }
+    SIFAR_MC_FOR_EACH_LINE(line, a.k.nbytes / 16) {
+      static_cast<uint4*>(a.k.out)[line] = static_cast<const uint4*>(a.k.in)[line];
+    }
     return;
   }
   bool ok = c.x == 0;  // a failed communicator never returns a plausible result
-  const uint64_t timeout_ns = ctl->timeout_ns;
-  for (int i = 0; i < a.repeat && ok; ++i) {
+  cuda::CallState s{};
+  for (int i = 0; i < a.k.repeat && ok; ++i) {
     epoch = NextEpoch(epoch);
-    uint64_t now = GlobalTimerNs();
+    s.epoch = epoch;
+    s.failed_peer = -1;
+    s.deadline = 0;
     if (c.y) {  // testing.inject_skew
-      const uint64_t until = now + SkewNs(c.y, c.z, a.rank, epoch);
-      while ((now = GlobalTimerNs()) < until) {
+      const uint64_t until = cuda::GlobalTimerNs() + SkewNs(c.y, c.z, a.k.rank, epoch);
+      while (cuda::GlobalTimerNs() < until) {
       }
     }
-    ok = Step<E>(a, epoch, now + timeout_ns);
+    ok = Step<E>(a, w, s);
   }
   if (!ok) {
-    const uint32_t n = NaNWord<E>::kValue;
-    SIFAR_MC_FOR_EACH_LINE(line, a) { a.out[line] = make_uint4(n, n, n, n); }
+    cuda::FillNaN<T>(a.k);
     return;
   }
   if (threadIdx.x == 0) {
-    epochs[blockIdx.x] = epoch;
+    w.epochs()[blockIdx.x] = epoch;
     if (blockIdx.x == 0)
-      atomicAdd(Stat(a, kCalls), static_cast<unsigned long long>(a.repeat));
+      atomicAdd(w.stat(kMulticast, kCalls), static_cast<unsigned long long>(a.k.repeat));
   }
 }
 
@@ -285,16 +263,11 @@ namespace {
   throw std::runtime_error("sifar_jax multicast: " + what + " failed: " + detail);
 }
 
-// Runtime calls: counted and checked.
-#define SIFAR_MC_CUDART(expr)                                                      \
-  do {                                                                             \
-    CountMulticastCudaCall();                                                      \
-    cudaError_t sifar_e_ = (expr);                                                 \
-    if (sifar_e_ != cudaSuccess) {                                                 \
-      cudaGetLastError();                                                          \
-      ThrowCuda(#expr, std::string(cudaGetErrorName(sifar_e_)) + " (" +            \
-                           cudaGetErrorString(sifar_e_) + ")");                    \
-    }                                                                              \
+// Runtime calls: counted, then checked like every other CUDA call.
+#define SIFAR_MC_CUDART(expr)  \
+  do {                         \
+    CountMulticastCudaCall();  \
+    SIFAR_CUDA_CHECK(expr);    \
   } while (0)
 
 // The driver entry points the multicast code uses (CUDA >= 12.1 ABI).
@@ -385,20 +358,10 @@ void CheckCu(CUresult r, const char* expr) {
     CheckCu((expr), #expr);       \
   } while (0)
 
-// Runs on `ordinal`, restoring the caller's device.
-class OnDevice {
+// The shared device switch, its CUDA calls counted.
+class McOnDevice : public OnDevice {
  public:
-  explicit OnDevice(int ordinal) {
-    SIFAR_MC_CUDART(cudaGetDevice(&prev_));
-    SIFAR_MC_CUDART(cudaSetDevice(ordinal));
-  }
-  ~OnDevice() {
-    CountMulticastCudaCall();
-    cudaSetDevice(prev_);
-  }
-
- private:
-  int prev_ = 0;
+  explicit McOnDevice(int ordinal) : OnDevice(ordinal, CountMulticastCudaCall) {}
 };
 
 struct RankResources {
@@ -425,7 +388,7 @@ class DriverMulticastGroup : public MulticastGroup {
       const size_t size = layout.alloc_bytes;
       for (RankResources& r : ranks) {
         if (!(r.uc_mapped || r.mc_mapped)) continue;
-        OnDevice on(r.ordinal);
+        McOnDevice on(r.ordinal);
         CountMulticastCudaCall();
         cudaDeviceSynchronize();  // a kernel may still use the mappings
         cudaGetLastError();
@@ -556,7 +519,7 @@ std::unique_ptr<MulticastGroup> CreateMulticastGroup(const std::vector<int>& ord
 
   // Each device's physical share, bound at offset 0 of the object.
   for (RankResources& r : g->ranks) {
-    OnDevice on(r.ordinal);
+    McOnDevice on(r.ordinal);
     CUmemAllocationProp p = PhysicalProp(r.dev);
     SIFAR_MC_CU(d.MemCreate(&r.phys, size, &p, 0));
     r.phys_created = true;
@@ -570,7 +533,7 @@ std::unique_ptr<MulticastGroup> CreateMulticastGroup(const std::vector<int>& ord
   g->multicast.assign(n, nullptr);
   for (int i = 0; i < n; ++i) {
     RankResources& r = g->ranks[i];
-    OnDevice on(r.ordinal);
+    McOnDevice on(r.ordinal);
     MapOnDevice(d, &r.uc, &r.uc_reserved, &r.uc_mapped, size, align, r.phys, r.dev);
     MapOnDevice(d, &r.mc, &r.mc_reserved, &r.mc_mapped, size, align, g->handle, r.dev);
     SIFAR_MC_CUDART(cudaMemset(reinterpret_cast<void*>(r.uc), 0, size));
@@ -587,7 +550,7 @@ cudaError_t LaunchMulticastAllReduce(const MulticastGroup& group, const Multicas
   if (call.rank < 0 || call.rank >= n || static_cast<int>(group.unicast.size()) != n ||
       static_cast<int>(group.multicast.size()) != n || call.bytes % 16 != 0 ||
       call.bytes > group.layout.slot_bytes || call.repeat < 1 || call.err == nullptr ||
-      call.elem_type < kMcF32 || call.elem_type > kMcF16)
+      call.elem_type < 0 || call.elem_type >= kNumElemTypes)
     return cudaErrorInvalidValue;
   for (int r = 0; r < n; ++r)
     if (call.workspaces[r] == nullptr) return cudaErrorInvalidValue;
@@ -595,33 +558,33 @@ cudaError_t LaunchMulticastAllReduce(const MulticastGroup& group, const Multicas
 
   McArgs a;
   std::memset(&a, 0, sizeof(a));
-  a.in = static_cast<const uint4*>(call.in);
-  a.out = static_cast<uint4*>(call.out);
-  a.lines = call.bytes / 16;
-  a.rank = call.rank;
-  a.nranks = n;
-  a.repeat = call.repeat;
+  a.k.in = call.in;
+  a.k.out = call.out;
+  a.k.nbytes = call.bytes;
+  a.k.rank = call.rank;
+  a.k.nranks = n;
+  a.k.repeat = call.repeat;
+  for (int r = 0; r < n; ++r) a.k.ws[r] = call.workspaces[r];
+  a.k.err = call.err;
+  a.k.lay = call.layout;
   a.uc = group.unicast[call.rank];
   a.mc = group.multicast[call.rank];
-  for (int r = 0; r < n; ++r) a.ws[r] = call.workspaces[r];
-  a.err = call.err;
-  a.lay = call.layout;
   a.ml = group.layout;
-  const int grid = MulticastBlocks(a.lines);
+  const int grid = MulticastBlocks(call.bytes / 16);
   CountMulticastCudaCall();
   switch (call.elem_type) {
-    case kMcF32: MulticastAllReduceKernel<kMcF32><<<grid, kThreads, 0, stream>>>(a); break;
-    case kMcBf16: MulticastAllReduceKernel<kMcBf16><<<grid, kThreads, 0, stream>>>(a); break;
-    default: MulticastAllReduceKernel<kMcF16><<<grid, kThreads, 0, stream>>>(a); break;
+    case kElemF32: MulticastAllReduceKernel<kElemF32><<<grid, kThreads, 0, stream>>>(a); break;
+    case kElemBf16: MulticastAllReduceKernel<kElemBf16><<<grid, kThreads, 0, stream>>>(a); break;
+    default: MulticastAllReduceKernel<kElemF16><<<grid, kThreads, 0, stream>>>(a); break;
   }
   return cudaGetLastError();
 }
 
 cudaError_t PreloadMulticastKernels() {
   cudaFuncAttributes attr;
-  const void* kernels[] = {reinterpret_cast<const void*>(MulticastAllReduceKernel<kMcF32>),
-                           reinterpret_cast<const void*>(MulticastAllReduceKernel<kMcBf16>),
-                           reinterpret_cast<const void*>(MulticastAllReduceKernel<kMcF16>)};
+  const void* kernels[] = {reinterpret_cast<const void*>(MulticastAllReduceKernel<kElemF32>),
+                           reinterpret_cast<const void*>(MulticastAllReduceKernel<kElemBf16>),
+                           reinterpret_cast<const void*>(MulticastAllReduceKernel<kElemF16>)};
   for (const void* k : kernels) {  // not counted: loading code is no multicast call
     cudaError_t e = cudaFuncGetAttributes(&attr, k);
     if (e != cudaSuccess) return e;

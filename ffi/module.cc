@@ -30,6 +30,7 @@ nb::capsule Capsule(T* fn) {
 
 namespace sifar {
 void RegisterMulticastBindings(nb::module_& m);
+void RegisterMulticastTestingBindings(nb::module_& t);
 void RegisterTestingBindings(nb::module_& t);
 }  // namespace sifar
 
@@ -102,7 +103,6 @@ NB_MODULE(_sifar, m) {
     nb::gil_scoped_release release;
     ReleasePooledMemory();
   });
-  m.def("comm_ids", [] { return Registry::Get().Ids(); });
 
   m.def("comm_stats", [](int id) {
     // [rank-in-comm (groups concatenated)][algorithm][calls, retries, timeouts]
@@ -167,6 +167,7 @@ NB_MODULE(_sifar, m) {
   RegisterMulticastBindings(m);
   nb::module_ testing = m.def_submodule("_testing", "Test-only hooks (sifar_jax._testing)");
   RegisterTestingBindings(testing);
+  RegisterMulticastTestingBindings(testing);
 
   m.def("cuda_can_access_peer", [](int a, int b) {
 #ifdef SIFAR_WITH_CUDA

@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "elem_type.h"
 #include "protocol.h"
 
 #ifdef SIFAR_WITH_CUDA
@@ -185,13 +186,10 @@ struct MulticastGroup {
 std::unique_ptr<MulticastGroup> CreateMulticastGroup(const std::vector<int>& ordinals,
                                                      size_t slot_bytes);
 
-// Element types of the kernel.
-enum MulticastElem : int { kMcF32 = 0, kMcBf16 = 1, kMcF16 = 2 };
-
 // One launch of the multicast all-reduce on one rank.
 struct MulticastCall {
   int rank = -1;
-  int elem_type = kMcF32;  // MulticastElem
+  int elem_type = kElemF32;  // ElemType
   const void* in = nullptr;
   void* out = nullptr;      // may alias `in`
   size_t bytes = 0;         // a multiple of 16, at most layout.slot_bytes

@@ -1,5 +1,6 @@
-// nanobind bindings for the multicast guard, the call counters, a set-up
-// probe, and the set-up arithmetic (pure functions, tested without a GPU).
+// nanobind bindings of the multicast variant: the guard (sifar_jax.multicast
+// calls it), the call counters and a set-up probe in the module itself; the
+// set-up arithmetic (pure functions, tested without a GPU) in `_testing`.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
@@ -118,30 +119,32 @@ void RegisterMulticastBindings(nb::module_& m) {
       nb::arg("ordinals"), nb::arg("slot_bytes"),
       "Creates and destroys a multicast group for these devices (guarded); returns its layout");
 
-  // ---- arithmetic ----
-  m.def("multicast_lines_per_block", [] { return kMulticastLinesPerBlock; });
-  m.def("multicast_need_bytes", &MulticastNeedBytes, nb::arg("slot_bytes"));
-  m.def("multicast_layout", &MakeMulticastLayout, nb::arg("slot_bytes"), nb::arg("mc_min"),
+}
+
+void RegisterMulticastTestingBindings(nb::module_& t) {
+  t.def("multicast_lines_per_block", [] { return kMulticastLinesPerBlock; });
+  t.def("multicast_need_bytes", &MulticastNeedBytes, nb::arg("slot_bytes"));
+  t.def("multicast_layout", &MakeMulticastLayout, nb::arg("slot_bytes"), nb::arg("mc_min"),
         nb::arg("mc_rec"), nb::arg("mem_gran"));
-  m.def("multicast_round_up", &RoundUpTo, nb::arg("x"), nb::arg("granularity"));
-  m.def("multicast_lcm", &Lcm, nb::arg("a"), nb::arg("b"));
-  m.def("multicast_slot_offset", [](const MulticastLayout& l, uint32_t epoch) {
+  t.def("multicast_round_up", &RoundUpTo, nb::arg("x"), nb::arg("granularity"));
+  t.def("multicast_lcm", &Lcm, nb::arg("a"), nb::arg("b"));
+  t.def("multicast_slot_offset", [](const MulticastLayout& l, uint32_t epoch) {
     return MulticastSlotOffset(l, epoch);
   });
-  m.def("multicast_line_offset", [](const MulticastLayout& l, uint32_t epoch, size_t line) {
+  t.def("multicast_line_offset", [](const MulticastLayout& l, uint32_t epoch, size_t line) {
     return MulticastLineOffset(l, epoch, line);
   });
-  m.def("multicast_flag_offset", [](const MulticastLayout& l, uint32_t epoch, int block) {
+  t.def("multicast_flag_offset", [](const MulticastLayout& l, uint32_t epoch, int block) {
     if (block < 0 || block >= kMaxBlocks) throw std::out_of_range("block out of range");
     return MulticastFlagOffset(l, epoch, block);
   });
-  m.def("multicast_flag_bytes", [] { return sizeof(MulticastFlag); });
-  m.def("multicast_flags_valid", [](uint64_t flag_sum, int nranks, uint32_t epoch) {
+  t.def("multicast_flag_bytes", [] { return sizeof(MulticastFlag); });
+  t.def("multicast_flags_valid", [](uint64_t flag_sum, int nranks, uint32_t epoch) {
     return MulticastFlagsValid(flag_sum, nranks, epoch);
   });
-  m.def("multicast_blocks", [](size_t lines) { return MulticastBlocks(lines); });
-  m.def("multicast_line_owners", &LineOwners, nb::arg("lines"));
-  m.def("multicast_block_of_line",
+  t.def("multicast_blocks", [](size_t lines) { return MulticastBlocks(lines); });
+  t.def("multicast_line_owners", &LineOwners, nb::arg("lines"));
+  t.def("multicast_block_of_line",
         [](size_t line) { return BlockOfLine(line, kMulticastLinesPerBlock); });
 }
 

@@ -54,6 +54,7 @@ void RegisterTestingBindings(nb::module_& t) {
       for (char* ws : e.workspaces) out.push_back(reinterpret_cast<uintptr_t>(ws));
     return out;
   });
+  t.def("comm_ids", [] { return Registry::Get().Ids(); });
   t.def("calls_in_flight", [](int id) { return Registry::Get().CallsInFlight(id); });
   // What a kernel does when it fails: one atomic store, no lock.
   t.def("store_u32", [](uintptr_t addr, uint32_t v) {

@@ -41,6 +41,7 @@ that matches two registrations is an error, never a guess.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import weakref
 from typing import NamedTuple
 
@@ -157,13 +158,21 @@ def sifar_psum_into(x, axis_name, buf, prev, *, algorithm: str = "auto"):
     `buf` must be the buffer the previous all-reduce did NOT write (pass that
     one as `prev`): alternate the two buffers of `make_buffers`. Where the call
     cannot run (see sifar_psum), "auto" falls back to `lax.psum` and returns
-    `buf` unchanged.
+    `buf` unchanged. "multicast" has its own buffers (a multicast object), so
+    it cannot use these: naming it is an error, and "auto" never picks it here.
     """
+    if algorithm == algorithms.MULTICAST:
+        raise ValueError(
+            "sifar_jax.sifar_psum_into: algorithm 'multicast' does not support explicit "
+            "buffers (it reduces through its own multicast object); use sifar_psum"
+        )
     x = jnp.asarray(x)
     _check_alternation(buf, prev, "sifar_psum_into")
     plan = psum._plan(x, axis_name, algorithm, "sifar_psum_into")
     if isinstance(plan, str):
         return psum._fallback(x, axis_name, plan), buf
+    if plan.algorithm == algorithms.MULTICAST:  # what "auto" picks where multicast is on
+        plan = dataclasses.replace(plan, algorithm=algorithms.SIFAR)
     if x.size == 0:
         return x, buf
     flat = psum._flat(x, plan)

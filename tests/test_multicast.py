@@ -32,7 +32,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import sifar_jax
-from sifar_jax import multicast
+from sifar_jax import _testing, multicast
 from sifar_jax._ext import _sifar
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -126,9 +126,8 @@ def test_python_and_cpp_guards_agree(env, env_allows, device_supports):
     allowed = env_allows and device_supports is not False
     py = multicast.refusal(environ=env, device_supports=device_supports)
     cpp = _sifar.multicast_refusal(env, device_supports)
-    assert py == cpp  # the same rules and the same words
+    assert py == cpp  # one guard: the same rules and the same words
     assert (py is None) == allowed
-    assert multicast.cpp_refusal(environ=env, device_supports=device_supports) == cpp
     if not allowed:
         with pytest.raises(multicast.MulticastDisabledError, match="refused"):
             multicast.require_enabled(environ=env, device_supports=device_supports)
@@ -186,6 +185,26 @@ def test_cpu_only_build_refuses_even_when_enabled(clean_env):
     assert multicast.counters()["cuda_calls"] == 0
 
 
+@pytest.mark.parametrize("opt_in", [False, True], ids=["off", "opted-in"])
+def test_sifar_psum_into_refuses_multicast(cpu_mesh, monkeypatch, opt_in):
+    """Explicit buffers cannot serve multicast: a clear error at trace time,
+    whatever the guard says (never a call that silently ignores its buffer).
+    CPU devices only: no multicast set-up exists to be reached."""
+    if opt_in:
+        monkeypatch.setenv(multicast.ENABLE_VAR, "1")
+    mesh = cpu_mesh(2, slot_bytes=4096)
+    bufs = sifar_jax.make_buffers(mesh, "tp")
+    spec = sifar_jax.buffer_spec(mesh)
+
+    def body(x, a, b):
+        return sifar_jax.sifar_psum_into(x, "tp", a, b, algorithm="multicast")[0]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), spec, spec), out_specs=P("tp")))
+    with pytest.raises(ValueError, match="'multicast' does not support explicit buffers"):
+        f.lower(jax.ShapeDtypeStruct((2, 8), jnp.float32), *bufs)
+    assert multicast.driver_calls() == 0
+
+
 def test_sifar_psum_multicast_never_reaches_cuda(cpu_mesh):
     """sifar_psum(algorithm="multicast") refuses at trace time on the CPU
     backend; "auto" does not pick it there; no multicast CUDA call is made."""
@@ -203,7 +222,7 @@ def test_sifar_psum_multicast_never_reaches_cuda(cpu_mesh):
 
 # ------------------------------------------------------------ arithmetic --
 def test_round_up_and_lcm():
-    ru = _sifar.multicast_round_up
+    ru = _testing.multicast_round_up
     for g in (1, 3, 16, 2 * MiB, 512 * MiB):
         assert ru(0, g) == 0
         assert ru(1, g) == g
@@ -215,7 +234,7 @@ def test_round_up_and_lcm():
         ru(1, 0)
     with pytest.raises(OverflowError):
         ru(2**64 - 2, 4)
-    lcm = _sifar.multicast_lcm
+    lcm = _testing.multicast_lcm
     assert lcm(2 * MiB, 512 * MiB) == 512 * MiB
     assert lcm(6, 4) == 12
     assert lcm(3 * MiB, 2 * MiB) == 6 * MiB
@@ -240,12 +259,12 @@ SLOTS = [16, 4096, 8192, 64 * 1024, 64 * 1024 + 16, 1 * MiB, 300 * MiB]
 @pytest.mark.parametrize("slot_bytes", SLOTS)
 def test_layout_is_legal_and_disjoint(slot_bytes, grans):
     mc_min, mc_rec, mem = grans
-    L = _sifar.multicast_layout(slot_bytes, mc_min, mc_rec, mem)
+    L = _testing.multicast_layout(slot_bytes, mc_min, mc_rec, mem)
     legal = np.lcm(mc_min, mem)
     best = np.lcm(legal, mc_rec)
     ru = lambda x, g: -(-x // g) * g  # noqa: E731
     # sizes: legal for the driver, big enough, and the documented choice
-    assert L.need == _sifar.multicast_need_bytes(slot_bytes)
+    assert L.need == _testing.multicast_need_bytes(slot_bytes)
     assert L.alloc_bytes >= L.need
     assert L.alloc_bytes % mc_min == 0 and L.alloc_bytes % mem == 0
     assert L.alloc_bytes % L.granularity == 0 and L.granularity % legal == 0
@@ -255,7 +274,7 @@ def test_layout_is_legal_and_disjoint(slot_bytes, grans):
     else:
         assert L.alloc_bytes == ru(L.need, legal)
     # slot layout: two slots, each payload then per-block flags, 256-aligned
-    nflag = 64 * _sifar.multicast_flag_bytes()
+    nflag = 64 * _testing.multicast_flag_bytes()
     assert L.slot_bytes == slot_bytes
     assert L.payload == 0 and L.slot0 == 0
     for off in (L.slot0, L.slot_stride, L.payload, L.flags):
@@ -267,16 +286,16 @@ def test_layout_is_legal_and_disjoint(slot_bytes, grans):
 
 def test_layout_choice_of_granularity():
     # 64 KiB of payload with a 512 MiB recommended granularity: use the minimum.
-    small = _sifar.multicast_layout(64 * 1024, 2 * MiB, 512 * MiB, 2 * MiB)
+    small = _testing.multicast_layout(64 * 1024, 2 * MiB, 512 * MiB, 2 * MiB)
     assert not small.recommended and small.alloc_bytes == 2 * MiB
     # 300 MiB slots (600 MiB needed): rounding to 512 MiB costs < 2x: recommended.
-    big = _sifar.multicast_layout(300 * MiB, 2 * MiB, 512 * MiB, 2 * MiB)
+    big = _testing.multicast_layout(300 * MiB, 2 * MiB, 512 * MiB, 2 * MiB)
     assert big.recommended and big.alloc_bytes == 1024 * MiB
     for bad in ((0, 2 * MiB, 2 * MiB, 2 * MiB), (17, 2 * MiB, 2 * MiB, 2 * MiB),
                 (4096, 0, 2 * MiB, 2 * MiB), (4096, 2 * MiB, 0, 2 * MiB),
                 (4096, 2 * MiB, 2 * MiB, 0)):
         with pytest.raises(ValueError):
-            _sifar.multicast_layout(*bad)
+            _testing.multicast_layout(*bad)
 
 
 def _next_epoch(e: int) -> int:  # protocol.h NextEpoch: skips 0 and 1 on wrap
@@ -285,33 +304,33 @@ def _next_epoch(e: int) -> int:  # protocol.h NextEpoch: skips 0 and 1 on wrap
 
 @pytest.mark.parametrize("slot_bytes", [4096, 64 * 1024 + 16])
 def test_slot_parity_and_offsets(slot_bytes):
-    L = _sifar.multicast_layout(slot_bytes, 2 * MiB, 2 * MiB, 2 * MiB)
+    L = _testing.multicast_layout(slot_bytes, 2 * MiB, 2 * MiB, 2 * MiB)
     lines = slot_bytes // 16
     for e in (1, 2, 3, 4, 2**31, 2**32 - 2, 2**32 - 1):
-        base = _sifar.multicast_slot_offset(L, e)
+        base = _testing.multicast_slot_offset(L, e)
         assert base == L.slot0 + (e % 2) * L.slot_stride
         # consecutive epochs alternate slots, across the 32-bit wrap too
-        assert _sifar.multicast_slot_offset(L, _next_epoch(e)) != base
-        assert _sifar.multicast_line_offset(L, e, 0) == base + L.payload
-        last = _sifar.multicast_line_offset(L, e, lines - 1)
+        assert _testing.multicast_slot_offset(L, _next_epoch(e)) != base
+        assert _testing.multicast_line_offset(L, e, 0) == base + L.payload
+        last = _testing.multicast_line_offset(L, e, lines - 1)
         assert last == base + L.payload + 16 * (lines - 1)
         assert last + 16 <= base + L.flags  # payload never runs into the flags
-        flags = [_sifar.multicast_flag_offset(L, e, b) for b in range(64)]
+        flags = [_testing.multicast_flag_offset(L, e, b) for b in range(64)]
         assert flags[0] == base + L.flags
         assert all(f % 8 == 0 for f in flags)
         assert len(set(flags)) == 64
         assert max(flags) + 8 <= base + L.slot_stride
     # the two slots' flags are distinct words
-    s0 = {_sifar.multicast_flag_offset(L, 2, b) for b in range(64)}
-    s1 = {_sifar.multicast_flag_offset(L, 3, b) for b in range(64)}
+    s0 = {_testing.multicast_flag_offset(L, 2, b) for b in range(64)}
+    s1 = {_testing.multicast_flag_offset(L, 3, b) for b in range(64)}
     assert not s0 & s1
     assert max(s1) + 8 <= L.need <= L.alloc_bytes
     with pytest.raises(IndexError):
-        _sifar.multicast_flag_offset(L, 2, 64)
+        _testing.multicast_flag_offset(L, 2, 64)
 
 
 def test_flag_validation_is_exact():
-    valid = _sifar.multicast_flags_valid
+    valid = _testing.multicast_flags_valid
     for n in range(1, 9):
         for e in (2, 3, 1000, 2**31, 2**32 - 1):
             # a stale flag is an older epoch of the same parity (or 0: never written)
@@ -335,16 +354,16 @@ def test_flag_validation_is_exact():
 def test_line_ownership_matches_protocol(lines):
     """The kernel's iteration (replayed on the host) moves every line exactly
     once, in the block BlockOfLine (protocol.h) assigns it."""
-    assert _sifar.multicast_lines_per_block() == 256
-    owners = np.asarray(_sifar.multicast_line_owners(lines), dtype=np.int64)
+    assert _testing.multicast_lines_per_block() == 256
+    owners = np.asarray(_testing.multicast_line_owners(lines), dtype=np.int64)
     assert owners.shape == (lines,)
     if lines == 0:
-        assert _sifar.multicast_blocks(0) == 0
+        assert _testing.multicast_blocks(0) == 0
         return
     assert (owners >= 0).all(), "a line is moved by no thread (-1) or by several (-2)"
-    expect = np.array([_sifar.multicast_block_of_line(i) for i in range(lines)])
+    expect = np.array([_testing.multicast_block_of_line(i) for i in range(lines)])
     np.testing.assert_array_equal(owners, expect)
-    blocks = _sifar.multicast_blocks(lines)
+    blocks = _testing.multicast_blocks(lines)
     assert 1 <= blocks <= 64 and owners.max() == blocks - 1
 
 
