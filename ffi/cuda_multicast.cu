@@ -67,19 +67,25 @@ struct McArgs {
   MulticastLayout ml;
 };
 
+// Kernel template arguments: the floating-point element types (elem_type.h),
+// as ints.  (The switch sums in fp32; no integer reduction here.)
+constexpr int kF32 = static_cast<int>(Elem::kF32);
+constexpr int kBf16 = static_cast<int>(Elem::kBf16);
+constexpr int kF16 = static_cast<int>(Elem::kF16);
+
 // The C++ type of an element type.
 template <int E>
 struct ElemOf;
 template <>
-struct ElemOf<kElemF32> {
+struct ElemOf<kF32> {
   using type = float;
 };
 template <>
-struct ElemOf<kElemBf16> {
+struct ElemOf<kBf16> {
   using type = __nv_bfloat16;
 };
 template <>
-struct ElemOf<kElemF16> {
+struct ElemOf<kF16> {
   using type = __half;
 };
 
@@ -107,7 +113,7 @@ __device__ __forceinline__ uint64_t ReduceFlagAcquire(const MulticastFlag* mc) {
 template <int E>
 __device__ __forceinline__ uint4 ReduceLine(const uint4* mc);
 template <>
-__device__ __forceinline__ uint4 ReduceLine<kElemF32>(const uint4* mc) {
+__device__ __forceinline__ uint4 ReduceLine<kF32>(const uint4* mc) {
   uint4 v;
   asm volatile("multimem.ld_reduce.relaxed.sys.global.add.v4.f32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
@@ -116,7 +122,7 @@ __device__ __forceinline__ uint4 ReduceLine<kElemF32>(const uint4* mc) {
   return v;
 }
 template <>
-__device__ __forceinline__ uint4 ReduceLine<kElemBf16>(const uint4* mc) {
+__device__ __forceinline__ uint4 ReduceLine<kBf16>(const uint4* mc) {
   uint4 v;
   asm volatile("multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.bf16x2 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
@@ -125,7 +131,7 @@ __device__ __forceinline__ uint4 ReduceLine<kElemBf16>(const uint4* mc) {
   return v;
 }
 template <>
-__device__ __forceinline__ uint4 ReduceLine<kElemF16>(const uint4* mc) {
+__device__ __forceinline__ uint4 ReduceLine<kF16>(const uint4* mc) {
   uint4 v;
   asm volatile("multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.f16x2 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
@@ -223,7 +229,7 @@ __global__ void __launch_bounds__(kThreads) MulticastAllReduceKernel(McArgs a) {
   const cuda::Ws w{a.k};
   const uint4 c = cuda::LoadStrong16(w.ctl(a.k.rank));  // failed, skew_max_ns, skew_seed, drop
   uint32_t epoch = cuda::LoadStrong(w.epochs() + blockIdx.x);
-  if (c.w) {  // testing.drop_rank: this rank never arrives
+  if (c.w != 0 && blockIdx.x + 1 >= c.w) {  // testing.drop_rank: this block never arrives
     SIFAR_MC_FOR_EACH_LINE(line, a.k.nbytes / 16) {
       static_cast<uint4*>(a.k.out)[line] = static_cast<const uint4*>(a.k.in)[line];
     }
@@ -231,9 +237,13 @@ __global__ void __launch_bounds__(kThreads) MulticastAllReduceKernel(McArgs a) {
   }
   bool ok = c.x == 0;  // a failed communicator never returns a plausible result
   cuda::CallState s{};
+  s.timeout_ns = cuda::LoadLLWord(&w.ctl(a.k.rank)->timeout_ns);
   for (int i = 0; i < a.k.repeat && ok; ++i) {
-    epoch = NextEpoch(epoch);
+    // Multicast flags hold whole epochs (no tag), so the tag's wrap is only
+    // skipped over, as the epoch order of every rank's blocks requires.
+    epoch = NextEpoch(epoch, kEpochTagMask);
     s.epoch = epoch;
+    s.tag = epoch;
     s.failed_peer = -1;
     s.deadline = 0;
     if (c.y) {  // testing.inject_skew
@@ -244,7 +254,7 @@ __global__ void __launch_bounds__(kThreads) MulticastAllReduceKernel(McArgs a) {
     ok = Step<E>(a, w, s);
   }
   if (!ok) {
-    cuda::FillNaN<T>(a.k);
+    cuda::FillNaNAll<T>(a.k);  // every warp: the whole output, never a stale line
     return;
   }
   if (threadIdx.x == 0) {
@@ -550,7 +560,7 @@ cudaError_t LaunchMulticastAllReduce(const MulticastGroup& group, const Multicas
   if (call.rank < 0 || call.rank >= n || static_cast<int>(group.unicast.size()) != n ||
       static_cast<int>(group.multicast.size()) != n || call.bytes % 16 != 0 ||
       call.bytes > group.layout.slot_bytes || call.repeat < 1 || call.err == nullptr ||
-      call.elem_type < 0 || call.elem_type >= kNumElemTypes)
+      call.elem_type < kF32 || call.elem_type > kF16)
     return cudaErrorInvalidValue;
   for (int r = 0; r < n; ++r)
     if (call.workspaces[r] == nullptr) return cudaErrorInvalidValue;
@@ -567,24 +577,26 @@ cudaError_t LaunchMulticastAllReduce(const MulticastGroup& group, const Multicas
   for (int r = 0; r < n; ++r) a.k.ws[r] = call.workspaces[r];
   a.k.err = call.err;
   a.k.lay = call.layout;
+  a.k.chain = 0;
+  a.k.lane_at = call.layout.LaneAt(0);  // multicast keeps its epochs in lane 0
   a.uc = group.unicast[call.rank];
   a.mc = group.multicast[call.rank];
   a.ml = group.layout;
   const int grid = MulticastBlocks(call.bytes / 16);
   CountMulticastCudaCall();
   switch (call.elem_type) {
-    case kElemF32: MulticastAllReduceKernel<kElemF32><<<grid, kThreads, 0, stream>>>(a); break;
-    case kElemBf16: MulticastAllReduceKernel<kElemBf16><<<grid, kThreads, 0, stream>>>(a); break;
-    default: MulticastAllReduceKernel<kElemF16><<<grid, kThreads, 0, stream>>>(a); break;
+    case kF32: MulticastAllReduceKernel<kF32><<<grid, kThreads, 0, stream>>>(a); break;
+    case kBf16: MulticastAllReduceKernel<kBf16><<<grid, kThreads, 0, stream>>>(a); break;
+    default: MulticastAllReduceKernel<kF16><<<grid, kThreads, 0, stream>>>(a); break;
   }
   return cudaGetLastError();
 }
 
 cudaError_t PreloadMulticastKernels() {
   cudaFuncAttributes attr;
-  const void* kernels[] = {reinterpret_cast<const void*>(MulticastAllReduceKernel<kElemF32>),
-                           reinterpret_cast<const void*>(MulticastAllReduceKernel<kElemBf16>),
-                           reinterpret_cast<const void*>(MulticastAllReduceKernel<kElemF16>)};
+  const void* kernels[] = {reinterpret_cast<const void*>(MulticastAllReduceKernel<kF32>),
+                           reinterpret_cast<const void*>(MulticastAllReduceKernel<kBf16>),
+                           reinterpret_cast<const void*>(MulticastAllReduceKernel<kF16>)};
   for (const void* k : kernels) {  // not counted: loading code is no multicast call
     cudaError_t e = cudaFuncGetAttributes(&attr, k);
     if (e != cudaSuccess) return e;

@@ -1,9 +1,11 @@
-// The payload element types every backend supports, in the one order that
-// the kernel tables and the multicast kernels index.
+// The element types the kernels add, in the one order that the CUDA launch
+// tables, the CPU reference and the multicast kernels index.  kU32 serves
+// int32 and uint32 alike (two's-complement sums are the same bits).
 #pragma once
 
 namespace sifar {
 
-enum ElemType : int { kElemF32 = 0, kElemBf16 = 1, kElemF16 = 2, kNumElemTypes = 3 };
+enum class Elem : int { kF32 = 0, kBf16 = 1, kF16 = 2, kU32 = 3 };
+constexpr int kNumElems = 4;
 
 }  // namespace sifar

@@ -189,7 +189,7 @@ std::unique_ptr<MulticastGroup> CreateMulticastGroup(const std::vector<int>& ord
 // One launch of the multicast all-reduce on one rank.
 struct MulticastCall {
   int rank = -1;
-  int elem_type = kElemF32;  // ElemType
+  int elem_type = static_cast<int>(Elem::kF32);  // Elem: f32, bf16 or f16
   const void* in = nullptr;
   void* out = nullptr;      // may alias `in`
   size_t bytes = 0;         // a multiple of 16, at most layout.slot_bytes

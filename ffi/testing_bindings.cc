@@ -47,6 +47,11 @@ void RegisterTestingBindings(nb::module_& t) {
     });
     return out;
   });
+  t.def("comm_workspace_bytes", [](int id) {
+    size_t n = 0;
+    WithComm(id, [&](Comm& c) { n = c.layout().total; });
+    return n;
+  });
   // Workspace addresses the pool holds (no communicator uses them).
   t.def("pooled_workspace_list", [] {
     std::vector<uintptr_t> out;

@@ -5,11 +5,12 @@ along `a` (rank = position along the axis = `lax.axis_index(a)`), and on each
 device a symmetric workspace (two payload slots plus epoch and signal words).
 The FFI handler finds its group and rank from the device it runs on.
 
-Memory. Each device reserves `workspace_bytes(slot_bytes)` per communicator
-it belongs to (one per mesh axis): about 36 x slot_bytes, so 2.3 MiB at the
-default 64 KiB slot and 36 MiB at 1 MiB (two slots, each with the plain
-payload, twoshot's reduced piece, and the epoch-tagged words, which take twice
-the payload for each of up to 8 source ranks).
+Memory. Each device reserves `workspace_bytes(slot_bytes, nranks, lanes)` per
+communicator it belongs to (one per mesh axis): lanes x 2 slots, each with the
+plain payload, twoshot's reduced piece and the epoch-tagged words (twice the
+payload per rank), so about lanes x (4 + 4 x nranks) x slot_bytes plus 128 KiB
+of call trace: 3.1 MiB for 2 ranks and 9.1 MiB for 8 ranks at the default
+64 KiB slot and 4 lanes.
 
 Life cycle. `shutdown()` waits until nothing runs on any device of any
 communicator, then returns the workspaces to a process-wide pool instead of
@@ -36,6 +37,10 @@ import numpy as np
 from . import _ext
 
 DEFAULT_SLOT_BYTES = 64 * 1024
+# Lanes per communicator: independent call chains (a scan body and its caller,
+# executables run from several threads) that may be in flight at once without
+# sharing epochs or slots (docs/design.md, "Ordering").
+DEFAULT_LANES = 4
 DEFAULT_TIMEOUT_S = float(os.environ.get("SIFAR_TIMEOUT_S", "5.0"))
 
 
@@ -48,6 +53,7 @@ class Communicator:
     nranks: int
     slot_bytes: int
     groups: tuple[tuple[int, ...], ...]  # device ids, rank order
+    lanes: int = DEFAULT_LANES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,15 +158,25 @@ def _round_slot(slot_bytes: int) -> int:
     return slot_bytes
 
 
-def workspace_bytes(slot_bytes: int = DEFAULT_SLOT_BYTES, nranks: int = 2) -> int:
-    """Device memory each rank of one communicator reserves for `slot_bytes`
-    (rounded up to 16 bytes as init does), for an axis of `nranks` devices."""
+def _check_lanes(lanes: int, api: str) -> int:
+    if not 1 <= int(lanes) <= 64:
+        raise ValueError(f"sifar_jax.{api}: lanes must be 1..64")
+    return int(lanes)
+
+
+def workspace_bytes(slot_bytes: int = DEFAULT_SLOT_BYTES, nranks: int = 2,
+                    lanes: int = DEFAULT_LANES) -> int:
+    """Device memory each rank of one communicator reserves: for `slot_bytes`
+    (rounded up to 16 bytes as init does), an axis of `nranks` devices and
+    `lanes` lanes (the arguments of init)."""
     if not 1 <= int(nranks) <= _ext._sifar.max_ranks():
         raise ValueError(f"sifar_jax.workspace_bytes: nranks must be 1..{_ext._sifar.max_ranks()}")
-    return int(_ext._sifar.workspace_bytes(_round_slot(slot_bytes), int(nranks)))
+    return int(_ext._sifar.workspace_bytes(_round_slot(slot_bytes), int(nranks),
+                                           _check_lanes(lanes, "workspace_bytes")))
 
 
-def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None) -> None:
+def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None,
+         lanes: int | None = None) -> None:
     """Sets up a communicator for every axis of `mesh`. Idempotent.
 
     Calling it with another mesh that reuses devices under the same axis name
@@ -170,9 +186,12 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None)
     slot_bytes: the largest payload (per all-reduce, per device) served without
       falling back to `lax.psum`; rounded up to 16 bytes. Default 64 KiB; when
       omitted, an axis already set up keeps its slot. Each device reserves
-      `workspace_bytes(slot_bytes)` per axis (see the module docstring).
+      `workspace_bytes(slot_bytes, nranks, lanes)` per axis (module docstring).
     timeout_s: bound on every wait for a peer (default $SIFAR_TIMEOUT_S or 5 s).
+    lanes: independent call chains that may be in flight at once (default 4):
+      each lane holds its own epochs and dual slots (memory grows with it).
     """
+    lanes = _check_lanes(DEFAULT_LANES if lanes is None else lanes, "init")
     keep_slot = slot_bytes is None
     slot_bytes = _round_slot(DEFAULT_SLOT_BYTES if keep_slot else slot_bytes)
     with _lock:
@@ -183,7 +202,7 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None)
             ids = tuple(tuple(d.id for d in g) for g in groups)
             platform = _platform(groups[0][0])
             if any(c.groups == ids and (keep_slot or c.slot_bytes == slot_bytes)
-                   for c in _comms.get(axis, [])):
+                   and c.lanes == lanes for c in _comms.get(axis, [])):
                 continue  # already set up: init is idempotent
             _drop_overlapping(axis, {d for g in ids for d in g})
             reason = _why_unsupported(groups, platform)
@@ -198,11 +217,12 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None)
                 [[d.local_hardware_id for d in g] for g in groups],
                 slot_bytes,
                 _settings["timeout_s"],
+                lanes,
             )
             if _settings["skew"] != (0, 0):
                 _ext._sifar.set_skew(comm_id, *_settings["skew"])
             _comms.setdefault(axis, []).append(
-                Communicator(axis, key, comm_id, platform, len(groups[0]), slot_bytes, ids)
+                Communicator(axis, key, comm_id, platform, len(groups[0]), slot_bytes, ids, lanes)
             )
 
 

@@ -110,12 +110,16 @@ def test_workspaces_outlive_shutdown_and_are_reused(cpu_mesh):
     assert not (first | other) & _testing.pooled_workspaces()
 
 
-def test_workspace_bytes_is_what_each_device_reserves():
-    for slot in (16, 4096, sifar_jax.DEFAULT_SLOT_BYTES):
-        b = sifar_jax.workspace_bytes(slot)
-        assert b == sifar_jax.workspace_bytes(slot, nranks=8) > 2 * slot
-    assert sifar_jax.workspace_bytes(4096) < sifar_jax.workspace_bytes(8192)
-    assert sifar_jax.workspace_bytes(4001) == sifar_jax.workspace_bytes(4016)  # rounded to 16
+@pytest.mark.parametrize("n,slot,lanes", [(2, 4096, None), (4, 4000, 2), (8, 65536, 1)])
+def test_workspace_bytes_is_what_each_device_reserves(cpu_mesh, n, slot, lanes):
+    mesh = cpu_mesh(n, init=False)
+    sifar_jax.init(mesh, slot_bytes=slot, lanes=lanes)
+    [c] = sifar_jax.communicators("tp")
+    kw = {} if lanes is None else {"lanes": lanes}
+    want = sifar_jax.workspace_bytes(slot, n, **kw)
+    assert _testing.comm_workspace_bytes(c.comm_id) == want
+    assert want > (4 + 4 * n) * slot * (lanes or 4)  # lanes x 2 slots x (2 + 2n) x slot_bytes
+    assert sifar_jax.workspace_bytes(slot + 1, n, **kw) >= want  # rounded up to 16 bytes
     with pytest.raises(ValueError):
         sifar_jax.workspace_bytes(0)
     with pytest.raises(ValueError):
