@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <optional>
+#include <set>
 #include <stdexcept>
 #include <string>
 
@@ -89,9 +90,13 @@ class CudaBackendImpl : public Backend {
     }
   }
   void PrepareGroup(Group& g, size_t slot_bytes) override {
-    // The guard reads the environment first and makes no CUDA call when it
-    // refuses (always, on hosts where multicast is off).
-    std::optional<std::string> refusal = MulticastRefusalHere(g.ordinals);
+    // Several ranks on one device (the test harness): no multicast object can
+    // span them.  Otherwise the guard reads the environment first and makes
+    // no CUDA call when it refuses (always, on hosts where multicast is off).
+    std::optional<std::string> refusal;
+    std::set<int> distinct(g.ordinals.begin(), g.ordinals.end());
+    if (distinct.size() != g.ordinals.size()) refusal = "several ranks share a device";
+    else refusal = MulticastRefusalHere(g.ordinals);
     if (refusal) g.multicast_refusal = *refusal;
     else g.multicast = CreateMulticastGroup(g.ordinals, slot_bytes);
     for (int ord : g.ordinals) PrepareDevice(ord, g.ordinals, g.multicast != nullptr);

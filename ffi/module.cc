@@ -39,6 +39,7 @@ void RegisterTestingBindings(nb::module_& t);
 namespace sifar {
 bool CudaCanAccessPeer(int a, int b);
 int CudaDeviceCount();
+void RegisterGpuTestingBindings(nb::module_& t);  // testing_gpu.cc
 }  // namespace sifar
 #endif
 
@@ -212,6 +213,9 @@ NB_MODULE(_sifar, m) {
   nb::module_ testing = m.def_submodule("_testing", "Test-only hooks (sifar_jax._testing)");
   RegisterTestingBindings(testing);
   RegisterMulticastTestingBindings(testing);
+#ifdef SIFAR_WITH_CUDA
+  RegisterGpuTestingBindings(testing);
+#endif
 
   m.def("cuda_can_access_peer", [](int a, int b) {
 #ifdef SIFAR_WITH_CUDA

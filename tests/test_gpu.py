@@ -24,8 +24,6 @@ instead, to dry-run its logic on a machine without GPUs.
 
 from __future__ import annotations
 
-import contextlib
-import faulthandler
 import json
 import os
 import subprocess
@@ -42,7 +40,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import sifar_jax
+from reference import chain_reference_f32
 from sifar_jax import multicast, testing
+from test_faults import hang_guard
 
 DRY_RUN_ON_CPU = os.environ.get("SIFAR_GPU_TESTS_ON_CPU") == "1"
 ALGS = tuple(a for a in sifar_jax.ALGORITHMS if a != "multicast")
@@ -70,24 +70,13 @@ def tp_sizes() -> list[int]:
     return [t for t in (2, 4, 8) if t <= len(devices())]
 
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(len(devices()) < 2, reason="needs at least 2 CUDA GPUs"),
-]
+# Every test skips through its fixtures: most need two GPUs (the `gpus` and
+# `tp_mesh` fixtures), the virtual-rank tests one GPU and a CUDA build.
+pytestmark = [pytest.mark.gpu]
 
 
 def make_mesh(tp: int) -> Mesh:
     return Mesh(np.array(devices()[:tp]), ("tp",))
-
-
-@contextlib.contextmanager
-def hang_guard(seconds: float):
-    """Kills the process, dumping every thread's stack, if the block hangs."""
-    faulthandler.dump_traceback_later(seconds, exit=True)
-    try:
-        yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()
 
 
 # ------------------------------------------------------------------ numbers --
@@ -208,21 +197,6 @@ def chain_fn(mesh, algorithm, steps):
     return _FUNCS[key]
 
 
-def chain_reference(y0: np.ndarray, xs: np.ndarray) -> np.ndarray:
-    """float32, ranks added in order 0..n-1, one rounding per add (the protocol)."""
-    n, steps = xs.shape[:2]
-    y, outs = y0, []
-    for k in range(steps):
-        v = (np.float32(0.5) * y + xs[:, k]).astype(np.float32)
-        acc = v[0].copy()
-        for r in range(1, n):
-            acc = (acc + v[r]).astype(np.float32)
-        yk = (acc * np.float32(1.0 / n)).astype(np.float32)
-        outs.append(yk)
-        y = np.broadcast_to(yk, y.shape)
-    return np.stack(outs)
-
-
 def check_chain(mesh, algorithm, steps=64, size=1000) -> list[str]:
     n = mesh.shape["tp"]
     rng = np.random.default_rng(zlib.crc32(repr((n, algorithm, "chain")).encode()))
@@ -234,7 +208,7 @@ def check_chain(mesh, algorithm, steps=64, size=1000) -> list[str]:
     bits = got.view(np.int32)
     if not (bits == bits[:1]).all():
         fails.append(f"chain tp={n} {algorithm}: ranks are not bit-identical")
-    bad = np.nonzero((bits[0] != chain_reference(y0, xs).view(np.int32)).any(axis=1))[0]
+    bad = np.nonzero((bits[0] != chain_reference_f32(y0, xs).view(np.int32)).any(axis=1))[0]
     if bad.size:
         fails.append(f"chain tp={n} {algorithm}: steps {bad[:10].tolist()} differ from the emulation")
     if not np.allclose(got[0], lax_got[0], rtol=1e-5):
@@ -459,6 +433,150 @@ def test_dropped_rank_times_out(gpus, mesh_factory, algorithm):
             np.testing.assert_array_equal(np.asarray(f(x))[0], x.sum(0))
     sifar_jax.check()
     factory.close()
+
+
+# ------------------------------------------------------------ life cycle --
+def test_old_executable_after_reinit_with_command_buffers(gpus, mesh_factory):
+    """Issue 9.1: a function compiled (and recorded into a CUDA graph) before
+    shutdown(); init(mesh, slot_bytes=other) replays its kernel arguments; they
+    must still name valid memory (the pooled workspace), and both it and a new
+    function stay exact."""
+    from test_lifecycle import assert_exact, int_inputs, sum_fn
+
+    factory = mesh_factory(devices())
+    factory.close()
+    mesh = factory(2, slot_bytes=SLOT)
+    old = sum_fn(mesh, "sifar", calls=8)  # enough thunks for a command buffer
+    assert_exact(old, int_inputs(2, 4096, 0))
+    sifar_jax.shutdown()
+    sifar_jax.init(mesh, slot_bytes=2 * SLOT)
+    new = sum_fn(mesh, "sifar", calls=8)
+    with hang_guard(300):
+        for k in range(5):
+            assert_exact(old, int_inputs(2, 4096, 10 + k))
+            assert_exact(new, int_inputs(2, 4096, 20 + k))
+    sifar_jax.check()
+    factory.close()
+
+
+def test_shutdown_waits_for_running_kernels(gpus, mesh_factory):
+    """Issue 9.2: shutdown(release_memory=True) right after dispatching a long
+    skewed chain must wait for every device before it frees anything: the
+    results are exact and the next communicator works."""
+    from test_lifecycle import int_inputs, sum_fn
+
+    factory = mesh_factory(devices())
+    factory.close()
+    mesh = factory(2, slot_bytes=SLOT)
+    f = sum_fn(mesh, "sifar", calls=200)
+    x = int_inputs(2, 4096, 1)
+    want = np.asarray(f(x)[1])
+    skew = testing.inject_skew(100, seed=3)  # ~50 us per call: ~10 ms in flight
+    with hang_guard(300):
+        got = f(x)[0]  # dispatched, not waited for
+        sifar_jax.shutdown(release_memory=True)
+        skew.__exit__(None, None, None)
+        np.testing.assert_array_equal(np.asarray(got), want)
+    sifar_jax.init(mesh, slot_bytes=SLOT)
+    g = sum_fn(mesh, "sifar", calls=200)  # re-traced: f's memory was released
+    got, ref = (np.asarray(a) for a in g(x))
+    np.testing.assert_array_equal(got, ref)
+    sifar_jax.check()
+    factory.close()
+
+
+# ----------------------------------------------------- virtual ranks (N > 2) --
+# Issue 9.10: N = 2, 4, 8 ranks of one communicator on ONE GPU (each with its
+# own workspace and stream, grids small enough to be resident together),
+# every portable algorithm, several dtypes and sizes, with and without skew,
+# every rank's output bit-exact against the rank-order reference.
+VR_TIMEOUT_S = 5.0
+VR_ITERATIONS = int(os.environ.get("SIFAR_VR_ITERATIONS", "64"))  # per run, back to back
+VR_SKEW_NS = (0, 20_000)
+VR_DTYPES = {  # name: (numpy dtype, Elem index in elem_type.h)
+    "float32": (np.dtype(np.float32), 0),
+    "bfloat16": (DTYPES["bfloat16"], 1),
+    "float16": (np.dtype(np.float16), 2),
+    "int32": (np.dtype(np.int32), 3),
+}
+
+
+def _virtual_ranks_or_skip(nranks: int):
+    from sifar_jax import _testing
+
+    if DRY_RUN_ON_CPU or not sifar_jax._ext._sifar.built_with_cuda():
+        pytest.skip("virtual ranks need the CUDA backend")
+    if not devices():
+        pytest.skip("virtual ranks need one CUDA GPU")
+    return _testing.VirtualRanks(0, nranks, SLOT, VR_TIMEOUT_S)
+
+
+def rank_order_reference(x: np.ndarray) -> np.ndarray:
+    """x: (iterations, N, count). Partials added in rank order 0..N-1 in
+    float32, rounded once to the dtype; int32 sums wrap like lax.psum."""
+    if x.dtype == np.int32:
+        s = x.astype(np.int64).sum(axis=1)
+        return ((s + 2**31) % 2**32 - 2**31).astype(np.int32)
+    acc = x[:, 0].astype(np.float32)
+    for r in range(1, x.shape[1]):
+        acc = (acc + x[:, r].astype(np.float32)).astype(np.float32)
+    return acc.astype(x.dtype)
+
+
+def _vr_inputs(rng, k, n, count, dtype) -> np.ndarray:
+    if dtype == np.int32:
+        return rng.integers(-(2**31), 2**31, (k, n, count), dtype=np.int64).astype(np.int32)
+    mag = rng.standard_normal((k, n, count)) * 2.0 ** rng.integers(-6, 7, (k, n, count))
+    return mag.astype(dtype)
+
+
+def _vr_sizes(cap: int) -> list[int]:
+    return sorted({b for b in (16, 48, 1008, 4096 + 16, cap // 2 // 16 * 16, cap) if 16 <= b <= cap})
+
+
+def _vr_check_all(vr, nranks, algorithm, k) -> tuple[int, int, list[str]]:
+    """Every skew x dtype x size on `vr`; returns (runs, retries, failures).
+    Stops at the first failed call: the communicator is failed from then on."""
+    alg = sifar_jax.algorithms.IDS[algorithm]
+    runs, retries, fails = 0, 0, []
+    for skew_ns in VR_SKEW_NS:
+        vr.set_skew(skew_ns, nranks)
+        for name, (dtype, elem) in VR_DTYPES.items():
+            for nbytes in _vr_sizes(vr.max_bytes(alg)):
+                count = nbytes // dtype.itemsize
+                seed = zlib.crc32(repr((nranks, algorithm, skew_ns, name, nbytes)).encode())
+                x = _vr_inputs(np.random.default_rng(seed), k, nranks, count, dtype)
+                out, failure, calls, retried, timeouts = vr.run(alg, elem, x.tobytes(), nbytes, k)
+                runs += 1
+                retries += retried
+                what = f"N={nranks} {algorithm} {name} {nbytes} B skew={skew_ns} ns"
+                if failure or timeouts:
+                    return runs, retries, fails + [f"{what}: {failure or f'{timeouts} timeouts'}"]
+                if calls != k * nranks:
+                    fails.append(f"{what}: {calls} calls counted, want {k * nranks}")
+                got = np.frombuffer(out, np.uint8).reshape(k, nranks, nbytes)
+                want = rank_order_reference(x).view(np.uint8).reshape(k, 1, nbytes)
+                bad = (got != want).any(axis=2)  # (iteration, rank)
+                if bad.any():
+                    it, rank = np.nonzero(bad)
+                    fails.append(f"{what}: {int(bad.sum())} of {k * nranks} (iteration, rank) "
+                                 f"outputs differ, e.g. iteration {it[0]} rank {rank[0]}")
+    return runs, retries, fails
+
+
+@pytest.mark.parametrize("algorithm", ALGS)
+@pytest.mark.parametrize("nranks", [2, 4, 8])
+def test_virtual_ranks_bit_exact(nranks, algorithm):
+    vr = _virtual_ranks_or_skip(nranks)
+    k = max(1, min(VR_ITERATIONS, 1024 // nranks))
+    try:
+        with hang_guard(900):
+            runs, retries, fails = _vr_check_all(vr, nranks, algorithm, k)
+    finally:
+        vr.close()
+    print(f"\nvirtual ranks N={nranks} {algorithm}: {runs} runs of {k} all-reduces, retries {retries}")
+    assert runs > 0
+    assert not fails, "\n".join(fails[:20])
 
 
 # ------------------------------------------------------------------ multicast --

@@ -37,7 +37,7 @@ def test_host_knobs_never_clear_a_failure(cpu_mesh):
 
 
 # ------------------------------------------------------------------ re-init --
-def _sum_fn(mesh, algorithm="sifar", calls=6):
+def sum_fn(mesh, algorithm="sifar", calls=6):
     """calls chained all-reduces (sifar_psum and lax.psum side by side)."""
     import jax
     from jax.sharding import PartitionSpec as P
@@ -52,7 +52,7 @@ def _sum_fn(mesh, algorithm="sifar", calls=6):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=(P("tp"), P("tp"))))
 
 
-def _inputs(n, size, seed):
+def int_inputs(n, size, seed):
     """Small integers: every sum is exact in any order, so sifar_psum and
     lax.psum must agree bit for bit."""
     import numpy as np
@@ -60,7 +60,7 @@ def _inputs(n, size, seed):
     return np.random.default_rng(seed).integers(-8, 9, (n, size)).astype(np.float32)
 
 
-def _assert_exact(f, x):
+def assert_exact(f, x):
     import numpy as np
 
     got, ref = (np.asarray(a) for a in f(x))
@@ -74,15 +74,15 @@ def test_old_executable_runs_after_reinit_with_another_slot(cpu_mesh, algorithm)
     and one compiled after both stay exact, in any order."""
     n, size = 4, 200  # 800 bytes: fits both slots
     mesh = cpu_mesh(n, slot_bytes=4096)
-    old = _sum_fn(mesh, algorithm)
-    x = _inputs(n, size, 0)
-    _assert_exact(old, x)
+    old = sum_fn(mesh, algorithm)
+    x = int_inputs(n, size, 0)
+    assert_exact(old, x)
     sifar_jax.shutdown()
     sifar_jax.init(mesh, slot_bytes=8192)
-    new = _sum_fn(mesh, algorithm)
+    new = sum_fn(mesh, algorithm)
     for k in range(3):
-        _assert_exact(old, _inputs(n, size, 10 + k))
-        _assert_exact(new, _inputs(n, size, 20 + k))
+        assert_exact(old, int_inputs(n, size, 10 + k))
+        assert_exact(new, int_inputs(n, size, 20 + k))
     sifar_jax.check()
 
 
@@ -105,7 +105,7 @@ def test_workspaces_outlive_shutdown_and_are_reused(cpu_mesh):
     sifar_jax.shutdown()
     sifar_jax.init(mesh, slot_bytes=4096)
     assert _workspaces() == first, "the pooled workspaces of this group and slot were not reused"
-    _assert_exact(_sum_fn(mesh), _inputs(2, 64, 1))
+    assert_exact(sum_fn(mesh), int_inputs(2, 64, 1))
     sifar_jax.shutdown(release_memory=True)
     assert not (first | other) & _testing.pooled_workspaces()
 

@@ -1,0 +1,174 @@
+// `sifar_jax._testing.VirtualRanks` (CUDA builds): N ranks of one
+// communicator on ONE GPU, for the N > 2 tests where no N-GPU host exists.
+// Each rank has its own workspace on that device and its own stream; every
+// call goes through LaunchRankAllReduce, the CUDA handler's own launch path.
+// Grids are kept small enough that all N ranks' blocks are resident at once
+// (a spinning block whose peer cannot be scheduled would only time out).
+#include <cuda_runtime.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "comm.h"
+#include "cuda_check.h"
+#include "handlers.h"
+#include "launch.h"
+#include "protocol.h"
+
+namespace nb = nanobind;
+
+namespace sifar {
+namespace {
+
+constexpr int kHarnessAxisKey = -1;  // never a Python axis: its own pool entries
+constexpr uint32_t kHarnessChain = 1;
+constexpr int kThreadsPerBlock = 256;  // cuda::kThreads (the kernels' block size)
+
+class VirtualRanks {
+ public:
+  VirtualRanks(int ordinal, int nranks, size_t slot_bytes, double timeout_s)
+      : ordinal_(ordinal), nranks_(nranks) {
+    if (nranks < 2 || nranks > kMaxRanks)
+      throw std::invalid_argument("VirtualRanks: nranks must be 2.." + std::to_string(kMaxRanks));
+    OnDevice on(ordinal_);
+    SIFAR_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, ordinal_));
+    comm_ = std::make_shared<Comm>(-1, Platform::kCuda, kHarnessAxisKey, "virtual",
+                                   std::vector<std::vector<int>>{std::vector<int>(nranks, ordinal)},
+                                   slot_bytes, timeout_s, /*lanes=*/1);
+    for (int r = 0; r < nranks_; ++r) {
+      cudaStream_t s = nullptr;
+      SIFAR_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+      streams_.push_back(s);
+    }
+  }
+  ~VirtualRanks() { Close(); }
+
+  void Close() {
+    if (!comm_) return;
+    {
+      OnDevice on(ordinal_);
+      for (cudaStream_t s : streams_) cudaStreamDestroy(s);
+      if (in_) cudaFree(in_);
+      if (out_) cudaFree(out_);
+      cudaGetLastError();
+    }
+    streams_.clear();
+    in_ = out_ = nullptr;
+    capacity_ = 0;
+    comm_.reset();  // waits for the device, pools the workspaces
+  }
+
+  // The largest payload whose grid keeps every rank's blocks resident: N
+  // grids of at most one block per SM in total.
+  size_t MaxBytes(int algorithm) const {
+    if (!ValidAlgorithm(algorithm)) throw std::invalid_argument("VirtualRanks: unknown algorithm");
+    const int blocks = std::max(1, std::min(kMaxBlocks, sms_ / nranks_));
+    const size_t bytes = static_cast<size_t>(blocks) * kThreadsPerBlock * LineBytes(algorithm);
+    return std::min(bytes, comm_->slot_bytes()) / 16 * 16;
+  }
+
+  void SetSkew(uint32_t max_ns, uint32_t seed) { Live().SetSkew(max_ns, seed); }
+
+  // `iterations` all-reduces of `nbytes` per rank, launched back to back on
+  // every rank's stream (rank r's call k waits on nothing but its peers), then
+  // one synchronisation.  inputs/outputs: [iteration][rank][nbytes].
+  // Returns (outputs, failure description or "", calls, retries, timeouts)
+  // with the stats counted during this run for `algorithm`.
+  std::tuple<nb::bytes, std::string, uint64_t, uint64_t, uint64_t> Run(
+      int algorithm, int elem, nb::bytes inputs, size_t nbytes, int iterations) {
+    Comm& comm = Live();
+    if (!ValidAlgorithm(algorithm) || algorithm == kMulticast)
+      throw std::invalid_argument("VirtualRanks: algorithm must be a portable one");
+    if (elem < 0 || elem >= kNumElems) throw std::invalid_argument("VirtualRanks: bad element type");
+    if (nbytes == 0 || nbytes % 16 != 0 || nbytes > MaxBytes(algorithm))
+      throw std::invalid_argument("VirtualRanks: nbytes must be a positive multiple of 16, at most " +
+                                  std::to_string(MaxBytes(algorithm)));
+    if (iterations < 1 || static_cast<size_t>(iterations) * nranks_ > 1024)
+      throw std::invalid_argument("VirtualRanks: iterations x nranks must be 1..1024 (launch queue)");
+    const size_t total = static_cast<size_t>(iterations) * nranks_ * nbytes;
+    if (inputs.size() != total) throw std::invalid_argument("VirtualRanks: inputs have the wrong size");
+    std::vector<char> out(total);
+    const auto before = comm.Stats();
+    {
+      nb::gil_scoped_release release;
+      OnDevice on(ordinal_);
+      Reserve(total);
+      SIFAR_CUDA_CHECK(cudaMemcpy(in_, inputs.c_str(), total, cudaMemcpyHostToDevice));
+      SIFAR_CUDA_CHECK(cudaMemset(out_, 0xff, total));  // NaN / -1: an unwritten line cannot pass
+      SIFAR_CUDA_CHECK(cudaDeviceSynchronize());
+      for (int k = 0; k < iterations; ++k)
+        for (int r = 0; r < nranks_; ++r) {
+          const size_t at = (static_cast<size_t>(k) * nranks_ + r) * nbytes;
+          RankCall c;
+          c.comm = &comm;
+          c.group = 0;
+          c.rank = r;
+          c.elem = static_cast<Elem>(elem);
+          c.algorithm = algorithm;
+          c.repeat = 1;
+          c.chain = kHarnessChain;
+          c.lane_at = comm.layout().LaneAt(LaneOf(kHarnessChain, comm.layout().lanes));
+          c.in = in_ + at;
+          c.out = out_ + at;
+          c.nbytes = nbytes;
+          SIFAR_CUDA_CHECK(LaunchRankAllReduce(c, streams_[r]));
+        }
+      for (cudaStream_t s : streams_) SIFAR_CUDA_CHECK(cudaStreamSynchronize(s));
+      SIFAR_CUDA_CHECK(cudaMemcpy(out.data(), out_, total, cudaMemcpyDeviceToHost));
+    }
+    const auto after = comm.Stats();
+    uint64_t d[kNumStats] = {};
+    for (size_t r = 0; r < after.size(); ++r)
+      for (int f = 0; f < kNumStats; ++f) d[f] += after[r][algorithm][f] - before[r][algorithm][f];
+    return {nb::bytes(out.data(), out.size()), DescribeFailure(comm), d[kCalls], d[kRetries],
+            d[kTimeouts]};
+  }
+
+ private:
+  Comm& Live() {
+    if (!comm_) throw std::runtime_error("VirtualRanks: closed");
+    return *comm_;
+  }
+  void Reserve(size_t bytes) {
+    if (bytes <= capacity_) return;
+    if (in_) cudaFree(in_);
+    if (out_) cudaFree(out_);
+    in_ = out_ = nullptr;
+    capacity_ = 0;
+    SIFAR_CUDA_CHECK(cudaMalloc(&in_, bytes));
+    SIFAR_CUDA_CHECK(cudaMalloc(&out_, bytes));
+    capacity_ = bytes;
+  }
+
+  int ordinal_, nranks_;
+  int sms_ = 0;
+  std::shared_ptr<Comm> comm_;
+  std::vector<cudaStream_t> streams_;
+  char* in_ = nullptr;
+  char* out_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+}  // namespace
+
+void RegisterGpuTestingBindings(nb::module_& t) {
+  nb::class_<VirtualRanks>(t, "VirtualRanks",
+                           "N ranks of one communicator on one GPU, each on its own stream")
+      .def(nb::init<int, int, size_t, double>(), nb::arg("ordinal"), nb::arg("nranks"),
+           nb::arg("slot_bytes"), nb::arg("timeout_s"))
+      .def("max_bytes", &VirtualRanks::MaxBytes, nb::arg("algorithm"))
+      .def("set_skew", &VirtualRanks::SetSkew, nb::arg("max_ns"), nb::arg("seed"))
+      .def("run", &VirtualRanks::Run, nb::arg("algorithm"), nb::arg("elem"), nb::arg("inputs"),
+           nb::arg("nbytes"), nb::arg("iterations"))
+      .def("close", &VirtualRanks::Close);
+}
+
+}  // namespace sifar
