@@ -321,16 +321,18 @@ def random_payload(seed: int, ranks: int, elems: int) -> np.ndarray:
     return x.astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def allreduce_mismatch(got, inputs) -> str | None:
-    """None when every rank's result (ranks, elems) is the sum of `inputs`
-    (ranks, elems) within the error of any summation order in bfloat16 or
-    better (2 * ranks * 2^-8 * sum |x_i| per element); else what is wrong.
-    A missing or stale partial (an error of at least min |x_i| = 0.5) fails."""
+def allreduce_mismatch(got, inputs, ranks: Sequence[int] | None = None) -> str | None:
+    """None when every result row of `got` (results, elems) is the sum of
+    `inputs` (ranks, elems) within the error of any summation order in
+    bfloat16 or better (2 * ranks * 2^-8 * sum |x_i| per element); else what is
+    wrong. `ranks` names the rows of `got` (default 0, 1, ...). A missing or
+    stale partial (an error of at least min |x_i| = 0.5) fails."""
     g = np.asarray(got, dtype=np.float64)
     x = np.asarray(inputs, dtype=np.float64)
     want = x.sum(0)
     bound = 2 * x.shape[0] * 2.0**-8 * np.abs(x).sum(0)
     g = g.reshape((-1,) + want.shape)
+    ranks = list(range(g.shape[0])) if ranks is None else list(ranks)
     err = np.abs(g - want)
     bad = ~(err <= bound)  # NaN counts as bad
     if not bad.any():
@@ -338,7 +340,8 @@ def allreduce_mismatch(got, inputs) -> str | None:
     worst = np.where(bad, np.nan_to_num(err, nan=np.inf), -1.0)
     r, i = np.unravel_index(int(np.argmax(worst)), bad.shape)
     return (f"{int(bad.sum())} of {bad.size} elements differ from the float64 sum; worst: rank "
-            f"{r} element {i} got {g[r, i]!r}, want {want[i]!r} (bound {bound[i]:.3g})")
+            f"{ranks[r]} element {i} got {float(g[r, i])!r}, want {float(want[i])!r} "
+            f"(bound {float(bound[i]):.3g})")
 
 
 # ------------------------------------------------------------------- output --

@@ -242,8 +242,8 @@ def measure(ctx: Context, args, nbytes: int) -> dict:
     peer.load(torch.from_numpy(x_all[ctx.rank]).to(device=ctx.device, dtype=torch.bfloat16))
     peer.step()
     got = peer.value().float().cpu().numpy()
-    wrong = common.allreduce_mismatch(got[None], x_all)
-    wrong = [f"rank {r}: {m}" for r, m in enumerate(ctx.gather(wrong)) if m]
+    wrong = common.allreduce_mismatch(got[None], x_all, ranks=[ctx.rank])
+    wrong = [m for m in ctx.gather(wrong) if m]
     if wrong:
         return {"error": "WRONG RESULT, not timed: " + "; ".join(wrong)}
 
