@@ -694,6 +694,7 @@ def _plot_trace(ax, tp, trace_latencies):
             continue
         surv = 1.0 - np.arange(lat.size) / lat.size
         ax.step(lat, surv, where="post", label=f"{k[1]}, skew {k[3]:g} us")
+    ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("per-call latency (us, device timestamps)")
     ax.set_ylabel("share of calls slower")
