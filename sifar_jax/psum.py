@@ -12,7 +12,7 @@ import numpy as np
 from . import _ext, algorithms, comm, multicast, ordering
 from .errors import NotInitializedError
 
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SUPPORTED_DTYPES = tuple(jnp.dtype(n) for n in _ext._sifar.dtypes())
 _LINE = 16  # bytes: the payload is moved in 16-byte lines
 _warned: set[str] = set()
 
@@ -44,11 +44,9 @@ def _multicast_refusal(comms) -> str | None:
 
 
 def _pick(algorithm: str, comms) -> str:
-    if algorithm != algorithms.AUTO:
-        return algorithm
-    if comms[0].platform == "cuda" and multicast.enabled() and _multicast_refusal(comms) is None:
-        return algorithms.MULTICAST
-    return algorithms.SIFAR
+    # "auto" only ever picks an algorithm that is correct by construction:
+    # sifar (multicast's flag check is the paper's, not exact).
+    return algorithms.SIFAR if algorithm == algorithms.AUTO else algorithm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +57,7 @@ class _Plan:
     algorithm: str
     nranks: int
     pad: int  # elements appended to reach whole 16-byte lines
+    chain: int  # the jaxpr's call chain (sifar_jax.ordering)
 
     @property
     def platform(self) -> str:
@@ -70,6 +69,7 @@ class _Plan:
             nranks=np.int32(self.nranks),
             algorithm=np.int32(algorithms.IDS[self.algorithm]),
             repeat=np.int32(repeat),
+            chain=np.int32(self.chain),
         )
 
 
@@ -79,8 +79,8 @@ def _plan(x, axis_name, algorithm: str, api: str):
     dtype = jnp.dtype(x.dtype)
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(
-            f"sifar_jax.{api}: dtype {dtype} is not supported; use float32, bfloat16 or "
-            f"float16 (or lax.psum for other types)"
+            f"sifar_jax.{api}: dtype {dtype} is not supported; use one of "
+            f"{', '.join(d.name for d in SUPPORTED_DTYPES)} (or lax.psum for other types)"
         )
     explicit = algorithm != algorithms.AUTO
 
@@ -121,7 +121,7 @@ def _plan(x, axis_name, algorithm: str, api: str):
             f"payload of {padded} bytes exceeds the {slot}-byte slot "
             f"(raise it with sifar_jax.init(mesh, slot_bytes=...))"
         )
-    return _Plan(comms, chosen, n, (padded - nbytes) // dtype.itemsize)
+    return _Plan(comms, chosen, n, (padded - nbytes) // dtype.itemsize, ordering.chain_id(x))
 
 
 def _flat(x, plan: _Plan):
