@@ -26,7 +26,7 @@ Peers (bench.peers) run first, each in processes of its own, before this
 process starts JAX on the GPUs; a peer that is not importable, fails or hangs
 is recorded in "errors" with its message and the others go on.
 
-Per-call trace (bench.calltrace; needs sifar_jax.stats.call_trace): the jit
+Per-call trace (bench.calltrace; needs sifar_jax.call_trace): the jit
 chain of each traced algorithm, without and with forced skew
 (sifar_jax.testing.inject_skew): the share of calls that mis-speculated, the
 latency of calls that retried against those that did not, and the
@@ -364,8 +364,7 @@ def trace_case(call_trace, mesh, fns, cfg, tp, alg, nbytes, skew_us):
     try:
         common.warm_up(fn, (x,), 1)
         before = sifar_jax.stats()[alg]
-        capacity = 2 * tp * r2 * cfg["trace_runs"]
-        rec = calltrace.collect(call_trace, "tp", fn, (x,), cfg["trace_runs"], capacity, skew_us)
+        rec = calltrace.collect(call_trace, "tp", fn, (x,), cfg["trace_runs"], r2, skew_us)
         after = sifar_jax.stats()[alg]
     except Exception as e:  # noqa: BLE001 - recorded; the benchmark goes on
         entry["error"] = f"{type(e).__name__}: {e}"
@@ -597,12 +596,13 @@ def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
     if "records" in meta["trace"]:
         (mh, mrows), (th, trows) = trace_tables(meta["trace"]["records"])
         sections.append(("Mis-speculation per call (device trace of the jit chain; retried: share "
-                         "of calls, per rank, that re-read stale words at least once; cost: "
+                         "of calls in which block 0 of a rank re-read a stale word; cost: "
                          "1 - mean(clean) / mean(all), an upper bound)",
                          common.markdown_table(mh, mrows)))
         if trows:
-            sections.append(("Tail latency per call (device timestamps, end - start per call and "
-                             "rank)", common.markdown_table(th, trows)))
+            sections.append(("Tail latency per call (end - start per call and rank: %globaltimer "
+                             "on GPUs, the host's steady clock on the CPU)",
+                             common.markdown_table(th, trows)))
     else:
         notes.append(f"Per-call trace: {meta['trace']['skipped']}.")
     if meta["retry"]:

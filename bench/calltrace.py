@@ -1,18 +1,22 @@
 """Per-call device trace of sifar all-reduces: mis-speculation and tail latency.
 
-The library's trace, `sifar_jax.stats.call_trace(axis_name, capacity=...)`, is a
-context manager whose `.records()` returns a numpy structured array with one
-record per call per rank: group, rank, epoch, algorithm, start_ns, end_ns
-(the device clock: %globaltimer on GPUs) and retried. Where the library has no
-such function yet, `find()` says so and bench.allreduce skips this part with
-that message. `.records()` is read after the `with` block has closed.
+The library's trace, `sifar_jax.call_trace(axis_name)` (sifar_jax/stats.py), is a
+context manager yielding an object whose `.records()` (read after the block)
+returns a numpy structured array with one record per call and rank: group,
+rank, epoch, chain, algorithm, start_ns, end_ns (%globaltimer on GPUs, the host's
+steady clock on the CPU) and retried (block 0 of that rank re-read at least
+one stale word). Each rank keeps its last RING_CALLS calls, and entering the
+block empties the ring, so `collect` traces in blocks short enough never to
+wrap. Where the library has no trace, `find()` says so and bench.allreduce
+skips this part with that message.
 
 From one trace (one TP size, algorithm, payload size and forced skew) `summarize`
 gives:
-- retried share: the share of calls (per rank) that mis-speculated at least
-  once: the paper's "32% of all-reduces mis-speculated" (TP=8);
-- the latency (end - start, per call and rank) of the calls that retried and
-  of those that did not (median and mean);
+- retried share: the share of calls (per rank) that mis-speculated, the paper's
+  "32% of all-reduces mis-speculated" (TP=8). Block 0's view: a lower bound of
+  the share in which any block retried;
+- the latency (end - start, per call and rank, block 0's clock) of the calls
+  that retried and of those that did not (median and mean);
 - cost: 1 - mean(clean) / mean(all), the share of the time spent above the
   clean calls' mean (the paper: 1.6%). An upper bound of what mis-speculation
   costs: a call retries when its peers are late, and a barrier would have
@@ -23,46 +27,45 @@ gives:
 from __future__ import annotations
 
 import contextlib
-import importlib
 
 import numpy as np
 
 from bench import common
 
 FIELDS = ("group", "rank", "epoch", "algorithm", "start_ns", "end_ns", "retried")
-MISSING = ("sifar_jax.stats.call_trace is not in this build of sifar_jax (the per-call device "
-           "trace comes with a later main: `git merge main`); mis-speculation per call and "
-           "tail latency were skipped")
+RING_CALLS = 4096  # calls each rank's trace ring keeps (ffi/protocol.h kTraceCapacity)
+MISSING = ("sifar_jax.call_trace is not in this build of sifar_jax (it predates the per-call "
+           "trace ring); mis-speculation per call and tail latency were skipped")
 
 
 def find():
-    """(call_trace, None) where the library has the per-call trace, else (None, why)."""
-    try:
-        # The module, not `sifar_jax.stats`, which the package binds to the stats() function.
-        mod = importlib.import_module("sifar_jax.stats")
-    except ImportError as e:
-        return None, f"sifar_jax.stats cannot be imported: {e}"
-    fn = getattr(mod, "call_trace", None)
-    if fn is None:
-        import sifar_jax
+    """(sifar_jax.call_trace, None) where the library has the per-call trace, else (None, why)."""
+    import sifar_jax
 
-        fn = getattr(sifar_jax, "call_trace", None)
+    fn = getattr(sifar_jax, "call_trace", None)
     return (fn, None) if callable(fn) else (None, MISSING)
 
 
-def collect(call_trace, axis_name: str, fn, args: tuple, runs: int, capacity: int,
-            skew_us: float = 0.0) -> np.ndarray:
-    """Runs fn(*args) `runs` times (each waited for) inside the trace, with every
-    rank waiting a random 0..skew_us before each all-reduce when skew_us > 0;
-    returns the records."""
+def collect(call_trace, axis_name: str, fn, args: tuple, runs: int, calls_per_run: int,
+            skew_us: float = 0.0, ring_calls: int = RING_CALLS) -> np.ndarray:
+    """Runs fn(*args) `runs` times (each waited for), making `calls_per_run`
+    all-reduces per rank each, inside traces of at most `ring_calls` calls per
+    rank; with every rank waiting a random 0..skew_us before each all-reduce
+    when skew_us > 0. Returns every record."""
     from sifar_jax import testing
 
-    skew = testing.inject_skew(skew_us) if skew_us > 0 else contextlib.nullcontext()
-    cm = call_trace(axis_name, capacity=capacity)
-    with skew, cm as t:
-        for _ in range(runs):
-            common.block(fn(*args))
-    rec = np.asarray((t if t is not None else cm).records())
+    per_block = max(1, ring_calls // max(1, calls_per_run))
+    parts = []
+    with testing.inject_skew(skew_us) if skew_us > 0 else contextlib.nullcontext():
+        done = 0
+        while done < runs:
+            n = min(per_block, runs - done)
+            with call_trace(axis_name) as t:
+                for _ in range(n):
+                    common.block(fn(*args))
+            parts.append(np.asarray(t.records()))
+            done += n
+    rec = np.concatenate(parts) if len(parts) > 1 else parts[0]
     missing = [f for f in FIELDS if rec.dtype.names is None or f not in rec.dtype.names]
     if missing:
         raise ValueError(f"call_trace records lack the fields {missing} (have {rec.dtype.names})")

@@ -240,50 +240,42 @@ def test_trace_summary_counts_retries_and_tails():
     assert "retries_per_call_trace" not in s
 
 
-class StandInTrace:
-    """A call_trace stand-in: one record per sifar call and rank made inside it
-    (counted by sifar_jax.stats()), latencies 1..3 us, every third one retried."""
-
-    instances: list = []
-
-    def __init__(self, axis_name, capacity):
-        self.axis_name, self.capacity = axis_name, capacity
-        StandInTrace.instances.append(self)
-
-    def __enter__(self):
-        self.before = sifar_jax.stats()["sifar"]["calls"]
-        return self
-
-    def __exit__(self, *exc):
-        self.calls = sifar_jax.stats()["sifar"]["calls"] - self.before
-        return False
-
-    def records(self):
-        n = self.calls
-        return synthetic_trace(1.0 + np.arange(n) % 3, (np.arange(n) % 3 == 0).astype(np.uint32))
-
-
 def test_trace_case_runs_the_chain_inside_the_trace(cpu_mesh):
     from bench import allreduce
 
     mesh = cpu_mesh(2)
     cfg = {"chain": (2, 6), "trace_runs": 3}
-    StandInTrace.instances.clear()
     for skew in (0.0, 3.0):
-        entry, lat = allreduce.trace_case(StandInTrace, mesh, {}, cfg, 2, "sifar", 4096, skew)
+        entry, lat = allreduce.trace_case(sifar_jax.call_trace, mesh, {}, cfg, 2, "sifar", 4096,
+                                          skew)
         assert "error" not in entry, entry
-        assert entry["calls"] == 2 * 6 * 3  # ranks x chain x runs
-        assert entry["skew_us"] == skew and entry["retried_share"] == pytest.approx(1 / 3, abs=1e-3)
-        assert TAIL_KEYS <= entry.keys() and lat.size == entry["calls"]
-        assert entry["retries_per_call"] is not None
-    assert all(t.axis_name == "tp" and t.capacity >= 36 for t in StandInTrace.instances)
+        assert entry["calls"] == 2 * 6 * 3 and entry["invalid_records"] == 0  # ranks x chain x runs
+        assert entry["ranks"] == 2 and entry["skew_us"] == skew
+        assert 0 <= entry["retried_share"] <= 1 and entry["retries_per_call"] is not None
+        assert TAIL_KEYS <= entry.keys() and lat.size == entry["calls"] and np.all(lat > 0)
+        assert entry["us_p50"] <= entry["us_p90"] <= entry["us_p99"] <= entry["us_p99_9"]
     assert sifar_jax.comm._settings["skew"][0] == 0  # the forced skew was undone
+
+
+def test_trace_is_taken_in_blocks_that_fit_the_ring(cpu_mesh):
+    """A ring of 10 calls per rank and runs of 6 calls: one run per block, and
+    every call of every run is in the records, each epoch once per rank."""
+    from bench import allreduce
+
+    mesh = cpu_mesh(2)
+    fn = allreduce.chain_fn(mesh, "sifar", 6)
+    x = allreduce.random_bf16(0, 2, 2048)
+    rec = calltrace.collect(sifar_jax.call_trace, "tp", fn, (x,), 4, 6, ring_calls=10)
+    assert rec.size == 2 * 6 * 4
+    for r in (0, 1):
+        epochs = rec["epoch"][rec["rank"] == r]
+        assert np.unique(epochs).size == epochs.size == 24
 
 
 def test_trace_case_records_a_failing_trace(cpu_mesh):
     from bench import allreduce
 
-    def broken(axis_name, capacity):
+    def broken(axis_name):
         raise RuntimeError("no trace buffer")
 
     entry, lat = allreduce.trace_case(broken, cpu_mesh(2), {}, {"chain": (2, 4), "trace_runs": 1},
