@@ -155,8 +155,9 @@ def run():
 
 t = threading.Thread(target=run)
 t.start()
-while _testing.calls_in_flight(c.comm_id) < 3:  # ranks 0, 2 and 3 are waiting now
-    time.sleep(0.01)
+deadline = time.time() + 20
+while _testing.calls_in_flight(c.comm_id) < 3 and time.time() < deadline:
+    time.sleep(0.01)  # until ranks 0, 2 and 3 are waiting inside their calls
 t0 = time.perf_counter()
 _ext._sifar.destroy_all()  # the C++ teardown itself, without Python's effects barrier
 t1 = time.perf_counter()
@@ -175,7 +176,7 @@ def test_teardown_waits_for_every_rank_before_freeing(algorithm):
     import subprocess
     import sys
 
-    timeout = 1.5
+    timeout = 3.0
     code = _TEARDOWN_CHILD.replace("TIMEOUT", str(timeout)).replace("ALG", algorithm)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"the child died (rc {r.returncode}):\n{r.stderr[-3000:]}"
