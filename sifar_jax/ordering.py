@@ -23,6 +23,8 @@ import itertools
 import threading
 import weakref
 
+from ._jax_compat import trace_of as _trace_of
+
 _lock = threading.Lock()
 _next_chain = itertools.count(1)
 # trace -> [chain id, weak ref to the last result]. Both sides weak (a tracer
@@ -33,10 +35,6 @@ _chains: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # this strong map keyed by id, pruned when full.
 _strong: dict = {}
 _STRONG_LIMIT = 64
-
-
-def _trace_of(x):
-    return getattr(x, "_trace", None)
 
 
 def _entry(trace):

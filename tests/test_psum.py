@@ -144,7 +144,7 @@ def repeat_fn(mesh, algorithm, repeat):
     if key not in _FUNCS:
 
         def body(x):
-            return sifar_jax.sifar_psum(x[0], "tp", algorithm=algorithm, _repeat=repeat)[None]
+            return sifar_jax.benchmarking.psum_repeated(x[0], "tp", repeat, algorithm=algorithm)[None]
 
         _FUNCS[key] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
     return _FUNCS[key]
@@ -246,7 +246,7 @@ class TestMatrix:
 
 
 class TestSequences:
-    """Back-to-back all-reduces: slot alternation, interleaving, _repeat, stats."""
+    """Back-to-back all-reduces: slot alternation, interleaving, psum_repeated, stats."""
 
     STEPS = 64
 
