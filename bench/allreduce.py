@@ -6,7 +6,7 @@
 Two levels, measured in the same run:
 
   kernel  R all-reduces back to back inside one handler call / kernel launch
-          (sifar_psum(..., _repeat=R), the paper's method): per all-reduce =
+          (sifar_jax.benchmarking.psum_repeated, the paper's method): per all-reduce =
           (t(R) - t(1)) / (R - 1). lax.psum has no such level.
   jit     a chain of R data-dependent all-reduces (y <- allreduce(y))
           in one jitted shard_map function: per all-reduce =
@@ -124,7 +124,7 @@ def settings(args, kind: str, n_devices: int) -> dict:
 # ----------------------------------------------------------------- functions --
 def kernel_fn(mesh, algorithm: str, repeat: int):
     def body(x):
-        return sifar_jax.sifar_psum(x[0], "tp", algorithm=algorithm, _repeat=repeat)[None]
+        return sifar_jax.benchmarking.psum_repeated(x[0], "tp", repeat, algorithm=algorithm)[None]
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
 

@@ -42,12 +42,14 @@ def _native_dtypes() -> tuple:
 SUPPORTED_DTYPES = _native_dtypes()
 _LINE = 16  # bytes: the payload is moved in 16-byte lines
 _warned: set[str] = set()
+_USER = 4  # warnings from _psum: _fallback <- _psum <- sifar_psum <- the user's line
 
 
-def _fallback(x, axis_name, reason: str, **kwargs):
+def _fallback(x, axis_name, reason: str, *, stacklevel: int = 3, **kwargs):
+    """lax.psum, warning once per reason (at the caller's caller: the user's line)."""
     if reason not in _warned:
         _warned.add(reason)
-        warnings.warn(f"sifar_jax: falling back to lax.psum: {reason}", stacklevel=3)
+        warnings.warn(f"sifar_jax: falling back to lax.psum: {reason}", stacklevel=stacklevel)
     return jax.lax.psum(x, axis_name, **kwargs)
 
 
@@ -322,7 +324,7 @@ def _pack(sizes: list[int], dtype, slot: int) -> list[list[int]]:
     return groups
 
 
-def _reduce_payload(leaves: list, plan: _Plan, rest: tuple, repeat: int) -> list:
+def _reduce_payload(leaves: list, plan: _Plan, rest: tuple) -> list:
     """All-reduces leaves of one dtype and type as one payload; returns them."""
     dtype = leaves[0].dtype
     flats = [leaf.reshape(-1) for leaf in leaves]
@@ -330,9 +332,11 @@ def _reduce_payload(leaves: list, plan: _Plan, rest: tuple, repeat: int) -> list
     pad = (_padded_bytes(payload.size, dtype) // dtype.itemsize) - payload.size
     if pad:
         payload = jnp.pad(payload, (0, pad))
-    out = _allreduce(payload, plan, repeat)
+    out = _allreduce(payload, plan)
     if rest:  # axes whose devices sifar cannot reach
         out = jax.lax.psum(out, rest)
+    if not pad and len(leaves) == 1:
+        return [out.reshape(leaves[0].shape)]
     outs, start = [], 0
     for leaf in leaves:
         outs.append(out[start : start + leaf.size].reshape(leaf.shape))
@@ -348,19 +352,55 @@ def _same_type(got_aval, want) -> bool:
     )
 
 
-def _psum(x, axis_name, *, axis_index_groups, algorithm: str, repeat: int, api: str):
-    algorithms.validate(algorithm)
+def _sort_leaves(leaves, want, mesh_axes, plan: _Plan, algorithm: str, api: str):
+    """Which leaves sifar sums, grouped into payloads by dtype and type, and
+    which go to lax.psum (with the reason to warn about, None for none).
+    Rewrites `leaves` in place: bool as int32, weak types as lax.psum's."""
     auto = algorithm == algorithms.AUTO
+    payloads: dict[tuple, list[int]] = {}
+    to_psum: dict[int, str | None] = {}
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, jax.core.Tracer):
+            to_psum[i] = None  # a constant among traced leaves: typed as lax.psum types it
+            continue
+        if leaf.dtype == np.bool_:
+            leaf = leaf.astype(jnp.int32)  # lax.psum counts
+        if jax.typeof(leaf).weak_type and not want[i].weak_type:
+            leaf = jax.lax.convert_element_type(leaf, leaf.dtype)  # lax.psum drops it
+        leaves[i] = leaf
+        aval = jax.typeof(leaf)
+        vma = _jax_compat.varying_axes(aval)
+        nbytes = _padded_bytes(leaf.size, leaf.dtype)
+        if leaf.size == 0:
+            to_psum[i] = None  # nothing to add; lax.psum gives the exact empty result
+        elif jnp.dtype(leaf.dtype) not in SUPPORTED_DTYPES:
+            if not auto:
+                raise _unsupported_dtype(leaf.dtype, api, algorithm)
+            to_psum[i] = f"dtype {leaf.dtype} is not summed natively"
+        elif not _same_type(_jax_compat.with_varying(aval, vma - set(mesh_axes)), want[i]):
+            to_psum[i] = f"lax.psum types {aval} differently"  # e.g. a type JAX added later
+        elif nbytes > plan.slot:
+            if not auto:
+                raise ValueError(f"sifar_jax.{api}(algorithm={algorithm!r}): {_too_large(nbytes, plan)}")
+            to_psum[i] = _too_large(nbytes, plan)
+        else:
+            payloads.setdefault((jnp.dtype(leaf.dtype), aval.weak_type, vma), []).append(i)
+    return payloads, to_psum
+
+
+def _psum(x, axis_name, *, axis_index_groups, algorithm: str, api: str):
+    algorithms.validate(algorithm)
     axes = _axes(axis_name)
     for a in axes:
         _axis_size(a, api)  # an unbound name: UnboundAxisError (a NameError)
     if axis_index_groups is not None:
-        if not auto:
+        if algorithm != algorithms.AUTO:
             raise ValueError(
                 f"sifar_jax.{api}(algorithm={algorithm!r}): axis_index_groups is served by "
                 f"lax.psum only; use algorithm='auto'"
             )
-        return _fallback(x, axis_name, "axis_index_groups", axis_index_groups=axis_index_groups)
+        return _fallback(x, axis_name, "axis_index_groups", stacklevel=_USER,
+                         axis_index_groups=axis_index_groups)
 
     leaves, tree = jax.tree.flatten(x)
     if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
@@ -376,53 +416,26 @@ def _psum(x, axis_name, *, axis_index_groups, algorithm: str, repeat: int, api: 
     # lax.psum's own result type for every leaf; raises lax.psum's errors.
     want = jax.eval_shape(functools.partial(jax.lax.psum, axis_name=axes), leaves)
     if others:  # vmap axes: lax.psum sums them locally, without communication
-        x = jax.lax.psum(x, others)
-        leaves = tree.flatten_up_to(x)
+        leaves = tree.flatten_up_to(jax.lax.psum(x, others))
 
     plan, rest, reason = _route(mesh_axes, algorithm, api)
     if plan is None:
-        return tree.unflatten(_fallback(leaves, mesh_axes, reason))
+        return tree.unflatten(_fallback(leaves, mesh_axes, reason, stacklevel=_USER))
+    payloads, to_psum = _sort_leaves(leaves, want, mesh_axes, plan, algorithm, api)
 
     outs: list = [None] * len(leaves)
-    to_psum: dict[int, str | None] = {}  # leaf -> why lax.psum (None: nothing to say)
-    payloads: dict[tuple, list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        leaf = jnp.asarray(leaf)
-        if leaf.dtype == np.bool_:
-            leaf = leaf.astype(jnp.int32)  # lax.psum counts
-        leaves[i] = leaf
-        aval = jax.typeof(leaf)
-        out_vma = _jax_compat.varying_axes(aval) - set(mesh_axes)
-        if leaf.size == 0:
-            to_psum[i] = None  # nothing to add; lax.psum gives the exact empty result
-        elif jnp.dtype(leaf.dtype) not in SUPPORTED_DTYPES:
-            if not auto:
-                raise _unsupported_dtype(leaf.dtype, api, algorithm)
-            to_psum[i] = f"dtype {leaf.dtype} is not summed natively"
-        elif not _same_type(_jax_compat.with_varying(aval, out_vma), want[i]):
-            to_psum[i] = f"lax.psum types {aval} differently"  # e.g. a type JAX added later
-        elif _padded_bytes(leaf.size, leaf.dtype) > plan.slot:
-            why = _too_large(_padded_bytes(leaf.size, leaf.dtype), plan)
-            if not auto:
-                raise ValueError(f"sifar_jax.{api}(algorithm={algorithm!r}): {why}")
-            to_psum[i] = why
-        else:
-            key = (jnp.dtype(leaf.dtype), bool(aval.weak_type), _jax_compat.varying_axes(aval))
-            payloads.setdefault(key, []).append(i)
-
     for (dtype, _, _), idx in payloads.items():
         for group in _pack([leaves[i].size for i in idx], dtype, plan.slot):
             members = [idx[g] for g in group]
-            for i, out in zip(members, _reduce_payload([leaves[i] for i in members], plan, rest, repeat)):
+            sums = _reduce_payload([leaves[i] for i in members], plan, rest)
+            for i, out in zip(members, sums):
                 outs[i] = out
     if to_psum:
         late = sorted(to_psum)
-        reasons = sorted({r for r in to_psum.values() if r})
-        sums = (
-            _fallback([leaves[i] for i in late], mesh_axes, "; ".join(reasons))
-            if reasons
-            else jax.lax.psum([leaves[i] for i in late], mesh_axes)
-        )
+        reasons = "; ".join(sorted({r for r in to_psum.values() if r}))
+        parts = [leaves[i] for i in late]
+        sums = (_fallback(parts, mesh_axes, reasons, stacklevel=_USER) if reasons
+                else jax.lax.psum(parts, mesh_axes))
         for i, out in zip(late, sums):
             outs[i] = out
     return tree.unflatten(outs)
@@ -451,7 +464,5 @@ def sifar_psum(x, axis_name, *, axis_index_groups=None, algorithm: str = algorit
     `axis_index_groups`; vmap axis names and constants (no communication) go
     to lax.psum silently. A named algorithm raises instead of falling back.
     """
-    return _psum(
-        x, axis_name, axis_index_groups=axis_index_groups, algorithm=algorithm, repeat=1,
-        api="sifar_psum",
-    )
+    return _psum(x, axis_name, axis_index_groups=axis_index_groups, algorithm=algorithm,
+                 api="sifar_psum")
