@@ -1,6 +1,7 @@
 #include "comm.h"
 
 #include <cstdlib>
+#include <cstddef>
 #include <cstring>
 #include <stdexcept>
 
@@ -43,13 +44,16 @@ uint64_t IndexKey(int axis_key, int ordinal) {
 std::unique_ptr<Memory> MakeHostMemory() { return std::make_unique<HostMemory>(); }
 
 Comm::Comm(int id, Platform platform, int axis_key, std::string axis_name,
-           std::vector<std::vector<int>> groups, size_t slot_bytes, double timeout_s)
+           std::vector<std::vector<int>> groups, size_t slot_bytes, double timeout_s, int lanes)
     : id_(id),
       platform_(platform),
       axis_key_(axis_key),
       axis_name_(std::move(axis_name)),
       nranks_(groups.empty() ? 0 : static_cast<int>(groups[0].size())),
-      layout_(MakeWorkspaceLayout(slot_bytes)) {
+      layout_(MakeWorkspaceLayout(slot_bytes, groups.empty() ? 1 : static_cast<int>(groups[0].size()),
+                                  lanes)) {
+  if (lanes < 1 || lanes > 64)
+    throw std::invalid_argument("sifar_jax: lanes must be 1..64");
   if (slot_bytes == 0 || slot_bytes % 16 != 0)
     throw std::invalid_argument("sifar_jax: slot_bytes must be a positive multiple of 16");
   if (nranks_ < 1 || nranks_ > kMaxRanks)
@@ -197,9 +201,58 @@ bool Comm::FindBuffer(int group, int rank, const void* ptr, char* (&slots)[kMaxR
   return false;
 }
 
-void Comm::SetDrop(int rank, bool drop) {
+void Comm::SetDrop(int rank, bool drop, int from_block) {
   if (rank < 0 || rank >= nranks_) throw std::out_of_range("sifar_jax: rank out of range");
-  UpdateControl(rank, [&](Control& c) { c.drop = drop ? 1u : 0u; });
+  if (from_block < 0 || from_block >= kMaxBlocks)
+    throw std::out_of_range("sifar_jax: from_block out of range");
+  UpdateControl(rank, [&](Control& c) { c.drop = drop ? static_cast<uint32_t>(from_block) + 1 : 0u; });
+}
+
+void Comm::SetEpochs(uint32_t epoch) {
+  // The barrier words must look as if epoch `epoch` had just completed, or a
+  // wrap-safe comparison would take today's values for later ones.
+  std::vector<uint32_t> e(kMaxBlocks, epoch);
+  std::vector<uint64_t> b(kMaxBlocks * kMaxRanks, BarrierWord(0, BarrierValue(epoch, kBottom)));
+  for (auto& g : groups_)
+    for (size_t r = 0; r < g.workspaces.size(); ++r)
+      for (int l = 0; l < layout_.lanes; ++l) {
+        char* lane = g.workspaces[r] + layout_.LaneAt(l);
+        memory_->Write(g.ordinals[r], lane + layout_.lane.epochs, e.data(), e.size() * sizeof(uint32_t));
+        memory_->Write(g.ordinals[r], lane + layout_.lane.barrier, b.data(), b.size() * sizeof(uint64_t));
+      }
+}
+
+void Comm::SetEpochMask(uint32_t mask) {
+  if (mask > kEpochTagMask || (mask != 0 && (mask & (mask + 1)) != 0 ) || mask == 1)
+    throw std::invalid_argument("sifar_jax: the epoch mask must be 2^k-1 with 2 <= k <= 24, or 0");
+  UpdateControl(-1, [&](Control& c) { c.epoch_mask = mask; });
+}
+
+void Comm::SetTrace(bool on) {
+  if (on) {  // start from an empty ring
+    TraceRing empty{};
+    for (auto& g : groups_)
+      for (size_t r = 0; r < g.workspaces.size(); ++r)
+        memory_->Write(g.ordinals[r], g.workspaces[r] + layout_.trace, &empty,
+                       offsetof(TraceRing, records));
+  }
+  UpdateControl(-1, [&](Control& c) { c.trace = on ? 1u : 0u; });
+}
+
+std::vector<std::tuple<int, int, TraceRecord>> Comm::Trace() const {
+  std::vector<std::tuple<int, int, TraceRecord>> out;
+  std::unique_ptr<TraceRing> ring(new TraceRing);
+  for (int gi = 0; gi < static_cast<int>(groups_.size()); ++gi) {
+    const Group& g = groups_[gi];
+    for (int r = 0; r < static_cast<int>(g.workspaces.size()); ++r) {
+      memory_->Read(g.ordinals[r], ring.get(), g.workspaces[r] + layout_.trace, sizeof(TraceRing));
+      const unsigned long long n = ring->next;
+      const unsigned long long first = n > kTraceCapacity ? n - kTraceCapacity : 0;
+      for (unsigned long long k = first; k < n; ++k)
+        out.emplace_back(gi, r, ring->records[k % kTraceCapacity]);
+    }
+  }
+  return out;
 }
 
 Registry& Registry::Get() {
@@ -209,7 +262,7 @@ Registry& Registry::Get() {
 
 int Registry::Create(Platform platform, int axis_key, const std::string& axis_name,
                      const std::vector<std::vector<int>>& groups, size_t slot_bytes,
-                     double timeout_s) {
+                     double timeout_s, int lanes) {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& g : groups)
     for (int ord : g)
@@ -219,7 +272,7 @@ int Registry::Create(Platform platform, int axis_key, const std::string& axis_na
                                     "'; call sifar_jax.shutdown() first");
   int id = next_id_++;
   auto comm = std::make_unique<Comm>(id, platform, axis_key, axis_name, groups, slot_bytes,
-                                     timeout_s);
+                                     timeout_s, lanes);
   for (int g = 0; g < static_cast<int>(groups.size()); ++g)
     for (int r = 0; r < static_cast<int>(groups[g].size()); ++r)
       index_[IndexKey(axis_key, groups[g][r])] = {id, g, r};

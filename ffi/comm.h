@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -63,7 +64,7 @@ struct Group {
 class Comm {
  public:
   Comm(int id, Platform platform, int axis_key, std::string axis_name,
-       std::vector<std::vector<int>> groups, size_t slot_bytes, double timeout_s);
+       std::vector<std::vector<int>> groups, size_t slot_bytes, double timeout_s, int lanes);
   ~Comm();
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;
@@ -87,8 +88,15 @@ class Comm {
   }
   void SetSkew(uint32_t max_ns, uint32_t seed);
   void SetTimeout(double seconds);
-  void SetDrop(int rank, bool drop);  // in every group
+  // In every group; blocks from `from_block` on skip (a CPU rank is block 0).
+  void SetDrop(int rank, bool drop, int from_block = 0);
   void SetPoll(uint32_t depth, uint32_t gap_ns);
+  // Testing and benchmarks (no kernel may run while the host writes epochs).
+  void SetEpochs(uint32_t epoch);        // every block of every lane of every rank
+  void SetEpochMask(uint32_t mask);      // tag epoch bits (0: the default 24)
+  void SetTrace(bool on);                // record every call in the trace rings
+  // Every rank's trace records, oldest first: (group, rank, record).
+  std::vector<std::tuple<int, int, TraceRecord>> Trace() const;
 
   // Explicit buffers: `per_rank[r]` is rank r's copy (slot_total_bytes each).
   void RegisterBuffer(int group, const std::vector<uintptr_t>& per_rank);
@@ -128,7 +136,8 @@ class Registry {
  public:
   static Registry& Get();
   int Create(Platform platform, int axis_key, const std::string& axis_name,
-             const std::vector<std::vector<int>>& groups, size_t slot_bytes, double timeout_s);
+             const std::vector<std::vector<int>>& groups, size_t slot_bytes, double timeout_s,
+             int lanes);
   void Destroy(int id);
   void DestroyAll();
   RankRef Lookup(int axis_key, int ordinal);

@@ -46,10 +46,18 @@ uint16_t F32ToF16(float f) {
   return h;
 }
 
-enum class Elem { kF32, kBf16, kF16 };
-
-// Adds the elements held in `words` to acc (acc = first ? x : acc + x), in fp32.
+// Adds the elements held in `words` to acc (acc = first ? x : acc + x), in
+// fp32 (integers: exact 32-bit two's-complement sums, kept in acc's bits).
 void Accumulate(Elem t, const uint32_t* words, size_t nwords, float* acc, bool first) {
+  if (t == Elem::kU32) {
+    for (size_t i = 0; i < nwords; ++i) {
+      uint32_t a;
+      std::memcpy(&a, &acc[i], 4);
+      a = first ? words[i] : a + words[i];
+      std::memcpy(&acc[i], &a, 4);
+    }
+    return;
+  }
   if (t == Elem::kF32) {
     for (size_t i = 0; i < nwords; ++i) {
       float v;
@@ -69,7 +77,7 @@ void Accumulate(Elem t, const uint32_t* words, size_t nwords, float* acc, bool f
 
 // Rounds once to the payload type.
 void Store(Elem t, const float* acc, size_t nwords, uint32_t* out) {
-  if (t == Elem::kF32) {
+  if (t == Elem::kF32 || t == Elem::kU32) {
     std::memcpy(out, acc, nwords * 4);
     return;
   }
@@ -77,6 +85,17 @@ void Store(Elem t, const float* acc, size_t nwords, uint32_t* out) {
     uint16_t a = t == Elem::kBf16 ? F32ToBf16(acc[2 * i]) : F32ToF16(acc[2 * i]);
     uint16_t b = t == Elem::kBf16 ? F32ToBf16(acc[2 * i + 1]) : F32ToF16(acc[2 * i + 1]);
     out[i] = static_cast<uint32_t>(a) | (static_cast<uint32_t>(b) << 16);
+  }
+}
+
+// Accumulator floats per 32-bit word.
+size_t AccPerWord(Elem t) { return t == Elem::kBf16 || t == Elem::kF16 ? 2 : 1; }
+uint32_t FailWord(Elem t) {
+  switch (t) {
+    case Elem::kF32: return 0x7fc00000u;
+    case Elem::kBf16: return 0x7fc07fc0u;
+    case Elem::kF16: return 0x7e007e00u;
+    default: return 0x80000000u;  // integers have no NaN: INT32_MIN
   }
 }
 
@@ -100,45 +119,50 @@ struct Timeout {
   int peer;
 };
 
-// One rank's view of one all-reduce call.
-class RankCall {
+// One rank's view of one all-reduce call: a CPU rank behaves like a single
+// thread block (block 0's epochs, every line).
+class CpuRank {
  public:
-  RankCall(Comm& comm, int group, int rank, int algorithm, Elem elem, const uint32_t* in,
-           uint32_t* out, size_t nwords, char* const* slots)
-      : comm_(comm),
-        lay_(comm.layout()),
-        grp_(comm.group(group)),
-        rank_(rank),
-        n_(comm.nranks()),
-        algorithm_(algorithm),
-        elem_(elem),
-        in_(in),
-        out_(out),
-        nwords_(nwords),
-        slots_(slots),
-        acc_(elem == Elem::kF32 ? nwords : 2 * nwords) {}
+  explicit CpuRank(const RankCall& c)
+      : call_(c),
+        comm_(*c.comm),
+        lay_(c.comm->layout()),
+        grp_(c.comm->group(c.group)),
+        rank_(c.rank),
+        n_(c.comm->nranks()),
+        in_(static_cast<const uint32_t*>(c.in)),
+        out_(static_cast<uint32_t*>(c.out)),
+        nwords_(c.nbytes / 4),
+        acc_(nwords_ * AccPerWord(c.elem)) {}
 
   char* ws(int r) const { return grp_.workspaces[r]; }
+  char* lane(int r) const { return ws(r) + call_.lane_at; }
   Control* ctl(int r) const { return reinterpret_cast<Control*>(ws(r) + lay_.control); }
-  uint32_t* epochs() const { return reinterpret_cast<uint32_t*>(ws(rank_) + lay_.epochs); }
-  uint32_t* barrier(int r) const { return reinterpret_cast<uint32_t*>(ws(r) + lay_.barrier); }
+  uint32_t* epochs() const { return reinterpret_cast<uint32_t*>(lane(rank_) + lay_.lane.epochs); }
+  uint64_t* barrier(int r) const { return reinterpret_cast<uint64_t*>(lane(r) + lay_.lane.barrier); }
   unsigned long long* stats() const {
     return reinterpret_cast<unsigned long long*>(ws(rank_) + lay_.stats);
   }
-  // The internal slot of this epoch's parity, or the user's buffer.
-  char* slot(int r) const {
-    return slots_ ? slots_[r] : ws(r) + lay_.slots + SlotParity(epoch_) * lay_.slot.total;
+  TraceRing* trace() const { return reinterpret_cast<TraceRing*>(ws(rank_) + lay_.trace); }
+  // The internal slot of a parity, or the user's buffer.
+  char* slot_of(int r, uint32_t parity) const {
+    return call_.explicit_buffers ? call_.slots[r]
+                                  : lane(r) + lay_.lane.slots + parity * lay_.slot.total;
   }
+  char* slot(int r) const { return slot_of(r, SlotParity(epoch_)); }
   uint32_t* plain(int r) const { return reinterpret_cast<uint32_t*>(slot(r) + lay_.slot.plain); }
   uint32_t* tmp(int r) const { return reinterpret_cast<uint32_t*>(slot(r) + lay_.slot.tmp); }
   // Epoch-tagged words from rank `src`, in rank `owner`'s slot.
-  uint64_t* ll(int owner, int src) const {
-    return reinterpret_cast<uint64_t*>(slot(owner) + lay_.slot.ll +
+  uint64_t* ll_of(int owner, int src, uint32_t parity) const {
+    return reinterpret_cast<uint64_t*>(slot_of(owner, parity) + lay_.slot.ll +
                                        src * LLRegionBytes(lay_.slot.slot_bytes));
   }
+  uint64_t* ll(int owner, int src) const { return ll_of(owner, src, SlotParity(epoch_)); }
   uint32_t* flag(int r) const { return reinterpret_cast<uint32_t*>(slot(r) + lay_.slot.flags); }
 
-  void Count(int field) { __atomic_fetch_add(&stats()[algorithm_ * kNumStats + field], 1ull, __ATOMIC_RELAXED); }
+  void Count(int field) {
+    __atomic_fetch_add(&stats()[call_.algorithm * kNumStats + field], 1ull, __ATOMIC_RELAXED);
+  }
 
   // Waits until pred() holds; false once the deadline passes or another rank
   // has declared the communicator failed.  Yields: 8 ranks share 2 cores.
@@ -155,32 +179,53 @@ class RankCall {
     }
   }
 
-  void Barrier(uint32_t phase) {
-    const uint32_t v = BarrierValue(epoch_, phase);
+  // Every rank has written `value` of this chain (BarrierReached's rule).
+  void BarrierAt(uint32_t value) {
+    const uint32_t chain = ChainTag(call_.chain);
     for (int p = 0; p < n_; ++p)
-      if (p != rank_) __atomic_store_n(&barrier(p)[rank_], v, __ATOMIC_RELEASE);
+      if (p != rank_)
+        __atomic_store_n(&barrier(p)[rank_], BarrierWord(chain, value), __ATOMIC_RELEASE);
     for (int p = 0; p < n_; ++p) {
       if (p == rank_) continue;
-      const uint32_t* f = &barrier(rank_)[p];
-      if (!SpinUntil([&] { return Reached(__atomic_load_n(f, __ATOMIC_ACQUIRE), v); }))
+      const uint64_t* f = &barrier(rank_)[p];
+      if (!SpinUntil([&] {
+            return BarrierReached(__atomic_load_n(f, __ATOMIC_ACQUIRE), chain, value);
+          }))
         throw Timeout{p};
     }
+  }
+  void Barrier(uint32_t phase) { BarrierAt(BarrierValue(epoch_, phase)); }
+
+  // The tag wrap: between two barriers on the skipped epochs' values, zero
+  // this rank's tagged words and flags in both slots, over the whole slot.
+  void ClearTaggedAtWrap() {
+    BarrierAt(BarrierValue(epoch_ - 2, kTop));
+    const size_t words = lay_.slot.slot_bytes / 4;  // tagged words per source region
+    for (uint32_t parity = 0; parity < 2; ++parity) {
+      for (int src = 0; src < n_; ++src) {
+        uint64_t* region = ll_of(rank_, src, parity);
+        for (size_t i = 0; i < words; ++i) StoreRelaxed(&region[i], uint64_t{0});
+      }
+      StoreRelaxed(reinterpret_cast<uint32_t*>(slot_of(rank_, parity) + lay_.slot.flags),
+                   uint32_t{0});
+    }
+    BarrierAt(BarrierValue(epoch_ - 1, kTop));
   }
 
   // acc <- sum over ranks 0..N-1 of words[r][begin:end), own rank from `in_`.
   void ReduceFrom(const std::vector<const uint32_t*>& words, size_t begin, size_t end) {
     const size_t k = end - begin;
+    const size_t per = AccPerWord(call_.elem);
     std::vector<uint32_t> w(k);
     for (int r = 0; r < n_; ++r) {
       if (r == rank_) std::memcpy(w.data(), in_ + begin, k * 4);
       else CopyOut(w.data(), words[r] + begin, k);
-      Accumulate(elem_, w.data(), k, acc_.data() + (elem_ == Elem::kF32 ? begin : 2 * begin),
-                 r == 0);
+      Accumulate(call_.elem, w.data(), k, acc_.data() + per * begin, r == 0);
     }
-    Store(elem_, acc_.data() + (elem_ == Elem::kF32 ? begin : 2 * begin), k, out_ + begin);
+    Store(call_.elem, acc_.data() + per * begin, k, out_ + begin);
   }
 
-  std::vector<const uint32_t*> Peers(uint32_t* (RankCall::*region)(int) const) const {
+  std::vector<const uint32_t*> Peers(uint32_t* (CpuRank::*region)(int) const) const {
     std::vector<const uint32_t*> v(n_);
     for (int r = 0; r < n_; ++r) v[r] = (this->*region)(r);
     return v;
@@ -189,7 +234,7 @@ class RankCall {
   void Oneshot(bool bottom_barrier) {
     CopyIn(plain(rank_), in_, nwords_);
     Barrier(kTop);
-    ReduceFrom(Peers(&RankCall::plain), 0, nwords_);
+    ReduceFrom(Peers(&CpuRank::plain), 0, nwords_);
     if (bottom_barrier) Barrier(kBottom);
   }
 
@@ -198,7 +243,7 @@ class RankCall {
     Barrier(kTop);
     const size_t lines = nwords_ / 4;  // 16-byte lines, as on the GPU
     Piece mine = PieceOf(0, lines, rank_, n_);
-    ReduceFrom(Peers(&RankCall::plain), mine.begin * 4, mine.end * 4);
+    ReduceFrom(Peers(&CpuRank::plain), mine.begin * 4, mine.end * 4);
     CopyIn(tmp(rank_) + mine.begin * 4, out_ + mine.begin * 4, (mine.end - mine.begin) * 4);
     Barrier(kMid);
     for (int q = 0; q < n_; ++q) {
@@ -209,60 +254,50 @@ class RankCall {
     Barrier(kBottom);
   }
 
-  // The paper's validation: reduce a per-rank flag alongside the payload and
-  // accept iff the flags sum to N * epoch; otherwise pull everything again.
-  // (Here the flag is loaded first with acquire, which the host memory model
-  // needs; the GPU kernel issues both loads together as the paper does.)
+  // The paper's validation, made correct: publish the payload, then the flag
+  // with release; acquire every peer's flag (equal to this call's tag: flags
+  // are never ahead in this slot) and only then pull the payloads.
   void SifarFlag() {
     CopyIn(plain(rank_), in_, nwords_);
-    __atomic_store_n(flag(rank_), epoch_, __ATOMIC_RELEASE);
-    bool retried = false;
-    for (;;) {
-      uint64_t sum = 0;
-      int stale = -1;
-      for (int p = 0; p < n_; ++p) {
-        uint32_t f = __atomic_load_n(flag(p), __ATOMIC_ACQUIRE);
-        sum += f;
-        if (f != epoch_) stale = p;
-      }
-      ReduceFrom(Peers(&RankCall::plain), 0, nwords_);
-      if (sum == static_cast<uint64_t>(n_) * epoch_) break;
-      if (!retried) Count(kRetries), retried = true;
-      // Mis-speculation: wait for the late flag, then re-pull the whole payload.
-      const uint32_t* f = flag(stale);
-      if (!SpinUntil([&] { return __atomic_load_n(f, __ATOMIC_ACQUIRE) == epoch_; }))
-        throw Timeout{stale};
+    __atomic_store_n(flag(rank_), tag_, __ATOMIC_RELEASE);
+    for (int p = 0; p < n_; ++p) {
+      if (p == rank_) continue;
+      const uint32_t* f = flag(p);
+      if (__atomic_load_n(f, __ATOMIC_ACQUIRE) == tag_) continue;
+      retried_ = true;
+      if (!SpinUntil([&] { return __atomic_load_n(f, __ATOMIC_ACQUIRE) == tag_; }))
+        throw Timeout{p};
     }
+    ReduceFrom(Peers(&CpuRank::plain), 0, nwords_);
   }
 
-  // SiFAR: publish epoch-tagged words, pull every peer's words at once,
-  // re-read only the words whose tag is stale.  No flag, no barrier.  With
-  // `push` the words go into every peer's slot and each rank reads its own.
+  // SiFAR: publish tagged words, pull every peer's words at once, re-read only
+  // the words whose tag is stale.  No flag, no barrier.  With `push` the words
+  // go into every peer's slot and each rank reads its own.
   void Sifar(bool push) {
     for (int p = 0; p < n_; ++p) {  // publish into our slot (pull) or every peer's (push)
       if (push ? p == rank_ : p != rank_) continue;
       uint64_t* dst = ll(p, rank_);
-      for (size_t i = 0; i < nwords_; ++i) StoreRelaxed(&dst[i], PackLL(in_[i], epoch_));
+      for (size_t i = 0; i < nwords_; ++i) StoreRelaxed(&dst[i], PackLL(in_[i], tag_));
     }
     std::vector<std::vector<uint32_t>> got(n_, std::vector<uint32_t>(nwords_));
     std::vector<size_t> stale;
-    bool retried = false;
     for (int p = 0; p < n_; ++p) {
       if (p == rank_) continue;
       const uint64_t* src = push ? ll(rank_, p) : ll(p, p);
       stale.clear();
       for (size_t i = 0; i < nwords_; ++i) {
         uint64_t w = LoadRelaxed(&src[i]);
-        if (LLEpoch(w) == epoch_) got[p][i] = LLData(w);
+        if (LLTag(w) == tag_) got[p][i] = LLData(w);
         else stale.push_back(i);
       }
       if (stale.empty()) continue;
-      if (!retried) Count(kRetries), retried = true;
+      retried_ = true;
       bool ok = SpinUntil([&] {
         size_t keep = 0;
         for (size_t i : stale) {
           uint64_t w = LoadRelaxed(&src[i]);
-          if (LLEpoch(w) == epoch_) got[p][i] = LLData(w);
+          if (LLTag(w) == tag_) got[p][i] = LLData(w);
           else stale[keep++] = i;
         }
         stale.resize(keep);
@@ -271,26 +306,38 @@ class RankCall {
       if (!ok) throw Timeout{p};
     }
     for (int r = 0; r < n_; ++r)
-      Accumulate(elem_, r == rank_ ? in_ : got[r].data(), nwords_, acc_.data(), r == 0);
-    Store(elem_, acc_.data(), nwords_, out_);
+      Accumulate(call_.elem, r == rank_ ? in_ : got[r].data(), nwords_, acc_.data(), r == 0);
+    Store(call_.elem, acc_.data(), nwords_, out_);
   }
 
+  void FillFailed() {
+    const uint32_t w = FailWord(call_.elem);
+    for (size_t i = 0; i < nwords_; ++i) out_[i] = w;
+  }
+
+  // One all-reduce (repeat calls this `repeat` times).
   ffi::Error Run() {
     Control* c = ctl(rank_);
-    if (LoadRelaxed(&c->failed)) return FailedError(comm_);
-    if (LoadRelaxed(&c->drop)) {  // testing.drop_rank: never arrive
+    if (LoadRelaxed(&c->failed)) {
+      FillFailed();
+      return FailedError(comm_);
+    }
+    if (LoadRelaxed(&c->drop) == 1) {  // testing.drop_rank from block 0: never arrive
       std::memcpy(out_, in_, nwords_ * 4);
       return ffi::Error::Success();
     }
-    epoch_ = NextEpoch(epochs()[0]);  // CPU rank = one block: block 0's epoch
-    epochs()[0] = epoch_;
-    deadline_ = std::chrono::steady_clock::now() +
-                std::chrono::nanoseconds(LoadRelaxed(&c->timeout_ns));
+    const auto start = std::chrono::steady_clock::now();
+    const uint32_t mask = EpochMask(LoadRelaxed(&c->epoch_mask));
+    const uint32_t prev = epochs()[0];
+    epoch_ = NextEpoch(prev, mask);
+    tag_ = Tag(ChainTag(call_.chain), epoch_, mask);
+    deadline_ = start + std::chrono::nanoseconds(LoadRelaxed(&c->timeout_ns));
     uint32_t skew = SkewNs(LoadRelaxed(&c->skew_max_ns), LoadRelaxed(&c->skew_seed), rank_, epoch_);
     if (skew) std::this_thread::sleep_for(std::chrono::nanoseconds(skew));
     deadline_ += std::chrono::nanoseconds(skew);
     try {
-      switch (algorithm_) {
+      if (WrapsAt(prev, epoch_)) ClearTaggedAtWrap();
+      switch (call_.algorithm) {
         case kOneshot: Oneshot(true); break;
         case kOneshotDB: Oneshot(false); break;
         case kTwoshot: Twoshot(); break;
@@ -299,15 +346,19 @@ class RankCall {
         case kSifarPush: Sifar(true); break;
         default:
           return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                            "sifar_jax: algorithm " + std::to_string(algorithm_) +
-                                " has no CPU implementation");
+                            std::string("sifar_jax: algorithm '") +
+                                AlgorithmName(call_.algorithm) + "' has no CPU implementation");
       }
     } catch (const Timeout& t) {
       Count(kTimeouts);
       RecordFailure(t.peer);
+      FillFailed();
       return FailedError(comm_);
     }
+    epochs()[0] = epoch_;
+    if (retried_) Count(kRetries);
     Count(kCalls);
+    if (LoadRelaxed(&c->trace)) Record(start);
     return ffi::Error::Success();
   }
 
@@ -315,72 +366,70 @@ class RankCall {
   void RecordFailure(int peer) {
     ErrorRecord* e = grp_.errors[rank_];
     uint32_t expected = 0;
-    if (__atomic_compare_exchange_n(&ctl(rank_)->error_claimed, &expected, 1u, false, __ATOMIC_ACQ_REL,
-                                    __ATOMIC_ACQUIRE)) {
-      e->algorithm = algorithm_;
+    if (__atomic_compare_exchange_n(&ctl(rank_)->error_claimed, &expected, 1u, false,
+                                    __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+      e->algorithm = call_.algorithm;
       e->rank = rank_;
       e->peer = peer;
       e->epoch = epoch_;
       e->block = 0;
+      e->chain = call_.chain;
       __atomic_store_n(&e->failed, 1u, __ATOMIC_RELEASE);
     }
     for (int r = 0; r < n_; ++r) __atomic_store_n(&ctl(r)->failed, 1u, __ATOMIC_RELEASE);
   }
 
+  void Record(std::chrono::steady_clock::time_point start) {
+    auto ns = [](std::chrono::steady_clock::time_point t) {
+      return static_cast<uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count());
+    };
+    TraceRing* ring = trace();
+    const unsigned long long k = __atomic_fetch_add(&ring->next, 1ull, __ATOMIC_RELAXED);
+    TraceRecord& r = ring->records[k % kTraceCapacity];
+    r.start_ns = ns(start);
+    r.end_ns = ns(std::chrono::steady_clock::now());
+    r.epoch = epoch_;
+    r.chain = call_.chain;
+    r.algorithm = call_.algorithm;
+    r.retried = retried_;
+  }
+
  private:
+  const RankCall& call_;
   Comm& comm_;
   const WorkspaceLayout& lay_;
   const Group& grp_;
-  int rank_, n_, algorithm_;
-  Elem elem_;
+  int rank_, n_;
   const uint32_t* in_;
   uint32_t* out_;
   size_t nwords_;
-  char* const* slots_;  // explicit buffers (every rank's), or null
   std::vector<float> acc_;
-  uint32_t epoch_ = 0;
+  uint32_t epoch_ = 0, tag_ = 0;
+  bool retried_ = false;
   std::chrono::steady_clock::time_point deadline_;
 };
 
-ffi::Error RunCpu(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer>& y,
+ffi::Error RunCpu(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer y, const ffi::AnyBuffer* buf,
                   int32_t axis_key, int32_t nranks, int32_t algorithm, int32_t repeat,
-                  const ffi::AnyBuffer* buf) {
-  Elem elem;
-  switch (x.element_type()) {
-    case ffi::DataType::F32: elem = Elem::kF32; break;
-    case ffi::DataType::BF16: elem = Elem::kBf16; break;
-    case ffi::DataType::F16: elem = Elem::kF16; break;
-    default:
-      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                        "sifar_jax: only float32, bfloat16 and float16 are supported");
-  }
-  RankRef ref = Registry::Get().Lookup(axis_key, ordinal);
-  if (ref.comm == nullptr) return NotInitialisedError(axis_key, ordinal);
-  ffi::Error err = CheckPayload(*ref.comm, nranks, x.size_bytes(), y->size_bytes());
+                  int32_t chain) {
+  RankCall call;
+  ffi::Error err = PlanCall(ordinal, x, y, buf, axis_key, nranks, algorithm, repeat, chain, &call);
   if (err.failure()) return err;
-  char* slots[kMaxRanks] = {};
-  if (buf != nullptr) {
-    err = ResolveBuffer(*ref.comm, ref.group, ref.rank, buf->untyped_data(), buf->size_bytes(),
-                        slots);
-    if (err.failure()) return err;
-  }
+  if (call.nbytes == 0) return ffi::Error::Success();
   // repeat > 1: back-to-back all-reduces of the same input in one call (the
   // kernel-level benchmark); every one is a full call with its own epoch.
-  for (int32_t i = 0; i < std::max(repeat, 1); ++i) {
-    RankCall call(*ref.comm, ref.group, ref.rank, algorithm, elem,
-                  static_cast<const uint32_t*>(x.untyped_data()),
-                  static_cast<uint32_t*>(y->untyped_data()), x.size_bytes() / 4,
-                  buf != nullptr ? slots : nullptr);
-    err = call.Run();
+  for (int32_t i = 0; i < call.repeat; ++i) {
+    err = CpuRank(call).Run();
     if (err.failure()) return err;
   }
   return ffi::Error::Success();
 }
 
 ffi::Error CpuAllReduceImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::RemainingArgs /*after*/,
-                            ffi::Result<ffi::AnyBuffer> y,
-                            int32_t axis_key, int32_t nranks, int32_t algorithm, int32_t repeat) {
-  return RunCpu(ordinal, x, y, axis_key, nranks, algorithm, repeat, nullptr);
+                            ffi::Result<ffi::AnyBuffer> y, int32_t axis_key, int32_t nranks,
+                            int32_t algorithm, int32_t repeat, int32_t chain) {
+  return RunCpu(ordinal, x, *y, nullptr, axis_key, nranks, algorithm, repeat, chain);
 }
 
 ffi::Error CpuAllReduceIntoImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer buf,
@@ -388,8 +437,8 @@ ffi::Error CpuAllReduceIntoImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffe
                                 ffi::Result<ffi::AnyBuffer> y,
                                 ffi::Result<ffi::AnyBuffer> /*buf_out: aliases buf*/,
                                 int32_t axis_key, int32_t nranks, int32_t algorithm,
-                                int32_t repeat) {
-  return RunCpu(ordinal, x, y, axis_key, nranks, algorithm, repeat, &buf);
+                                int32_t repeat, int32_t chain) {
+  return RunCpu(ordinal, x, *y, &buf, axis_key, nranks, algorithm, repeat, chain);
 }
 
 }  // namespace

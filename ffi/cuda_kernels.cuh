@@ -28,6 +28,8 @@ struct KernelArgs {
   int rank;
   int nranks;
   int repeat;  // back-to-back all-reduces in this launch (benchmarks)
+  uint32_t chain;  // the call chain (docs/design.md, "Ordering"): its tag bits
+  size_t lane_at;  // offset of the chain's lane in every workspace
   char* ws[kMaxRanks];  // every rank's workspace (P2P pointers)
   char* slots[kMaxRanks];  // explicit buffers (every rank's), or all null: internal slots
   ErrorRecord* err;     // this rank's failure record (host-mapped)
@@ -50,6 +52,14 @@ __device__ __forceinline__ uint32_t LoadAcquireSys(const uint32_t* p) {
 // are visible to whoever acquires the flag.
 __device__ __forceinline__ void StoreReleaseSys(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t LoadAcquireSys64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void StoreReleaseSys64(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 // Relaxed system-scope accesses: never served from a stale L1 line.
 __device__ __forceinline__ uint32_t LoadStrong(const uint32_t* p) {
@@ -89,6 +99,7 @@ template <typename T>
 struct Elem;
 template <>
 struct Elem<float> {
+  using Acc = float;
   static constexpr int kPerWord = 1;
   static constexpr uint32_t kNaNWord = 0x7fc00000u;
   __device__ static void Add(float* acc, uint32_t w, bool first) {
@@ -99,6 +110,7 @@ struct Elem<float> {
 };
 template <>
 struct Elem<__nv_bfloat16> {
+  using Acc = float;
   static constexpr int kPerWord = 2;
   static constexpr uint32_t kNaNWord = 0x7fc07fc0u;
   __device__ static void Add(float* acc, uint32_t w, bool first) {
@@ -114,6 +126,7 @@ struct Elem<__nv_bfloat16> {
 };
 template <>
 struct Elem<__half> {
+  using Acc = float;
   static constexpr int kPerWord = 2;
   static constexpr uint32_t kNaNWord = 0x7e007e00u;
   __device__ static void Add(float* acc, uint32_t w, bool first) {
@@ -129,9 +142,22 @@ struct Elem<__half> {
   }
 };
 
+// 32-bit integers (int32 and uint32 alike): exact two's-complement sums, as
+// lax.psum wraps.  A failed call fills them with INT32_MIN (no NaN exists).
+template <>
+struct Elem<uint32_t> {
+  using Acc = uint32_t;
+  static constexpr int kPerWord = 1;
+  static constexpr uint32_t kNaNWord = 0x80000000u;
+  __device__ static void Add(uint32_t* acc, uint32_t w, bool first) { acc[0] = first ? w : acc[0] + w; }
+  __device__ static uint32_t Round(const uint32_t* acc) { return acc[0]; }
+};
+template <typename T>
+using Acc = typename Elem<T>::Acc;
+
 // Adds a 16-byte line of plain payload into acc (4 words).
 template <typename T>
-__device__ __forceinline__ void AddLine(float* acc, uint4 v, bool first) {
+__device__ __forceinline__ void AddLine(Acc<T>* acc, uint4 v, bool first) {
   constexpr int K = Elem<T>::kPerWord;
   Elem<T>::Add(acc + 0 * K, v.x, first);
   Elem<T>::Add(acc + 1 * K, v.y, first);
@@ -139,7 +165,7 @@ __device__ __forceinline__ void AddLine(float* acc, uint4 v, bool first) {
   Elem<T>::Add(acc + 3 * K, v.w, first);
 }
 template <typename T>
-__device__ __forceinline__ uint4 RoundLine(const float* acc) {
+__device__ __forceinline__ uint4 RoundLine(const Acc<T>* acc) {
   constexpr int K = Elem<T>::kPerWord;
   return make_uint4(Elem<T>::Round(acc), Elem<T>::Round(acc + K), Elem<T>::Round(acc + 2 * K),
                     Elem<T>::Round(acc + 3 * K));
@@ -149,17 +175,22 @@ __device__ __forceinline__ uint4 RoundLine(const float* acc) {
 struct Ws {
   const KernelArgs& a;
   __device__ Control* ctl(int r) const { return reinterpret_cast<Control*>(a.ws[r] + a.lay.control); }
-  __device__ uint32_t* epochs() const { return reinterpret_cast<uint32_t*>(a.ws[a.rank] + a.lay.epochs); }
-  __device__ uint32_t* barrier(int r) const {
-    return reinterpret_cast<uint32_t*>(a.ws[r] + a.lay.barrier);
+  __device__ char* lane(int r) const { return a.ws[r] + a.lane_at; }
+  __device__ uint32_t* epochs() const {
+    return reinterpret_cast<uint32_t*>(lane(a.rank) + a.lay.lane.epochs);
+  }
+  __device__ uint64_t* barrier(int r) const {
+    return reinterpret_cast<uint64_t*>(lane(r) + a.lay.lane.barrier);
   }
   __device__ unsigned long long* stat(int alg, int field) const {
     return reinterpret_cast<unsigned long long*>(a.ws[a.rank] + a.lay.stats) + alg * kNumStats + field;
   }
-  // The internal slot of this epoch's parity, or the user's buffer.
-  __device__ char* slot(int r, uint32_t e) const {
-    return a.slots[r] ? a.slots[r] : a.ws[r] + a.lay.slots + SlotParity(e) * a.lay.slot.total;
+  __device__ TraceRing* trace() const { return reinterpret_cast<TraceRing*>(a.ws[a.rank] + a.lay.trace); }
+  // The internal slot of this parity, or the user's buffer.
+  __device__ char* slot_of(int r, uint32_t parity) const {
+    return a.slots[r] ? a.slots[r] : lane(r) + a.lay.lane.slots + parity * a.lay.slot.total;
   }
+  __device__ char* slot(int r, uint32_t e) const { return slot_of(r, SlotParity(e)); }
   __device__ uint4* plain(int r, uint32_t e) const {
     return reinterpret_cast<uint4*>(slot(r, e) + a.lay.slot.plain);
   }
@@ -167,10 +198,11 @@ struct Ws {
     return reinterpret_cast<uint4*>(slot(r, e) + a.lay.slot.tmp);
   }
   // Epoch-tagged words from rank `src`, in rank `owner`'s slot.
-  __device__ uint64_t* ll(int owner, int src, uint32_t e) const {
-    return reinterpret_cast<uint64_t*>(slot(owner, e) + a.lay.slot.ll +
+  __device__ uint64_t* ll_of(int owner, int src, uint32_t parity) const {
+    return reinterpret_cast<uint64_t*>(slot_of(owner, parity) + a.lay.slot.ll +
                                        src * LLRegionBytes(a.lay.slot.slot_bytes));
   }
+  __device__ uint64_t* ll(int owner, int src, uint32_t e) const { return ll_of(owner, src, SlotParity(e)); }
   __device__ uint32_t* flags(int r, uint32_t e) const {
     return reinterpret_cast<uint32_t*>(slot(r, e) + a.lay.slot.flags);
   }
@@ -179,7 +211,9 @@ struct Ws {
 // Per-thread state of one all-reduce call.
 struct CallState {
   uint32_t epoch;
+  uint32_t tag;       // Tag(chain, epoch): what this call's words and flags carry
   uint64_t deadline;  // 0 until the first wait: the fast path never reads the clock
+  uint64_t timeout_ns;
   bool retried;
   int failed_peer;  // >= 0 once this thread timed out waiting for that rank; -2: comm failed
 };
@@ -193,7 +227,7 @@ __device__ __forceinline__ bool ExpiredNow(const Ws& w, CallState& s, int peer) 
   }
   const uint64_t now = GlobalTimerNs();
   if (s.deadline == 0) {
-    s.deadline = now + w.ctl(w.a.rank)->timeout_ns;
+    s.deadline = now + s.timeout_ns;
   } else if (now > s.deadline) {
     s.failed_peer = peer;
     return true;
@@ -214,6 +248,7 @@ __device__ inline void RecordFailure(const Ws& w, int algorithm, const CallState
     e->peer = s.failed_peer;
     e->epoch = s.epoch;
     e->block = blockIdx.x;
+    e->chain = w.a.chain;
     __threadfence_system();
     StoreStrong(&e->failed, 1u);
   }
@@ -225,32 +260,61 @@ __device__ inline void RecordFailure(const Ws& w, int algorithm, const CallState
   for (size_t line = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x;           \
        line < (nlines); line += static_cast<size_t>(kMaxBlocks) * kThreads)
 
+// A failed call must never return a stale number: a warp that sees the
+// failure fills EVERY element of the output (not only its block's lines,
+// whose size differs between algorithms), so no line is left unwritten.  A
+// line whose own block succeeded holds NaN or its correct sum, never stale
+// data.  Warp-wide (every lane of the calling warp takes part).
 template <typename T>
-__device__ void FillNaN(const KernelArgs& a) {
+__device__ void FillNaNAll(const KernelArgs& a) {
   const uint32_t n = Elem<T>::kNaNWord;
-  SIFAR_FOR_EACH_LINE(line, a.nbytes / 16) {
+  for (size_t line = threadIdx.x & 31u; line < a.nbytes / 16; line += 32)
     reinterpret_cast<uint4*>(a.out)[line] = make_uint4(n, n, n, n);
-  }
 }
 
 // ---------------------------------------------------------- barriers ----
-// Every rank's block `blockIdx.x` has reached (epoch, phase), and this block's
-// earlier writes to its own workspace are visible to them.  Block-wide.
-__device__ inline bool AllRanksReached(const Ws& w, CallState& s, uint32_t phase) {
+// Every rank's block `blockIdx.x` has written `value` (of this chain), and
+// this block's earlier writes to its own workspace are visible to them.
+// Block-wide.
+__device__ inline bool AllRanksReachedValue(const Ws& w, CallState& s, uint32_t value) {
   __syncthreads();
-  const uint32_t v = BarrierValue(s.epoch, phase);
   const int t = threadIdx.x;
   bool ok = true;
   if (t < w.a.nranks && t != w.a.rank) {
-    StoreReleaseSys(w.barrier(t) + blockIdx.x * kMaxRanks + w.a.rank, v);
-    const uint32_t* f = w.barrier(w.a.rank) + blockIdx.x * kMaxRanks + t;
-    for (uint32_t spins = 0; !Reached(LoadAcquireSys(f), v); ++spins)
+    const uint32_t chain = ChainTag(w.a.chain);
+    StoreReleaseSys64(w.barrier(t) + blockIdx.x * kMaxRanks + w.a.rank, BarrierWord(chain, value));
+    const uint64_t* f = w.barrier(w.a.rank) + blockIdx.x * kMaxRanks + t;
+    for (uint32_t spins = 0; !BarrierReached(LoadAcquireSys64(f), chain, value); ++spins)
       if (Expired(w, s, t, spins)) {
         ok = false;
         break;
       }
   }
   return __syncthreads_and(ok) != 0;
+}
+__device__ inline bool AllRanksReached(const Ws& w, CallState& s, uint32_t phase) {
+  return AllRanksReachedValue(w, s, BarrierValue(s.epoch, phase));
+}
+
+// The tag wrap (docs/design.md, "Epochs and wrap"): between two barriers that
+// use the two skipped epochs' values, every rank zeroes the tagged words and
+// flags of this block's lines in both slots of its own workspace, over the
+// whole slot (a rare large payload may have left old words past today's size).
+__device__ inline bool ClearTaggedAtWrap(const Ws& w, CallState& s) {
+  if (!AllRanksReachedValue(w, s, BarrierValue(s.epoch - 2, kTop))) return false;
+  const KernelArgs& a = w.a;
+  const size_t lines = a.lay.slot.slot_bytes / 8;  // LL lines of one source region
+  for (uint32_t parity = 0; parity < 2; ++parity) {
+    for (int src = 0; src < a.nranks; ++src) {
+      uint64_t* region = w.ll_of(a.rank, src, parity);
+      SIFAR_FOR_EACH_LINE(line, lines) { StoreLL(region + 2 * line, 0, 0); }
+    }
+    if (threadIdx.x == 0)
+      StoreStrong(reinterpret_cast<uint32_t*>(w.slot_of(a.rank, parity) + a.lay.slot.flags) +
+                      blockIdx.x, 0u);
+  }
+  __threadfence_system();
+  return AllRanksReachedValue(w, s, BarrierValue(s.epoch - 1, kTop));
 }
 
 // ------------------------------------------------------------- bodies ----
@@ -263,7 +327,7 @@ __device__ bool Oneshot(const Ws& w, CallState& s, bool bottom) {
   SIFAR_FOR_EACH_LINE(line, nlines) { w.plain(a.rank, s.epoch)[line] = in[line]; }
   if (!AllRanksReached(w, s, kTop)) return false;
   SIFAR_FOR_EACH_LINE(line, nlines) {
-    float acc[4 * Elem<T>::kPerWord];
+    Acc<T> acc[4 * Elem<T>::kPerWord];
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
       if (p >= a.nranks) break;
@@ -293,7 +357,7 @@ __device__ bool Twoshot(const Ws& w, CallState& s) {
   };
   SIFAR_FOR_EACH_LINE(line, nlines) {
     if (owner(line) != a.rank) continue;
-    float acc[4 * Elem<T>::kPerWord];
+    Acc<T> acc[4 * Elem<T>::kPerWord];
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
       if (p >= a.nranks) break;
@@ -312,11 +376,13 @@ __device__ bool Twoshot(const Ws& w, CallState& s) {
   return AllRanksReached(w, s, kBottom);
 }
 
-// sifar_flag (the paper): publish payload then a per-block flag; pull every
-// peer's payload and flag together (the flag "reduced alongside"), accept iff
-// the flags sum to N*epoch, else re-pull the whole block.  The loads are not
-// ordered: a stale payload with a fresh flag is unlikely, not impossible
-// (DESIGN.md section 1) -- which is why `sifar` tags every word instead.
+// sifar_flag (the paper's validation, made correct): publish the payload,
+// then a per-block flag with release; acquire every peer's flag (the loads
+// issued together, speculating that they are fresh) and only then pull the
+// payloads.  The paper issued payload and flag loads together, and relaxed
+// loads of different lines are unordered under the PTX memory model: a stale
+// payload with a fresh flag could pass.  Acquiring first costs a second round
+// trip, which is the price of flag validation (bench/NOTES.md).
 template <typename T>
 __device__ bool SifarFlag(const Ws& w, CallState& s) {
   const KernelArgs& a = w.a;
@@ -324,33 +390,35 @@ __device__ bool SifarFlag(const Ws& w, CallState& s) {
   const uint4* in = static_cast<const uint4*>(a.in);
   SIFAR_FOR_EACH_LINE(line, nlines) { w.plain(a.rank, s.epoch)[line] = in[line]; }
   __syncthreads();
-  if (threadIdx.x == 0) StoreReleaseSys(w.flags(a.rank, s.epoch) + blockIdx.x, s.epoch);
-  for (;;) {
-    uint64_t flag_sum = 0;
-    int stale = -1;
+  if (threadIdx.x == 0) StoreReleaseSys(w.flags(a.rank, s.epoch) + blockIdx.x, s.tag);
+  // Thread p acquires peer p's flag; flags are never ahead of this epoch in
+  // this slot, so equality with our tag means "fresh".
+  bool ok = true;
+  const int t = threadIdx.x;
+  if (t < a.nranks && t != a.rank) {
+    const uint32_t* f = w.flags(t, s.epoch) + blockIdx.x;
+    for (uint32_t spins = 0; LoadAcquireSys(f) != s.tag; ++spins) {
+      s.retried = true;
+      if (Expired(w, s, t, spins)) {
+        ok = false;
+        break;
+      }
+    }
+  }
+  // The barrier below orders the other threads' payload loads after thread
+  // p's acquire (bar.sync is a CTA-scope fence; acquire.sys then covers them).
+  if (!__syncthreads_and(ok)) return false;
+  SIFAR_FOR_EACH_LINE(line, nlines) {
+    Acc<T> acc[4 * Elem<T>::kPerWord];
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
       if (p >= a.nranks) break;
-      const uint32_t f = p == a.rank ? s.epoch : LoadStrong(w.flags(p, s.epoch) + blockIdx.x);
-      flag_sum += f;
-      if (f != s.epoch) stale = p;
+      uint4 v = p == a.rank ? in[line] : LoadStrong16(w.plain(p, s.epoch) + line);
+      AddLine<T>(acc, v, p == 0);
     }
-    SIFAR_FOR_EACH_LINE(line, nlines) {
-      float acc[4 * Elem<T>::kPerWord];
-#pragma unroll
-      for (int p = 0; p < kMaxRanks; ++p) {
-        if (p >= a.nranks) break;
-        uint4 v = p == a.rank ? in[line] : LoadStrong16(w.plain(p, s.epoch) + line);
-        AddLine<T>(acc, v, p == 0);
-      }
-      static_cast<uint4*>(a.out)[line] = RoundLine<T>(acc);
-    }
-    // Flags are never ahead of this epoch in this slot, so the sum is N*epoch
-    // only if every flag is fresh.
-    if (__syncthreads_and(flag_sum == static_cast<uint64_t>(a.nranks) * s.epoch)) return true;
-    s.retried = true;
-    if (__syncthreads_or(threadIdx.x == 0 && stale >= 0 && ExpiredNow(w, s, stale))) return false;
+    static_cast<uint4*>(a.out)[line] = RoundLine<T>(acc);
   }
+  return true;
 }
 
 // sifar: publish epoch-tagged words; pull every peer's words at once; re-read
@@ -365,11 +433,11 @@ __device__ bool Sifar(const Ws& w, CallState& s, uint32_t depth, uint32_t gap_ns
   const KernelArgs& a = w.a;
   const size_t nlines = a.nbytes / 8;  // an LL line carries 8 payload bytes
   const uint2* in = static_cast<const uint2*>(a.in);
-  const uint32_t e = s.epoch;
+  const uint32_t e = s.epoch, tag = s.tag;
   constexpr int D = kMaxPollDepth;
   SIFAR_FOR_EACH_LINE(line, nlines) {
     const uint2 mine = in[line];
-    const uint64_t lo = PackLL(mine.x, e), hi = PackLL(mine.y, e);
+    const uint64_t lo = PackLL(mine.x, tag), hi = PackLL(mine.y, tag);
     if (PUSH) {
 #pragma unroll
       for (int p = 0; p < NR; ++p)
@@ -401,7 +469,7 @@ __device__ bool Sifar(const Ws& w, CallState& s, uint32_t depth, uint32_t gap_ns
         for (int p = 0; p < NR; ++p)
 #pragma unroll
           for (int k = 0; k < 2; ++k)
-            if (((missing >> (2 * p + k)) & 1u) && LLEpoch(v[d][p][k]) == e) {
+            if (((missing >> (2 * p + k)) & 1u) && LLTag(v[d][p][k]) == tag) {
               got[p][k] = v[d][p][k];
               missing &= ~(1u << (2 * p + k));
             }
@@ -413,7 +481,7 @@ __device__ bool Sifar(const Ws& w, CallState& s, uint32_t depth, uint32_t gap_ns
       }
       if (missing && Expired(w, s, (__ffs(missing) - 1) / 2, spins)) return false;
     }
-    float acc[2 * Elem<T>::kPerWord];
+    Acc<T> acc[2 * Elem<T>::kPerWord];
 #pragma unroll
     for (int p = 0; p < NR; ++p) {
       if (p >= a.nranks) break;
@@ -429,35 +497,64 @@ __device__ bool Sifar(const Ws& w, CallState& s, uint32_t depth, uint32_t gap_ns
 }
 
 // --------------------------------------------------------------- kernel ----
+// What one thread of each block reads at kernel start and shares: every warp
+// of a block must take the same path (a warp that left on `failed` while the
+// others wait at a barrier would hang or split the block).
+struct BlockStart {
+  uint4 c0;  // failed, skew_max_ns, skew_seed, drop
+  uint4 c1;  // poll_depth, poll_gap_ns, trace, epoch_mask
+  uint64_t timeout_ns;
+  uint32_t epoch;
+  uint64_t start_ns;
+};
+
 template <typename T, int ALG, int NR = kMaxRanks>
 __global__ void __launch_bounds__(kThreads) AllReduceKernel(KernelArgs a) {
   const Ws w{a};
-  const Control* ctl = w.ctl(a.rank);
-  // Start fetching this thread's first input line now, not after the control
-  // words come back (one memory latency less at the start of every call).
-  constexpr size_t kLine = (ALG == kSifar || ALG == kSifarPush) ? 8 : 16;
-  const size_t first = (static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x) * kLine;
-  if (first < a.nbytes)
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(static_cast<const char*>(a.in) + first));
-  // Issued together: the control words and this block's epoch.
-  const uint4 c = LoadStrong16(ctl);  // failed, skew_max_ns, skew_seed, drop
-  const uint4 poll = LoadStrong16(&ctl->poll_depth);  // depth, gap_ns, -, -
-  uint32_t epoch = LoadStrong(w.epochs() + blockIdx.x);
-  if (c.w) {  // testing.drop_rank: this rank never arrives
+  __shared__ BlockStart b0;
+  if (threadIdx.x == 0) {
+    // Start fetching this block's first input line now, not after the control
+    // words come back (one memory latency less at the start of every call).
+    const size_t first = static_cast<size_t>(blockIdx.x) * kThreads * LineBytes(ALG);
+    if (first < a.nbytes)
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(static_cast<const char*>(a.in) + first));
+    // Issued together: the control words and this block's epoch.
+    const Control* ctl = w.ctl(a.rank);
+    b0.c0 = LoadStrong16(ctl);
+    b0.c1 = LoadStrong16(&ctl->poll_depth);
+    b0.timeout_ns = LoadLLWord(&ctl->timeout_ns);
+    b0.epoch = LoadStrong(w.epochs() + blockIdx.x);
+    b0.start_ns = GlobalTimerNs();
+  }
+  __syncthreads();
+  const uint4 c = b0.c0, poll = b0.c1;
+  const uint32_t mask = EpochMask(poll.w);
+  uint32_t epoch = b0.epoch;
+  if (c.w != 0 && blockIdx.x + 1 >= c.w) {  // testing.drop_rank: this block never arrives
     SIFAR_FOR_EACH_LINE(line, a.nbytes / 16) {
       static_cast<uint4*>(a.out)[line] = static_cast<const uint4*>(a.in)[line];
     }
     return;
   }
   if (c.x) {  // the communicator failed earlier: never return a plausible result
-    FillNaN<T>(a);
+    FillNaNAll<T>(a);
     return;
   }
   CallState s{};
-  bool ok = true;
-  for (int i = 0; i < a.repeat && ok; ++i) {
-    epoch = NextEpoch(epoch);
+  s.timeout_ns = b0.timeout_ns;
+  bool ok = true, warp0_retried = false;
+  for (int i = 0; i < a.repeat; ++i) {
+    const uint32_t prev = epoch;
+    epoch = NextEpoch(epoch, mask);
+    const bool wraps = WrapsAt(prev, epoch);
+    // Where the call has block-wide barriers (barrier algorithms, the wrap's
+    // clearing) every warp must agree first; a failed warp keeps looping
+    // (doing nothing) so it still takes part.  Tagged calls have no block
+    // barrier: their warps run ahead independently.
+    if (!TaggedAlgorithm(ALG) || wraps) ok = __syncthreads_and(ok) != 0;
+    if (!ok) continue;
     s.epoch = epoch;
+    s.tag = Tag(ChainTag(a.chain), epoch, mask);
     s.retried = false;
     s.failed_peer = -1;
     s.deadline = 0;
@@ -466,30 +563,47 @@ __global__ void __launch_bounds__(kThreads) AllReduceKernel(KernelArgs a) {
       while (GlobalTimerNs() < until) {
       }
     }
-    if (ALG == kOneshot) ok = Oneshot<T>(w, s, true);
-    if (ALG == kOneshotDB) ok = Oneshot<T>(w, s, false);
-    if (ALG == kTwoshot) ok = Twoshot<T>(w, s);
-    if (ALG == kSifarFlag) ok = SifarFlag<T>(w, s);
-    if (ALG == kSifar) ok = Sifar<T, NR, false>(w, s, poll.x, poll.y);
-    if (ALG == kSifarPush) ok = Sifar<T, NR, true>(w, s, poll.x, poll.y);
+    if (wraps) ok = ClearTaggedAtWrap(w, s);
+    if (ok) {
+      if (ALG == kOneshot) ok = Oneshot<T>(w, s, true);
+      if (ALG == kOneshotDB) ok = Oneshot<T>(w, s, false);
+      if (ALG == kTwoshot) ok = Twoshot<T>(w, s);
+      if (ALG == kSifarFlag) ok = SifarFlag<T>(w, s);
+      if (ALG == kSifar) ok = Sifar<T, NR, false>(w, s, poll.x, poll.y);
+      if (ALG == kSifarPush) ok = Sifar<T, NR, true>(w, s, poll.x, poll.y);
+    }
     // Counted per warp: mis-speculations are rare, so are these atomics.
-    // The warp also leaves the loop together (the votes need every lane).
+    // The warp agrees on the outcome (the votes need every lane).
     const bool warp_retried = __any_sync(0xffffffffu, s.retried);
     const bool warp_timed_out = __any_sync(0xffffffffu, !ok && s.failed_peer >= 0);
     if (!ok && s.failed_peer >= 0) RecordFailure(w, ALG, s);
-    ok = __all_sync(0xffffffffu, ok);
+    warp0_retried |= warp_retried;
     if ((threadIdx.x & 31u) == 0) {
       if (warp_retried) atomicAdd(w.stat(ALG, kRetries), 1ull);
       if (warp_timed_out) atomicAdd(w.stat(ALG, kTimeouts), 1ull);
     }
+    ok = __all_sync(0xffffffffu, ok);
   }
   if (!ok) {
-    FillNaN<T>(a);
+    FillNaNAll<T>(a);
     return;
   }
   if (threadIdx.x == 0) {
     w.epochs()[blockIdx.x] = epoch;
-    if (blockIdx.x == 0) atomicAdd(w.stat(ALG, kCalls), static_cast<unsigned long long>(a.repeat));
+    if (blockIdx.x == 0) {
+      atomicAdd(w.stat(ALG, kCalls), static_cast<unsigned long long>(a.repeat));
+      if (poll.z) {  // the call trace (testing / benchmarks)
+        TraceRing* ring = w.trace();
+        const unsigned long long k = atomicAdd(&ring->next, 1ull);
+        TraceRecord& r = ring->records[k % kTraceCapacity];
+        r.start_ns = b0.start_ns;
+        r.end_ns = GlobalTimerNs();
+        r.epoch = epoch;
+        r.chain = a.chain;
+        r.algorithm = ALG;
+        r.retried = warp0_retried;
+      }
+    }
   }
 }
 

@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(kThreads) MulticastAllReduceKernel(McArgs a) {
   bool ok = c.x == 0;  // a failed communicator never returns a plausible result
   const uint64_t timeout_ns = ctl->timeout_ns;
   for (int i = 0; i < a.repeat && ok; ++i) {
-    epoch = NextEpoch(epoch);
+    epoch = NextEpoch(epoch, kEpochTagMask);
     uint64_t now = GlobalTimerNs();
     if (c.y) {  // testing.inject_skew
       const uint64_t until = now + SkewNs(c.y, c.z, a.rank, epoch);

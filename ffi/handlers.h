@@ -1,8 +1,10 @@
-// The FFI handler symbols exported to Python, and the error messages every
-// backend shares, so a user sees the same words on CPU and GPU.
+// The FFI handler symbols exported to Python, the checks every backend runs
+// before an all-reduce (one place, so CPU and GPU users see the same words),
+// and the error messages they share.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -29,22 +31,46 @@ auto WithAllReduceAttrs(Binding binding) {
       .template Attr<int32_t>("axis_key")
       .template Attr<int32_t>("nranks")
       .template Attr<int32_t>("algorithm")
-      .template Attr<int32_t>("repeat");
+      .template Attr<int32_t>("repeat")
+      .template Attr<int32_t>("chain");
 }
 
+// Element types the kernels add.  kU32 serves int32 and uint32 alike
+// (two's-complement sums are the same bits).
+enum class Elem : int { kF32 = 0, kBf16 = 1, kF16 = 2, kU32 = 3 };
+constexpr int kNumElems = 4;
+// The XLA element types with a kernel, and their names for Python.
+bool ElemOf(xla::ffi::DataType t, Elem* out);
+const char* const* SupportedDtypeNames();  // null-terminated numpy names
+
 const char* AlgorithmName(int algorithm);
+
+// One rank's all-reduce call, checked and resolved by PlanCall.
+struct RankCall {
+  Comm* comm = nullptr;
+  int group = -1, rank = -1;
+  Elem elem = Elem::kF32;
+  int algorithm = -1;
+  int repeat = 1;
+  uint32_t chain = 0;
+  size_t lane_at = 0;  // offset of the chain's lane in every workspace
+  const void* in = nullptr;
+  void* out = nullptr;
+  size_t nbytes = 0;
+  bool explicit_buffers = false;
+  char* slots[kMaxRanks] = {};  // every rank's copy of the explicit buffer
+};
+
+// Everything a handler checks before it runs: element type, the rank's
+// communicator, the traced axis size, payload size and alignment, an earlier
+// failure of the group, the explicit buffer (buf may be null).
+xla::ffi::Error PlanCall(int ordinal, xla::ffi::AnyBuffer x, xla::ffi::AnyBuffer y,
+                         const xla::ffi::AnyBuffer* buf, int32_t axis_key, int32_t nranks,
+                         int32_t algorithm, int32_t repeat, int32_t chain, RankCall* call);
 
 // "... timed out on axis 'tp' (communicator 3, group 0, rank 1, epoch 57,
 // algorithm sifar): rank 0 never arrived within the timeout", or "" if none.
 std::string DescribeFailure(const Comm& comm);
-
 xla::ffi::Error FailedError(const Comm& comm);
-xla::ffi::Error NotInitialisedError(int axis_key, int ordinal);
-// The call was traced for an axis of `nranks` devices and its payload fits.
-xla::ffi::Error CheckPayload(const Comm& comm, int nranks, size_t in_bytes, size_t out_bytes);
-
-// Every rank's copy of the registered buffer `buf` (explicit dual buffering).
-xla::ffi::Error ResolveBuffer(const Comm& comm, int group, int rank, const void* buf,
-                              size_t buf_bytes, char* (&slots)[kMaxRanks]);
 
 }  // namespace sifar

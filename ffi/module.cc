@@ -2,6 +2,7 @@
 // communicator registry, as plain functions the Python layer composes.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <stdexcept>
@@ -63,21 +64,49 @@ NB_MODULE(_sifar, m) {
 #endif
   });
   m.def("max_ranks", [] { return kMaxRanks; });
-  m.def("workspace_bytes", [](size_t slot_bytes) { return MakeWorkspaceLayout(slot_bytes).total; });
+  m.def(
+      "workspace_bytes",
+      [](size_t slot_bytes, int nranks, int lanes) {
+        return MakeWorkspaceLayout(slot_bytes, nranks, lanes).total;
+      },
+      nb::arg("slot_bytes"), nb::arg("nranks"), nb::arg("lanes"));
+  // The one list of algorithms (protocol.h): Python reads names and ids here.
+  m.def("algorithms", [] {
+    nb::list out;
+    for (const AlgorithmInfo& a : kAlgorithms) {
+      nb::dict d;
+      d["id"] = a.id;
+      d["name"] = a.name;
+      d["line_bytes"] = a.line_bytes;
+      d["tagged"] = a.tagged;
+      d["exact"] = a.exact;
+      d["portable"] = a.portable;
+      d["description"] = a.description;
+      out.append(d);
+    }
+    return out;
+  });
+  m.def("dtypes", [] {
+    nb::list out;
+    for (const char* const* n = SupportedDtypeNames(); *n != nullptr; ++n) out.append(*n);
+    return out;
+  });
 
   m.def(
       "create_comm",
       [](const std::string& platform, int axis_key, const std::string& axis_name,
-         const std::vector<std::vector<int>>& groups, size_t slot_bytes, double timeout_s) {
+         const std::vector<std::vector<int>>& groups, size_t slot_bytes, double timeout_s,
+         int lanes) {
         Platform p;
         if (platform == "cpu") p = Platform::kCpu;
         else if (platform == "cuda") p = Platform::kCuda;
         else throw std::invalid_argument("sifar_jax: unsupported platform '" + platform + "'");
         nb::gil_scoped_release release;
-        return Registry::Get().Create(p, axis_key, axis_name, groups, slot_bytes, timeout_s);
+        return Registry::Get().Create(p, axis_key, axis_name, groups, slot_bytes, timeout_s,
+                                      lanes);
       },
       nb::arg("platform"), nb::arg("axis_key"), nb::arg("axis_name"), nb::arg("groups"),
-      nb::arg("slot_bytes"), nb::arg("timeout_s"));
+      nb::arg("slot_bytes"), nb::arg("timeout_s"), nb::arg("lanes"));
   m.def("destroy_comm", [](int id) { Registry::Get().Destroy(id); });
   m.def("destroy_all", [] { Registry::Get().DestroyAll(); });
   m.def("comm_ids", [] { return Registry::Get().Ids(); });
@@ -123,9 +152,28 @@ NB_MODULE(_sifar, m) {
   m.def("set_poll", [](int id, uint32_t depth, uint32_t gap_ns) {
     WithComm(id, [&](Comm& c) { c.SetPoll(depth, gap_ns); });
   });
-  m.def("set_drop", [](int id, int rank, bool drop) {
-    WithComm(id, [&](Comm& c) { c.SetDrop(rank, drop); });
+  m.def("set_epochs", [](int id, uint32_t epoch) {
+    WithComm(id, [&](Comm& c) { c.SetEpochs(epoch); });
   });
+  m.def("set_epoch_mask", [](int id, uint32_t mask) {
+    WithComm(id, [&](Comm& c) { c.SetEpochMask(mask); });
+  });
+  m.def("set_trace", [](int id, bool on) { WithComm(id, [&](Comm& c) { c.SetTrace(on); }); });
+  // [(group, rank, epoch, chain, algorithm, start_ns, end_ns, retried)], oldest first per rank.
+  m.def("comm_trace", [](int id) {
+    std::vector<std::tuple<int, int, uint32_t, uint32_t, int, uint64_t, uint64_t, bool>> out;
+    WithComm(id, [&](Comm& c) {
+      for (auto& [g, r, t] : c.Trace())
+        out.emplace_back(g, r, t.epoch, t.chain, t.algorithm, t.start_ns, t.end_ns, t.retried != 0);
+    });
+    return out;
+  });
+  m.def(
+      "set_drop",
+      [](int id, int rank, bool drop, int from_block) {
+        WithComm(id, [&](Comm& c) { c.SetDrop(rank, drop, from_block); });
+      },
+      nb::arg("id"), nb::arg("rank"), nb::arg("drop"), nb::arg("from_block") = 0);
 
   RegisterMulticastBindings(m);
 

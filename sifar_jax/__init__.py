@@ -11,8 +11,9 @@ from .buffers import DualBuffers, buffer_spec, make_buffers, sifar_psum_into
 from .comm import DEFAULT_SLOT_BYTES, communicators, init, shutdown
 from .errors import NotInitializedError, SifarError, UnboundAxisError
 from .multicast import MulticastDisabledError
+from .ordering import dispatch_lock
 from .psum import SUPPORTED_DTYPES, sifar_psum
-from .stats import check, stats
+from .stats import call_trace, check, stats
 
 __version__ = "0.1.0"
 
@@ -28,8 +29,10 @@ __all__ = [
     "algorithms",
     "benchmarking",
     "buffer_spec",
+    "call_trace",
     "check",
     "communicators",
+    "dispatch_lock",
     "init",
     "make_buffers",
     "shutdown",

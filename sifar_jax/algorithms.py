@@ -1,6 +1,13 @@
-"""Algorithm names and ids (ids match ffi/protocol.h)."""
+"""Algorithm names and ids, read from the extension (the one list lives in
+ffi/protocol.h, SIFAR_ALGORITHMS)."""
 
 from __future__ import annotations
+
+import warnings
+
+from ._ext import _sifar
+
+_TABLE = {a["name"]: a for a in _sifar.algorithms()}
 
 ONESHOT = "oneshot"
 TWOSHOT = "twoshot"
@@ -10,28 +17,34 @@ SIFAR = "sifar"
 MULTICAST = "multicast"
 SIFAR_PUSH = "sifar_push"
 AUTO = "auto"
+assert all(n in _TABLE for n in (ONESHOT, TWOSHOT, ONESHOT_DB, SIFAR_FLAG, SIFAR, MULTICAST, SIFAR_PUSH))
 
-IDS = {ONESHOT: 0, TWOSHOT: 1, ONESHOT_DB: 2, SIFAR_FLAG: 3, SIFAR: 4, MULTICAST: 5, SIFAR_PUSH: 6}
+IDS = {name: a["id"] for name, a in _TABLE.items()}
 NAMES = {v: k for k, v in IDS.items()}
+# What each one does, for the README table and error messages.
+DESCRIPTIONS = {name: a["description"] for name, a in _TABLE.items()}
 
-# What each one removes, for the README table and error messages.
-DESCRIPTIONS = {
-    ONESHOT: "top barrier, pull-reduce, bottom barrier",
-    TWOSHOT: "top barrier, reduce-scatter, mid barrier, all-gather, bottom barrier",
-    ONESHOT_DB: "dual buffering: top barrier, pull-reduce, no bottom barrier",
-    SIFAR_FLAG: "dual buffering + speculative pull, validated by a reduced flag (the paper)",
-    SIFAR: "dual buffering + speculative pull of epoch-tagged words (default)",
-    MULTICAST: "redundant pull with NVLink multicast multimem.ld_reduce (opt-in, GPU only)",
-    SIFAR_PUSH: "sifar with the tagged words pushed to the peers and polled locally",
-}
+ALL = tuple(sorted(IDS, key=IDS.get))
+# Algorithms that run without any special hardware (a CPU and a CUDA kernel).
+PORTABLE = tuple(n for n in ALL if _TABLE[n]["portable"])
+# Correct by construction under the PTX memory model; "auto" picks only these.
+EXACT = tuple(n for n in ALL if _TABLE[n]["exact"])
+# Epoch-tagged (LL) words: validity travels with the data.
+TAGGED = tuple(n for n in ALL if _TABLE[n]["tagged"])
 
-ALL = tuple(IDS)
-# Algorithms that run without any special hardware.
-PORTABLE = (ONESHOT, TWOSHOT, ONESHOT_DB, SIFAR_FLAG, SIFAR, SIFAR_PUSH)
+_warned: set[str] = set()
 
 
 def validate(algorithm: str) -> str:
     if algorithm == AUTO or algorithm in IDS:
+        if algorithm in IDS and algorithm not in EXACT and algorithm not in _warned:
+            _warned.add(algorithm)
+            warnings.warn(
+                f"sifar_jax: algorithm {algorithm!r} is the paper's ablation and not correct by "
+                f"construction (its flag check can pass a stale payload); use 'sifar' for results "
+                f"you rely on",
+                stacklevel=4,
+            )
         return algorithm
     raise ValueError(
         f"sifar_jax: unknown algorithm {algorithm!r}; choose one of "

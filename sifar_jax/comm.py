@@ -24,6 +24,10 @@ import numpy as np
 from . import _ext, _jax_compat
 
 DEFAULT_SLOT_BYTES = 64 * 1024
+# Lanes per communicator: independent call chains (a scan body and its caller,
+# executables run from several threads) that may be in flight at once without
+# sharing epochs or slots (docs/design.md, "Ordering").
+DEFAULT_LANES = 4
 DEFAULT_TIMEOUT_S = float(os.environ.get("SIFAR_TIMEOUT_S", "5.0"))
 
 
@@ -36,6 +40,7 @@ class Communicator:
     nranks: int
     slot_bytes: int
     groups: tuple[tuple[int, ...], ...]  # device ids, rank order
+    lanes: int = DEFAULT_LANES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +56,7 @@ _lock = threading.RLock()
 _axis_keys: dict[str, int] = {}
 _comms: dict[str, list[Communicator]] = {}
 _unsupported: dict[str, list[Unsupported]] = {}
-_meshes: list = []  # (mesh, slot_bytes) of every init since the last shutdown
+_meshes: list = []  # (mesh, slot_bytes, lanes) of every init since the last shutdown
 _products: set[tuple[str, ...]] = set()  # axis tuples ever reduced over (kept by shutdown)
 _settings = {"skew": (0, 0), "timeout_s": DEFAULT_TIMEOUT_S}
 
@@ -136,7 +141,8 @@ def _drop_overlapping(axis: str, devices: set[int]) -> None:
     _comms[axis] = keep
 
 
-def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None) -> None:
+def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None,
+         lanes: int | None = None) -> None:
     """Sets up a communicator for every axis of `mesh`. Idempotent.
 
     Calling it with another mesh that reuses devices under the same axis name
@@ -147,7 +153,12 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None)
       falling back to `lax.psum`; rounded up to 16 bytes. Default 64 KiB; when
       omitted, an axis already set up keeps its slot.
     timeout_s: bound on every wait for a peer (default $SIFAR_TIMEOUT_S or 5 s).
+    lanes: independent call chains that may be in flight at once (default 4):
+      each lane holds its own epochs and dual slots (memory grows with it).
     """
+    lanes = DEFAULT_LANES if lanes is None else int(lanes)
+    if not 1 <= lanes <= 64:
+        raise ValueError("sifar_jax.init: lanes must be 1..64")
     keep_slot = slot_bytes is None
     slot_bytes = -(-int(DEFAULT_SLOT_BYTES if keep_slot else slot_bytes) // 16) * 16
     if slot_bytes <= 0:
@@ -155,14 +166,14 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None)
     with _lock:
         if timeout_s is not None:
             set_timeout(timeout_s)  # existing communicators too
-        _meshes[:] = [(m, s) for m, s in _meshes if m != mesh] + [(mesh, slot_bytes)]
+        _meshes[:] = [e for e in _meshes if e[0] != mesh] + [(mesh, slot_bytes, lanes)]
         products = [p for p in sorted(_products) if set(p) <= set(mesh.axis_names)]
         for axis in [*mesh.axis_names, *products]:
             groups = _groups(mesh, axis)
             ids = tuple(tuple(d.id for d in g) for g in groups)
             platform = _platform(groups[0][0])
             if any(c.groups == ids and (keep_slot or c.slot_bytes == slot_bytes)
-                   for c in _comms.get(axis, [])):
+                   and c.lanes == lanes for c in _comms.get(axis, [])):
                 continue  # already set up: init is idempotent
             _drop_overlapping(axis, {d for g in ids for d in g})
             reason = _why_unsupported(groups, platform)
@@ -177,11 +188,12 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None)
                 [[d.local_hardware_id for d in g] for g in groups],
                 slot_bytes,
                 _settings["timeout_s"],
+                lanes,
             )
             if _settings["skew"] != (0, 0):
                 _ext._sifar.set_skew(comm_id, *_settings["skew"])
             _comms.setdefault(axis, []).append(
-                Communicator(axis, key, comm_id, platform, len(groups[0]), slot_bytes, ids)
+                Communicator(axis, key, comm_id, platform, len(groups[0]), slot_bytes, ids, lanes)
             )
 
 
@@ -211,9 +223,9 @@ def communicators_over(axes: tuple[str, ...]) -> list[Communicator]:
     with _lock:
         if axes not in _products:
             _products.add(axes)
-            for mesh, slot_bytes in list(_meshes):
+            for mesh, slot_bytes, lanes in list(_meshes):
                 if set(axes) <= set(mesh.axis_names):
-                    init(mesh, slot_bytes=slot_bytes)
+                    init(mesh, slot_bytes=slot_bytes, lanes=lanes)
         return communicators(axes)
 
 

@@ -15,6 +15,14 @@ mechanisms make the order a property of the communicator (docs/design.md,
   other's words: independent chains run concurrently without mixing, and a
   mismatch that cannot be resolved times out with a clear error instead of
   returning a wrong sum.
+
+Executables are ordered by the host: every device runs them in the order they
+were dispatched. Two threads that dispatch at the same time can enqueue two
+executables in different orders on different devices; each then waits for a
+peer stuck in the other one (NCCL deadlocks the same way). Threads that
+dispatch computations using sifar all-reduces on the same devices therefore
+hold `dispatch_lock` around each call; without it the worst case is a timeout
+with a clear error, never a wrong sum.
 """
 
 from __future__ import annotations
@@ -26,6 +34,10 @@ import weakref
 from ._jax_compat import trace_of as _trace_of
 
 _lock = threading.Lock()
+
+# Held around the dispatch of a jitted call, so that its per-device launches
+# are enqueued on every device before another thread's (see above).
+dispatch_lock = threading.RLock()
 _next_chain = itertools.count(1)
 # trace -> [chain id, weak ref to the last result]. Both sides weak (a tracer
 # refers to its trace), so a finished trace is forgotten and no limit on the

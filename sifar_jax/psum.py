@@ -89,6 +89,7 @@ class _Plan:
     axes: tuple = ()  # the mesh axes reduced over (one communicator spans them)
     explicit: bool = True  # a named algorithm: raise where "auto" falls back
     pad: int = 0  # elements appended to reach whole 16-byte lines (single arrays)
+    chain: int = 0  # the jaxpr's call chain (sifar_jax.ordering), set where it is bound
 
     @property
     def platform(self) -> str:
@@ -104,6 +105,7 @@ class _Plan:
             nranks=np.int32(self.nranks),
             algorithm=np.int32(algorithms.IDS[self.algorithm]),
             repeat=np.int32(repeat),
+            chain=np.int32(self.chain),
         )
 
 
@@ -117,11 +119,9 @@ def _multicast_refusal(comms) -> str | None:
 
 
 def _pick(algorithm: str, comms) -> str:
-    if algorithm != algorithms.AUTO:
-        return algorithm
-    if comms[0].platform == "cuda" and multicast.enabled() and _multicast_refusal(comms) is None:
-        return algorithms.MULTICAST
-    return algorithms.SIFAR
+    # "auto" only ever picks an algorithm that is correct by construction:
+    # sifar (multicast's flag check is the paper's, not exact).
+    return algorithms.SIFAR if algorithm == algorithms.AUTO else algorithm
 
 
 def _comms_for(axes: tuple, nranks: int) -> tuple:
@@ -213,7 +213,8 @@ def _plan(x, axis_name, algorithm: str, api: str):
         if plan.explicit:
             raise ValueError(f"sifar_jax.{api}(algorithm={algorithm!r}): {_too_large(padded, plan)}")
         return _too_large(padded, plan)
-    return dataclasses.replace(plan, pad=(padded - x.size * dtype.itemsize) // dtype.itemsize)
+    pad = (padded - x.size * dtype.itemsize) // dtype.itemsize
+    return dataclasses.replace(plan, pad=pad, chain=ordering.chain_id(x))
 
 
 def _flat(x, plan: _Plan):
@@ -233,19 +234,19 @@ allreduce_p = _jax_compat.Primitive("sifar_allreduce")
 
 def _allreduce(payload, plan: _Plan, repeat: int = 1):
     """One all-reduce of a 1-D payload of whole lines, chained after the
-    previous all-reduce of this jaxpr (sifar_jax.ordering)."""
-    out = allreduce_p.bind(
-        payload,
-        *ordering.operands(payload),
-        plan=plan,
-        attrs=tuple(plan.attrs(repeat).items()),
-    )
+    previous all-reduce of the jaxpr it is traced into (sifar_jax.ordering).
+
+    The transformation rules below bind through here again, one level down,
+    so the call that lands in a jaxpr takes that jaxpr's ordering operand and
+    chain, not those of a transient jvp or vmap trace."""
+    plan = dataclasses.replace(plan, chain=ordering.chain_id(payload))
+    out = allreduce_p.bind(payload, *ordering.operands(payload), plan=plan, repeat=repeat)
     ordering.remember(payload, out)
     return out
 
 
-def _abstract_eval(payload, *order, plan, attrs):
-    del order, attrs
+def _abstract_eval(payload, *order, plan, repeat):
+    del order, repeat
     vma = _jax_compat.varying_axes(payload) - set(plan.axes)
     # On XLA:CPU the call is side-effecting: it is kept even when its result is
     # unused, so a failed all-reduce still surfaces.
@@ -253,27 +254,27 @@ def _abstract_eval(payload, *order, plan, attrs):
     return _jax_compat.with_varying(payload, vma), effects
 
 
-def _lowering(ctx, payload, *order, plan, attrs):
+def _lowering(ctx, payload, *order, plan, repeat):
     # The ordering operands are passed along and never read by the handler.
     rule = jax.ffi.ffi_lowering(_ext.TARGET, has_side_effect=plan.platform == "cpu")
-    return rule(ctx, payload, *order, **dict(attrs))
+    return rule(ctx, payload, *order, **plan.attrs(repeat))
 
 
-def _impl(*args, plan, attrs):
-    return jax.jit(functools.partial(allreduce_p.bind, plan=plan, attrs=attrs))(*args)
+def _impl(*args, plan, repeat):
+    return jax.jit(functools.partial(allreduce_p.bind, plan=plan, repeat=repeat))(*args)
 
 
-def _jvp(primals, tangents, *, plan, attrs):
+def _jvp(primals, tangents, *, plan, repeat):
     """Linear: the primal by sifar, the tangent by lax.psum (whose transpose
     and higher derivatives are then JAX's own)."""
-    out = allreduce_p.bind(*primals, plan=plan, attrs=attrs)
+    out = _allreduce(primals[0], plan, repeat)
     t = tangents[0]
     if type(t) is ad.Zero:
         return out, _jax_compat.zero_tangent(out)
     return out, jax.lax.psum(t, plan.axes)
 
 
-def _transpose(ct, payload, *order, plan, attrs):
+def _transpose(ct, payload, *order, plan, repeat):
     """lax.psum's transpose, over the same input type."""
     assert ad.is_undefined_primal(payload)
     if type(ct) is ad.Zero:
@@ -283,11 +284,11 @@ def _transpose(ct, payload, *order, plan, attrs):
     return [ct_in] + [None] * len(order)
 
 
-def _batch(args, dims, *, plan, attrs):
+def _batch(args, dims, *, plan, repeat):
     """vmap: the sum is elementwise, so all-reduce the stacked payloads as one."""
-    payload, *order = args
+    payload = args[0]
     if dims[0] is _jax_compat.NOT_MAPPED:
-        return allreduce_p.bind(payload, *order, plan=plan, attrs=attrs), _jax_compat.NOT_MAPPED
+        return _allreduce(payload, plan, repeat), _jax_compat.NOT_MAPPED
     stacked = jnp.moveaxis(payload, dims[0], 0)
     flat = stacked.reshape(-1)
     nbytes = flat.size * flat.dtype.itemsize
@@ -297,7 +298,7 @@ def _batch(args, dims, *, plan, attrs):
             raise ValueError(f"sifar_jax.sifar_psum(algorithm={plan.algorithm!r}): {why}")
         out = _fallback(flat, plan.axes, why)
     else:
-        out = allreduce_p.bind(flat, *order, plan=plan, attrs=attrs)
+        out = _allreduce(flat, plan, repeat)
     return out.reshape(stacked.shape), 0
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import numpy as np
+
 from . import _ext, algorithms, comm
 from .errors import SifarError
 
@@ -43,3 +47,57 @@ def check() -> None:
         msg = _ext._sifar.comm_failure(c.comm_id)
         if msg:
             raise SifarError(msg)
+
+
+TRACE_DTYPE = np.dtype(
+    [
+        ("group", np.int32),
+        ("rank", np.int32),
+        ("epoch", np.uint32),
+        ("chain", np.uint32),
+        ("algorithm", np.int32),
+        ("start_ns", np.uint64),
+        ("end_ns", np.uint64),
+        ("retried", np.bool_),
+    ]
+)
+
+
+class CallTrace:
+    """Per-call records of one axis, taken while the `call_trace` block runs."""
+
+    def __init__(self, axis_name: str):
+        self.axis_name = axis_name
+        self._records = None
+
+    def records(self) -> np.ndarray:
+        """One record per call and rank (block 0's view): device %globaltimer
+        times on GPUs, steady-clock times on the CPU; `retried` when that rank
+        re-read a stale word. Only the last 4096 calls of each rank are kept."""
+        if self._records is None:
+            self._records = _read_trace(self.axis_name)
+        return self._records
+
+
+def _read_trace(axis_name: str) -> np.ndarray:
+    rows = [r for c in comm.communicators(axis_name) for r in _ext._sifar.comm_trace(c.comm_id)]
+    return np.array(rows, dtype=TRACE_DTYPE)
+
+
+@contextlib.contextmanager
+def call_trace(axis_name: str):
+    """Records every all-reduce on `axis_name` inside the block (testing and
+    benchmarks: one extra store per call). Wait for the computations before
+    leaving the block; read the records with `.records()` after it."""
+    comms = comm.communicators(axis_name)
+    if not comms:
+        raise ValueError(f"call_trace: no communicator for axis {axis_name!r}")
+    trace = CallTrace(axis_name)
+    for c in comms:
+        _ext._sifar.set_trace(c.comm_id, True)
+    try:
+        yield trace
+    finally:
+        trace.records()
+        for c in comms:
+            _ext._sifar.set_trace(c.comm_id, False)

@@ -26,14 +26,16 @@ class inject_skew(contextlib.AbstractContextManager):
 
 
 @contextlib.contextmanager
-def drop_rank(axis_name: str, rank: int):
+def drop_rank(axis_name: str, rank: int, from_block: int = 0):
     """Within the block, `rank` of every group on `axis_name` never arrives:
-    it skips its all-reduces (returning its own partial), so its peers time out."""
+    it skips its all-reduces (returning its own partial), so its peers time out.
+    from_block > 0 (GPUs): only its thread blocks from that one on skip, so the
+    peers' first blocks succeed and the others time out (a partial failure)."""
     comms = comm.communicators(axis_name)
     if not comms:
         raise ValueError(f"drop_rank: no communicator for axis {axis_name!r}")
     for c in comms:
-        _ext._sifar.set_drop(c.comm_id, rank, True)
+        _ext._sifar.set_drop(c.comm_id, rank, True, from_block)
     try:
         yield
     finally:
@@ -50,3 +52,27 @@ def timeout(seconds: float):
         yield
     finally:
         comm.set_timeout(prev)
+
+
+def set_epochs(axis_name: str, epoch: int) -> None:
+    """Sets every block's epoch, in every lane of every rank on `axis_name`, to
+    `epoch` (the next call uses the epoch after it). Only while no all-reduce
+    runs. For tests that start just below the tag wrap."""
+    for c in comm.communicators(axis_name):
+        _ext._sifar.set_epochs(c.comm_id, int(epoch) & 0xFFFFFFFF)
+
+
+@contextlib.contextmanager
+def epoch_bits(axis_name: str, bits: int):
+    """Within the block, tags carry only `bits` epoch bits (2..24), so the tag
+    wraps every ~2**bits calls: the wrap's clearing is reached in a test."""
+    if not 2 <= bits <= 24:
+        raise ValueError("epoch_bits: bits must be 2..24")
+    comms = comm.communicators(axis_name)
+    for c in comms:
+        _ext._sifar.set_epoch_mask(c.comm_id, (1 << bits) - 1)
+    try:
+        yield
+    finally:
+        for c in comms:
+            _ext._sifar.set_epoch_mask(c.comm_id, 0)

@@ -553,3 +553,41 @@ class TestSeveralAxes:
         assert errors[0] == errors[1]
         assert types[0] == types[1]
         assert sifar_jax._jax_compat.varying_axes(types[0]) == {"dp"}
+
+
+# ----------------------------------------------------------------- ordering --
+def _allreduce_eqns(jaxpr) -> list:
+    """The sifar_allreduce equations of a jaxpr and its sub-jaxprs, in order."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "sifar_allreduce":
+            found.append(eqn)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _allreduce_eqns(inner)
+    return found
+
+
+@CHECK_VMA
+def test_transformed_calls_join_their_jaxprs_chain(cpu_mesh, check_vma):
+    """Calls made under grad and vmap land in the enclosing jaxpr's chain,
+    each ordered after the one before (not on a chain of their own, which
+    could share a lane with it and run concurrently)."""
+    mesh = cpu_mesh(4, slot_bytes=SLOT)
+
+    def body(x):
+        v = x[0]
+        a = sifar_jax.sifar_psum(v, "tp")
+        g = jax.grad(lambda u: jnp.sum(jnp.sin(sifar_jax.sifar_psum(u, "tp"))))(v)
+        b = jax.vmap(lambda u: sifar_jax.sifar_psum(u, "tp"))(v.reshape(2, -1))
+        _, t = jax.jvp(lambda u: sifar_jax.sifar_psum(u * u, "tp"), (v,), (v,))
+        return (a + g + b.reshape(-1) + t)[None]
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=check_vma)
+    eqns = _allreduce_eqns(jax.make_jaxpr(f)(np.ones((4, 8), np.float32)).jaxpr)
+    assert len(eqns) == 4
+    assert len({e.params["plan"].chain for e in eqns}) == 1, [e.params["plan"].chain for e in eqns]
+    for prev, eqn in zip(eqns, eqns[1:]):
+        assert eqn.invars[1:] == prev.outvars, "each call takes the previous result as operand"
