@@ -56,13 +56,6 @@ def manual_axes() -> frozenset:
     return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
 
 
-def check_vma() -> bool:
-    """Whether the enclosing shard_map checks varying types: the `check_vma`
-    config state that shard_map sets while it traces its body (an internal
-    state read through jax.config; 0.10.2, 0.11.x). False outside shard_map."""
-    return bool(getattr(jax.config, "check_vma", False))
-
-
 def zero_tangent(primal):
     """A symbolic zero tangent for `primal` (`ShapedArray.to_tangent_aval`,
     0.10.2 and 0.11.x: float0 for integer values)."""

@@ -453,9 +453,9 @@ def sifar_psum(x, axis_name, *, axis_index_groups=None, algorithm: str = algorit
     lax.psum's); vmap inside or around shard_map; the errors (an unbound axis
     raises `sifar_jax.UnboundAxisError`, a NameError).
 
-    Sums by sifar: float32, bfloat16, float16 (and whatever
-    `SUPPORTED_DTYPES` lists) over one or several mesh axes; bool counts as
-    int32, like lax.psum. A pytree goes in as few all-reduces as possible:
+    Sums by sifar: the dtypes in `SUPPORTED_DTYPES` (float32, bfloat16,
+    float16, int32, uint32 as the extension lists them) over one or several
+    mesh axes; bool counts as int32, like lax.psum. A pytree goes in as few all-reduces as possible:
     one payload per dtype (leaves concatenated, split back). Every rank gets a
     bit-identical result: partials are added in rank order in float32 and
     rounded once, so the sum can differ from lax.psum's by rounding.

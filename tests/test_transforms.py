@@ -83,13 +83,17 @@ class Paired:
             assert a == b and a.weak_type == b.weak_type, (path[0], a, b, a.sharding, b.sharding)
 
 
-def paired(key, mesh, body, in_specs, out_specs, check_vma) -> Paired:
-    """Built once per key (the same devices give equal meshes, and axis keys
+def once(key, build):
+    """build() once per key (the same devices give equal meshes, and axis keys
     survive shutdown/init, so the executables stay valid across classes)."""
-    key = (key, mesh, check_vma)
     if key not in _FUNCS:
-        _FUNCS[key] = Paired(mesh, body, in_specs, out_specs, check_vma)
+        _FUNCS[key] = build()
     return _FUNCS[key]
+
+
+def paired(name, mesh, body, in_specs, out_specs, check_vma) -> Paired:
+    return once((name, mesh, check_vma),
+                lambda: Paired(mesh, body, in_specs, out_specs, check_vma))
 
 
 def sifar_calls() -> int:
@@ -158,25 +162,19 @@ def _autodiff_body(psum, x, t, c):
 
 def _outer_grad_fn(mesh, check_vma):
     """grad taken outside shard_map (linear and nonlinear losses)."""
-    key = ("outer", mesh, check_vma)
-    if key not in _FUNCS:
 
-        def loss(x, c, psum, nonlinear):
-            def body(v, c):
-                y = psum(v[0] * v[0] if nonlinear else v[0], "tp")
-                return (jnp.sin(y) if nonlinear else y * c)[None]
+    def loss(x, c, psum, nonlinear):
+        def body(v, c):
+            y = psum(v[0] * v[0] if nonlinear else v[0], "tp")
+            return (jnp.sin(y) if nonlinear else y * c)[None]
 
-            f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P()), out_specs=P("tp"),
-                              check_vma=check_vma)
-            return jnp.sum(f(x, c))
+        f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P()), out_specs=P("tp"),
+                          check_vma=check_vma)
+        return jnp.sum(f(x, c))
 
-        _FUNCS[key] = jax.jit(
-            lambda x, c: [
-                [jax.grad(loss)(x, c, psum, nonlinear) for nonlinear in (False, True)]
-                for psum in PSUMS
-            ]
-        )
-    return _FUNCS[key]
+    return once(("outer", mesh, check_vma), lambda: jax.jit(
+        lambda x, c: [[jax.grad(loss)(x, c, psum, nl) for nl in (False, True)] for psum in PSUMS]
+    ))
 
 
 class TestAutodiff:
@@ -233,18 +231,12 @@ def _vmap_named_body(psum, x):
 
 
 def _vmap_around_fn(mesh, check_vma):
-    key = ("around", mesh, check_vma)
-    if key not in _FUNCS:
-        _FUNCS[key] = jax.jit(
-            lambda xb: [
-                jax.vmap(
-                    jax.shard_map(lambda v, psum=psum: psum(v[0], "tp")[None], mesh=mesh,
-                                  in_specs=P("tp"), out_specs=P("tp"), check_vma=check_vma)
-                )(xb)
-                for psum in PSUMS
-            ]
-        )
-    return _FUNCS[key]
+    def around(psum):
+        return jax.vmap(jax.shard_map(lambda v: psum(v[0], "tp")[None], mesh=mesh,
+                                      in_specs=P("tp"), out_specs=P("tp"), check_vma=check_vma))
+
+    return once(("around", mesh, check_vma),
+                lambda: jax.jit(lambda xb: [around(psum)(xb) for psum in PSUMS]))
 
 
 class TestVmap:
@@ -398,8 +390,7 @@ class TestDtypes:
                 hi = min(np.iinfo(dt).max // n, 1000)
                 xs.append(rng.integers(1, hi, size=(n, 6)).astype(dt))
         monkeypatch.setattr(psum_module, "_warned", set())
-        key = ("dtypes", tp, check_vma)
-        fresh = key not in _FUNCS
+        fresh = ("dtypes", tp, check_vma) not in _FUNCS
         f = paired("dtypes", tp, _dtype_body, (spec,) * len(xs), (spec,) * len(xs), check_vma)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
