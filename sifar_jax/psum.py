@@ -407,16 +407,18 @@ def _psum(x, axis_name, *, axis_index_groups, algorithm: str, api: str):
     if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
         # Constants: lax.psum returns size * x at trace time; nothing to communicate.
         return jax.lax.psum(x, axis_name)
+    # Mesh axes of one device need no communication either: lax.psum sums
+    # them (XLA drops an all-reduce of one participant), like vmap axes.
     manual = _jax_compat.manual_axes()
-    mesh_axes = tuple(a for a in axes if a in manual)
-    others = tuple(a for a in axes if a not in manual)
+    mesh_axes = tuple(a for a in axes if a in manual and _axis_size(a, api) > 1)
+    others = tuple(a for a in axes if a not in mesh_axes)
     if not mesh_axes or len(set(axes)) != len(axes):
         # vmap axes only: a local sum, no communication. A repeated axis:
         # lax.psum's own error (it raises when lowered).
         return jax.lax.psum(x, axis_name)
     # lax.psum's own result type for every leaf; raises lax.psum's errors.
     want = jax.eval_shape(functools.partial(jax.lax.psum, axis_name=axes), leaves)
-    if others:  # vmap axes: lax.psum sums them locally, without communication
+    if others:  # vmap axes, one-device axes: lax.psum, without communication
         leaves = tree.flatten_up_to(jax.lax.psum(x, others))
 
     plan, rest, reason = _route(mesh_axes, algorithm, api)
