@@ -40,7 +40,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import sifar_jax
-from reference import chain_reference_f32
+from reference import chain_reference_f32, int_view, make_inputs, rank_order_sum
 from sifar_jax import multicast, testing
 from test_faults import hang_guard
 
@@ -86,19 +86,6 @@ def shapes_for(dtype) -> list[tuple[int, ...]]:
     flat = [1, 3, 8, 37, 1000, 2048, 4096, 8192, 16384, s - 1, s]  # 4..64 KB of bf16
     shapes = [(k,) for k in sorted(set(flat)) if k <= s]
     return shapes + [(3, 5), (2, 3, 7), (4, s // 4)]
-
-
-def make_inputs(rng, n, shape, dtype) -> np.ndarray:
-    """|x| in [0.5, 2), one sign per element shared by all ranks: the sum has
-    no cancellation and is never zero, so an unwritten element cannot pass."""
-    mag = rng.uniform(0.5, 2.0, size=(n, *shape))
-    sign = np.where(rng.random(shape) < 0.5, -1.0, 1.0)
-    return (mag * sign).astype(dtype)
-
-
-def int_view(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a)
-    return a.view({2: np.int16, 4: np.int32}[a.dtype.itemsize]).astype(np.int64)
 
 
 def compare(got: np.ndarray, lax_got: np.ndarray, x: np.ndarray, what: str) -> list[str]:
@@ -274,13 +261,13 @@ class TestCorrectness:
 
     @pytest.mark.parametrize("algorithm", ALGS)
     def test_repeat_in_one_launch(self, tp_mesh, algorithm):
-        """_repeat (the kernel-level benchmark) gives the single call's result."""
+        """psum_repeated (the kernel-level benchmark) gives the single call's result."""
         n = tp_mesh.shape["tp"]
         outs = {}
         for r in (1, 1000):
             f = jax.jit(
                 jax.shard_map(
-                    lambda v, r=r: sifar_jax.sifar_psum(v[0], "tp", algorithm=algorithm, _repeat=r)[None],
+                    lambda v, r=r: sifar_jax.benchmarking.psum_repeated(v[0], "tp", r, algorithm=algorithm)[None],
                     mesh=tp_mesh, in_specs=P("tp"), out_specs=P("tp"),
                 )
             )
@@ -517,10 +504,7 @@ def rank_order_reference(x: np.ndarray) -> np.ndarray:
     if x.dtype == np.int32:
         s = x.astype(np.int64).sum(axis=1)
         return ((s + 2**31) % 2**32 - 2**31).astype(np.int32)
-    acc = x[:, 0].astype(np.float32)
-    for r in range(1, x.shape[1]):
-        acc = (acc + x[:, r].astype(np.float32)).astype(np.float32)
-    return acc.astype(x.dtype)
+    return rank_order_sum(np.moveaxis(x, 1, 0))
 
 
 def _vr_inputs(rng, k, n, count, dtype) -> np.ndarray:
