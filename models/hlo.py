@@ -16,7 +16,8 @@ _HLO_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64":
 # instructions that produce a cache-shaped value without moving its bytes
 _FREE = {"get-tuple-element", "parameter", "bitcast", "tuple", "while", "conditional", "call"}
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
-_INSTRUCTION = re.compile(r"^(?:ROOT )?%?([\w.\-]+) = (\S+?)(?:\{[^}]*\})? ([\w\-]+)\(")
+_INSTRUCTION = re.compile(r"^(?:ROOT )?%?([\w.\-]+) = (.*?) ([\w\-]+)\(")
+_LAYOUT = re.compile(r"\{[^}]*\}")
 
 
 def hlo_shape(dtype, shape) -> str:
@@ -51,20 +52,42 @@ def _root_opcode(lines: list[str]) -> str | None:
     return None
 
 
+def _with_callees(comps: dict[str, list[str]], name: str) -> list[str]:
+    """The lines of a computation and of those it runs through `call` (e.g. XLA:GPU's command
+    buffers), not of fusions (checked by their root) nor of while bodies (a place of their own)."""
+    lines, todo, seen = [], [name], set()
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        for line in comps[c]:
+            lines.append(line)
+            m = _INSTRUCTION.match(line)
+            if m and m.group(3) == "call":
+                todo += re.findall(r"to_apply=%?([\w.\-]+)", line)
+            elif m and m.group(3) == "conditional":
+                for group in re.findall(r"(?:branch_computations=\{([^}]*)\}|"
+                                        r"(?:true|false)_computation=(%?[\w.\-]+))", line):
+                    todo += re.findall(r"%?([\w.\-]+)", " ".join(group))
+    return lines
+
+
 def cache_copies(text: str, shape: str) -> dict[str, list[str]]:
     """Instructions that write a fresh array of `shape` (see hlo_shape) other than in place,
     per place: "entry" (the computation run once per call) and "loop" (every while body).
     An empty dict: the cache is neither copied per call nor per loop iteration."""
     comps = computations(text)
-    bodies = set(re.findall(r"body=%?([\w.\-]+)", text))
-    places = {"entry": comps.get("ENTRY", [])}
-    for b in sorted(bodies):
-        places.setdefault("loop", []).extend(comps.get(b, []))
+    entry = next((n for n, lines in comps.items() if lines is comps.get("ENTRY") and n != "ENTRY"),
+                 None)
+    places = {"entry": _with_callees(comps, entry) if entry else []}
+    for b in sorted(set(re.findall(r"body=%?([\w.\-]+)", text))):
+        places.setdefault("loop", []).extend(_with_callees(comps, b))
     found: dict[str, list[str]] = {}
     for place, lines in places.items():
         for line in lines:
             m = _INSTRUCTION.match(line)
-            if m is None or m.group(2) != shape or m.group(3) in _FREE:
+            if m is None or _LAYOUT.sub("", m.group(2)) != shape or m.group(3) in _FREE:
                 continue
             if m.group(3) == "fusion":
                 called = re.search(r"calls=%?([\w.\-]+)", line)

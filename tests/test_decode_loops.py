@@ -83,7 +83,9 @@ def test_every_loop_gives_the_plain_loops_tokens(plain_tokens, tp, allreduce, si
     assert not [w for w in caught if "falling back" in str(w.message)], "sifar fell back to psum"
     for loop, tokens in got.items():
         assert tokens.shape == (1, NEW), loop
-        np.testing.assert_array_equal(tokens, plain_tokens, err_msg=f"loop {loop}")
+        np.testing.assert_array_equal(tokens, got["sync"], err_msg=f"loop {loop}")
+    if jax.default_backend() == "cpu":  # (a GPU's float32 matmuls may round otherwise per TP)
+        np.testing.assert_array_equal(got["sync"], plain_tokens, err_msg="not TP=1's tokens")
     if allreduce == "sifar":
         sifar_jax.check()
 
@@ -105,13 +107,15 @@ def _first(row, value):
     return int(np.flatnonzero(row == value)[0])
 
 
-def test_stream_trims_after_eos(plain_tokens):
-    row = plain_tokens[0]
+def test_stream_trims_after_eos():
+    dec = _decoder(2)
+    ref = dec.generate(PROMPT, NEW, loop="sync")
+    row = ref[0]
     j = next(i for i in range(3, NEW) if _first(row, row[i]) == i)  # first occurrence at step j
     eos = int(row[j])
-    got = _every_loop(_decoder(2), PROMPT, NEW, early_exit=True, eos_id=eos)
+    got = _every_loop(dec, PROMPT, NEW, early_exit=True, eos_id=eos)
     for loop, tokens in got.items():
-        np.testing.assert_array_equal(tokens, plain_tokens[:, :j + 1], err_msg=f"loop {loop}")
+        np.testing.assert_array_equal(tokens, ref[:, :j + 1], err_msg=f"loop {loop}")
 
 
 def test_batch_stops_when_every_sequence_has_stopped():
@@ -195,6 +199,12 @@ def test_the_copy_check_can_fail():
     text = jax.jit(lambda c: (c.at[0, 3].set(1.0), c)).lower(x).compile().as_text()  # not donated
     assert "entry" in hlo.cache_copies(text, hlo.hlo_shape(x.dtype, x.shape))
 
+    def in_a_branch(c, p):  # copies inside the computations a conditional runs
+        return jax.lax.cond(p, lambda c: (c.at[0, 1].set(2.0), c), lambda c: (c, c + 1.0), c)
+
+    text = jax.jit(in_a_branch).lower(x, True).compile().as_text()
+    assert "entry" in hlo.cache_copies(text, hlo.hlo_shape(x.dtype, x.shape))
+
 
 # ---- attention buckets and the request-sized cache ------------------------------------------------
 
@@ -267,14 +277,15 @@ def _stub_fused(calls):
     return psum_add_rmsnorm
 
 
-def test_fused_option_calls_psum_add_rmsnorm_after_every_all_reduce(plain_tokens, monkeypatch,
-                                                                     sifar_clean):
+def test_fused_option_calls_psum_add_rmsnorm_after_every_all_reduce(monkeypatch, sifar_clean):
     """The decoder's wiring of fused=True, with a stand-in for the kernel: one call per
     all-reduce (2 per layer), and the tokens of the unfused decoder."""
     calls = []
     monkeypatch.setattr(sifar_jax, "psum_add_rmsnorm", _stub_fused(calls), raising=False)
+    # two float32 partials: every all-reduce adds them once, so psum's tokens are sifar's
+    want = _decoder(2).generate(PROMPT, NEW, loop="sync")
     dec = _decoder(2, "sifar", fused=True)
-    np.testing.assert_array_equal(dec.generate(PROMPT, NEW, loop="sync"), plain_tokens)
+    np.testing.assert_array_equal(dec.generate(PROMPT, NEW, loop="sync"), want)
     layers = LlamaConfig.tiny().num_layers
     assert len(calls) == 2 * 2 * layers  # traced twice: the prefill and the step
     with pytest.raises(ValueError, match="allreduce='sifar'"):
@@ -302,11 +313,11 @@ def test_fused_needs_the_kernel_or_says_so(monkeypatch, sifar_clean):
         _decoder(2, "sifar", fused=True)
 
 
-def test_generate_cli_streams_tokens(capsys, sifar_clean):
+def test_generate_cli_streams_tokens(capsys):
     from models import generate
 
     assert generate.main(["--tp", "2", "--tokens", "12", "--prompt", *map(str, PROMPT),
-                          "--allreduce", "sifar", "--seed", "11"]) == 0
+                          "--seed", "11"]) == 0
     out = capsys.readouterr().out
-    want = _decoder(2, "psum").generate(PROMPT, 12)[0]
-    assert "tokens: " + " ".join(map(str, want)) in out
+    want = " ".join(map(str, _decoder(2).generate(PROMPT, 12)[0]))
+    assert f"stream: {want} \n" in out and f"tokens: {want}\n" in out
