@@ -26,6 +26,9 @@ bucket), so a step costs what a filled context of that length costs, at every le
 prefill of an 8B model would take longer than the whole run). Every variant starts from the same
 cache and token, so the generated tokens are comparable ("same tokens as psum").
 
+Each record also says whether the optimised HLO of the executable its loop runs copies the KV cache
+(per call, or per iteration of the on-device loop: "cache_copies", models.hlo).
+
 Writes decode-<host>.{json,md,png} after every variant (a run cut short keeps what it measured):
 to bench/results/ on GPUs (the committed results), to bench/results/local/ (git-ignored) on a CPU.
 """
@@ -55,8 +58,8 @@ PIPELINE_STEPS = (4, 20)  # back-to-back runs whose difference gives one pipelin
 TAIL = (50, 90, 99, 99.9)  # percentiles of per-step times (sync, stream)
 HBM_BYTES_PER_S = 4.3e12  # assumed H200 HBM3e bandwidth actually reached when streaming weights
 PRESETS = {"llama3_8b": LlamaConfig.llama3_8b, "tiny": LlamaConfig.tiny}
-# The paper (8x H200, Llama-3.1-8B FP8, batch 1): tokens/s gain over NCCL with SiFAR, and with no
-# all-reduce at all (DESIGN.md section 1). None: not reported.
+# The SiFAR paper's end-to-end decode (8x H200, CUDA 12.9, Llama-3.1-8B FP8, batch 1): tokens/s
+# gain over NCCL with SiFAR, and with no all-reduce at all. None: not reported.
 PAPER_SIFAR_GAIN = {2: 9.1, 4: 14.9, 8: 18.6}
 PAPER_NO_ALLREDUCE_GAIN = {2: 18.0, 4: None, 8: 43.0}
 CPU_NOTE = (

@@ -2,7 +2,8 @@
 
 The decode state is a dict donated to every call, so XLA updates it in place and every buffer keeps
 its address from step to step (a buffer that moves makes XLA:GPU re-record the step's command
-buffer; DESIGN.md section 6 measured ~0.7 ms per step for a token passed in and out):
+buffer; at 8B shapes a token passed in and out of the step measured ~0.7 ms more per waited step
+on an H200 than a token kept in the state):
 
     cache  per layer {"k", "v"}: [B, capacity, kv_heads, head_dim], split over the tp axis
     pos    int32, the next position          tok   [B, 1] int32, the last token chosen

@@ -13,8 +13,10 @@ import re
 import numpy as np
 
 _HLO_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
-# instructions that produce a cache-shaped value without moving its bytes
-_FREE = {"get-tuple-element", "parameter", "bitcast", "tuple", "while", "conditional", "call"}
+# instructions that produce a cache-shaped value without moving its bytes (a dynamic-update-slice
+# writes into its operand's buffer: where it cannot, copy insertion adds an explicit copy)
+_FREE = {"get-tuple-element", "parameter", "bitcast", "tuple", "while", "conditional", "call",
+         "opt-barrier", "dynamic-update-slice"}
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^(?:ROOT )?%?([\w.\-]+) = (.*?) ([\w\-]+)\(")
 _LAYOUT = re.compile(r"\{[^}]*\}")

@@ -74,7 +74,7 @@ def _every_loop(dec, prompt, n, early_exit=False, **kw):
 # ---- every loop gives the plain loop's tokens ------------------------------------------------
 
 @pytest.mark.parametrize("tp,allreduce", [(1, "psum"), (2, "psum"), (4, "psum"),
-                                          (2, "sifar"), (4, "sifar")])
+                                          (1, "sifar"), (2, "sifar"), (4, "sifar")])
 def test_every_loop_gives_the_plain_loops_tokens(plain_tokens, tp, allreduce, sifar_clean):
     dec = _decoder(tp, allreduce)
     with warnings.catch_warnings(record=True) as caught:
