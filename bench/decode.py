@@ -669,14 +669,7 @@ def describe_run(s) -> str:
 
 def out_dir(args, platform: str) -> Path:
     """GPU results go where they are committed; a CPU demo into a git-ignored directory."""
-    if args.out:
-        return Path(args.out)
-    if platform == "gpu":
-        return common.DEFAULT_OUT
-    local = common.DEFAULT_OUT / "local"
-    local.mkdir(parents=True, exist_ok=True)
-    (local / ".gitignore").write_text("*\n")  # ignores itself too: nothing here is tracked
-    return local
+    return Path(args.out) if args.out else common.default_out(platform)
 
 
 METHOD_NOTE = (
