@@ -100,6 +100,20 @@ def _typed_like(shape, like):
     return jax.ShapeDtypeStruct(shape, like.dtype, sharding=sharding, manual_axis_type=mat)
 
 
+def _varying(a) -> frozenset:
+    mat = getattr(jax.typeof(a), "mat", None)
+    return frozenset() if mat is None else frozenset(mat.varying)
+
+
+def _same_varying(*arrays):
+    """The operands cast to one varying-axes type (an FFI call requires it
+    under check_vma; JAX may or may not insert these casts itself)."""
+    vmas = [_varying(a) for a in arrays]
+    union = frozenset().union(*vmas)
+    return [a if v == union else jax.lax.pcast(a, tuple(sorted(union - v)), to="varying")
+            for a, v in zip(arrays, vmas)]
+
+
 def _result_types(x, residual, weight, axis_name, shape):
     """(normed, new_residual) typed exactly as `residual + lax.psum(x)` and its
     norm would be: invariant over axis_name unless residual or weight vary."""
@@ -161,7 +175,7 @@ def psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float,
         # unused, so a failed all-reduce still surfaces.
         has_side_effect=(plan.platform == "cpu"),
     )
-    normed, new_residual = call(flat, res, weight, *ordering.operands(flat), **plan.attrs(),
-                                eps=np.float32(eps))
+    operands = _same_varying(flat, res, weight, *ordering.operands(flat))
+    normed, new_residual = call(*operands, **plan.attrs(), eps=np.float32(eps))
     ordering.remember(flat, new_residual)
     return normed.reshape(x.shape), new_residual.reshape(x.shape)

@@ -235,7 +235,7 @@ def test_fused_and_plain_calls_interleave_on_one_communicator(cpu_mesh, n):
     """Fused and plain calls alternate on one chain, and a scan body's fused
     chain (another lane) runs beside them; under skew and across the tag wrap
     (4 epoch bits: a wrap every 14 calls) every result stays exact."""
-    hidden, tokens, steps = 128, 2, 6
+    hidden, tokens, steps = 4096, 2, 6  # 16 KB: past XLA:CPU's in-order threshold for small thunks
     mesh = cpu_mesh(n, slot_bytes=SLOT)
     dt = DTYPES["bfloat16"]
 
