@@ -132,12 +132,13 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(FusedArgs f) {
   CallState s{};
   s.timeout_ns = st.timeout_ns;
   s.failed_peer = -1;
-  bool block_retried = false, pending = false;  // pending: a cluster arrive not yet waited for
+  bool warp0_retried = false, pending = false;  // pending: a cluster arrive not yet waited for
   for (int i = 0; i < a.repeat && go; ++i) {
     if (ok && !dropped) {
-      ok = BeginCall(w, st, epoch, s);
+      const bool wraps = NextCall(w, st, epoch, s);
+      InjectSkew(w, st, epoch);
+      if (wraps) ok = ClearTaggedAtWrap(w, s);  // block-wide
       if (!ok && s.failed_peer >= 0) RecordFailure(w, kSifar, s);
-      ok = __syncthreads_and(ok) != 0;
     }
     // Rounds of kRoundLines: the same count for every block of a cluster (the
     // payload is whole rows, a round whole clusters).
@@ -202,14 +203,13 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(FusedArgs f) {
         static_cast<uint2*>(f.normed)[line] = Pack<T>(v);
       }
     }
-    if (!dropped) block_retried |= EndCall(w, kSifar, s);
+    if (!dropped) warp0_retried |= EndCall(w, kSifar, s);
   }
-  // After the stores, as AllReduceKernel does.
-  if (!LookAgain(w, go, block_retried)) {
-    FillNaN<T>(a.out, a.nbytes);
-    FillNaN<T>(f.normed, a.nbytes);
+  if (!go) {  // the block (the cluster) failed: both outputs NaN, every line
+    FillNaN<T>(a.out, a.nbytes, threadIdx.x, kThreads);
+    FillNaN<T>(f.normed, a.nbytes, threadIdx.x, kThreads);
   } else if (!dropped) {
-    CommitBlock(w, kSifar, st, epoch, block_retried);
+    CommitBlock(w, kSifar, st, epoch, warp0_retried);
   }
   if (pending) ClusterWait();  // no block leaves while another may read its shared memory
 }

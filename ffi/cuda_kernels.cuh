@@ -267,16 +267,17 @@ __device__ inline void RecordFailure(const Ws& w, int algorithm, const CallState
   for (size_t line = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x;           \
        line < (nlines); line += kRoundLines)
 
-// A failed call must never return a plausible number: the block that sees the
-// failure fills EVERY element of an output (not only its own lines, whose
-// size differs between algorithms), so blocks that finished early are covered.
-// The fence first: a block that looks again after its stores (LookAgain)
-// either sees `failed` or has its stores overwritten by this fill.
+// A failed call must never return a stale number: a warp that sees the
+// failure fills EVERY element of an output (not only its block's lines,
+// whose size differs between algorithms), so no line is left unwritten.  A
+// line whose own block succeeded holds NaN or its correct sum, never stale
+// data.  Warp-wide (every lane of the calling warp takes part), or, with
+// (threadIdx.x, kThreads), block-wide where the whole block decided.
 template <typename T>
-__device__ void FillNaN(void* out, size_t nbytes) {
-  __threadfence_system();
+__device__ void FillNaN(void* out, size_t nbytes, uint32_t first = threadIdx.x & 31u,
+                        uint32_t stride = 32) {
   const uint32_t n = Elem<T>::kNaNWord;
-  for (size_t line = threadIdx.x; line < nbytes / 16; line += kThreads)
+  for (size_t line = first; line < nbytes / 16; line += stride)
     reinterpret_cast<uint4*>(out)[line] = make_uint4(n, n, n, n);
 }
 
@@ -555,10 +556,11 @@ __device__ __forceinline__ void ReadBlockStart(const Ws& w, int alg, BlockStart&
   b.start_ns = GlobalTimerNs();
 }
 
-// Starts one call of this block: the next epoch and its tag, the injected
-// skew, and the tag wrap's clearing.  False: the clearing timed out.
-__device__ __forceinline__ bool BeginCall(const Ws& w, const BlockStart& st, uint32_t& epoch,
-                                          CallState& s) {
+// Starts one call of this block: the next epoch, its tag, a fresh call
+// state.  Returns whether the tag wraps here (the caller then clears, with
+// ClearTaggedAtWrap, block-wide).
+__device__ __forceinline__ bool NextCall(const Ws& w, const BlockStart& st, uint32_t& epoch,
+                                         CallState& s) {
   const uint32_t prev = epoch, mask = st.mask();
   epoch = NextEpoch(epoch, mask);
   s.epoch = epoch;
@@ -566,12 +568,16 @@ __device__ __forceinline__ bool BeginCall(const Ws& w, const BlockStart& st, uin
   s.retried = false;
   s.failed_peer = -1;
   s.deadline = 0;
-  if (st.c0.y) {  // testing.inject_skew: a deterministic per-(rank, epoch) wait
+  return WrapsAt(prev, epoch);
+}
+
+// testing.inject_skew: a deterministic per-(rank, epoch) wait.
+__device__ __forceinline__ void InjectSkew(const Ws& w, const BlockStart& st, uint32_t epoch) {
+  if (st.c0.y) {
     const uint64_t until = GlobalTimerNs() + SkewNs(st.c0.y, st.c0.z, w.a.rank, epoch);
     while (GlobalTimerNs() < until) {
     }
   }
-  return WrapsAt(prev, epoch) ? ClearTaggedAtWrap(w, s) : true;
 }
 
 // Ends one call: mis-speculations and timeouts counted per warp (rare, so
@@ -585,19 +591,6 @@ __device__ __forceinline__ bool EndCall(const Ws& w, int alg, const CallState& s
     if (warp_timed_out) atomicAdd(w.stat(alg, kTimeouts), 1ull);
   }
   return warp_retried;
-}
-
-// A block that had to wait may have finished just as another block or rank
-// gave up: after its stores it looks again (after a fence, so either it sees
-// `failed` or the failing block's NaN fill, fenced too, comes after its
-// stores).  Blocks that never waited finished long before any deadline.
-// Block-wide.
-__device__ __forceinline__ bool LookAgain(const Ws& w, bool ok, bool block_retried) {
-  if (ok && __syncthreads_or(block_retried)) {
-    __threadfence_system();
-    ok = __syncthreads_and(LoadStrong(&w.ctl(w.a.rank)->failed) == 0) != 0;
-  }
-  return ok;
 }
 
 // Thread 0 of a block whose calls all completed: the block's epoch, and on
@@ -655,9 +648,17 @@ __global__ void __launch_bounds__(kThreads) AllReduceKernel(KernelArgs a) {
   uint32_t epoch = st.epoch;
   CallState s{};
   s.timeout_ns = st.timeout_ns;
-  bool ok = true, block_retried = false;
-  for (int i = 0; i < a.repeat && ok; ++i) {
-    ok = BeginCall(w, st, epoch, s);
+  bool ok = true, warp0_retried = false;
+  for (int i = 0; i < a.repeat; ++i) {
+    const bool wraps = NextCall(w, st, epoch, s);
+    // Where the call has block-wide barriers (barrier algorithms, the wrap's
+    // clearing) every warp must agree first; a failed warp keeps looping
+    // (doing nothing) so it still takes part.  Tagged calls have no block
+    // barrier: their warps run ahead independently.
+    if (!TaggedAlgorithm(ALG) || wraps) ok = __syncthreads_and(ok) != 0;
+    if (!ok) continue;
+    InjectSkew(w, st, epoch);
+    if (wraps) ok = ClearTaggedAtWrap(w, s);
     if (ok) {
       if (ALG == kOneshot) ok = Oneshot<T>(w, s, true);
       if (ALG == kOneshotDB) ok = Oneshot<T>(w, s, false);
@@ -667,14 +668,14 @@ __global__ void __launch_bounds__(kThreads) AllReduceKernel(KernelArgs a) {
       if (ALG == kSifarPush) ok = Sifar<T, NR, true>(w, s, st.c1.x, st.c1.y, first);
     }
     if (!ok && s.failed_peer >= 0) RecordFailure(w, ALG, s);
-    block_retried |= EndCall(w, ALG, s);
-    ok = __syncthreads_and(ok) != 0;  // the whole block leaves together
+    warp0_retried |= EndCall(w, ALG, s);
+    ok = __all_sync(0xffffffffu, ok);  // the warp agrees on the outcome
   }
-  if (!LookAgain(w, ok, block_retried)) {
+  if (!ok) {
     FillNaN<T>(a.out, a.nbytes);
     return;
   }
-  CommitBlock(w, ALG, st, epoch, block_retried);
+  CommitBlock(w, ALG, st, epoch, warp0_retried);
 }
 
 }  // namespace cuda
