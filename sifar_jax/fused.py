@@ -46,7 +46,7 @@ def _warn_once(reason: str) -> None:
         warnings.warn(
             f"sifar_jax.{_API}: falling back to the unfused composition "
             f"(sifar_psum, add, RMSNorm): {reason}",
-            stacklevel=4,
+            stacklevel=3,
         )
 
 
@@ -110,8 +110,13 @@ def _same_varying(*arrays):
     under check_vma; JAX may or may not insert these casts itself)."""
     vmas = [_varying(a) for a in arrays]
     union = frozenset().union(*vmas)
-    return [a if v == union else jax.lax.pcast(a, tuple(sorted(union - v)), to="varying")
-            for a, v in zip(arrays, vmas)]
+
+    def cast(a, axes):
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(a, axes, to="varying")
+        return jax.lax.pvary(a, axes)  # older JAX
+
+    return [a if v == union else cast(a, tuple(sorted(union - v))) for a, v in zip(arrays, vmas)]
 
 
 def _result_types(x, residual, weight, axis_name, shape):
@@ -137,7 +142,12 @@ def psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float,
                                                 rounded once)
       normed       = weight * (xf * rsqrt(mean(xf * xf, -1) + eps)).astype(dtype)
                      with xf = float32(new_residual): models.llama.RMSNorm's
-                     rounding points, within 1 ulp of XLA's unfused norm
+                     rounding points. The fp32 sum of squares has its own
+                     fixed order (the same bits on every rank), so y may
+                     round the other way than in XLA's norm in rare elements
+                     (an ulp of y). XLA compiling the unfused model may also
+                     feed its norm the unrounded float32 sum (excess
+                     precision), which this call does not.
 
     Both are typed like `residual + lax.psum(x, axis_name)` under
     `shard_map(check_vma=True)`. Where the fused kernel cannot run (algorithm

@@ -50,8 +50,9 @@ DTYPES = {
 # rounded to the dtype) may round the other way in rare elements: 1 ulp of y,
 # which the weight (|w| up to ~1.3 here) can turn into 2 ulps of normed.
 # float32 keeps every bit of the scale, so most elements move by an ulp or
-# a few: no count bound there.
-MAX_ULPS = {"bfloat16": 2, "float16": 2, "float32": 8}
+# a few (on GPUs both sides use the approximate rsqrt, ~2 ulp each): a loose
+# bound and no count bound there.
+MAX_ULPS = {"bfloat16": 2, "float16": 2, "float32": 16}
 MAX_DIFFERING = {"bfloat16": 1e-3, "float16": 1e-3, "float32": 1.0}
 
 
