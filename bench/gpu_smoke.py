@@ -71,7 +71,7 @@ def sweep_poll(mesh, n):
             for level, (r1, r2) in (("kernel", (10, 2000)), ("jit", (10, 200))):
                 for r in (r1, r2):
                     if level == "kernel":
-                        body = lambda v, r=r, alg=alg: sifar_jax.sifar_psum(v, "tp", algorithm=alg, _repeat=r)
+                        body = lambda v, r=r, alg=alg: sifar_jax.benchmarking.psum_repeated(v, "tp", r, algorithm=alg)
                     else:
                         def body(v, r=r, alg=alg):
                             for _ in range(r):
@@ -96,7 +96,7 @@ def latency(mesh, n, nbytes, alg, level, r_small=10, r_big=1000):
     x = jax.random.normal(jax.random.key(1), (n, nbytes // 2), jnp.bfloat16)
     def make(r):
         if level == "kernel":
-            body = lambda v: sifar_jax.sifar_psum(v, "tp", algorithm=alg, _repeat=r)
+            body = lambda v: sifar_jax.benchmarking.psum_repeated(v, "tp", r, algorithm=alg)
         else:
             def body(v):
                 for _ in range(r):

@@ -5,11 +5,11 @@
     y = jax.shard_map(lambda x: sifar_jax.sifar_psum(x, "tp"), mesh=mesh, ...)(x)
 """
 
-from . import algorithms, testing
+from . import algorithms, benchmarking, testing
 from .algorithms import ALL as ALGORITHMS
 from .buffers import DualBuffers, buffer_spec, make_buffers, sifar_psum_into
 from .comm import DEFAULT_SLOT_BYTES, communicators, init, shutdown
-from .errors import NotInitializedError, SifarError
+from .errors import NotInitializedError, SifarError, UnboundAxisError
 from .fused import psum_add_rmsnorm
 from .multicast import MulticastDisabledError
 from .ordering import dispatch_lock
@@ -26,7 +26,9 @@ __all__ = [
     "NotInitializedError",
     "SUPPORTED_DTYPES",
     "SifarError",
+    "UnboundAxisError",
     "algorithms",
+    "benchmarking",
     "buffer_spec",
     "call_trace",
     "check",

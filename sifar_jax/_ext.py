@@ -1,8 +1,6 @@
-"""Loads the compiled extension and registers its FFI targets with XLA once."""
+"""Loads the compiled extension and registers its FFI targets with XLA (at import)."""
 
 from __future__ import annotations
-
-import functools
 
 import jax
 
@@ -20,9 +18,8 @@ TARGET_INTO = "sifar_allreduce_into"  # (x, buf, prev) -> (y, buf) on user buffe
 TARGET_FUSED = "sifar_psum_add_rmsnorm"
 
 
-@functools.cache
-def register() -> frozenset[str]:
-    """Registers the handlers; returns the XLA platforms that have one."""
+def _register() -> frozenset[str]:
+    """Registers every handler the build has; returns their platforms ("cpu", "cuda")."""
     platforms = set()
     for target, by_platform in _sifar.handlers().items():
         for platform, capsule in by_platform.items():
@@ -30,3 +27,8 @@ def register() -> frozenset[str]:
             jax.ffi.register_ffi_target(target, capsule, platform=xla_platform)
             platforms.add(platform)
     return frozenset(platforms)
+
+
+# Once, when sifar_jax is imported: any function traced afterwards may lower
+# to these targets, whether or not a communicator was set up yet.
+PLATFORMS: frozenset[str] = _register()

@@ -4,18 +4,24 @@ A communicator for axis `a` holds one group of ranks per line of devices
 along `a` (rank = position along the axis = `lax.axis_index(a)`), and on each
 device a symmetric workspace (two payload slots plus epoch and signal words).
 The FFI handler finds its group and rank from the device it runs on.
+
+A communicator over several axes at once, e.g. ("dp", "tp") (one group per
+block of devices spanned by them, rank = `lax.axis_index(("dp", "tp"))`), is
+made when sifar_psum first reduces over that tuple (`communicators_over`), and
+made again by every later `init` of a mesh that has those axes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import threading
 
 import jax
 import numpy as np
 
-from . import _ext
+from . import _ext, _jax_compat
 
 DEFAULT_SLOT_BYTES = 64 * 1024
 # Lanes per communicator: independent call chains (a scan body and its caller,
@@ -27,7 +33,7 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("SIFAR_TIMEOUT_S", "5.0"))
 
 @dataclasses.dataclass(frozen=True)
 class Communicator:
-    axis_name: str
+    axis_name: str | tuple[str, ...]  # a tuple: one communicator over several axes
     axis_key: int
     comm_id: int
     platform: str  # "cpu" or "cuda"
@@ -41,7 +47,7 @@ class Communicator:
 class Unsupported:
     """An axis sifar_psum cannot serve; "auto" falls back to lax.psum."""
 
-    axis_name: str
+    axis_name: str | tuple[str, ...]
     nranks: int
     reason: str
 
@@ -50,6 +56,8 @@ _lock = threading.RLock()
 _axis_keys: dict[str, int] = {}
 _comms: dict[str, list[Communicator]] = {}
 _unsupported: dict[str, list[Unsupported]] = {}
+_meshes: list = []  # (mesh, slot_bytes, lanes) of every init since the last shutdown
+_products: set[tuple[str, ...]] = set()  # axis tuples ever reduced over (kept by shutdown)
 _settings = {"skew": (0, 0), "timeout_s": DEFAULT_TIMEOUT_S}
 
 
@@ -67,16 +75,25 @@ def _platform(device) -> str | None:
     return None
 
 
-def _groups(mesh, axis: str) -> list[list]:
-    devs = np.moveaxis(np.asarray(mesh.devices), mesh.axis_names.index(axis), -1)
-    return [list(row) for row in devs.reshape(-1, devs.shape[-1])]
+def _groups(mesh, axes) -> list[list]:
+    """Device groups along `axes` (a name or a tuple), in rank order: row-major
+    over the axes in the order given, like lax.axis_index(axes)."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    where = [mesh.axis_names.index(a) for a in axes]
+    devs = np.moveaxis(np.asarray(mesh.devices), where, range(-len(axes), 0))
+    size = math.prod(devs.shape[-len(axes):])
+    return [list(row) for row in devs.reshape(-1, size)]
+
+
+def _label(key) -> str:
+    return key if isinstance(key, str) else "(" + ", ".join(key) + ")"
 
 
 def _why_unsupported(groups: list[list], platform: str | None) -> str | None:
     n = len(groups[0])
     if platform is None:
         return f"no sifar_jax handler for platform {groups[0][0].platform!r}"
-    if platform not in _ext.register():
+    if platform not in _ext.PLATFORMS:
         return f"sifar_jax was built without its {platform} backend"
     if n > _ext._sifar.max_ranks():
         return f"axis has {n} devices; sifar_jax supports up to {_ext._sifar.max_ranks()}"
@@ -106,15 +123,7 @@ def _wait_for_effects() -> None:
         jax.effects_barrier()
     except Exception:  # noqa: BLE001 - the failing call already raised it
         try:
-            from jax._src import dispatch
-
-            tokens = dispatch.runtime_tokens
-            for tok in [*tokens.current_tokens.values(), *tokens.output_runtime_tokens.values()]:
-                try:
-                    tok.block_until_ready()
-                except Exception:  # noqa: BLE001
-                    pass
-            tokens.clear()
+            _jax_compat.forget_runtime_tokens()
         except Exception:  # noqa: BLE001 - private API moved: nothing more to do
             pass
 
@@ -157,7 +166,9 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None,
     with _lock:
         if timeout_s is not None:
             set_timeout(timeout_s)  # existing communicators too
-        for axis in mesh.axis_names:
+        _meshes[:] = [e for e in _meshes if e[0] != mesh] + [(mesh, slot_bytes, lanes)]
+        products = [p for p in sorted(_products) if set(p) <= set(mesh.axis_names)]
+        for axis in [*mesh.axis_names, *products]:
             groups = _groups(mesh, axis)
             ids = tuple(tuple(d.id for d in g) for g in groups)
             platform = _platform(groups[0][0])
@@ -173,7 +184,7 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None,
             comm_id = _ext._sifar.create_comm(
                 platform,
                 key,
-                axis,
+                _label(axis),
                 [[d.local_hardware_id for d in g] for g in groups],
                 slot_bytes,
                 _settings["timeout_s"],
@@ -193,16 +204,32 @@ def shutdown() -> None:
         _ext._sifar.destroy_all()
         _comms.clear()
         _unsupported.clear()
+        _meshes.clear()
 
 
-def communicators(axis_name: str | None = None) -> list[Communicator]:
+def communicators(axis_name=None) -> list[Communicator]:
     with _lock:
         if axis_name is None:
             return [c for cs in _comms.values() for c in cs]
         return list(_comms.get(axis_name, []))
 
 
-def unsupported(axis_name: str) -> list[Unsupported]:
+def communicators_over(axes: tuple[str, ...]) -> list[Communicator]:
+    """Communicators over the product of several axes, made on first use for
+    every initialised mesh that has them (and again by each later init)."""
+    axes = tuple(axes)
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"sifar_jax: repeated axis in {axes}")
+    with _lock:
+        if axes not in _products:
+            _products.add(axes)
+            for mesh, slot_bytes, lanes in list(_meshes):
+                if set(axes) <= set(mesh.axis_names):
+                    init(mesh, slot_bytes=slot_bytes, lanes=lanes)
+        return communicators(axes)
+
+
+def unsupported(axis_name) -> list[Unsupported]:
     with _lock:
         return list(_unsupported.get(axis_name, []))
 

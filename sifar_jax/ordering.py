@@ -31,6 +31,8 @@ import itertools
 import threading
 import weakref
 
+from ._jax_compat import trace_of as _trace_of
+
 _lock = threading.Lock()
 
 # Held around the dispatch of a jitted call, so that its per-device launches
@@ -45,10 +47,6 @@ _chains: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # this strong map keyed by id, pruned when full.
 _strong: dict = {}
 _STRONG_LIMIT = 64
-
-
-def _trace_of(x):
-    return getattr(x, "_trace", None)
 
 
 def _entry(trace):

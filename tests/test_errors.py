@@ -20,25 +20,45 @@ def trace(mesh, body, x, axis="tp"):
     return f.lower(x)
 
 
-@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint16, jnp.bool_, jnp.complex64])
-def test_unsupported_dtype_is_type_error(cpu_mesh, dtype):
+def _summed_as(dtype):
+    """What sifar sums a dtype as: bool counts in int32, like lax.psum."""
+    return jnp.dtype(jnp.int32) if jnp.dtype(dtype) == jnp.bool_ else jnp.dtype(dtype)
+
+
+# Whatever the extension does not sum natively (int32/uint32 may become native).
+UNSUPPORTED = [
+    d
+    for d in (jnp.int32, jnp.uint32, jnp.int8, jnp.uint16, jnp.bool_, jnp.complex64)
+    if _summed_as(d) not in sifar_jax.SUPPORTED_DTYPES
+]
+
+
+@pytest.mark.parametrize("dtype", UNSUPPORTED, ids=lambda d: jnp.dtype(d).name)
+def test_unsupported_dtype_with_named_algorithm_is_type_error(cpu_mesh, dtype):
+    """A named algorithm raises; "auto" hands the type to lax.psum (test_transforms)."""
     mesh = cpu_mesh(2, slot_bytes=SLOT)
     x = jax.ShapeDtypeStruct((2, 8), dtype)
-    with pytest.raises(TypeError, match=r"dtype .* not supported.*float32, bfloat16, float16, int32, uint32"):
-        trace(mesh, lambda v: sifar_jax.sifar_psum(v, "tp"), x)
+    with pytest.raises(TypeError, match=r"algorithm='sifar'.*dtype .* not supported.*float32"):
+        trace(mesh, lambda v: sifar_jax.sifar_psum(v, "tp", algorithm="sifar"), x)
 
 
-def test_unknown_axis_is_value_error(cpu_mesh):
+def test_unknown_axis_is_name_error(cpu_mesh):
+    """Like lax.psum, an unbound axis name is a NameError (and still a ValueError)."""
     mesh = cpu_mesh(2, slot_bytes=SLOT)
     x = jax.ShapeDtypeStruct((2, 8), jnp.float32)
-    with pytest.raises(ValueError, match=r"axis 'nope' is not bound"):
+    with pytest.raises(sifar_jax.UnboundAxisError, match=r"axis 'nope' is not bound") as e:
         trace(mesh, lambda v: sifar_jax.sifar_psum(v, "nope"), x)
+    assert isinstance(e.value, NameError) and isinstance(e.value, ValueError)
+    with pytest.raises(NameError):  # one unbound name among bound ones
+        trace(mesh, lambda v: sifar_jax.sifar_psum(v, ("tp", "nope")), x)
 
 
-def test_outside_shard_map_is_value_error(cpu_mesh):
+def test_outside_shard_map_is_name_error(cpu_mesh):
     cpu_mesh(2, slot_bytes=SLOT)
-    with pytest.raises(ValueError, match=r"shard_map"):
+    with pytest.raises(NameError, match=r"shard_map"):
         sifar_jax.sifar_psum(jnp.ones(8), "tp")
+    with pytest.raises(NameError):  # what lax.psum raises here too
+        jax.lax.psum(jnp.ones(8), "tp")
 
 
 def test_not_initialised(cpu_mesh):
@@ -118,11 +138,42 @@ def test_auto_never_picks_multicast_on_cpu(cpu_mesh):
     assert s["sifar"]["calls"] == 2 and s["multicast"]["calls"] == 0
 
 
-def test_several_axes_at_once(cpu_mesh):
+def test_repeated_axis_is_lax_psums_error(cpu_mesh):
+    """("tp", "tp") fails as lax.psum fails, and leaves sifar_jax working."""
     mesh = cpu_mesh(2, slot_bytes=SLOT)
     x = jax.ShapeDtypeStruct((2, 8), jnp.float32)
-    with pytest.raises(ValueError, match="several axes"):
-        trace(mesh, lambda v: sifar_jax.sifar_psum(v, ("tp", "tp"), algorithm="sifar"), x)
+    errors = []
+    for psum in (jax.lax.psum, sifar_jax.sifar_psum):
+        with pytest.raises(ValueError) as e:
+            trace(mesh, lambda v, psum=psum: psum(v, ("tp", "tp")), x)
+        errors.append(str(e.value).splitlines()[0])
+    assert errors[0] == errors[1]
+    trace(mesh, lambda v: sifar_jax.sifar_psum(v, "tp"), x)  # still fine
+
+
+def test_axis_index_groups_with_named_algorithm_is_value_error(cpu_mesh):
+    """"auto" hands axis_index_groups to lax.psum (test_transforms); a named
+    algorithm cannot serve it."""
+    mesh = cpu_mesh(4, slot_bytes=SLOT)
+    x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"axis_index_groups"):
+        trace(
+            mesh,
+            lambda v: sifar_jax.sifar_psum(
+                v, "tp", axis_index_groups=[[0, 1], [2, 3]], algorithm="sifar"
+            ),
+            x,
+        )
+
+
+def test_psum_repeated_validates(cpu_mesh):
+    mesh = cpu_mesh(2, slot_bytes=SLOT)
+    x = jax.ShapeDtypeStruct((2, 8), jnp.float32)
+    with pytest.raises(ValueError, match="repeat"):
+        trace(mesh, lambda v: sifar_jax.benchmarking.psum_repeated(v, "tp", 0), x)
+    big = jax.ShapeDtypeStruct((2, SLOT), jnp.float32)  # past the slot: no fallback here
+    with pytest.raises(ValueError, match="exceeds"):
+        trace(mesh, lambda v: sifar_jax.benchmarking.psum_repeated(v, "tp", 3), big)
 
 
 def test_init_validates_slot(cpu_mesh):

@@ -300,13 +300,13 @@ class TestCorrectness:
 
     @pytest.mark.parametrize("algorithm", ALGS)
     def test_repeat_in_one_launch(self, tp_mesh, algorithm):
-        """_repeat (the kernel-level benchmark) gives the single call's result."""
+        """psum_repeated (the kernel-level benchmark) gives the single call's result."""
         n = tp_mesh.shape["tp"]
         outs = {}
         for r in (1, 1000):
             f = jax.jit(
                 jax.shard_map(
-                    lambda v, r=r: sifar_jax.sifar_psum(v[0], "tp", algorithm=algorithm, _repeat=r)[None],
+                    lambda v, r=r: sifar_jax.benchmarking.psum_repeated(v[0], "tp", r, algorithm=algorithm)[None],
                     mesh=tp_mesh, in_specs=P("tp"), out_specs=P("tp"),
                 )
             )

@@ -10,7 +10,6 @@ for a whole test class (one class instance per rank count).
 from __future__ import annotations
 
 import itertools
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +19,16 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import sifar_jax
-from reference import chain_reference_f32
+from reference import (
+    assert_bit_identical_rows,
+    assert_close_to_psum,
+    assert_matches_reference,
+    chain_reference_f32,
+    int_view,
+    make_inputs,
+    reference,
+    rng_for,
+)
 from sifar_jax import psum as psum_module
 
 N_RANKS = (2, 4, 8)
@@ -53,67 +61,6 @@ def resolve(shape, dtype) -> tuple[int, ...]:
     return tuple(table[d] if isinstance(d, str) else d for d in shape)
 
 
-def rng_for(*key) -> np.random.Generator:
-    """A fresh, reproducible generator per test case and call."""
-    return np.random.default_rng(zlib.crc32(repr(key).encode()))
-
-
-def make_inputs(rng, n, shape, dtype) -> np.ndarray:
-    """(n, *shape) partials, one row per rank. Magnitudes in [0.5, 2) and one
-    random sign per element shared by all ranks: no cancellation, so the sum is
-    never zero (an unwritten output element cannot pass) and float32 rank-order
-    summation stays within (n-1) ulps of the exact sum."""
-    mag = rng.uniform(0.5, 2.0, size=(n, *shape))
-    sign = np.where(rng.random(shape) < 0.5, -1.0, 1.0)
-    return (mag * sign).astype(dtype)
-
-
-def reference(x: np.ndarray) -> np.ndarray:
-    """The float64 sum of the upcast partials, rounded once to the dtype."""
-    return x.astype(np.float64).sum(axis=0).astype(x.dtype)
-
-
-def int_view(a: np.ndarray) -> np.ndarray:
-    return a.view({2: np.int16, 4: np.int32}[a.dtype.itemsize]).astype(np.int64)
-
-
-def assert_bit_identical_rows(out: np.ndarray, what: str = "") -> None:
-    bits = int_view(np.ascontiguousarray(out))
-    same = (bits == bits[:1]).all(axis=tuple(range(1, bits.ndim)))
-    assert same.all(), f"{what}: ranks {np.nonzero(~same)[0].tolist()} differ from rank 0"
-
-
-def assert_matches_reference(got: np.ndarray, ref: np.ndarray, n: int, what: str = "") -> None:
-    """got (one rank's result) vs the rounded float64 reference."""
-    assert got.shape == ref.shape and got.dtype == ref.dtype, what
-    g64 = got.astype(np.float64)
-    assert np.isfinite(g64).all(), f"{what}: non-finite output (unwritten or poisoned element)"
-    assert (g64 != 0).all(), f"{what}: zero output where the sum is never zero (unwritten element)"
-    if got.dtype == np.float32:
-        np.testing.assert_allclose(g64, ref.astype(np.float64), rtol=1e-6 * n, atol=0, err_msg=what)
-    else:
-        # Same sign everywhere, so adjacent bit patterns are adjacent values:
-        # within one ulp <=> integer views differ by at most 1.
-        ulps = np.abs(int_view(got) - int_view(ref))
-        bad = np.nonzero(ulps > 1)
-        assert ulps.max() <= 1, (
-            f"{what}: {len(bad[0])} elements off by more than 1 ulp, e.g. got "
-            f"{got[tuple(b[:3] for b in bad)]} want {ref[tuple(b[:3] for b in bad)]}"
-        )
-
-
-def psum_tolerance(dtype, n) -> float:
-    """lax.psum may add in another order and round each step."""
-    eps = {4: 2.0**-23, 2: 2.0**-7 if dtype == DTYPES["bfloat16"] else 2.0**-10}
-    return 2 * n * eps[np.dtype(dtype).itemsize]
-
-
-def assert_close_to_psum(got, want, dtype, n, what=""):
-    np.testing.assert_allclose(
-        got.astype(np.float64), want.astype(np.float64), rtol=psum_tolerance(dtype, n), err_msg=what
-    )
-
-
 # ----------------------------------------------------------------- functions --
 # Built once per (ranks, algorithm, ...) and reused by every class instance:
 # meshes of the same devices compare equal, and the communicator's axis key
@@ -144,7 +91,7 @@ def repeat_fn(mesh, algorithm, repeat):
     if key not in _FUNCS:
 
         def body(x):
-            return sifar_jax.sifar_psum(x[0], "tp", algorithm=algorithm, _repeat=repeat)[None]
+            return sifar_jax.benchmarking.psum_repeated(x[0], "tp", repeat, algorithm=algorithm)[None]
 
         _FUNCS[key] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
     return _FUNCS[key]
@@ -246,7 +193,7 @@ class TestMatrix:
 
 
 class TestSequences:
-    """Back-to-back all-reduces: slot alternation, interleaving, _repeat, stats."""
+    """Back-to-back all-reduces: slot alternation, interleaving, psum_repeated, stats."""
 
     STEPS = 64
 

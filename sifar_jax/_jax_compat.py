@@ -1,0 +1,117 @@
+"""Every use of JAX internals, in one place (as mpi4jax keeps its own).
+
+sifar-jax supports jax 0.10.x (CI, PyPI) and 0.11.x (the GPU hosts). Each item
+below says what it reaches for, why no public API does it, and which versions
+it was checked against; when JAX moves one, only this file changes.
+"""
+
+from __future__ import annotations
+
+import jax
+
+# Defining a primitive (checked 0.10.2, 0.11.x). `jax.extend.core.Primitive`
+# and the rule tables in `jax.interpreters.{ad,batching,mlir}` are the
+# documented extension points; they are re-exported here so that the rest of
+# the package imports JAX's extension surface from one module.
+from jax.extend.core import Effect, Primitive  # noqa: F401
+from jax.interpreters import ad, batching, mlir  # noqa: F401
+
+
+def trace_of(x):
+    """The trace a tracer belongs to, or None for a concrete value.
+
+    `Tracer._trace` (JAX's stackless core, jax >= 0.4.36; checked 0.10.2 and
+    0.11.x): no public accessor tells which jaxpr a value is being traced into,
+    and sifar_jax.ordering chains the all-reduces of one jaxpr by it.
+    """
+    return getattr(x, "_trace", None)
+
+
+def varying_axes(aval) -> frozenset:
+    """The manual mesh axes a value varies over under shard_map(check_vma=True).
+
+    jax >= 0.10 spells it `aval.manual_axis_type.varying` (`.vma` was removed
+    in 0.10.0); older releases had `aval.vma`. Empty with check_vma=False.
+    """
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def with_varying(aval, axes):
+    """`aval` with its varying axes replaced by `axes`: the type rule of our
+    all-reduce primitive (lax.psum's: the input's axes minus the reduced ones).
+    `ShapedArray.update(manual_axis_type=...)` is how JAX's own psum builds its
+    output type (0.10.2, 0.11.x); `update(vma=...)` before 0.10."""
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return aval.update(manual_axis_type=mat.update(varying=frozenset(axes)))
+    return aval.update(vma=frozenset(axes))
+
+
+def manual_axes() -> frozenset:
+    """Mesh axes that are manual here, i.e. bound by an enclosing shard_map
+    (public API; a vmap axis name is not among them)."""
+    return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def zero_tangent(primal):
+    """A symbolic zero tangent for `primal` (`ShapedArray.to_tangent_aval`,
+    0.10.2 and 0.11.x: float0 for integer values)."""
+    return ad.Zero(jax.typeof(primal).to_tangent_aval())
+
+
+class _AllReduceEffect(Effect):
+    """The side effect of an all-reduce that must run even when its result
+    is unused (sifar_jax declares it on XLA:CPU, where a failed all-reduce
+    must still surface)."""
+
+    def __str__(self):
+        return "SifarAllReduce"
+
+
+ALLREDUCE_EFFECT = _AllReduceEffect()
+
+
+def _allow_effect() -> None:
+    """Lets the effect appear where lax.psum can: lowered, in control flow,
+    inside custom_jvp/custom_vjp and jax.checkpoint (remat may recompute an
+    all-reduce: every rank recomputes the same ones). The tables in
+    `jax._src.effects` are the only way to say so (0.10.2, 0.11.x);
+    jax.debug.callback's effect is registered the same way. ffi_call's own
+    effect is not allowed under remat, which is why sifar_jax has its own."""
+    from jax._src import effects
+
+    for table in (
+        effects.lowerable_effects,
+        effects.control_flow_allowed_effects,
+        effects.custom_derivatives_allowed_effects,
+        effects.remat_allowed_effects,
+    ):
+        table.add_type(_AllReduceEffect)
+
+
+_allow_effect()
+
+# vmap's marker for "this operand has no batch dimension": None in every JAX
+# release (`jax._src.interpreters.batching.not_mapped`, not re-exported).
+NOT_MAPPED = None
+
+
+def forget_runtime_tokens() -> None:
+    """Drops the runtime tokens JAX keeps for side-effecting computations.
+
+    `jax._src.dispatch.runtime_tokens` (0.10.2, 0.11.x): after a side-effecting
+    computation failed, every later `jax.effects_barrier()` re-raises its
+    (already reported) error. sifar_jax.comm forgets it on shutdown()/init().
+    """
+    from jax._src import dispatch
+
+    tokens = dispatch.runtime_tokens
+    for tok in [*tokens.current_tokens.values(), *tokens.output_runtime_tokens.values()]:
+        try:
+            tok.block_until_ready()
+        except Exception:  # noqa: BLE001 - the failing call already raised it
+            pass
+    tokens.clear()
