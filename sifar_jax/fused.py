@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ext, algorithms, ordering, psum
+from . import _ext, _jax_compat, algorithms, ordering, psum
 
 FLOAT_DTYPES = tuple(jnp.dtype(n) for n in ("float32", "bfloat16", "float16"))
 _API = "psum_add_rmsnorm"
@@ -89,43 +89,25 @@ def _layout_refusal(x) -> str | None:
     )
 
 
-def _typed_like(shape, like):
-    """A result type of `shape` (flat: replicated within the rank) with the
-    dtype, mesh and varying-axes type of `like` (a ShapeDtypeStruct)."""
-    mat = getattr(like, "manual_axis_type", None)
-    if mat is None or like.sharding is None:
-        return jax.ShapeDtypeStruct(shape, like.dtype)
-    sharding = jax.sharding.NamedSharding(like.sharding.mesh,
-                                          jax.sharding.PartitionSpec(*([None] * len(shape))))
-    return jax.ShapeDtypeStruct(shape, like.dtype, sharding=sharding, manual_axis_type=mat)
-
-
-def _varying(a) -> frozenset:
-    mat = getattr(jax.typeof(a), "mat", None)
-    return frozenset() if mat is None else frozenset(mat.varying)
-
-
 def _same_varying(*arrays):
     """The operands cast to one varying-axes type (an FFI call requires it
     under check_vma; JAX may or may not insert these casts itself)."""
-    vmas = [_varying(a) for a in arrays]
+    vmas = [_jax_compat.varying_axes(jax.typeof(a)) for a in arrays]
     union = frozenset().union(*vmas)
-
-    def cast(a, axes):
-        if hasattr(jax.lax, "pcast"):
-            return jax.lax.pcast(a, axes, to="varying")
-        return jax.lax.pvary(a, axes)  # older JAX
-
-    return [a if v == union else cast(a, tuple(sorted(union - v))) for a, v in zip(arrays, vmas)]
+    return [a if v == union else jax.lax.pcast(a, tuple(sorted(union - v)), to="varying")
+            for a, v in zip(arrays, vmas)]
 
 
-def _result_types(x, residual, weight, axis_name, shape):
-    """(normed, new_residual) typed exactly as `residual + lax.psum(x)` and its
-    norm would be: invariant over axis_name unless residual or weight vary."""
+def _result_types(x, residual, weight, axis_name, flat):
+    """(normed, new_residual) as flat arrays typed exactly as `residual +
+    lax.psum(x)` and its norm would be: invariant over axis_name unless the
+    residual or the weight vary over it."""
     def composed(x, residual, weight):
         return _unfused(x, residual, weight, 1.0, lambda v: jax.lax.psum(v, axis_name))
 
-    return [_typed_like(shape, t) for t in jax.eval_shape(composed, x, residual, weight)]
+    like = jax.typeof(flat)
+    return [_jax_compat.with_varying(like, _jax_compat.varying_axes(t))
+            for t in jax.eval_shape(composed, x, residual, weight)]
 
 
 def psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float,
@@ -180,7 +162,7 @@ def psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float,
     flat, res = x.reshape(-1), residual.reshape(-1)
     call = jax.ffi.ffi_call(
         _ext.TARGET_FUSED,
-        _result_types(x, residual, weight, axis_name, flat.shape),
+        _result_types(x, residual, weight, axis_name, flat),
         # As sifar_psum: XLA:CPU keeps the call even when its results are
         # unused, so a failed all-reduce still surfaces.
         has_side_effect=(plan.platform == "cpu"),
