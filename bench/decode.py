@@ -1,44 +1,46 @@
-"""End-to-end decode: time per output token (TPOT) of the Flax Llama decoder with
-lax.psum, with sifar_psum, and with the all-reduce replaced by identity.
+"""End-to-end decode: time per output token (TPOT) of the Flax Llama decoder with lax.psum, with
+sifar_psum (unfused, and fused with the residual add and RMSNorm when sifar_jax has it), and with
+the all-reduce replaced by identity, in every decode loop, over batch sizes and KV lengths.
 
-    python -m bench.decode                    # GPU: Llama-3.1-8B shapes, bf16, TP=2 then TP=1
-    python -m bench.decode --quick            # CPU smoke test (tiny model, a few tokens)
-    python -m bench.decode --algorithms sifar_push,oneshot_db,oneshot   # more sifar rows
+    python -m bench.decode                    # GPU: Llama-3.1-8B shapes, bf16, TP=2 (4, 8) then 1
+    python -m bench.decode --quick            # CPU demo (tiny model): about a minute on 2 cores
+    python -m bench.decode --tp 2 --batch 1 --context 1024 --no-sweep   # the loops only
 
-Per variant (TP size x all-reduce): a fresh Decoder over random weights (built once per TP
-size and shared by its variants), a random prompt prefilled into the KV cache, a few warm-up
-steps (the first one compiles), then `--tokens` greedy steps timed one by one
-(`Decoder.greedy` + block_until_ready: the "sync" TPOT, which includes XLA's host-side launch
-of the whole step, about 3 ms at 8B), then the TPOT proper: steps dispatched back to back with
-the token fed straight back on the device, as a serving loop runs, timed as the difference
-between runs of 20 and 4 steps (dispatch cancels, the device-bound step time remains), over
-`--tokens // 16` samples: the median and p99 of those samples are the TPOT,
-tokens/s = 1 / median.
+Two parts, per TP size (TP=1 runs only lax.psum, the reference: nothing to reduce):
 
-The KV cache is `--context` positions long and attention always runs over all of it (with a
-position mask), so the step cost does not depend on the position; the prompt fills what the
-warm-up and the two timed passes leave: prompt = context - warmup - tokens - samples * 24.
+1. The loops, at batch 1 and the first --context: every loop of models.decode (LOOPS), timed
+   from host timestamps:
+     sync       one step, then wait for its token: the median of per-step times
+     stream     Decoder.decode(loop="stream"): the median gap between consecutive tokens
+     pipelined  steps dispatched back to back, the token kept on the device: the difference
+                of runs of 20 and 4 steps over (20 - 4), the median over the samples (today's TPOT)
+     on_device  K = --chunk tokens per dispatch in a lax.fori_loop, streamed: the median gap
+                between consecutive chunks / K
+   tokens/s = batch / TPOT. sync and stream also give the tail: p50/p90/p99/p99.9 of the
+   per-step (per-token) times.
+2. The sweep: --batch x --context with the --sweep-loops (default pipelined).
 
-Prefill (`--prefill steps`, the default) feeds the prompt one token per greedy step, using the
-step the variant compiles anyway: no extra compile per variant (a full-prompt prefill is a
-second 8B compile) and the all-reduce payload stays one token wide, so every sifar algorithm
-serves it (a full prompt exceeds sifar's slot: "auto" falls back to lax.psum for it, a named
-algorithm raises). `--prefill full` prefills in one call where the variant allows it.
+No prompt is prefilled: the KV cache is filled with random values and each loop starts at the
+position that lets all its steps attend within `context` positions (context is one attention
+bucket), so a step costs what a filled context of that length costs, at every length (a 16K
+prefill of an 8B model would take longer than the whole run). Every variant starts from the same
+cache and token, so the generated tokens are comparable ("same tokens as psum").
 
-Writes bench/results/decode-<host>.{json,md,png}, after every variant (a run cut short keeps
-what it measured). TP=1 runs only lax.psum: the reference row (there is nothing to reduce).
+Each record also says whether the optimised HLO of the executable its loop runs copies the KV cache
+(per call, or per iteration of the on-device loop: "cache_copies", models.hlo).
+
+Writes decode-<host>.{json,md,png} after every variant (a run cut short keeps what it measured):
+to bench/results/ on GPUs (the committed results), to bench/results/local/ (git-ignored) on a CPU.
 """
 
 from __future__ import annotations
-
-# Back-to-back runs whose difference gives one TPOT sample (steps).
-PIPELINE_STEPS = (4, 20)
 
 import argparse
 import gc
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from bench import common
 
@@ -46,16 +48,20 @@ common.use_host_devices(8)  # before jax is imported; only XLA:CPU reads it
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from models import llama  # noqa: E402
+from models import hlo, llama  # noqa: E402
 from models.config import LlamaConfig  # noqa: E402
-from models.decode import Decoder, make_mesh  # noqa: E402
+from models.decode import LOOPS, SIFAR_KINDS, Decoder, make_mesh  # noqa: E402
 from models.weights import random_params  # noqa: E402
 
+PIPELINE_STEPS = (4, 20)  # back-to-back runs whose difference gives one pipelined TPOT sample
+TAIL = (50, 90, 99, 99.9)  # percentiles of per-step times (sync, stream)
 HBM_BYTES_PER_S = 4.3e12  # assumed H200 HBM3e bandwidth actually reached when streaming weights
 PRESETS = {"llama3_8b": LlamaConfig.llama3_8b, "tiny": LlamaConfig.tiny}
+# The SiFAR paper's end-to-end decode (8x H200, CUDA 12.9, Llama-3.1-8B FP8, batch 1): tokens/s
+# gain over NCCL with SiFAR, and with no all-reduce at all. None: not reported.
+PAPER_SIFAR_GAIN = {2: 9.1, 4: 14.9, 8: 18.6}
+PAPER_NO_ALLREDUCE_GAIN = {2: 18.0, 4: None, 8: 43.0}
 CPU_NOTE = (
     "No GPUs here: these numbers come from XLA:CPU host devices (threads as ranks, shared host "
     "memory) and a tiny model. They show that the benchmark runs; they are not a performance result."
@@ -63,10 +69,15 @@ CPU_NOTE = (
 
 
 # ------------------------------------------------------------------ settings --
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in str(text).replace(",", " ").split()]
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="python -m bench.decode",
-        description="Time per output token of the Llama decoder with psum / sifar / identity.",
+        description="Time per output token of the Llama decoder with psum / sifar / identity, "
+                    "in every decode loop, over batch sizes and KV lengths.",
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="model shapes (default: llama3_8b on GPU, tiny on CPU)")
@@ -74,35 +85,43 @@ def parse_args(argv=None):
                    help="parameter/activation dtype (default: bfloat16 on GPU, the preset's on CPU)")
     p.add_argument("--allreduce", default="psum,sifar,identity",
                    help="comma list of psum, sifar (algorithm auto), identity, sifar:<algorithm>, "
-                        "sifar_buffers[:<algorithm>] (explicit dual buffers in the decode state) "
-                        "(default: psum,sifar,identity)")
+                        "sifar_buffers[:<algorithm>] (explicit dual buffers in the decode state)")
     p.add_argument("--algorithms", default="",
-                   help="comma list of sifar algorithms, each one more row 'sifar:<alg>' "
-                        "(e.g. sifar,sifar_push,oneshot_db,oneshot; default: none)")
-    p.add_argument("--tp", default=None,
-                   help="comma list of TP sizes, run in that order (default: every power of two "
-                        "up to the device count, largest first, then 1; on CPU: 2,1)")
-    p.add_argument("--context", type=int, default=None,
-                   help="KV cache length = prompt + warm-up + 2 x tokens (default 1024; 64 with --quick)")
+                   help="comma list of sifar algorithms, each one more row 'sifar:<alg>'")
+    p.add_argument("--fused", choices=("auto", "on", "off"), default="auto",
+                   help="one more row: sifar fused with the residual add and RMSNorm (auto: when "
+                        "sifar_jax.psum_add_rmsnorm exists; on: required)")
+    p.add_argument("--tp", nargs="+", default=None,
+                   help="TP sizes, run in that order (default: every power of two up to the "
+                        "device count, largest first, then 1; on CPU: 2 1)")
+    p.add_argument("--loops", default=",".join(LOOPS),
+                   help=f"loops timed at batch 1 and the first context (default: all: {','.join(LOOPS)})")
+    p.add_argument("--batch", nargs="+", default=None,
+                   help="sweep batch sizes (default: 1 2 4 8; --quick: 1 2)")
+    p.add_argument("--context", nargs="+", default=None,
+                   help="sweep KV lengths, each a power of two >= 64 (default: 1024 4096 16384; "
+                        "--quick: 256 512); the first is the loops' context")
+    p.add_argument("--sweep-loops", default="pipelined", help="loops timed in the sweep")
+    p.add_argument("--no-sweep", action="store_true", help="time the loops only")
     p.add_argument("--tokens", type=int, default=None,
-                   help="timed steps per pass (default 128; 16 with --quick)")
-    p.add_argument("--warmup", type=int, default=None,
-                   help="untimed steps after the prefill (default 3; 2 with --quick)")
-    p.add_argument("--prefill", choices=("steps", "full"), default="steps",
-                   help="prompt one token per step (default) or in one call (an extra compile)")
+                   help="timed steps of sync, stream and on_device (at least 4 chunks) "
+                        "(default 128; 16 with --quick)")
+    p.add_argument("--samples", type=int, default=None,
+                   help="pipelined samples (default 6; 2 with --quick)")
+    p.add_argument("--chunk", type=int, default=16, help="on_device tokens per dispatch")
+    p.add_argument("--in-flight", type=int, default=2, help="stream: steps dispatched ahead")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="tiny model, few tokens (CPU, CI)")
-    p.add_argument("--out", default=str(common.DEFAULT_OUT),
-                   help="directory for the results (default: bench/results)")
+    p.add_argument("--quick", action="store_true", help="tiny model, few steps (CPU, CI)")
+    p.add_argument("--out", default=None,
+                   help="results directory (default: bench/results on GPUs, bench/results/local "
+                        "on a CPU)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     return p.parse_args(argv)
 
 
-SIFAR_KINDS = ("sifar", "sifar_buffers")  # Decoder kinds that run sifar_jax (and call init)
-
-
-def parse_variants(args) -> list[tuple[str, str, str]]:
-    """[(label, kind, algorithm)]: ("psum", "psum", "auto"), ("sifar:oneshot", "sifar", "oneshot")."""
+def parse_variants(args) -> list[tuple[str, str, str, bool]]:
+    """[(label, kind, algorithm, fused)]: ("psum", "psum", "auto", False),
+    ("sifar:oneshot", "sifar", "oneshot", False), ("sifar+fused", "sifar", "auto", True)."""
     items = [a.strip() for a in args.allreduce.split(",") if a.strip()]
     items += [f"sifar:{a.strip()}" for a in args.algorithms.split(",") if a.strip()]
     out, seen = [], set()
@@ -123,41 +142,53 @@ def parse_variants(args) -> list[tuple[str, str, str]]:
         label = kind if alg == "auto" else f"{kind}:{alg}"
         if label not in seen:
             seen.add(label)
-            out.append((label, kind, alg))
+            out.append((label, kind, alg, False))
+    missing = llama.fused_add_norm_available()
+    if args.fused == "on" and missing:
+        raise SystemExit(f"--fused on: {missing}")
+    if args.fused != "off" and not missing and any(v[0] == "sifar" for v in out):
+        at = next(i for i, v in enumerate(out) if v[0] == "sifar")
+        out.insert(at + 1, ("sifar+fused", "sifar", "auto", True))
     return out
 
 
-def settings(args, kind: str, n_devices: int) -> dict:
-    gpu = kind == "gpu"
+def settings(args, platform: str, n_devices: int) -> dict:
+    gpu = platform == "gpu"
     preset = args.preset or ("llama3_8b" if gpu and not args.quick else "tiny")
     config = PRESETS[preset]()
     dtype = args.dtype or ("bfloat16" if gpu else config.dtype)
-    config = config.replace(dtype=dtype)
+    quick = args.quick or not gpu
     s = {
         "preset": preset,
         "dtype": dtype,
-        "config": config,
-        "context": args.context or (128 if args.quick else 1024),
-        "tokens": args.tokens or (16 if args.quick else 128),
-        "warmup": args.warmup if args.warmup is not None else (2 if args.quick else 3),
-        "prefill": args.prefill,
+        "batch": _ints(" ".join(args.batch)) if args.batch else ([1, 2] if quick else [1, 2, 4, 8]),
+        "context": (_ints(" ".join(args.context)) if args.context
+                    else ([256, 512] if quick else [1024, 4096, 16384])),
+        "tokens": args.tokens or (16 if quick else 128),
+        "samples": args.samples or (2 if quick else 6),
+        "chunk": args.chunk,
+        "in_flight": args.in_flight,
+        "warmup": 2,
         "seed": args.seed,
+        "loops": _loops(args.loops),
+        "sweep_loops": [] if args.no_sweep else _loops(args.sweep_loops),
         "variants": parse_variants(args),
     }
-    s["warmup"] = max(1, s["warmup"])  # the first step compiles: never time it
-    s["samples"] = max(2, s["tokens"] // 16)
-    s["prompt_len"] = s["context"] - s["warmup"] - s["tokens"] - s["samples"] * sum(PIPELINE_STEPS)
-    if s["prompt_len"] < 1:
-        raise SystemExit(f"--context {s['context']} leaves no room for a prompt: it must exceed "
-                         f"warmup + tokens + {s['samples']} samples x {sum(PIPELINE_STEPS)} steps")
+    s["config"] = config.replace(dtype=dtype, max_seq_len=max(s["context"]))
+    for c in s["context"]:
+        if c < 64 or c & (c - 1):
+            raise SystemExit(f"--context {c}: must be a power of two >= 64 (one attention bucket)")
+        need = max(steps_needed(loop, s) for loop in set(s["loops"]) | set(s["sweep_loops"]))
+        if need >= c // 2:
+            raise SystemExit(f"--context {c}: the loops need {need} steps, which must stay in the "
+                             f"top half of the context; raise --context or lower --tokens/--samples")
     if args.tp:
-        tps = [int(v) for v in args.tp.split(",") if v.strip()]
+        tps = _ints(" ".join(args.tp))
     else:
-        big = common.powers_of_two_up_to(n_devices) if gpu else [2]
-        tps = sorted(big, reverse=True) + [1]
+        tps = sorted(common.powers_of_two_up_to(n_devices) if gpu else [2], reverse=True) + [1]
     for t in tps:
         if not 1 <= t <= n_devices:
-            raise SystemExit(f"--tp {t}: have {n_devices} {kind} devices")
+            raise SystemExit(f"--tp {t}: have {n_devices} {platform} devices")
         try:
             llama.check_tp(config, t)
         except ValueError as e:
@@ -166,18 +197,44 @@ def settings(args, kind: str, n_devices: int) -> dict:
     return s
 
 
-def cases(s) -> list[tuple[int, tuple[str, str, str]]]:
-    """TP=1 gets only lax.psum (the reference row): with one device nothing is reduced."""
+def _loops(text: str) -> list[str]:
+    loops = [v.strip() for v in text.split(",") if v.strip()]
+    for loop in loops:
+        if loop not in LOOPS:
+            raise SystemExit(f"unknown loop {loop!r}; choose from {LOOPS}")
+    return loops
+
+
+def steps_needed(loop: str, s) -> int:
+    """Decode steps one timed loop runs (its start position is context - this - 1)."""
+    return {"sync": s["warmup"] + s["tokens"],
+            "stream": s["warmup"] + s["tokens"],
+            "pipelined": s["warmup"] + s["samples"] * sum(PIPELINE_STEPS),
+            "on_device": s["chunk"] * _chunks(s)}[loop]
+
+
+def _chunks(s) -> int:
+    """on_device dispatches: the first (it compiles) and the gap after it are not timed."""
+    return max(4, s["tokens"] // s["chunk"]) + 2
+
+
+def cases(s) -> list[tuple[int, int, int, tuple, list[str]]]:
+    """[(tp, batch, context, variant, loops)]: the loops at batch 1 and the first context, the
+    sweep elsewhere (and its loops added at that point). TP=1 runs only lax.psum."""
+    base = (1, s["context"][0])
+    points = [base] + [(b, c) for c in s["context"] for b in s["batch"] if (b, c) != base]
     out = []
     for tp in s["tp"]:
-        if tp == 1:
-            out.append((1, ("psum", "psum", "auto")))
-        else:
-            out += [(tp, v) for v in s["variants"]]
+        variants = [("psum", "psum", "auto", False)] if tp == 1 else s["variants"]
+        for b, c in points:
+            loops = s["loops"] + [x for x in s["sweep_loops"] if x not in s["loops"]] \
+                if (b, c) == base else s["sweep_loops"]
+            if loops:
+                out += [(tp, b, c, v, loops) for v in variants]
     return out
 
 
-# ------------------------------------------------------------------- measuring --
+# -------------------------------------------------------------- weights, KV --
 def streamed_bytes_per_rank(config: LlamaConfig, params, tp: int) -> int:
     """Parameter bytes one rank reads per decode step: every leaf's local shard, except the
     embedding table (replicated), of which a step gathers one row (plus, when tied, its
@@ -192,10 +249,11 @@ def streamed_bytes_per_rank(config: LlamaConfig, params, tp: int) -> int:
     return total
 
 
-def kv_cache_bytes_per_rank(config: LlamaConfig, context: int, tp: int) -> int:
-    """K and V of every layer over the whole cache: what attention reads per step."""
+def kv_cache_bytes_per_rank(config: LlamaConfig, context: int, tp: int, batch: int = 1) -> int:
+    """K and V of every layer over `context` positions: what attention reads per step."""
     itemsize = np.dtype(jax.numpy.dtype(config.dtype)).itemsize
-    return 2 * config.num_layers * context * (config.num_kv_heads // tp) * config.head_dim * itemsize
+    heads = llama.tp_layout(config, tp).num_kv_heads // tp
+    return 2 * config.num_layers * batch * context * heads * config.head_dim * itemsize
 
 
 def _sifar_counters() -> dict | None:
@@ -218,148 +276,210 @@ def _counter_delta(before, after) -> dict:
     return out
 
 
-def run_variant(config, mesh, params, variant, s, prompt_tokens, bar) -> dict:
-    """Prefill, warm up, then the sync and the back-to-back timed passes of one variant."""
-    label, kind, alg = variant
-    tp = mesh.shape["tp"]
-    before = _sifar_counters() if kind in SIFAR_KINDS else None
-    t0 = time.perf_counter()
-    dec = Decoder(config, mesh, params, allreduce=kind, algorithm=alg,
-                  max_seq_len=s["context"])  # allreduce="sifar" calls sifar_jax.init(mesh)
+# ------------------------------------------------------------------- set-up --
+def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: int):
+    """A Decoder whose cache of `context` positions is filled with random values. sifar's slot
+    is widened where a step's payload (batch x hidden) would not fit the default."""
+    _, kind, alg, fused = variant
+    slot = None
+    if kind in SIFAR_KINDS:
+        import sifar_jax
 
-    # prefill (untimed; the first call compiles)
-    prefill = s["prefill"]
-    if prefill == "full" and kind in SIFAR_KINDS and (alg != "auto" or kind != "sifar"):
-        prefill = "steps"  # a named algorithm raises on a payload past its slot
-    bar.set_postfix_str(f"TP={tp} {label}: compile + prefill ({prefill})")
-    if prefill == "full":
-        tok = common.block(dec.greedy(prompt_tokens["full"]))
-        compile_s = time.perf_counter() - t0
-    else:
-        steps = prompt_tokens["steps"]
-        tok = common.block(dec.greedy(steps[0]))
-        compile_s = time.perf_counter() - t0
-        for t in steps[1:]:
-            tok = dec.greedy(t)
-    generated = []
-    for _ in range(s["warmup"]):
-        tok = common.block(dec.greedy(tok))
-        generated.append(tok)
-    setup_s = time.perf_counter() - t0
+        payload = batch * config.hidden_size * np.dtype(jax.numpy.dtype(config.dtype)).itemsize
+        slot = payload if payload > sifar_jax.DEFAULT_SLOT_BYTES else None
+    dec = Decoder(config, mesh, params, allreduce=kind, algorithm=alg, fused=fused,
+                  slot_bytes=slot, batch_size=batch, max_seq_len=context)
+    dec.reset(context)
+    dec.randomize_cache(seed)
+    return dec
 
-    # pass 1: each step waited for (host dispatch included)
-    bar.set_postfix_str(f"TP={tp} {label}: timing")
-    times = []
-    for _ in range(s["tokens"]):
-        t1 = time.perf_counter()
-        tok = dec.greedy(tok)
-        tok.block_until_ready()
-        times.append(time.perf_counter() - t1)
-        generated.append(tok)
-    # pass 2: the TPOT. Steps dispatched back to back (the token stays on the device,
-    # as in a serving loop), one wait; a run of k steps takes dispatch + k * step, so
-    # the difference of a long and a short run is the device-bound step time.
-    k_short, k_long = PIPELINE_STEPS
+
+def start_tokens(config, batch: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, config.vocab_size, batch, dtype=np.int32)
+
+
+# ------------------------------------------------------------------- timing --
+def _seek(dec, loop: str, s, context: int, first) -> None:
+    dec.seek(context - steps_needed(loop, s) - 1, first)
+
+
+def time_sync(dec, s) -> tuple[list[float], list[np.ndarray]]:
+    """Per-step seconds of `advance(); token()`, and the tokens."""
+    out, times = [], []
+    for i in range(s["warmup"] + s["tokens"]):
+        t0 = time.perf_counter()
+        dec.advance()
+        out.append(dec.token())
+        if i >= s["warmup"]:
+            times.append(time.perf_counter() - t0)
+    return times, out
+
+
+def time_stream(dec, s) -> tuple[list[float], list[np.ndarray]]:
+    """Gaps between consecutive tokens of Decoder.decode(loop="stream") after the warm-up."""
+    stamps, out = [], []
+    for tok in dec.decode(s["warmup"] + s["tokens"] + 1, loop="stream", in_flight=s["in_flight"]):
+        stamps.append(time.perf_counter())
+        out.append(tok)
+    return np.diff(stamps[s["warmup"]:]).tolist(), out[1:]
+
+
+def time_pipelined(dec, s) -> tuple[list[float], list[np.ndarray]]:
+    """Back-to-back steps, one wait per run: (t(20 steps) - t(4 steps)) / 16 per sample."""
+    dec.advance(s["warmup"])
+    dec.token()
+    short, long_ = PIPELINE_STEPS
     samples = []
     for _ in range(s["samples"]):
-        run_s = []
-        for k in (k_short, k_long):
-            t1 = time.perf_counter()
-            for _ in range(k):
-                tok = dec.greedy(tok)
-            tok.block_until_ready()
-            run_s.append(time.perf_counter() - t1)
-        samples.append((run_s[1] - run_s[0]) / (k_long - k_short))
+        run = []
+        for k in (short, long_):
+            t0 = time.perf_counter()
+            dec.advance(k)
+            dec.token()
+            run.append(time.perf_counter() - t0)
+        samples.append((run[1] - run[0]) / (long_ - short))
+    return samples, [dec.token()]
 
-    ms = [t * 1e3 for t in samples]
-    sync_ms = [t * 1e3 for t in times]
+
+def time_on_device(dec, s) -> tuple[list[float], list[np.ndarray]]:
+    """chunk tokens per dispatch, streamed: gaps between chunk arrivals / chunk (the first
+    chunk, which compiles, untimed)."""
+    k = s["chunk"]
+    stamps, out = [], []
+    for i, tok in enumerate(dec.decode(k * _chunks(s) + 1, loop="on_device", chunk=k,
+                                       in_flight=s["in_flight"])):
+        if i % k == 1:  # the first token of each chunk (token 0 is the start token)
+            stamps.append(time.perf_counter())
+        out.append(tok)
+    return (np.diff(stamps[1:]) / k).tolist(), out[1:]
+
+
+TIMERS = {"sync": time_sync, "stream": time_stream, "pipelined": time_pipelined,
+          "on_device": time_on_device}
+
+
+# ------------------------------------------------------------------ records --
+def make_record(variant, loop: str, tp: int, batch: int, context: int, s, seconds,
+                tokens, extra: dict) -> dict:
+    label, kind, alg, fused = variant
+    ms = [t * 1e3 for t in seconds]
     med = statistics.median(ms)
     rec = {
         "allreduce": label,
         "tp": tp,
+        "loop": loop,
+        "fused": fused,
+        "batch": batch,
+        "context": context,
         "tpot_ms_median": round(med, 4),
         "tpot_ms_p99": round(common.percentile(ms, 99), 4),
-        "tokens_per_s": round(1e3 / med, 2),
-        "tpot_ms_sync_median": round(statistics.median(sync_ms), 4),
-        "tpot_ms_sync_p99": round(common.percentile(sync_ms, 99), 4),
-        "tokens_per_s_sync": round(1e3 / statistics.median(sync_ms), 2),
+        "tokens_per_s": round(batch * 1e3 / med, 2),
         "tpot_samples": len(ms),
         "kind": kind,
         "algorithm": alg,
         "preset": s["preset"],
         "dtype": s["dtype"],
-        "batch": 1,
-        "context": s["context"],
-        "prompt_len": s["prompt_len"],
-        "tokens": s["tokens"],
-        "warmup": s["warmup"],
-        "prefill": prefill,
-        "compile_s": round(compile_s, 2),
-        "setup_s": round(setup_s, 2),
-        "generated": [int(t[0, 0]) for t in jax.device_get(generated)],
+        "start_position": context - steps_needed(loop, s) - 1,
+        "steps": steps_needed(loop, s),
+        "generated": [int(t[0]) for t in tokens],  # sequence 0
     }
-    if kind in SIFAR_KINDS:
-        import sifar_jax
-
-        delta = _counter_delta(before, _sifar_counters())
-        calls = sum(d.get("calls", 0) for d in delta.values())
-        retries = sum(d.get("retries", 0) for d in delta.values())
-        rec["sifar_stats"] = delta  # prefill + warm-up + both passes; calls count once per rank
-        rec["algorithm_used"] = ",".join(sorted(delta)) or None
-        rec["retries"] = retries
-        rec["retries_per_call"] = round(retries / calls, 5) if calls else None
-        try:
-            sifar_jax.check()
-            rec["sifar_check"] = "ok"
-        except Exception as e:  # noqa: BLE001 - recorded and reported, the run goes on
-            rec["sifar_check"] = f"{type(e).__name__}: {e}"
-    del dec
+    if loop in ("sync", "stream"):
+        rec.update({f"tpot_ms_p{q:g}".replace(".", "_"): round(common.percentile(ms, q), 4)
+                    for q in TAIL})
+    rec.update(extra)
     return rec
 
 
-def run(args, s, devices, on_record) -> list[dict]:
+def sifar_fields(before) -> dict:
+    """Counters and check() over one variant (all its loops)."""
+    import sifar_jax
+
+    delta = _counter_delta(before, _sifar_counters())
+    calls = sum(d.get("calls", 0) for d in delta.values())
+    retries = sum(d.get("retries", 0) for d in delta.values())
+    out = {"sifar_stats": delta, "algorithm_used": ",".join(sorted(delta)) or None,
+           "retries": retries, "retries_per_call": round(retries / calls, 5) if calls else None}
+    try:
+        sifar_jax.check()
+        out["sifar_check"] = "ok"
+    except Exception as e:  # noqa: BLE001 - recorded and reported, the run goes on
+        out["sifar_check"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def run_variant(config, mesh, params, case, s, bar) -> list[dict]:
+    """Set up one variant at one (batch, context), time each of its loops, one record each."""
+    tp, batch, context, variant, loops = case
+    label, kind = variant[0], variant[1]
+    where = f"TP={tp} b={batch} ctx={context} {label}"
+    before = _sifar_counters() if kind in SIFAR_KINDS else None
+    t0 = time.perf_counter()
+    bar.set_postfix_str(f"{where}: set-up")
+    dec = make_decoder(config, mesh, params, variant, batch, context, s["seed"])
+    first = start_tokens(config, batch, s["seed"])
+    setup_s = time.perf_counter() - t0
+    timed = []
+    for loop in loops:
+        bar.set_postfix_str(f"{where}: {loop}")
+        _seek(dec, loop, s, context, first)
+        copies = cache_copies(dec, loop, s)
+        t1 = time.perf_counter()
+        seconds, tokens = TIMERS[loop](dec, s)
+        timed.append((loop, seconds, tokens, time.perf_counter() - t1, copies))
+    common_fields = {"setup_s": round(setup_s, 2),
+                     "weights_bytes_per_rank": streamed_bytes_per_rank(config, params, tp),
+                     "kv_bytes_per_rank": kv_cache_bytes_per_rank(config, context, tp, batch)}
+    if kind in SIFAR_KINDS:
+        common_fields.update(sifar_fields(before))
+    del dec
+    return [make_record(variant, loop, tp, batch, context, s, seconds, tokens,
+                        dict(common_fields, loop_s=round(loop_s, 2), cache_copies=copies))
+            for loop, seconds, tokens, loop_s, copies in timed]
+
+
+def cache_copies(dec, loop: str, s) -> dict:
+    """{"entry": n, "loop": n}: KV-cache copies in the optimised HLO of the executable this loop
+    runs from here (compiling it now, as its first step would)."""
+    exe = dec.compiled_chunk(s["chunk"]) if loop == "on_device" else dec.compiled_step()
+    k = dec.state["cache"][0]["k"]
+    found = hlo.cache_copies(exe.as_text(), hlo.hlo_shape(k.dtype, k.sharding.shard_shape(k.shape)))
+    return {place: len(lines) for place, lines in found.items()}
+
+
+def run(s, devices, on_record) -> list[dict]:
     config = s["config"]
     todo = cases(s)
     records: list[dict] = []
     bar = common.progress(len(todo), "decode")
-    rng = np.random.default_rng(s["seed"])
-    prompt = rng.integers(0, config.vocab_size, (1, s["prompt_len"]), dtype=np.int32)
     for tp in s["tp"]:
-        mine = [v for t, v in todo if t == tp]
+        mine = [c for c in todo if c[0] == tp]
         if not mine:
             continue
         mesh = make_mesh(tp, devices=devices)
         bar.set_postfix_str(f"TP={tp}: random weights")
         params = common.block(random_params(config, mesh, seed=s["seed"]))
-        rep = NamedSharding(mesh, P())
-        prompt_tokens = {
-            "steps": [jax.device_put(prompt[:, i:i + 1], rep) for i in range(s["prompt_len"])],
-            "full": jax.device_put(prompt, rep),
-        }
-        weights = streamed_bytes_per_rank(config, params, tp)
         used_sifar = False
-        for variant in mine:
-            used_sifar |= variant[1] in SIFAR_KINDS
-            rec = run_variant(config, mesh, params, variant, s, prompt_tokens, bar)
-            rec["weights_bytes_per_rank"] = weights
-            rec["kv_bytes_per_rank"] = kv_cache_bytes_per_rank(config, s["context"], tp)
-            records.append(rec)
-            if rec.get("sifar_check", "ok") != "ok":
-                bar.write(f"SIFAR CHECK FAILED: TP={tp} {rec['allreduce']}: {rec['sifar_check']}")
-            bar.write(f"TP={tp} {rec['allreduce']:>16}: {rec['tpot_ms_median']:.3f} ms/token "
-                      f"(p99 {rec['tpot_ms_p99']:.3f}, sync {rec['tpot_ms_sync_median']:.3f}; "
-                      f"compile+first step {rec['compile_s']:.1f} s)")
+        for case in mine:
+            used_sifar |= case[3][1] in SIFAR_KINDS
+            recs = run_variant(config, mesh, params, case, s, bar)
+            records += recs
+            for r in recs:
+                if r["cache_copies"]:
+                    bar.write(f"KV CACHE COPIED: TP={tp} {r['allreduce']} {r['loop']}: "
+                              f"{r['cache_copies']} (copies per call / per loop iteration)")
+            for r in recs:
+                if r.get("sifar_check", "ok") != "ok":
+                    bar.write(f"SIFAR CHECK FAILED: TP={tp} {r['allreduce']}: {r['sifar_check']}")
+                    break
+            bar.write(f"TP={tp} batch {case[1]} context {case[2]} {case[3][0]:>12}: " + ", ".join(
+                f"{r['loop']} {r['tpot_ms_median']:.3f} ms" for r in recs)
+                + f" (set-up {recs[0]['setup_s']:.1f} s)")
             bar.update(1)
             on_record(records)
-        # free this TP size's weights before the next one allocates its own
-        del params, prompt_tokens
+        del params  # free this TP size's weights before the next one allocates its own
         if used_sifar:
             import sifar_jax
 
-            try:
-                sifar_jax.check()  # already recorded per variant; the run goes on regardless
-            except Exception:  # noqa: BLE001
-                pass
             sifar_jax.shutdown()
         jax.clear_caches()
         gc.collect()
@@ -367,9 +487,13 @@ def run(args, s, devices, on_record) -> list[dict]:
     return records
 
 
-# -------------------------------------------------------------------- analysis --
-def _by(records):
-    return {(r["tp"], r["allreduce"]): r for r in records}
+# ----------------------------------------------------------------- analysis --
+def _key(r) -> tuple:
+    return r["tp"], r["loop"], r["batch"], r["context"]
+
+
+def _index(records) -> dict:
+    return {(*_key(r), r["allreduce"]): r for r in records}
 
 
 def _prefix_match(a: list, b: list) -> int:
@@ -381,30 +505,8 @@ def _prefix_match(a: list, b: list) -> int:
     return n
 
 
-def table_rows(records, order) -> tuple[list[str], list[list]]:
-    """One row per record, TP ascending, variants in run order, with the ratios."""
-    by = _by(records)
-    headers = ["all-reduce", "TP", "TPOT median ms", "TPOT p99 ms", "tokens/s", "vs psum",
-               "gap recovered", "sync ms", "retries/call",
-               "same tokens as psum"]
-    rows = []
-    for r in sorted(records, key=lambda r: (r["tp"], order.index(r["allreduce"])
-                                            if r["allreduce"] in order else 99)):
-        tp, label = r["tp"], r["allreduce"]
-        ps, ident = by.get((tp, "psum")), by.get((tp, "identity"))
-        vs = f"{ps['tpot_ms_median'] / r['tpot_ms_median']:.3f}x" if ps else "-"
-        gap = "-"
-        if r["kind"] in SIFAR_KINDS and ps and ident:
-            gap = _gap(ps["tpot_ms_median"], ident["tpot_ms_median"], r["tpot_ms_median"])
-        rpc = r.get("retries_per_call")
-        match = "-"
-        if ps and r is not ps:
-            n = _prefix_match(r["generated"], ps["generated"])
-            match = f"{n}/{len(ps['generated'])}"
-        rows.append([label, tp, f"{r['tpot_ms_median']:.3f}", f"{r['tpot_ms_p99']:.3f}",
-                     f"{r['tokens_per_s']:.1f}", vs, gap, f"{r['tpot_ms_sync_median']:.3f}",
-                     "-" if rpc is None else f"{rpc:.4f}", match])
-    return headers, rows
+def _gain(t_ref: float, t_x: float) -> str:
+    return f"{(t_ref / t_x - 1) * 100:+.1f}%"
 
 
 def _gap(t_psum: float, t_identity: float, t_x: float) -> str:
@@ -414,6 +516,100 @@ def _gap(t_psum: float, t_identity: float, t_x: float) -> str:
     return f"{(t_psum - t_x) / d * 100:.0f}%"
 
 
+def table_rows(records, order) -> tuple[list[str], list[list]]:
+    """Every record: TP, loop, batch, context, variant, with the ratios against psum."""
+    idx = _index(records)
+    headers = ["TP", "loop", "batch", "context", "all-reduce", "TPOT median ms", "TPOT p99 ms",
+               "tokens/s", "vs psum", "gap recovered", "retries/call", "same tokens as psum"]
+    rows = []
+    for r in sorted(records, key=lambda r: (r["tp"], LOOPS.index(r["loop"]), r["batch"],
+                                            r["context"], _order(order, r["allreduce"]))):
+        ps, ident = idx.get((*_key(r), "psum")), idx.get((*_key(r), "identity"))
+        vs = f"{ps['tpot_ms_median'] / r['tpot_ms_median']:.3f}x" if ps else "-"
+        gap = "-"
+        if r["kind"] in SIFAR_KINDS and ps and ident:
+            gap = _gap(ps["tpot_ms_median"], ident["tpot_ms_median"], r["tpot_ms_median"])
+        rpc = r.get("retries_per_call")
+        match = "-"
+        if ps and r is not ps:
+            match = f"{_prefix_match(r['generated'], ps['generated'])}/{len(ps['generated'])}"
+        rows.append([r["tp"], r["loop"], r["batch"], r["context"], r["allreduce"],
+                     f"{r['tpot_ms_median']:.3f}", f"{r['tpot_ms_p99']:.3f}",
+                     f"{r['tokens_per_s']:.1f}", vs, gap, "-" if rpc is None else f"{rpc:.4f}",
+                     match])
+    return headers, rows
+
+
+def _order(order, label) -> int:
+    return order.index(label) if label in order else len(order)
+
+
+def paper_rows(records, s) -> tuple[list[str], list[list]]:
+    """Batch 1, the loops' context: our tokens/s gains over lax.psum beside the paper's."""
+    idx = _index(records)
+    headers = ["TP", "loop", "psum tokens/s", "sifar tokens/s", "sifar gain", "paper: SiFAR gain",
+               "fused sifar gain", "identity gain (no all-reduce)", "paper: no all-reduce gain",
+               "gap recovered (sifar / fused)"]
+    rows = []
+    ctx = s["context"][0]
+    for tp in sorted({r["tp"] for r in records if r["tp"] > 1}):
+        for loop in LOOPS:
+            get = lambda label: idx.get((tp, loop, 1, ctx, label))  # noqa: E731
+            ps, sf, fu, ident = get("psum"), get("sifar"), get("sifar+fused"), get("identity")
+            if not ps:
+                continue
+            t = lambda r: r["tpot_ms_median"] if r else None  # noqa: E731
+            gap = "-"
+            if ident:
+                gap = " / ".join(_gap(t(ps), t(ident), t(x)) if x else "-" for x in (sf, fu))
+            paper_na = PAPER_NO_ALLREDUCE_GAIN.get(tp)
+            rows.append([tp, loop, f"{ps['tokens_per_s']:.1f}",
+                         f"{sf['tokens_per_s']:.1f}" if sf else "-",
+                         _gain(t(ps), t(sf)) if sf else "-",
+                         f"+{PAPER_SIFAR_GAIN[tp]}%" if tp in PAPER_SIFAR_GAIN else "-",
+                         _gain(t(ps), t(fu)) if fu else "-",
+                         _gain(t(ps), t(ident)) if ident else "-",
+                         f"+{paper_na:g}%" if paper_na else "-", gap])
+    return headers, rows
+
+
+def sweep_grid(records, s, tp: int, loop: str) -> tuple[list[str], list[list]] | None:
+    """The paper's kind of table: sifar's tokens/s gain over psum per batch (rows) and KV length
+    (columns); each cell 'sifar (fused) [identity]'."""
+    idx = _index(records)
+    rows = []
+    for b in s["batch"]:
+        row = [b]
+        for c in s["context"]:
+            ps = idx.get((tp, loop, b, c, "psum"))
+            cells = []
+            for label in ("sifar", "sifar+fused", "identity"):
+                r = idx.get((tp, loop, b, c, label))
+                cells.append(_gain(ps["tpot_ms_median"], r["tpot_ms_median"]) if ps and r else None)
+            if ps is None or not any(cells):
+                row.append("-")
+                continue
+            text = cells[0] or "-"
+            if cells[1]:
+                text += f" (fused {cells[1]})"
+            if cells[2]:
+                text += f" [identity {cells[2]}]"
+            row.append(f"{text}; psum {ps['tpot_ms_median']:.2f} ms")
+        rows.append(row)
+    if all(cell == "-" for row in rows for cell in row[1:]):
+        return None
+    return ["batch \\ KV length"] + [str(c) for c in s["context"]], rows
+
+
+def tail_rows(records) -> tuple[list[str], list[list]]:
+    headers = ["TP", "loop", "all-reduce", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "steps"]
+    rows = [[r["tp"], r["loop"], r["allreduce"], *(f"{r[f'tpot_ms_p{q:g}'.replace('.', '_')]:.3f}"
+                                                  for q in TAIL), r["tpot_samples"]]
+            for r in sorted(records, key=lambda r: (r["tp"], LOOPS.index(r["loop"]), r["allreduce"]))
+            if r["loop"] in ("sync", "stream") and r["batch"] == 1]
+    return headers, rows
+
+
 def _bytes(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= scale:
@@ -421,14 +617,16 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def budget_lines(records) -> list[str]:
-    """Per TP: psum TPOT = weights streamed (at the assumed bandwidth) + all-reduce share
-    (psum - identity) + the rest."""
-    by = _by(records)
+def budget_lines(records, s) -> list[str]:
+    """Per TP, pipelined, batch 1: psum TPOT = weights streamed (at the assumed bandwidth) +
+    all-reduce share (psum - identity) + the rest."""
+    idx = _index(records)
+    ctx = s["context"][0]
     out = []
-    ref = by.get((1, "psum"))
+    ref = idx.get((1, "pipelined", 1, ctx, "psum"))
     for tp in sorted({r["tp"] for r in records}):
-        ps, ident = by.get((tp, "psum")), by.get((tp, "identity"))
+        ps = idx.get((tp, "pipelined", 1, ctx, "psum"))
+        ident = idx.get((tp, "pipelined", 1, ctx, "identity"))
         if not ps:
             continue
         w_ms = ps["weights_bytes_per_rank"] / HBM_BYTES_PER_S * 1e3
@@ -451,7 +649,7 @@ def budget_lines(records) -> list[str]:
     return out
 
 
-# ---------------------------------------------------------------------- output --
+# ------------------------------------------------------------------- output --
 def label_order(s) -> list[str]:
     """Rows and bars: psum, the sifar variants, identity, in the order asked."""
     labels = [v[0] for v in s["variants"]]
@@ -462,67 +660,95 @@ def label_order(s) -> list[str]:
 def describe_run(s) -> str:
     c = s["config"]
     return (f"{s['preset']} ({c.num_layers} layers, hidden {c.hidden_size}, {s['dtype']}), "
-            f"random weights, batch 1, KV cache {s['context']} positions, prompt {s['prompt_len']} "
-            f"tokens (prefill: {s['prefill']}), {s['warmup']} warm-up steps, "
-            f"{s['tokens']} timed steps per pass")
+            f"random weights and KV cache; loops {','.join(s['loops'])} at batch 1, KV length "
+            f"{s['context'][0]}; sweep ({','.join(s['sweep_loops']) or 'none'}) batch "
+            f"{s['batch']} x KV length {s['context']}; {s['tokens']} timed steps (sync, stream, "
+            f"on_device), {s['samples']} pipelined samples, on_device {s['chunk']} tokens per "
+            f"dispatch, stream {s['in_flight']} steps in flight")
+
+
+def out_dir(args, platform: str) -> Path:
+    """GPU results go where they are committed; a CPU demo into a git-ignored directory."""
+    return Path(args.out) if args.out else common.default_out(platform)
+
+
+METHOD_NOTE = (
+    "TPOT per loop (tokens/s = batch / TPOT): sync, the median of one step followed by reading "
+    "its token; stream, the median gap between consecutive tokens of Decoder.decode(loop="
+    "'stream'); pipelined, steps dispatched back to back with the token kept on the device, from "
+    f"the difference of runs of {PIPELINE_STEPS[1]} and {PIPELINE_STEPS[0]} steps (the device-bound "
+    "step time); on_device, the median gap between chunks of K tokens run in one lax.fori_loop "
+    "dispatch, / K. vs psum: tokens/s relative to lax.psum at the same TP, loop, batch and KV "
+    "length. Gap recovered: (t_psum - t_x) / (t_psum - t_identity), the share of the all-reduce "
+    "cost removed (identity = no all-reduce: wrong numbers, the upper bound of an unfused model). "
+    "Attention runs over exactly the KV length (one bucket), filled between "
+    "KV length - steps and KV length. Same tokens as psum: generated tokens (sequence 0) equal to "
+    "lax.psum's before the first difference (bf16 rounding of another summation order may flip an "
+    "argmax; identity differs at once).")
 
 
 def write_outputs(args, s, env, records, platform, final: bool):
     host = env["host"]
     order = label_order(s)
-    json_path = common.write_json(common.results_path(args.out, "decode", host, ".json"), records)
-    headers, rows = table_rows(records, order)
-    notes = []
-    if platform == "cpu":
-        notes.append(CPU_NOTE)
-    notes.append(describe_run(s) + ".")
-    notes.append(
-        "TPOT: the device-bound step time, steps dispatched back to back with the token fed "
-        "straight back on the device (as a serving loop runs), from the difference of runs of "
-        f"{PIPELINE_STEPS[1]} and {PIPELINE_STEPS[0]} steps; median and p99 over the samples; "
-        "tokens/s = 1 / median. Sync: one step followed by block_until_ready (median), which "
-        "adds XLA's host-side launch of the step. vs psum: tokens/s "
-        "relative to lax.psum at the same TP. Gap recovered: (t_psum - t_x) / (t_psum - "
-        "t_identity), the share of the all-reduce cost that the variant removes (identity = no "
-        "all-reduce at all: wrong numbers, the upper bound). Same tokens as psum: how many "
-        "generated tokens (warm-up + timed) agree with lax.psum's before the first difference "
-        "(bf16 rounding of a different summation order may flip an argmax; identity is expected "
-        "to differ at once).")
+    d = out_dir(args, platform)
+    json_path = common.write_json(common.results_path(d, "decode", host, ".json"), records)
+    notes = [CPU_NOTE] if platform == "cpu" else []
+    notes += [describe_run(s) + ".", METHOD_NOTE]
     if not final:
         notes.append("**Partial: the run had not finished when this was written.**")
-    failed = [r for r in records if r.get("sifar_check", "ok") != "ok"]
     notes += [f"**sifar_jax.check() failed after TP={r['tp']} {r['allreduce']}: {r['sifar_check']}**"
-              for r in failed]
-    sections = [("Time per output token", common.markdown_table(headers, rows))]
-    budget = budget_lines(records)
+              for r in records if r.get("sifar_check", "ok") != "ok" and r["loop"] == s["loops"][0]]
+    copied = [f"TP={r['tp']} {r['allreduce']} {r['loop']} batch {r['batch']} KV {r['context']}: "
+              f"{r['cache_copies']}" for r in records if r.get("cache_copies")]
+    notes.append("**The optimised HLO copies the KV cache** (per call: entry, per iteration: loop): "
+                 + "; ".join(copied) if copied else
+                 "The optimised HLO of every timed executable updates the KV cache in place: no "
+                 "copy per call, none per on-device loop iteration (models.hlo.cache_copies).")
+    sections = []
+    headers, rows = paper_rows(records, s)
+    if rows:
+        sections.append(("Against the paper: batch 1, KV length "
+                         f"{s['context'][0]} (paper: 8x H200, Llama-3.1-8B FP8, SiFAR vs NCCL)",
+                         common.markdown_table(headers, rows)))
+    for tp in sorted({r["tp"] for r in records if r["tp"] > 1}):
+        for loop in s["sweep_loops"]:
+            grid = sweep_grid(records, s, tp, loop)
+            if grid:
+                sections.append((f"Sweep, TP={tp}, {loop}: tokens/s gain over lax.psum",
+                                 common.markdown_table(*grid)))
+    headers, rows = tail_rows(records)
+    if rows:
+        sections.append(("Tail of the per-step time (batch 1)", common.markdown_table(headers, rows)))
+    budget = budget_lines(records, s)
     if budget:
-        sections.append((
-            f"Per-token budget (assumed HBM bandwidth {HBM_BYTES_PER_S / 1e12:.1f} TB/s)",
-            "\n".join(f"- {b}" for b in budget)))
-    sifar_rows = [[r["allreduce"], r["tp"], r.get("algorithm_used") or "-",
-                   " ".join(f"{a}: {d.get('calls', 0)} calls, {d.get('retries', 0)} retries, "
-                            f"{d.get('timeouts', 0)} timeouts"
-                            for a, d in r.get("sifar_stats", {}).items()) or "-",
+        sections.append((f"Per-token budget, pipelined, batch 1 (assumed HBM bandwidth "
+                         f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s)", "\n".join(f"- {b}" for b in budget)))
+    sections.append(("Every record", common.markdown_table(*table_rows(records, order))))
+    sifar_rows = [[r["allreduce"], r["tp"], r["batch"], r["context"], r.get("algorithm_used") or "-",
+                   " ".join(f"{a}: {v.get('calls', 0)} calls, {v.get('retries', 0)} retries, "
+                            f"{v.get('timeouts', 0)} timeouts"
+                            for a, v in r.get("sifar_stats", {}).items()) or "-",
                    r.get("sifar_check", "-")]
-                  for r in records if r["kind"] in SIFAR_KINDS]
+                  for r in records if r["kind"] in SIFAR_KINDS and r["loop"] == _first_loop(r, records)]
     if sifar_rows:
-        sections.append((
-            "sifar_jax.stats() (prefill + warm-up + both passes; calls once per rank, retries "
-            "per warp on GPUs)",
-            common.markdown_table(["all-reduce", "TP", "algorithm used", "counters", "check"],
-                                  sifar_rows)))
-    compile_rows = [[r["allreduce"], r["tp"], f"{r['compile_s']:.1f}", f"{r['setup_s']:.1f}"]
-                    for r in records]
-    sections.append(("Set-up time per variant (s)",
-                     common.markdown_table(["all-reduce", "TP", "compile + first step",
-                                            "compile + prefill + warm-up"], compile_rows)))
-    md_path = common.write_markdown(common.results_path(args.out, "decode", host, ".md"),
+        sections.append(("sifar_jax.stats() per variant (all its loops; calls once per rank, "
+                         "retries per warp on GPUs)",
+                         common.markdown_table(["all-reduce", "TP", "batch", "KV length",
+                                                "algorithm used", "counters", "check"], sifar_rows)))
+    md_path = common.write_markdown(common.results_path(d, "decode", host, ".md"),
                                     f"Decode TPOT on {host}", env, sections, notes)
     png_path = None
     if final and not args.no_plot and records:
-        png_path = plot(records, order, common.results_path(args.out, "decode", host, ".png"),
-                        host, platform, s)
+        png_path = plot(records, order, common.results_path(d, "decode", host, ".png"), host,
+                        platform, s)
     return json_path, md_path, png_path
+
+
+def _first_loop(r, records) -> str:
+    """The first loop recorded for r's variant and point (one stats row per variant)."""
+    return next(x["loop"] for x in records
+                if (x["tp"], x["batch"], x["context"], x["allreduce"])
+                == (r["tp"], r["batch"], r["context"], r["allreduce"]))
 
 
 def plot(records, order, path, host, platform, s):
@@ -531,34 +757,55 @@ def plot(records, order, path, host, platform, s):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    idx = _index(records)
+    ctx = s["context"][0]
     tps = sorted({r["tp"] for r in records})
     labels = [o for o in dict.fromkeys(order) if any(r["allreduce"] == o for r in records)]
-    by = _by(records)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    loops = [x for x in LOOPS if any(r["loop"] == x for r in records)]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    ax = axes[0]
+    groups = [(tp, loop) for tp in tps for loop in loops
+              if any(idx.get((tp, loop, 1, ctx, lb)) for lb in labels)]
     width = 0.8 / max(1, len(labels))
-    for ax, key, title in ((axes[0], "tokens_per_s", "back-to-back steps (TPOT)"),
-                           (axes[1], "tokens_per_s_sync", "each step waited for (sync)")):
-        for i, label in enumerate(labels):
-            xs, ys = [], []
-            for j, tp in enumerate(tps):
-                r = by.get((tp, label))
-                if r is not None:
-                    xs.append(j + (i - (len(labels) - 1) / 2) * width)
-                    ys.append(r[key])
-            if not xs:
-                continue
+    for i, label in enumerate(labels):
+        xs, ys = [], []
+        for j, (tp, loop) in enumerate(groups):
+            r = idx.get((tp, loop, 1, ctx, label))
+            if r is not None:
+                xs.append(j + (i - (len(labels) - 1) / 2) * width)
+                ys.append(r["tokens_per_s"])
+        if xs:
             bars = ax.bar(xs, ys, width, label=label, hatch="//" if label == "identity" else None)
-            many = len(labels) > 4
-            ax.bar_label(bars, fmt="%.0f", fontsize=6 if many else 7, rotation=90 if many else 0,
-                         padding=2)
-        ax.set_xticks(range(len(tps)))
-        ax.set_xticklabels([f"TP={t}" for t in tps])
-        ax.set_ylabel("tokens/s (batch 1)")
-        ax.margins(y=0.12)
-        ax.set_title(title)
-        ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize=8)
-    title = f"Decode throughput, {s['preset']} {s['dtype']}, context {s['context']}, {host}"
+            ax.bar_label(bars, fmt="%.0f", fontsize=6, rotation=90, padding=2)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"TP={tp}\n{loop}" for tp, loop in groups], fontsize=7)
+    ax.set_ylabel("tokens/s (batch 1)")
+    ax.set_title(f"every loop, batch 1, KV length {ctx}")
+    ax.margins(y=0.15)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    top = max(tps)
+    loop = s["sweep_loops"][0] if s["sweep_loops"] else "pipelined"
+    for b in s["batch"]:
+        xs, ys = [], []
+        for c in s["context"]:
+            ps, sf = idx.get((top, loop, b, c, "psum")), idx.get((top, loop, b, c, "sifar"))
+            if ps and sf:
+                xs.append(c)
+                ys.append((ps["tpot_ms_median"] / sf["tpot_ms_median"] - 1) * 100)
+        if xs:
+            ax.plot(xs, ys, marker="o", label=f"batch {b}")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(s["context"], [str(c) for c in s["context"]])
+    ax.set_xlabel("KV length")
+    ax.set_ylabel("sifar tokens/s gain over lax.psum (%)")
+    ax.set_title(f"sweep, TP={top}, {loop}")
+    ax.grid(True, alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=7)
+    title = f"Decode, {s['preset']} {s['dtype']}, {host}"
     if platform == "cpu":
         title += " (XLA:CPU smoke test, not GPU performance)"
     return common.save_figure(fig, title, path)
@@ -573,26 +820,25 @@ def main(argv=None) -> int:
     print(f"decode benchmark: {describe_run(s)}; TP {s['tp']}; variants "
           f"{[v[0] for v in s['variants']]}", flush=True)
     env = common.describe_environment(devices[: max(s["tp"])])
-    records = run(args, s, devices,
-                  lambda recs: write_outputs(args, s, env, recs, platform, final=False))
+    records = run(s, devices, lambda recs: write_outputs(args, s, env, recs, platform, final=False))
     paths = write_outputs(args, s, env, records, platform, final=True)
 
-    order = label_order(s)
-    headers, rows = table_rows(records, order)
     print()
     print(f"[{env['host']}] {describe_run(s)}")
-    print(common.plain_table(headers, rows))
-    print()
-    for line in budget_lines(records):
+    headers, rows = paper_rows(records, s)
+    if rows:
+        print(common.plain_table(headers, rows))
+        print()
+    for line in budget_lines(records, s):
         print(line)
     print()
     for p in paths:
         if p is not None:
             print(f"wrote {p}")
-    failed = [r for r in records if r.get("sifar_check", "ok") != "ok"]
-    for r in failed:
-        print(f"sifar_jax.check() failed after TP={r['tp']} {r['allreduce']}: {r['sifar_check']}",
-              file=sys.stderr)
+    failed = {(r["tp"], r["allreduce"], r["sifar_check"]) for r in records
+              if r.get("sifar_check", "ok") != "ok"}
+    for tp, label, why in sorted(failed):
+        print(f"sifar_jax.check() failed after TP={tp} {label}: {why}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -10,7 +10,7 @@ _EXPORTS = {
     "param_specs": "llama", "param_shardings": "llama", "init_cache": "llama",
     "load_hf_checkpoint": "weights", "save_hf_checkpoint": "weights", "random_params": "weights",
     "to_hf_tensors": "weights",
-    "Decoder": "decode", "make_mesh": "decode",
+    "Decoder": "decode", "make_mesh": "decode", "LOOPS": "decode", "Sampling": "sampling",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,15 +1,37 @@
-"""Prefill + greedy decode with a donated, in-place KV cache.
+"""Decoding with the whole per-step state on the device, and loops that never idle the GPU.
 
-Each step is one jitted call whose decode state (a pytree dict) is donated, so XLA updates the
-KV cache in place. The loop over steps stays in Python on purpose: XLA does not preserve buffer
-aliasing through while loops, so lax.while/fori over steps would copy the cache every step.
-The current position lives in the state on device: a step needs no host input but the token
-(which, in greedy decoding, is the previous step's device output).
+The decode state is a dict donated to every call, so XLA updates it in place and every buffer keeps
+its address from step to step (a buffer that moves makes XLA:GPU re-record the step's command
+buffer; at 8B shapes a token passed in and out of the step measured ~0.7 ms more per waited step
+on an H200 than a token kept in the state):
+
+    cache  per layer {"k", "v"}: [B, capacity, kv_heads, head_dim], split over the tp axis
+    pos    int32, the next position          tok   [B, 1] int32, the last token chosen
+    done   [B] bool, eos was produced        eos   int32, the stop token (-1: none)
+    key    uint32 raw PRNG key data          ar    all-reduce buffers (sifar_buffers), else {}
+
+A step is `state = step(param_leaves, state)`: no host input, no new buffer, no Python scalar.
+Its executable is compiled ahead of time (exact in/out shardings, so no call re-places or
+re-checks anything) per cache capacity, attention bucket and Sampling. Attention runs over the
+smallest bucket (a power of two >= MIN_BUCKET, or the capacity) that holds the filled positions,
+so a step costs what the filled length costs, not the whole cache.
+
+The loops (`Decoder.decode(n, loop=...)`; all give the same tokens):
+    sync       one step, read its token, repeat: what a user writes first
+    stream     steps run up to `in_flight` ahead of the host; each token is fetched with
+               copy_to_host_async and yielded as soon as it is ready (Decoder.stream)
+    pipelined  every step dispatched back to back, the tokens read at the end
+    on_device  K steps per dispatch in a lax.fori_loop (a while_loop that stops once every
+               sequence produced eos with early_exit=True), streamed chunk by chunk
+A stop token is seen by the host a step or two late; the tokens after it are not yielded.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import collections
+import dataclasses
+import functools
+from typing import Iterator, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +40,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import llama
 from .config import LlamaConfig
+from .sampling import Sampling, key_data, next_token
+
+MIN_BUCKET = 64  # smallest attention bucket and smallest cache (positions)
+LOOPS = ("sync", "stream", "pipelined", "on_device")
+ON_DEVICE_CHUNK = 16  # tokens per dispatch of the on_device loop
+SIFAR_KINDS = ("sifar", "sifar_buffers")  # all-reduce kinds that run sifar_jax (and call init)
 
 
 def make_mesh(tp: int, axis_name: str = "tp", devices: Optional[Sequence] = None) -> Mesh:
@@ -28,132 +56,425 @@ def make_mesh(tp: int, axis_name: str = "tp", devices: Optional[Sequence] = None
     return Mesh(np.array(devices[:tp]), (axis_name,))
 
 
-def _init_sifar(mesh: Mesh) -> None:
-    # sifar_psum requires sifar_jax.init(mesh) first (it is idempotent)
-    import sifar_jax
+def bucket_up(n: int) -> int:
+    """The smallest power of two >= n, at least MIN_BUCKET."""
+    b = MIN_BUCKET
+    while b < n:
+        b *= 2
+    return b
 
-    sifar_jax.init(mesh)
+
+def attention_buckets(capacity: int) -> list[int]:
+    """The attention lengths a cache of `capacity` positions compiles steps for."""
+    out, b = [], MIN_BUCKET
+    while b < capacity:
+        out.append(b)
+        b *= 2
+    return out + [capacity]
+
+
+@jax.jit
+def _peek(tok):
+    """A fresh copy of the state's token [B, 1] as [B] (the state's own buffer is donated)."""
+    return tok[:, 0]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2), donate_argnums=0)
+def _random_like(leaves, seed: int, sharding):
+    """Arrays like `leaves`, uniform in (-1, 1), laid out as `sharding` (cache-sized: cheap to
+    compile, and each device computes its own shard)."""
+    from .weights import hash_uniform, mix32
+
+    return [jax.lax.with_sharding_constraint(
+        hash_uniform(a.shape, mix32(seed * 7919 + i)).astype(a.dtype), sharding)
+        for i, a in enumerate(leaves)]
+
+
+@dataclasses.dataclass
+class _StopAt:
+    """Host side of the stop token: True once every sequence has produced it."""
+
+    eos: Optional[int]
+    done: np.ndarray
+
+    def seen(self, tok: np.ndarray) -> bool:
+        if self.eos is None:
+            return False
+        self.done |= tok == self.eos
+        return bool(self.done.all())
 
 
 class Decoder:
-    """Greedy decoder for one batch of equal-length sequences.
+    """Prefill and decode for one batch of equal-length sequences.
 
-    state = {"cache": [per layer {"k","v"}], "pos": int32 scalar, "ar": {...}} — donated every
-    call. With allreduce="sifar_buffers", state["ar"] holds the pair of all-reduce buffers from
-    sifar_jax.make_buffers ({"a", "b"}); the forward hands them to every all-reduce (alternating
-    by parity) and returns them, so they are donated like the cache and never copied.
+    allreduce: "psum", "sifar" (calls sifar_jax.init(mesh, slot_bytes=slot_bytes)),
+    "sifar_buffers" (sifar with explicit dual buffers carried in the decode state) or "identity"
+    (no all-reduce: wrong numbers, the timing upper bound). fused=True (sifar only): all-reduce,
+    residual add and RMSNorm as one sifar_jax.psum_add_rmsnorm call.
 
-    allreduce="sifar" calls sifar_jax.init(mesh). A prefill's all-reduce payload is
-    batch x prompt_len x hidden: past sifar's slot size it falls back to lax.psum with
-    algorithm="auto" and raises with an explicitly named algorithm.
+    The KV cache holds max_seq_len positions when given; otherwise it is sized to the request
+    (prompt + max_new_tokens, rounded up to a power of two), grown when a sequence outgrows it,
+    never beyond config.max_seq_len. A prefill's all-reduce payload is batch x prompt x hidden:
+    past sifar's slot it falls back to lax.psum with algorithm="auto" (and raises with a named
+    algorithm); raise slot_bytes to keep it on sifar.
     """
 
     def __init__(self, config: LlamaConfig, mesh: Mesh, params, *, allreduce: str = "psum",
-                 algorithm: str = "auto", axis_name: str = "tp", batch_size: int = 1,
-                 max_seq_len: Optional[int] = None):
+                 algorithm: str = "auto", fused: bool = False, slot_bytes: Optional[int] = None,
+                 axis_name: str = "tp", batch_size: int = 1, max_seq_len: Optional[int] = None):
+        if allreduce not in llama.ALLREDUCE_KINDS:
+            raise ValueError(f"allreduce must be one of {llama.ALLREDUCE_KINDS}, got {allreduce!r}")
+        if slot_bytes is not None and allreduce not in SIFAR_KINDS:
+            raise ValueError(f"slot_bytes is sifar's slot size; allreduce={allreduce!r} has none")
         self.config = config
         self.mesh = mesh
-        self.params = params
         self.axis_name = axis_name
         self.batch_size = batch_size
-        self.max_seq_len = max_seq_len or config.max_seq_len
+        self.max_seq_len = max_seq_len  # None: sized per request
         self.tp = mesh.shape[axis_name]
-        llama.check_tp(config, self.tp)
+        self.layout = llama.tp_layout(config, self.tp)  # raises if tp does not split the model
+        if fused:
+            llama.make_fused_add_norm(allreduce, algorithm)  # a clear error now, not at trace
         self._buffers = None
-        if allreduce in ("sifar", "sifar_buffers"):
-            _init_sifar(mesh)
         ar_specs = None
-        if allreduce == "sifar_buffers":
-            import sifar_jax
+        if allreduce in SIFAR_KINDS:
+            import sifar_jax  # lazily: the models work without the extension built
 
-            self._buffers = sifar_jax.make_buffers(mesh, axis_name)
-            spec = sifar_jax.buffer_spec(mesh)
-            ar_specs = {"a": spec, "b": spec}
-        kw = dict(allreduce=allreduce, algorithm=algorithm, axis_name=axis_name, ar_specs=ar_specs)
-        fwd_all = llama.make_forward(config, mesh, **kw)
-        fwd_last = llama.make_forward(config, mesh, last_only=True, **kw)
-        self._replicated = NamedSharding(mesh, P())
+            sifar_jax.init(mesh, slot_bytes=slot_bytes)
+            if allreduce == "sifar_buffers":
+                self._buffers = sifar_jax.make_buffers(mesh, axis_name)
+                spec = sifar_jax.buffer_spec(mesh)
+                ar_specs = {"a": spec, "b": spec}
+        self._fwd_kw = dict(allreduce=allreduce, algorithm=algorithm, fused=fused,
+                            axis_name=axis_name, ar_specs=ar_specs)
+        self.params = self._place(params)
+        # flattened once: every call passes this list (no per-call flattening of a nested dict)
+        self._leaves, self._treedef = jax.tree.flatten(self.params)
+        self._rep = NamedSharding(mesh, P())
+        self._cache_sharding = NamedSharding(mesh, llama.cache_spec(axis_name))
+        self._forwards: dict = {}
+        self._executables: dict = {}
+        self.sampling = Sampling()
+        self.state: Optional[dict] = None
+        self._capacity = 0
+        self._pos = 0  # host mirror of state["pos"]: picks buckets, checks bounds, never synced
+        self._step = (0, None)  # (bucket limit, executable) of the current step
 
-        def run(fwd, params, state, tokens):
-            positions = state["pos"] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-            logits, cache, ar = fwd(params, state["cache"], tokens, positions, state["ar"])
-            return logits, {"cache": cache, "pos": state["pos"] + tokens.shape[1], "ar": ar}
-
-        def greedy(params, state, tokens):
-            logits, state = run(fwd_last, params, state, tokens)
-            return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], state
-
-        # state (argument 1) is donated: the KV cache is updated in place
-        self._logits_fn = jax.jit(lambda p, s, t: run(fwd_all, p, s, t), donate_argnums=(1,))
-        self._greedy_fn = jax.jit(greedy, donate_argnums=(1,),
-                                  out_shardings=(self._replicated, None))
-        self.state = None
-        self._pos = 0  # host mirror of state["pos"], only for bounds checks
-        self.reset()
+    def _place(self, params):
+        _, abstract = llama.abstract_model(self.layout)
+        got = jax.tree.map(lambda a: tuple(a.shape), params)
+        want = jax.tree.map(lambda a: tuple(a.shape), abstract)
+        if got != want:
+            raise ValueError(f"params do not have the shapes of the tp={self.tp} layout (KV heads "
+                             f"replicated when tp > num_kv_heads): make them for this mesh with "
+                             f"random_params or load_hf_checkpoint")
+        # a no-op for arrays already placed as the layout says
+        return jax.device_put(params, llama.param_shardings(self.config, self.mesh, self.axis_name))
 
     # ---- state -----------------------------------------------------------------------------
 
-    def reset(self) -> None:
-        """Start a new sequence. The cache is allocated once; stale entries beyond the new
-        position are masked out and overwritten before they become visible."""
+    @property
+    def capacity(self) -> int:
+        """Positions the KV cache holds now (0 before the first sequence)."""
+        return self._capacity
+
+    def _put(self, value) -> jax.Array:
+        return jax.device_put(np.asarray(value), self._rep)
+
+    def _capacity_for(self, need: int) -> int:
+        cap = self.max_seq_len or self.config.max_seq_len
+        if need > cap:
+            raise ValueError(f"sequence of {need} positions would exceed max_seq_len={cap}")
+        return self.max_seq_len or min(bucket_up(need), cap)
+
+    def _ensure_capacity(self, need: int) -> None:
+        if need <= self._capacity:
+            return
+        new = self._capacity_for(need)
         if self.state is None:
-            cache = llama.init_cache(self.config, self.mesh, self.batch_size, self.max_seq_len,
-                                     self.axis_name)
-            ar = {} if self._buffers is None else dict(self._buffers._asdict())
-            self._buffers = None  # owned by the state from now on (donated every step)
-            self.state = {"cache": cache, "pos": None, "ar": ar}
-        self.state["pos"] = jax.device_put(jnp.int32(0), self._replicated)
-        self._pos = 0
+            self.reset(need)
+            return
+        old = self._capacity
+        grow = jax.jit(lambda c: jax.tree.map(
+            lambda a: jnp.pad(a, ((0, 0), (0, new - old), (0, 0), (0, 0))), c),
+            out_shardings=self._cache_sharding)  # (a larger output cannot reuse the input)
+        cache, self.state["cache"] = self.state["cache"], None
+        self.state["cache"] = grow(cache)
+        self._capacity, self._step = new, (0, None)
+
+    def reset(self, capacity: Optional[int] = None) -> None:
+        """Start a new sequence at position 0, with a cache of at least `capacity` positions
+        (kept if it is large enough: stale entries are masked and overwritten before they
+        become visible)."""
+        need = capacity or 1
+        if self.state is None or self._capacity < need:
+            size = self._capacity_for(need)
+            ar = {}
+            if self.state is not None:
+                ar = self.state["ar"]
+                self.state = None  # free the old cache before allocating the new one
+            elif self._buffers is not None:
+                ar, self._buffers = dict(self._buffers._asdict()), None  # the state owns them
+            cache = llama.init_cache(self.config, self.mesh, self.batch_size, size, self.axis_name)
+            self.state = {"cache": cache, "ar": ar}
+            self._capacity = size
+        b = self.batch_size
+        self.state.update(pos=self._put(np.int32(0)), tok=self._put(np.zeros((b, 1), np.int32)),
+                          done=self._put(np.zeros(b, bool)), eos=self._put(np.int32(-1)),
+                          key=self._put(key_data(0)))
+        self._pos, self._step = 0, (0, None)
+
+    def seek(self, position: int, token) -> None:
+        """Continue from `position` of the current cache (taken as the context, as it is) with
+        `token` ([B] ints) as the last token. For benchmarks: a context without a prefill."""
+        self._ensure_capacity(position + 1)
+        tok = np.asarray(token, np.int32).reshape(self.batch_size, 1)
+        self.state.update(pos=self._put(np.int32(position)), tok=self._put(tok),
+                          done=self._put(np.zeros(self.batch_size, bool)))
+        self._pos, self._step = position, (0, None)
+
+    def randomize_cache(self, seed: int = 0) -> None:
+        """Fill the whole KV cache with random values in (-1, 1) (for benchmarks, with seek)."""
+        if self.state is None:
+            self.reset()
+        leaves, tree = jax.tree.flatten(self.state["cache"])
+        self.state["cache"] = jax.tree.unflatten(tree, _random_like(leaves, seed,
+                                                                    self._cache_sharding))
 
     def _tokens(self, tokens) -> jax.Array:
-        tokens = jnp.asarray(tokens, jnp.int32)
+        tokens = np.asarray(tokens, np.int32)
         if tokens.ndim == 1:
             tokens = tokens[None, :] if self.batch_size == 1 else tokens[:, None]
-        if tokens.shape[0] != self.batch_size:
-            raise ValueError(f"batch {tokens.shape[0]} != Decoder batch_size {self.batch_size}")
-        if self._pos + tokens.shape[1] > self.max_seq_len:
-            raise ValueError(f"sequence would exceed max_seq_len={self.max_seq_len}")
-        self._pos += tokens.shape[1]
-        return jax.device_put(tokens, self._replicated)
+        if tokens.ndim != 2 or tokens.shape[0] != self.batch_size:
+            raise ValueError(f"tokens of shape {tokens.shape}: expected [batch_size="
+                             f"{self.batch_size}, T]")
+        return self._put(tokens)
 
-    # ---- API ---------------------------------------------------------------------------------
+    # ---- executables -------------------------------------------------------------------------
+
+    def _forward(self, attend_len: int, last_only: bool):
+        key = (attend_len, last_only)
+        if key not in self._forwards:
+            self._forwards[key] = llama.make_forward(self.config, self.mesh, last_only=last_only,
+                                                     attend_len=attend_len, **self._fwd_kw)
+        return self._forwards[key]
+
+    def _bucket(self, end: int) -> int:
+        """The attention length for a call that fills positions up to `end` (exclusive)."""
+        self._ensure_capacity(end)
+        return next(b for b in attention_buckets(self._capacity) if b >= end)
+
+    def _append(self, leaves, state, tokens, attend_len: int, sampling: Sampling) -> dict:
+        """Run tokens [B, T] at state["pos"]; choose the next token from the last logits."""
+        params = jax.tree.unflatten(self._treedef, leaves)
+        t = tokens.shape[1]
+        positions = state["pos"] + jnp.arange(t, dtype=jnp.int32)
+        logits, cache, ar = self._forward(attend_len, True)(params, state["cache"], tokens,
+                                                            positions, state["ar"])
+        nxt, key = next_token(logits[:, -1], state["key"], sampling)
+        nxt = jnp.where(state["done"], state["eos"], nxt)  # a finished sequence repeats eos
+        return dict(state, cache=cache, ar=ar, pos=state["pos"] + t, tok=nxt[:, None], key=key,
+                    done=state["done"] | (nxt == state["eos"]))
+
+    def _compile(self, key, fn, *args, outputs=()):
+        """Ahead-of-time compile fn(leaves, state, *args) with the state donated and its
+        shardings fixed on the way in and out; `outputs`: shardings of further outputs."""
+        exe = self._executables.get(key)
+        if exe is None:
+            shardings = lambda tree: jax.tree.map(lambda a: a.sharding, tree)  # noqa: E731
+            state_sh = shardings(self.state)
+            out_sh = (state_sh, *outputs) if outputs else state_sh
+            jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=out_sh,
+                             in_shardings=(shardings(self._leaves), state_sh,
+                                           *(shardings(a) for a in args)))
+            exe = self._executables[key] = jitted.lower(self._leaves, self.state, *args).compile()
+        return exe
+
+    def compiled_step(self) -> "jax.stages.Compiled":
+        """The executable the next step runs (for inspection: .as_text())."""
+        limit, exe = self._step
+        if self._pos + 1 > limit:
+            n = self._bucket(self._pos + 1)
+            s = self.sampling
+            exe = self._compile(("step", self._capacity, n, s),
+                                lambda p, st: self._append(p, st, st["tok"], n, s))
+            self._step = (n, exe)
+        return exe
+
+    def compiled_chunk(self, k: int, early_exit: bool = False) -> "jax.stages.Compiled":
+        """The executable of k steps in one dispatch from the current position:
+        (leaves, state) -> (state, tokens [B, k]). fori_loop, or with early_exit a while_loop
+        that stops once every sequence has produced eos (unrun steps' tokens are eos)."""
+        n, s, b = self._bucket(self._pos + k), self.sampling, self.batch_size
+
+        def chunk(leaves, state):
+            def body(i, carry):
+                st, toks = carry
+                st = self._append(leaves, st, st["tok"], n, s)
+                return st, jax.lax.dynamic_update_slice(toks, st["tok"], (0, i))
+
+            toks = jnp.full((b, k), state["eos"], jnp.int32)
+            if not early_exit:
+                return jax.lax.fori_loop(0, k, body, (state, toks))
+            _, state, toks = jax.lax.while_loop(
+                lambda c: (c[0] < k) & ~jnp.all(c[1]["done"]),
+                lambda c: (c[0] + 1, *body(c[0], (c[1], c[2]))), (jnp.int32(0), state, toks))
+            return state, toks
+
+        return self._compile(("chunk", self._capacity, n, s, k, early_exit), chunk,
+                             outputs=(self._rep,))
+
+    # ---- steps --------------------------------------------------------------------------------
 
     def prefill(self, tokens) -> jax.Array:
-        """Append tokens [B, T] (or [T] for batch 1) to the sequence; logits [B, T, vocab]."""
-        logits, self.state = self._logits_fn(self.params, self.state, self._tokens(tokens))
+        """Append tokens [B, T] (or [T] for batch 1) to the sequence; logits [B, T, vocab].
+        (The logits path: the sampled token in the state is left as it was.)"""
+        if self.state is None:
+            self.reset()
+        tokens = self._tokens(tokens)
+        t = tokens.shape[1]
+        n = self._bucket(self._pos + t)
+
+        def logits_fn(leaves, state, toks):
+            params = jax.tree.unflatten(self._treedef, leaves)
+            positions = state["pos"] + jnp.arange(t, dtype=jnp.int32)
+            logits, cache, ar = self._forward(n, False)(params, state["cache"], toks, positions,
+                                                        state["ar"])
+            return dict(state, cache=cache, ar=ar, pos=state["pos"] + t), logits
+
+        exe = self._compile(("logits", self._capacity, n, t), logits_fn, tokens,
+                            outputs=(NamedSharding(self.mesh, P(None, None, self.axis_name)),))
+        self.state, logits = exe(self._leaves, self.state, tokens)
+        self._pos += t
         return logits
 
     def step(self, token) -> jax.Array:
         """Append one token per sequence ([B] or [B, 1]); logits [B, vocab]."""
-        token = jnp.asarray(token, jnp.int32).reshape(self.batch_size, 1)
-        return self.prefill(token)[:, 0]
+        return self.prefill(np.asarray(token, np.int32).reshape(self.batch_size, 1))[:, 0]
 
-    def greedy(self, tokens) -> jax.Array:
-        """Append tokens [B, T]; return the argmax next token [B, 1] as a replicated device
-        array, ready to be fed straight back (no host round trip). The benchmark's step."""
-        if isinstance(tokens, jax.Array) and tokens.sharding == self._replicated and tokens.ndim == 2:
-            if self._pos + tokens.shape[1] > self.max_seq_len:  # fast path: no re-placement
-                raise ValueError(f"sequence would exceed max_seq_len={self.max_seq_len}")
-            self._pos += tokens.shape[1]
+    def start(self, prompt, eos_id: Optional[int] = None, *, temperature: float = 0.0,
+              top_p: float = 1.0, seed: int = 0, reserve: int = 1) -> None:
+        """New sequence: prefill `prompt` ([B, T], or [T] for batch 1) and choose the first new
+        token (in the state, not yet read). The cache holds at least T + reserve positions."""
+        tokens = self._tokens(prompt)
+        t = tokens.shape[1]
+        self.reset(t + max(reserve, 1))
+        self.sampling = Sampling(temperature, top_p)
+        self.state.update(eos=self._put(np.int32(-1 if eos_id is None else eos_id)),
+                          key=self._put(key_data(seed)))
+        n, s = self._bucket(t), self.sampling
+        exe = self._compile(("prefill", self._capacity, n, t, s),
+                            lambda p, st, toks: self._append(p, st, toks, n, s), tokens)
+        self.state = exe(self._leaves, self.state, tokens)
+        self._pos = t
+
+    def advance(self, n: int = 1) -> None:
+        """Dispatch n steps (nothing is read back; the steps run as the device gets to them)."""
+        for _ in range(n):
+            limit, exe = self._step
+            if self._pos + 1 > limit:
+                exe = self.compiled_step()
+            self.state = exe(self._leaves, self.state)
+            self._pos += 1
+
+    def advance_on_device(self, k: int, early_exit: bool = False) -> jax.Array:
+        """Dispatch k steps as one on-device loop; returns their tokens [B, k] (a device array
+        whose copy to the host has started)."""
+        exe = self.compiled_chunk(k, early_exit)
+        self.state, toks = exe(self._leaves, self.state)
+        self._pos += k  # with early_exit an upper bound: only ever used to pick larger buckets
+        toks.copy_to_host_async()
+        return toks
+
+    def token(self) -> np.ndarray:
+        """The last chosen token of each sequence, [B] (waits for it)."""
+        return np.asarray(self.state["tok"])[:, 0]
+
+    def _snapshot(self) -> jax.Array:
+        # The state's token is donated to the next step: fetch a copy, asynchronously.
+        tok = _peek(self.state["tok"])
+        tok.copy_to_host_async()
+        return tok
+
+    # ---- loops ----------------------------------------------------------------------------------
+
+    def decode(self, n: int, *, loop: str = "stream", eos_id: Optional[int] = None,
+               in_flight: int = 2, chunk: int = ON_DEVICE_CHUNK,
+               early_exit: bool = False) -> Iterator[np.ndarray]:
+        """Yield the next n tokens ([B] each) from the current state: first the token already
+        chosen, then one per step, run by `loop` (LOOPS). Stops after the token with which every
+        sequence has produced eos_id (a finished sequence yields eos_id meanwhile).
+        in_flight: steps (stream) or chunks of `chunk` steps (on_device) dispatched ahead of the
+        token being waited for."""
+        if loop not in LOOPS:
+            raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
+        stop = _StopAt(eos_id, np.zeros(self.batch_size, bool))
+        if loop == "sync":
+            for i in range(n):
+                if i:
+                    self.advance()
+                tok = self.token()
+                yield tok
+                if stop.seen(tok):
+                    return
+            return
+        if loop == "pipelined":
+            fetched = [self._snapshot()]
+            for _ in range(n - 1):
+                self.advance()
+                fetched.append(self._snapshot())
+            for f in fetched:
+                tok = np.asarray(f)
+                yield tok
+                if stop.seen(tok):
+                    return
+            return
+        if loop == "stream":
+            def dispatch():
+                self.advance()
+                return self._snapshot()
+            per_dispatch = 1
         else:
-            tokens = self._tokens(tokens)
-        nxt, self.state = self._greedy_fn(self.params, self.state, tokens)
-        return nxt
+            def dispatch():
+                return self.advance_on_device(chunk, early_exit)
+            per_dispatch = chunk
+        pending = collections.deque([self._snapshot()])  # device arrays: [B] or [B, chunk]
+        issued, left = 1, n
+        while pending:
+            while issued < n and len(pending) <= in_flight:
+                pending.append(dispatch())
+                issued += per_dispatch
+            block = np.asarray(pending.popleft()).reshape(self.batch_size, -1)
+            for tok in block.T[:left]:
+                left -= 1
+                yield tok
+                if stop.seen(tok):
+                    if early_exit:
+                        self._pos = int(self.state["pos"])
+                    return
 
-    def generate(self, prompt_tokens, n: int) -> np.ndarray:
-        """Greedy-decode n tokens after the prompt, from a fresh sequence; returns [B, n]."""
-        self.reset()
-        tok = self.greedy(prompt_tokens)
-        out = [tok]
-        for _ in range(n - 1):
-            tok = self.greedy(tok)
-            out.append(tok)
-        return np.concatenate(jax.device_get(out), axis=1)
+    def stream(self, prompt, max_new_tokens: int, eos_id: Optional[int] = None, *,
+               temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+               loop: str = "stream", in_flight: int = 2, chunk: int = ON_DEVICE_CHUNK,
+               early_exit: bool = False) -> Iterator[np.ndarray]:
+        """Prefill `prompt`, then yield up to max_new_tokens new tokens ([B] each) as they are
+        ready, while the next steps already run (see decode)."""
+        extra = chunk if loop == "on_device" else 0  # a last chunk may run past max_new_tokens
+        self.start(prompt, eos_id, temperature=temperature, top_p=top_p, seed=seed,
+                   reserve=max_new_tokens + extra)
+        yield from self.decode(max_new_tokens, loop=loop, eos_id=eos_id, in_flight=in_flight,
+                               chunk=chunk, early_exit=early_exit)
+
+    def generate(self, prompt, max_new_tokens: int, eos_id: Optional[int] = None, **kw) -> np.ndarray:
+        """The new tokens [B, n] (n <= max_new_tokens: up to and including the step at which
+        every sequence has produced eos_id). Keywords as stream(); loop="stream" by default."""
+        toks = list(self.stream(prompt, max_new_tokens, eos_id, **kw))
+        return np.stack(toks, axis=1) if toks else np.zeros((self.batch_size, 0), np.int32)
 
     def teacher_forced_logits(self, tokens) -> np.ndarray:
         """From a fresh sequence, feed tokens [B, T] one decode step at a time; the logits of
         every step, [B, T, vocab] (float32, on the host)."""
-        self.reset()
         tokens = np.asarray(tokens, np.int32).reshape(self.batch_size, -1)
+        self.reset(tokens.shape[1])
         steps = [self.step(tokens[:, t]) for t in range(tokens.shape[1])]
         return np.stack(jax.device_get(steps), axis=1)

@@ -1,7 +1,9 @@
-"""Greedy generation from the command line, with time per output token.
+"""Generation from the command line: tokens printed as they come, then the time per output token.
 
-    python -m models.generate --preset tiny --tp 2 --tokens 32 [--allreduce psum|sifar|identity]
-        [--algorithm auto] [--checkpoint DIR]
+    python -m models.generate --preset tiny --tp 2 --tokens 32
+        [--allreduce psum|sifar|sifar_buffers|identity] [--algorithm auto] [--fused]
+        [--slot-bytes N] [--loop stream|sync|pipelined|on_device] [--eos ID]
+        [--temperature T --top-p P --seed S] [--checkpoint DIR]
 
 Without --checkpoint the weights are random (the timing is what matters). On a CPU-only
 machine, XLA_FLAGS is given enough host devices for --tp before jax is imported.
@@ -25,12 +27,21 @@ def _parse(argv):
     p.add_argument("--tokens", type=int, default=32, help="tokens to generate")
     p.add_argument("--prompt-len", type=int, default=8, help="random prompt length")
     p.add_argument("--prompt", type=int, nargs="*", help="explicit prompt token ids")
-    p.add_argument("--allreduce", default="psum", choices=["psum", "sifar", "identity"])
+    p.add_argument("--allreduce", default="psum",
+                   choices=["psum", "sifar", "sifar_buffers", "identity"])
     p.add_argument("--algorithm", default="auto", help="sifar algorithm (with --allreduce sifar)")
+    p.add_argument("--fused", action="store_true",
+                   help="fused all-reduce + residual add + RMSNorm (with --allreduce sifar)")
+    p.add_argument("--slot-bytes", type=int, help="sifar's slot size (largest payload served)")
+    p.add_argument("--loop", default="stream", choices=["stream", "sync", "pipelined", "on_device"])
+    p.add_argument("--eos", type=int, help="stop token id")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--dtype", help="override parameter/activation dtype (e.g. bfloat16)")
-    p.add_argument("--max-seq-len", type=int, help="KV cache length (default: prompt + tokens)")
-    p.add_argument("--warmup", type=int, default=3, help="steps excluded from the timing")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seq-len", type=int, help="KV cache length (default: the request, "
+                                                   "rounded up to a power of two)")
+    p.add_argument("--warmup", type=int, default=3, help="tokens excluded from the timing")
+    p.add_argument("--seed", type=int, default=0, help="random weights, prompt and sampling")
     return p.parse_args(argv)
 
 
@@ -60,49 +71,53 @@ def main(argv=None) -> int:
     mesh = make_mesh(args.tp)
     rng = np.random.default_rng(args.seed)
     prompt_len = len(args.prompt) if args.prompt else args.prompt_len
-    max_seq = args.max_seq_len or prompt_len + args.tokens
-
     if args.checkpoint:
-        config, params = load_hf_checkpoint(args.checkpoint, mesh, dtype=args.dtype,
-                                            max_seq_len=max_seq)
+        config, params = load_hf_checkpoint(args.checkpoint, mesh, dtype=args.dtype)
     else:
-        config = getattr(LlamaConfig, args.preset)(max_seq_len=max_seq)
+        config = getattr(LlamaConfig, args.preset)()
         if args.dtype:
             config = config.replace(dtype=args.dtype)
         params = random_params(config, mesh, seed=args.seed)
+    # The decoder sizes the KV cache to each request (rounded up to a power of two); let the
+    # limit admit this one (+ the on-device loop's last chunk).
+    need = max(prompt_len + args.tokens + 16, args.max_seq_len or 0)
+    config = config.replace(max_seq_len=max(config.max_seq_len, need))
     prompt = (np.array(args.prompt, np.int32) if args.prompt
-              else rng.integers(0, config.vocab_size, prompt_len, dtype=np.int32))[None, :]
+              else rng.integers(0, config.vocab_size, prompt_len, dtype=np.int32))
 
-    dec = Decoder(config, mesh, params, allreduce=args.allreduce, algorithm=args.algorithm,
-                  max_seq_len=max_seq)
-    # one untimed pass compiles the prefill and the step
+    try:
+        dec = Decoder(config, mesh, params, allreduce=args.allreduce, algorithm=args.algorithm,
+                      fused=args.fused, slot_bytes=args.slot_bytes, max_seq_len=args.max_seq_len)
+    except (ValueError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    kw = dict(eos_id=args.eos, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+              loop=args.loop)
     t0 = time.perf_counter()
-    dec.generate(prompt, 2)
+    dec.generate(prompt, min(args.tokens, 20), **kw)  # compiles the prefill and the steps
     compile_s = time.perf_counter() - t0
 
-    dec.reset()
-    t0 = time.perf_counter()
-    tok = dec.greedy(prompt).block_until_ready()
-    prefill_s = time.perf_counter() - t0
-    out, times = [tok], []
-    for _ in range(args.tokens - 1):
-        t0 = time.perf_counter()
-        tok = dec.greedy(tok).block_until_ready()
-        times.append(time.perf_counter() - t0)
-        out.append(tok)
-    tokens = np.concatenate(jax.device_get(out), axis=1)[0]
-
-    timed = times[args.warmup:] or times
     print(f"device: {jax.devices()[0].device_kind} x{args.tp} ({jax.default_backend()}), "
           f"layers={config.num_layers} hidden={config.hidden_size} dtype={config.dtype}, "
-          f"allreduce={args.allreduce}" + (f"/{args.algorithm}" if args.allreduce == "sifar" else ""))
-    print("prompt:", " ".join(map(str, prompt[0])))
+          f"allreduce={args.allreduce}" + (f"/{args.algorithm}" if "sifar" in args.allreduce else "")
+          + (" fused" if args.fused else "") + f", loop={args.loop}")
+    print("prompt:", " ".join(map(str, prompt)))
+    print("stream:", end=" ", flush=True)
+    tokens, stamps = [], []
+    t0 = time.perf_counter()
+    for tok in dec.stream(prompt, args.tokens, **kw):
+        stamps.append(time.perf_counter())
+        tokens.append(int(tok[0]))
+        print(tokens[-1], end=" ", flush=True)
+    print()
     print("tokens:", " ".join(map(str, tokens)))
-    print(f"compile + first run: {compile_s:.1f} s; prefill ({prompt_len} tokens): "
-          f"{prefill_s * 1e3:.3f} ms")
-    if timed:
-        print(f"time per output token: median {statistics.median(timed) * 1e3:.3f} ms "
-              f"over {len(timed)} steps (min {min(timed) * 1e3:.3f}, max {max(timed) * 1e3:.3f})")
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])][args.warmup:]
+    print(f"compile + first run: {compile_s:.1f} s; prefill + first token: "
+          f"{(stamps[0] - t0) * 1e3:.3f} ms")
+    if gaps:  # the mean: on_device delivers its tokens a chunk at a time
+        print(f"time per output token: mean {(stamps[-1] - stamps[args.warmup]) / len(gaps) * 1e3:.3f}"
+              f" ms over {len(gaps)} tokens (gaps between tokens: median "
+              f"{statistics.median(gaps) * 1e3:.3f}, max {max(gaps) * 1e3:.3f})")
     return 0
 
 

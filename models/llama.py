@@ -19,13 +19,20 @@ Tensor-parallel layout (Megatron style; tp = size of the mesh axis):
                                                     per GPU. The logits leave shard_map vocab-
                                                     sharded; XLA gathers/argmaxes outside.
   norms                                             replicated
-Each row-parallel output (o, down) is followed by one all-reduce: 2 per layer.
+Each row-parallel output (o, down) is followed by one all-reduce: 2 per layer. Every all-reduce is
+followed at once by a residual add and the next RMSNorm (after attention: the post-attention norm;
+after the MLP: the next layer's input norm, or the final norm after the last layer), so the three
+can run as one fused call (`sifar_jax.psum_add_rmsnorm`, fused=True) or unfused (the default).
+
+KV heads are replicated when tp > num_kv_heads (tp a multiple of it): the layout is then that of
+an equivalent model with tp KV heads, each original head copied to tp/num_kv_heads ranks, each copy
+with its share of the group's query heads (`tp_layout`). Parameter values do not depend on tp.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -73,19 +80,62 @@ def make_allreduce_into(algorithm: str = "auto"):
     return sifar_into
 
 
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Llama's RMSNorm: float32 statistics, then the scale in the activation dtype (as
+    transformers does): weight * bf16(x * rsqrt(mean(x^2) + eps))."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def unfused_psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float,
+                             allreduce: AllReduceFn = jax.lax.psum):
+    """The contract of `sifar_jax.psum_add_rmsnorm`, as three separate ops:
+    new_residual = residual + allreduce(x) (in x.dtype, rounded once), normed = rms_norm(it).
+    Returns (normed, new_residual)."""
+    new_residual = residual + allreduce(x, axis_name)
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def fused_add_norm_available() -> Optional[str]:
+    """None when sifar_jax.psum_add_rmsnorm exists, else why not."""
+    try:
+        import sifar_jax
+    except Exception as e:  # noqa: BLE001 - extension not built
+        return f"import sifar_jax failed: {e!r}"
+    if not hasattr(sifar_jax, "psum_add_rmsnorm"):
+        return "sifar_jax has no psum_add_rmsnorm (the fused all-reduce + add + RMSNorm) yet"
+    return None
+
+
+def make_fused_add_norm(allreduce: str, algorithm: str = "auto"):
+    """f(x, residual, weight, axis_name, *, eps) -> (normed, new_residual) as one fused call."""
+    if allreduce != "sifar":
+        raise ValueError(f"fused=True needs allreduce='sifar' (the fused kernel is sifar's), "
+                         f"got allreduce={allreduce!r}")
+    why = fused_add_norm_available()
+    if why:
+        raise NotImplementedError(f"fused=True: {why}")
+    import sifar_jax
+
+    return functools.partial(sifar_jax.psum_add_rmsnorm, algorithm=algorithm)
+
+
 class TPContext:
     """Per-trace view of the tensor-parallel axis that every layer receives.
 
     Lives only while one shard_map body is traced. `buffers` is the pytree threaded through the
-    decode state as state["ar"] (empty for now) and returned, updated, by the forward.
+    decode state as state["ar"] (empty unless sifar_buffers) and returned, updated, by the forward.
+    `fused_add_norm` (optional) replaces all-reduce + residual add + RMSNorm by one call.
     """
 
     def __init__(self, axis_name: str, size: int, allreduce: AllReduceFn, buffers: Any = None,
-                 allreduce_into=None):
+                 allreduce_into=None, fused_add_norm=None):
         self.axis_name = axis_name
         self.size = size
         self._allreduce = allreduce
         self._allreduce_into = allreduce_into
+        self._fused_add_norm = fused_add_norm
         self.buffers = {} if buffers is None else dict(buffers)
         self.count = 0  # all-reduces issued so far in this trace
 
@@ -105,12 +155,23 @@ class TPContext:
         self.count += 1
         return y
 
+    def add_norm(self, x: jax.Array, residual: jax.Array, norm: "RMSNorm"):
+        """All-reduce the row-parallel partial x, add it to the residual stream, normalise with
+        `norm`: (normed, new_residual). One fused call when fused, else the composition."""
+        weight = norm.weight[...]
+        if self._fused_add_norm is not None:
+            self.count += 1
+            return self._fused_add_norm(x, residual, weight, self.axis_name, eps=norm.eps)
+        return unfused_psum_add_rmsnorm(x, residual, weight, self.axis_name, eps=norm.eps,
+                                        allreduce=lambda v, _: self.all_reduce(v))
+
 
 def check_tp(config: LlamaConfig, tp: int) -> None:
     """Raise a clear error if the model cannot be split tp ways."""
     problems = []
-    if config.num_kv_heads % tp:
-        problems.append(f"num_kv_heads={config.num_kv_heads} (each rank holds whole KV heads)")
+    if config.num_kv_heads % tp and tp % config.num_kv_heads:
+        problems.append(f"num_kv_heads={config.num_kv_heads} or be a multiple of it (each rank "
+                        f"holds whole KV heads, or one replicated head)")
     if config.num_heads % tp:
         problems.append(f"num_heads={config.num_heads}")
     if config.intermediate_size % tp:
@@ -119,6 +180,33 @@ def check_tp(config: LlamaConfig, tp: int) -> None:
         problems.append(f"vocab_size={config.vocab_size} (lm_head is split over vocab)")
     if problems:
         raise ValueError(f"tensor parallelism tp={tp} must divide " + ", ".join(problems))
+
+
+def kv_replicas(config: LlamaConfig, tp: int) -> int:
+    """How many ranks hold a copy of each KV head (1 unless tp > num_kv_heads)."""
+    return max(1, tp // config.num_kv_heads)
+
+
+def tp_layout(config: LlamaConfig, tp: int) -> LlamaConfig:
+    """The config whose shapes the tp-way layout uses: `config` itself, or, when tp > num_kv_heads,
+    the equivalent model with tp KV heads (each head copied kv_replicas times, the group's query
+    heads split among the copies; query head order unchanged)."""
+    check_tp(config, tp)
+    r = kv_replicas(config, tp)
+    return config if r == 1 else config.replace(num_kv_heads=config.num_kv_heads * r)
+
+
+def replicate_kv(qkv, r: int):
+    """[hidden, kv, g+2, d] -> [hidden, kv*r, g/r+2, d]: copy j of KV head i holds query heads
+    j*g/r .. (j+1)*g/r - 1 of group i, then k and v of head i (works on numpy and jax arrays)."""
+    if r == 1:
+        return qkv
+    xp = jnp if isinstance(qkv, jax.Array) else np
+    h, kv, g2, d = qkv.shape
+    g = g2 - 2
+    q = qkv[:, :, :g].reshape(h, kv, r, g // r, d)
+    k = xp.broadcast_to(qkv[:, :, None, g:], (h, kv, r, 2, d))
+    return xp.concatenate([q, k], axis=3).reshape(h, kv * r, g // r + 2, d)
 
 
 # ---- rotary embeddings ----------------------------------------------------------------------------
@@ -168,10 +256,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        # float32 statistics, then scale in the activation dtype (as transformers does)
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * xf.astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps)
 
 
 class Attention(nnx.Module):
@@ -185,29 +270,35 @@ class Attention(nnx.Module):
         self.o = nnx.Param(_normal(rngs, (c.num_heads, c.head_dim, c.hidden_size),
                                    (c.num_heads * c.head_dim) ** -0.5, dt))
 
-    def __call__(self, x, cos, sin, kv_cache, positions, tp: TPContext):
-        """x [B, T, hidden]; kv_cache {"k","v"}: [B, S, local_kv_heads, head_dim]."""
+    def __call__(self, x, cos, sin, kv_cache, positions, attend_len: Optional[int] = None):
+        """x [B, T, hidden]; kv_cache {"k","v"}: [B, S, local_kv_heads, head_dim].
+        Returns (this rank's partial sum of the output projection, new cache): the caller
+        all-reduces it. Attention runs over the first `attend_len` cache positions (all S if
+        None): the caller guarantees positions[-1] < attend_len."""
         g, d = self.group, self.head_dim
         qkv = jnp.einsum("bth,hkgd->btkgd", x, self.qkv[...])  # k: local kv heads
         q, k, v = qkv[..., :g, :], qkv[..., g, :], qkv[..., g + 1, :]
         q = apply_rope(q, cos[None, :, None, None, :], sin[None, :, None, None, :])
         k = apply_rope(k, cos[None, :, None, :], sin[None, :, None, :])
 
-        # write this step's keys/values in place (the cache is donated), then attend over the
-        # whole cache with a position mask: shapes stay static, so one compiled step serves all.
+        # write this step's keys/values in place (the cache is donated), then attend over a
+        # static prefix of the cache with a position mask: one compiled step per length bucket,
+        # whose cost is that of the bucket, not of the whole cache.
         start = positions[0]
         kc = jax.lax.dynamic_update_slice(kv_cache["k"], k.astype(kv_cache["k"].dtype), (0, start, 0, 0))
         vc = jax.lax.dynamic_update_slice(kv_cache["v"], v.astype(kv_cache["v"].dtype), (0, start, 0, 0))
+        n = kc.shape[1] if attend_len is None else attend_len
+        ka, va = kc[:, :n], vc[:, :n]
 
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, kc, preferred_element_type=jnp.float32)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, ka, preferred_element_type=jnp.float32)
         scores = scores * (d ** -0.5)
-        visible = positions[:, None] >= jnp.arange(kc.shape[1])[None, :]  # [T, S]
+        visible = positions[:, None] >= jnp.arange(n)[None, :]  # [T, n]
         scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(vc.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, vc, preferred_element_type=jnp.float32)
+        probs = jax.nn.softmax(scores, axis=-1).astype(va.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, va, preferred_element_type=jnp.float32)
         out = out.astype(x.dtype).reshape(*x.shape[:2], -1, d)  # heads in (kv group, group) order
         partial = jnp.einsum("bthd,hdm->btm", out, self.o[...])  # row-parallel: partial sum
-        return tp.all_reduce(partial), {"k": kc, "v": vc}
+        return partial, {"k": kc, "v": vc}
 
 
 class MLP(nnx.Module):
@@ -219,10 +310,11 @@ class MLP(nnx.Module):
         self.down = nnx.Param(_normal(rngs, (c.intermediate_size, c.hidden_size),
                                       c.intermediate_size ** -0.5, dt))
 
-    def __call__(self, x, tp: TPContext):
+    def __call__(self, x):
+        """This rank's partial sum of the down projection (the caller all-reduces it)."""
         h = jnp.einsum("bth,hcf->btcf", x, self.gate_up[...])
         a = jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
-        return tp.all_reduce(a @ self.down[...])  # row-parallel: partial sum
+        return a @ self.down[...]  # row-parallel: partial sum
 
 
 class Block(nnx.Module):
@@ -233,11 +325,15 @@ class Block(nnx.Module):
         self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, cos, sin, kv_cache, positions, tp: TPContext):
-        a, kv_cache = self.attn(self.input_norm(x), cos, sin, kv_cache, positions, tp)
-        x = x + a
-        x = x + self.mlp(self.post_norm(x), tp)
-        return x, kv_cache
+    def __call__(self, h, x, cos, sin, kv_cache, positions, tp: TPContext, next_norm: RMSNorm,
+                 attend_len: Optional[int] = None):
+        """h = input_norm(x), already computed by the previous all-reduce; x the residual
+        stream. Returns (next_norm(new x), new x, new cache): each all-reduce is followed by the
+        residual add and the norm after it, fused or not (TPContext.add_norm)."""
+        a, kv_cache = self.attn(h, cos, sin, kv_cache, positions, attend_len)
+        h, x = tp.add_norm(a, x, self.post_norm)
+        h, x = tp.add_norm(self.mlp(h), x, next_norm)
+        return h, x, kv_cache
 
 
 class Llama(nnx.Module):
@@ -251,19 +347,23 @@ class Llama(nnx.Module):
             self.lm_head = nnx.Param(_normal(rngs, (config.hidden_size, config.vocab_size),
                                              config.hidden_size ** -0.5, dt))
 
-    def __call__(self, tokens, positions, cache, tp: TPContext, last_only: bool = False):
+    def __call__(self, tokens, positions, cache, tp: TPContext, last_only: bool = False,
+                 attend_len: Optional[int] = None):
         """tokens [B, T] int32; positions [T] int32, contiguous, shared by the batch (the cache
-        is written at positions[0]); cache: list over layers of {"k","v"}.
-        Returns (local logits [B, T or 1, vocab/tp] float32, new cache)."""
+        is written at positions[0]); cache: list over layers of {"k","v"}; attend_len: see
+        Attention. Returns (local logits [B, T or 1, vocab/tp] float32, new cache)."""
         x = jnp.take(self.embed[...], tokens, axis=0)
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.config))
+        layers = list(self.layers)
+        next_norms = [layer.input_norm for layer in layers[1:]] + [self.norm]
+        h = layers[0].input_norm(x)  # the only norm not preceded by an all-reduce
         new_cache = []
-        for layer, kv in zip(self.layers, cache):
-            x, kv = layer(x, cos, sin, kv, positions, tp)
+        for layer, kv, next_norm in zip(layers, cache, next_norms):
+            h, x, kv = layer(h, x, cos, sin, kv, positions, tp, next_norm, attend_len)
             new_cache.append(kv)
+        x = h  # self.norm(residual), from the last layer's MLP all-reduce
         if last_only:
             x = x[:, -1:]
-        x = self.norm(x)
         if self.config.tie_word_embeddings:
             # this rank's vocab slice of the (replicated) embedding table
             n = self.config.vocab_size // tp.size
@@ -305,7 +405,8 @@ def param_specs(params: dict, axis_name: str = "tp") -> dict:
 
 
 def param_shardings(config: LlamaConfig, mesh: Mesh, axis_name: str = "tp") -> dict:
-    _, abstract = abstract_model(config)
+    """NamedSharding pytree of the parameters laid out for `mesh` (see tp_layout)."""
+    _, abstract = abstract_model(tp_layout(config, mesh.shape[axis_name]))
     return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(abstract, axis_name))
 
 
@@ -315,7 +416,9 @@ def cache_spec(axis_name: str = "tp") -> P:
 
 def init_cache(config: LlamaConfig, mesh: Mesh, batch_size: int, max_seq_len: int,
                axis_name: str = "tp") -> list:
-    """Zero KV cache, created directly sharded (no host copy)."""
+    """Zero KV cache, created directly sharded (no host copy). With tp > num_kv_heads each rank
+    holds its copy of one KV head."""
+    config = tp_layout(config, mesh.shape[axis_name])
     shape = (batch_size, max_seq_len, config.num_kv_heads, config.head_dim)
     sharding = NamedSharding(mesh, cache_spec(axis_name))
     make = jax.jit(lambda: [{"k": jnp.zeros(shape, config.dtype), "v": jnp.zeros(shape, config.dtype)}
@@ -325,29 +428,33 @@ def init_cache(config: LlamaConfig, mesh: Mesh, batch_size: int, max_seq_len: in
 
 
 def make_forward(config: LlamaConfig, mesh: Mesh, *, allreduce: str = "psum",
-                 algorithm: str = "auto", axis_name: str = "tp", last_only: bool = False,
-                 ar_specs: Any = None):
+                 algorithm: str = "auto", fused: bool = False, axis_name: str = "tp",
+                 last_only: bool = False, attend_len: Optional[int] = None, ar_specs: Any = None):
     """The TP forward as a pure function, ready for jax.jit:
 
         forward(params, cache, tokens, positions, ar) -> (logits, cache, ar)
 
-    params/cache are global arrays sharded as param_specs/cache_spec; tokens [B, T] and positions
-    [T] are replicated; logits [B, T (1 if last_only), vocab] come out split over vocab; `ar` is
-    the all-reduce buffer pytree of the decode state ({} for now; `ar_specs` its specs).
-    Works for a 1-device mesh (tp=1) too.
+    params/cache are global arrays sharded as param_shardings/cache_spec (laid out by tp_layout);
+    tokens [B, T] and positions [T] are replicated; logits [B, T (1 if last_only), vocab] come out
+    split over vocab; `ar` is the all-reduce buffer pytree of the decode state ({} unless
+    sifar_buffers; `ar_specs` its specs). attend_len: attention over that many cache positions
+    (see Attention). fused=True (allreduce="sifar"): all-reduce + residual add + RMSNorm as one
+    sifar_jax.psum_add_rmsnorm call. Works for a 1-device mesh (tp=1) too.
     """
     tp = mesh.shape[axis_name]
-    check_tp(config, tp)
+    config = tp_layout(config, tp)
     graphdef, abstract = abstract_model(config)
     pspecs = param_specs(abstract, axis_name)
     cspec = [{"k": cache_spec(axis_name), "v": cache_spec(axis_name)}] * config.num_layers
     aspecs = {} if ar_specs is None else ar_specs
     reduce_fn = make_allreduce(allreduce, algorithm)
+    fused_fn = make_fused_add_norm(allreduce, algorithm) if fused else None
 
     def per_rank(params, cache, tokens, positions, ar):
         model = nnx.merge(graphdef, params)
-        ctx = TPContext(axis_name, tp, reduce_fn, ar, make_allreduce_into(algorithm))
-        logits, cache = model(tokens, positions, cache, ctx, last_only=last_only)
+        ctx = TPContext(axis_name, tp, reduce_fn, ar, make_allreduce_into(algorithm), fused_fn)
+        logits, cache = model(tokens, positions, cache, ctx, last_only=last_only,
+                              attend_len=attend_len)
         if ctx.buffers and ctx.count % 2:
             # The next step starts with buffer "a" again: an odd count would reuse the buffer
             # the last all-reduce wrote, which dual buffering forbids.
@@ -355,9 +462,8 @@ def make_forward(config: LlamaConfig, mesh: Mesh, *, allreduce: str = "psum",
                              f"got {ctx.count}")
         return logits, cache, ctx.buffers
 
-    # check_vma=False: the sifar custom call does not carry varying-manual-axes types.
     return jax.shard_map(
         per_rank, mesh=mesh,
         in_specs=(pspecs, cspec, P(), P(), aspecs),
         out_specs=(P(None, None, axis_name), cspec, aspecs),
-        check_vma=False)
+        check_vma=True)

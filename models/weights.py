@@ -65,20 +65,27 @@ class _Checkpoint:
         return sl[lo:hi] if dim == 0 else sl[:, lo:hi]
 
 
-def _builders(config: LlamaConfig, ck: _Checkpoint) -> dict:
+def _builders(config: LlamaConfig, ck: _Checkpoint, kv_replicas: int = 1) -> dict:
     """For each parameter path, f(lo, hi) -> its local chunk along the TP dim (our layout),
-    reading only HF rows/columns [lo, hi) scaled to that tensor (heads, ffn rows, vocab rows)."""
+    reading only HF rows/columns [lo, hi) scaled to that tensor (heads, ffn rows, vocab rows).
+    `config` is the layout's (llama.tp_layout): with kv_replicas r > 1, layout KV head j is a
+    copy of the checkpoint's head j // r."""
     c = config
     H, d, g = c.hidden_size, c.head_dim, c.group_size
 
     def t(a):  # HF [out, in] -> ours [in, out]
         return np.ascontiguousarray(a.T)
 
-    def qkv(i, lo, hi):  # lo, hi: kv heads
+    def kv_rows(name, lo, hi):  # layout heads [lo, hi) -> [H, hi - lo, 1, d]
+        heads = np.arange(lo, hi) // kv_replicas
+        a = t(ck.read(name, 0, heads[0] * d, (heads[-1] + 1) * d)).reshape(H, -1, d)
+        return a[:, heads - heads[0], None, :]
+
+    def qkv(i, lo, hi):  # lo, hi: kv heads of the layout
         n = hi - lo
         q = t(ck.read(_hf("self_attn.q_proj", i), 0, lo * g * d, hi * g * d)).reshape(H, n, g, d)
-        k = t(ck.read(_hf("self_attn.k_proj", i), 0, lo * d, hi * d)).reshape(H, n, 1, d)
-        v = t(ck.read(_hf("self_attn.v_proj", i), 0, lo * d, hi * d)).reshape(H, n, 1, d)
+        k = kv_rows(_hf("self_attn.k_proj", i), lo, hi)
+        v = kv_rows(_hf("self_attn.v_proj", i), lo, hi)
         return np.concatenate([q, k, v], axis=2)
 
     def o(i, lo, hi):  # heads
@@ -113,19 +120,21 @@ def load_hf_checkpoint(path: str, mesh: Mesh, *, axis_name: str = "tp",
                        config: Optional[LlamaConfig] = None, dtype: Optional[str] = None,
                        max_seq_len: Optional[int] = None) -> tuple[LlamaConfig, dict]:
     """Read `path`/config.json and its safetensors shards; return (config, params) with params
-    sharded onto `mesh` (see llama.TP_DIM). `dtype` overrides the checkpoint's dtype."""
+    sharded onto `mesh` (see llama.TP_DIM; KV heads replicated when tp > num_kv_heads, see
+    llama.tp_layout). `dtype` overrides the checkpoint's dtype."""
     if config is None:
         with open(os.path.join(path, "config.json")) as f:
             config = LlamaConfig.from_hf_config(json.load(f), max_seq_len=max_seq_len, dtype=dtype)
     elif dtype is not None:
         config = config.replace(dtype=dtype)
-    llama.check_tp(config, mesh.shape[axis_name])
-    _, abstract = llama.abstract_model(config)
+    tp = mesh.shape[axis_name]
+    layout = llama.tp_layout(config, tp)
+    _, abstract = llama.abstract_model(layout)
     shardings = llama.param_shardings(config, mesh, axis_name)
 
     with contextlib.ExitStack() as stack:
         ck = _Checkpoint(path, stack)
-        builders = _builders(config, ck)
+        builders = _builders(layout, ck, llama.kv_replicas(config, tp))
 
         def place(path_, sds, sharding, build: Callable):
             name = str(getattr(path_[-1], "key", path_[-1]))
@@ -156,9 +165,9 @@ def load_hf_checkpoint(path: str, mesh: Mesh, *, axis_name: str = "tp",
 
 def to_hf_tensors(params: dict, config: LlamaConfig) -> dict[str, np.ndarray]:
     """Our (global) parameters -> HF-named numpy tensors. Gathers to the host: for tests and small
-    models."""
+    models. Parameters laid out with replicated KV heads (llama.tp_layout) give each head once."""
     c = config
-    H, d, g = c.hidden_size, c.head_dim, c.group_size
+    H, d = c.hidden_size, c.head_dim
     get = lambda a: np.asarray(jax.device_get(a))
     out = {"model.embed_tokens.weight": get(params["embed"]),
            "model.norm.weight": get(params["norm"]["weight"])}
@@ -166,10 +175,11 @@ def to_hf_tensors(params: dict, config: LlamaConfig) -> dict[str, np.ndarray]:
         out["lm_head.weight"] = get(params["lm_head"]).T
     for i in range(c.num_layers):
         p = params["layers"][i]
-        qkv = get(p["attn"]["qkv"])  # [H, kv, g+2, d]
+        qkv = get(p["attn"]["qkv"])  # [H, kv * r, g / r + 2, d]
+        r, g = qkv.shape[1] // c.num_kv_heads, qkv.shape[2] - 2
         out[_hf("self_attn.q_proj", i)] = qkv[:, :, :g].reshape(H, c.num_heads * d).T
-        out[_hf("self_attn.k_proj", i)] = qkv[:, :, g].reshape(H, c.num_kv_heads * d).T
-        out[_hf("self_attn.v_proj", i)] = qkv[:, :, g + 1].reshape(H, c.num_kv_heads * d).T
+        out[_hf("self_attn.k_proj", i)] = qkv[:, ::r, g].reshape(H, c.num_kv_heads * d).T
+        out[_hf("self_attn.v_proj", i)] = qkv[:, ::r, g + 1].reshape(H, c.num_kv_heads * d).T
         out[_hf("self_attn.o_proj", i)] = get(p["attn"]["o"]).reshape(c.num_heads * d, H).T
         gu = get(p["mlp"]["gate_up"])  # [H, 2, F]
         out[_hf("mlp.gate_proj", i)] = gu[:, 0].T
@@ -202,7 +212,7 @@ def save_hf_checkpoint(params: dict, config: LlamaConfig, path: str, *, num_shar
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
-def _mix32(x: int) -> int:
+def mix32(x: int) -> int:
     """murmur3 finaliser on a Python int (host side: derives per-tensor salts)."""
     x &= 0xFFFFFFFF
     for m in (0x85EBCA6B, 0xC2B2AE35):
@@ -210,7 +220,7 @@ def _mix32(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def _hash_uniform(shape, salt: int) -> jax.Array:
+def hash_uniform(shape, salt: int) -> jax.Array:
     """Uniform in (-1, 1), never 0, as a hash of each element's global index. Elementwise on an
     iota, so under jit with out_shardings every device computes only its own shard, the values do
     not depend on the sharding (same model at every TP size), and it compiles in well under a
@@ -236,8 +246,9 @@ def _init_std(name: str, shape) -> float:
 def random_params(config: LlamaConfig, mesh: Mesh, seed: int = 0, *, axis_name: str = "tp") -> dict:
     """Random parameters (never zero) created directly sharded on the devices: no host copy, so
     8B bf16 is fine. Linear weights have std 1/sqrt(fan_in), the embedding std 1, norm weights
-    1 +- 0.1. The values depend on (config, seed) only, not on the mesh."""
-    llama.check_tp(config, mesh.shape[axis_name])
+    1 +- 0.1. The values depend on (config, seed) only, not on the mesh (with tp > num_kv_heads
+    the KV heads are copied, llama.tp_layout)."""
+    r = llama.kv_replicas(config, mesh.shape[axis_name])
     _, abstract = llama.abstract_model(config)
     shardings = llama.param_shardings(config, mesh, axis_name)
 
@@ -246,11 +257,13 @@ def random_params(config: LlamaConfig, mesh: Mesh, seed: int = 0, *, axis_name: 
         out = []
         for i, (path, sds) in enumerate(leaves):
             name = str(getattr(path[-1], "key", path[-1]))
-            u = _hash_uniform(sds.shape, _mix32(_mix32(seed) + 0x632BE5AB * (i + 1)))
+            u = hash_uniform(sds.shape, mix32(mix32(seed) + 0x632BE5AB * (i + 1)))
             if name == "weight":  # RMSNorm gain
                 w = 1.0 + 0.1 * u
             else:  # uniform with the target std
                 w = u * (_init_std(name, sds.shape) * 3 ** 0.5)
+            if name == "qkv":
+                w = llama.replicate_kv(w, r)
             out.append(w.astype(sds.dtype))
         return jax.tree_util.tree_unflatten(treedef, out)
 

@@ -119,7 +119,7 @@ def test_decoder_with_explicit_buffers_matches_psum():
     dec = Decoder(cfg, mesh, params, allreduce="sifar_buffers")
     got = dec.teacher_forced_logits(tokens[None])
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
-    hlo = dec._greedy_fn.lower(dec.params, dec.state, jnp.zeros((1, 1), jnp.int32)).compile().as_text()
+    hlo = dec.compiled_step().as_text()
     assert not [line for line in hlo.splitlines() if "u8[" in line and " copy" in line]
     sifar_jax.check()
     sifar_jax.shutdown()

@@ -11,6 +11,7 @@ from safetensors.numpy import save_file
 
 from models import Decoder, LlamaConfig, load_hf_checkpoint, make_mesh
 from models import llama
+from models.weights import to_hf_tensors as weights_to_hf
 
 # The tiny preset as a Hugging Face config.json, written out by hand so the parser is tested too.
 HF_CONFIG = {
@@ -204,7 +205,7 @@ def test_rope_frequencies_match_reference():
     assert ((ratio > 1) & ~np.isclose(ratio, 4.0)).any()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 8])  # tp=8 > num_kv_heads=4: each KV head on 2 ranks
 def test_prefill_and_decode_match_numpy_reference(loaded, sequence, reference, tp):
     mesh, config, params = loaded(tp)
     dec = Decoder(config, mesh, params)
@@ -295,23 +296,53 @@ def test_identity_allreduce_is_the_switch(loaded, sequence):
 def test_state_is_donated_and_updated_in_place(loaded):
     mesh, config, params = loaded(2)
     dec = Decoder(config, mesh, params)
+    dec.start(np.array([[1, 2, 3]], np.int32))
     old = jax.tree.leaves(dec.state)
-    tok = dec.greedy(np.array([[1, 2, 3]], np.int32))
-    tok = dec.greedy(tok)
-    assert tok.shape == (1, 1) and tok.sharding.is_fully_replicated
+    pointers = [s.data.unsafe_buffer_pointer() for a in old for s in a.addressable_shards]
+    dec.advance(2)
     assert all(a.is_deleted() for a in old), "decode state was not donated"
-    assert int(dec.state["pos"]) == 4
+    new = jax.tree.leaves(dec.state)
+    # every per-step buffer (cache, token, position, key, flags) keeps its address
+    assert [s.data.unsafe_buffer_pointer() for a in new for s in a.addressable_shards] == pointers
+    assert dec.state["tok"].shape == (1, 1) and dec.state["tok"].sharding.is_fully_replicated
+    assert int(dec.state["pos"]) == 5
+
+
+def test_kv_heads_replicated_when_tp_exceeds_them(loaded, hf):
+    """tp=8 > num_kv_heads=4: the layout of an 8-KV-head model, each head copied to 2 ranks,
+    and the checkpoint is read back unchanged."""
+    mesh, config, params = loaded(8)
+    assert llama.kv_replicas(config, 8) == 2
+    assert params["layers"][0]["attn"]["qkv"].shape == (128, 8, 1 + 2, 16)
+    tensors = weights_to_hf(params, config)
+    for name, want in hf[1].items():
+        np.testing.assert_array_equal(tensors[name], want, err_msg=name)
+
+
+def test_shard_map_checks_varying_axes(loaded):
+    """check_vma=True: shard_map checks every out_spec against the values' varying axes."""
+    mesh, config, params = loaded(2)
+    fwd = llama.make_forward(config, mesh)
+    cache = llama.init_cache(config, mesh, 1, 64)
+    jaxpr = jax.make_jaxpr(fwd)(params, cache, np.zeros((1, 1), np.int32),
+                                np.zeros(1, np.int32), {})
+    maps = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
+    assert maps and all(e.params["check_vma"] for e in maps)
 
 
 def test_errors(loaded):
     mesh, config, params = loaded(1)
     with pytest.raises(ValueError, match="num_kv_heads"):
-        llama.check_tp(config, 8)
+        llama.check_tp(config, 3)
+    with pytest.raises(ValueError, match="num_heads"):
+        llama.check_tp(config, 16)
     _need(8)
-    with pytest.raises(ValueError, match="tp=8"):
-        Decoder(config, make_mesh(8), params)
+    with pytest.raises(ValueError, match="tp=8 layout"):
+        Decoder(config, make_mesh(8), params)  # TP=1 parameters on an 8-way mesh
     with pytest.raises(ValueError, match="allreduce"):
         llama.make_allreduce("nccl")
+    with pytest.raises(ValueError, match="slot_bytes"):
+        Decoder(config, mesh, params, slot_bytes=1 << 16)  # psum has no slot
     dec = Decoder(config, mesh, params, max_seq_len=8)
     with pytest.raises(ValueError, match="max_seq_len"):
         dec.prefill(np.zeros((1, 9), np.int32))

@@ -104,6 +104,30 @@ def test_load_at_other_tp_gives_same_arrays(tmp_path, tiny_tp2):
         _assert_sharded_as_specified(loaded, config, mesh)
 
 
+def test_replicated_kv_heads_load_save_and_random_init(tmp_path, tiny_tp2):
+    """tp=8 > num_kv_heads=4: every KV head on 2 ranks, each with half its group's query heads.
+    Loading, saving and random init all give the same model as at tp=2."""
+    _need(8)
+    config, _, p2 = tiny_tp2
+    mesh8 = make_mesh(8)
+    save_hf_checkpoint(p2, config, str(tmp_path))
+    _, loaded = load_hf_checkpoint(str(tmp_path), mesh8)
+    _assert_sharded_as_specified(loaded, config, mesh8)
+    g = config.group_size
+    for i in range(config.num_layers):
+        qkv2 = np.asarray(p2["layers"][i]["attn"]["qkv"])  # [H, 4, g + 2, d]
+        qkv8 = np.asarray(loaded["layers"][i]["attn"]["qkv"])  # [H, 8, g / 2 + 2, d]
+        for j in range(8):  # copy j of KV head j // 2: query heads (j % 2) * g/2 ..., then k, v
+            head, half = divmod(j, 2)
+            np.testing.assert_array_equal(qkv8[:, j, :g // 2], qkv2[:, head, half * g // 2:(half + 1) * g // 2])
+            np.testing.assert_array_equal(qkv8[:, j, g // 2:], qkv2[:, head, g:])
+        np.testing.assert_array_equal(qkv8, llama.replicate_kv(qkv2, 2))
+    _assert_same_params(random_params(config, mesh8, seed=3), loaded)  # same values at every tp
+    save_hf_checkpoint(loaded, config, str(tmp_path / "from8"))  # each KV head written once
+    _, back = load_hf_checkpoint(str(tmp_path / "from8"), tiny_tp2[1])
+    _assert_same_params(back, p2)
+
+
 def test_bfloat16_round_trip_and_dtype_override(tmp_path):
     _need(2)
     mesh = make_mesh(2)

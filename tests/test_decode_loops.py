@@ -1,0 +1,323 @@
+"""Decode loops (sync, stream, pipelined, on-device), stop tokens, sampling, attention buckets,
+the request-sized cache, the fused all-reduce + add + RMSNorm wiring, and the compiled HLO
+(tiny preset, float32, 8 host CPU devices from conftest.py)."""
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sifar_jax
+from models import Decoder, LlamaConfig, hlo, llama, make_mesh, random_params
+from models.decode import LOOPS, attention_buckets, bucket_up
+from models.sampling import Sampling, key_data, next_token
+
+PROMPT = np.array([5, 17, 3, 250, 99, 7, 42, 128], np.int32)
+NEW = 24  # tokens per generation; with the prompt and one chunk, one 64-position bucket
+CHUNK = 8  # on-device steps per dispatch in these tests
+
+
+def _need(n):
+    if len(jax.devices()) < n:
+        pytest.skip(f"needs {n} devices, have {len(jax.devices())} (conftest sets XLA_FLAGS)")
+
+
+@functools.lru_cache(maxsize=None)
+def _params(tp):
+    config = LlamaConfig.tiny()
+    mesh = make_mesh(tp)
+    return config, mesh, random_params(config, mesh, seed=11)
+
+
+def _decoder(tp, allreduce="psum", **kw):
+    """A fresh Decoder (sifar: after sifar_clean, one mesh at a time), or for psum a shared one
+    per set of options, so its compiled steps serve several tests."""
+    _need(tp)
+    if allreduce == "psum":
+        return _shared_decoder(tp, **kw)
+    config, mesh, params = _params(tp)
+    return Decoder(config, mesh, params, allreduce=allreduce, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_decoder(tp, **kw):
+    config, mesh, params = _params(tp)
+    return Decoder(config, mesh, params, **kw)
+
+
+@pytest.fixture
+def sifar_clean():
+    """One communicator per device and axis name: start and end each sifar test with none."""
+    sifar_jax.shutdown()
+    yield
+    sifar_jax.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plain_tokens():
+    """The plain loop (one step, read its token, repeat) at TP=1 with lax.psum."""
+    return _decoder(1).generate(PROMPT, NEW, loop="sync")
+
+
+def _every_loop(dec, prompt, n, early_exit=False, **kw):
+    """{loop name: tokens} for every loop (and the on-device one with early exit)."""
+    out = {loop: dec.generate(prompt, n, loop=loop, chunk=CHUNK, **kw) for loop in LOOPS}
+    if early_exit:
+        out["on_device+early_exit"] = dec.generate(prompt, n, loop="on_device", chunk=CHUNK,
+                                                   early_exit=True, **kw)
+    return out
+
+
+# ---- every loop gives the plain loop's tokens ------------------------------------------------
+
+@pytest.mark.parametrize("tp,allreduce", [(1, "psum"), (2, "psum"), (4, "psum"),
+                                          (1, "sifar"), (2, "sifar"), (4, "sifar")])
+def test_every_loop_gives_the_plain_loops_tokens(plain_tokens, tp, allreduce, sifar_clean):
+    dec = _decoder(tp, allreduce)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _every_loop(dec, PROMPT, NEW)
+    assert not [w for w in caught if "falling back" in str(w.message)], "sifar fell back to psum"
+    for loop, tokens in got.items():
+        assert tokens.shape == (1, NEW), loop
+        np.testing.assert_array_equal(tokens, got["sync"], err_msg=f"loop {loop}")
+    if jax.default_backend() == "cpu":  # (a GPU's float32 matmuls may round otherwise per TP)
+        np.testing.assert_array_equal(got["sync"], plain_tokens, err_msg="not TP=1's tokens")
+    if allreduce == "sifar":
+        sifar_jax.check()
+
+
+def test_stream_runs_ahead_of_the_host():
+    """When stream yields the first token, the next in_flight steps are already dispatched."""
+    dec = _decoder(2)
+    for in_flight in (1, 3):
+        it = dec.stream(PROMPT, NEW, in_flight=in_flight)
+        first = next(it)
+        assert dec._pos == len(PROMPT) + in_flight  # host mirror: steps dispatched so far
+        rest = list(it)
+        assert len(rest) == NEW - 1 and first.shape == (1,)
+
+
+# ---- stop tokens --------------------------------------------------------------------------------
+
+def _first(row, value):
+    return int(np.flatnonzero(row == value)[0])
+
+
+def test_stream_trims_after_eos():
+    dec = _decoder(2)
+    ref = dec.generate(PROMPT, NEW, loop="sync")
+    row = ref[0]
+    j = next(i for i in range(3, NEW) if _first(row, row[i]) == i)  # first occurrence at step j
+    eos = int(row[j])
+    got = _every_loop(dec, PROMPT, NEW, early_exit=True, eos_id=eos)
+    for loop, tokens in got.items():
+        np.testing.assert_array_equal(tokens, ref[:, :j + 1], err_msg=f"loop {loop}")
+
+
+def test_batch_stops_when_every_sequence_has_stopped():
+    """Two sequences: each stops at its own eos and then repeats it; the generation ends at the
+    step where the last one stops."""
+    dec = _decoder(2, batch_size=2)
+    prompts = np.stack([PROMPT, PROMPT[::-1]])
+    ref = dec.generate(prompts, NEW, loop="sync")
+    eos = next(int(t) for t in ref[0, 2:] if t in ref[1, 2:] and _first(ref[1], t) != _first(ref[0], t))
+    stops = [_first(ref[b], eos) for b in range(2)]
+    want = ref[:, :max(stops) + 1].copy()
+    for b in range(2):
+        want[b, stops[b]:] = eos
+    for loop, tokens in _every_loop(dec, prompts, NEW, early_exit=True, eos_id=eos).items():
+        np.testing.assert_array_equal(tokens, want, err_msg=f"loop {loop}")
+
+
+# ---- sampling -------------------------------------------------------------------------------------
+
+def test_sampling_is_reproducible_with_a_seed():
+    dec = _decoder(2)
+    kw = dict(temperature=0.9, top_p=0.95, seed=3)
+    got = _every_loop(dec, PROMPT, NEW, **kw)
+    for loop, tokens in got.items():
+        np.testing.assert_array_equal(tokens, got["sync"], err_msg=f"loop {loop}")
+    other = dec.generate(PROMPT, NEW, temperature=0.9, top_p=0.95, seed=4)
+    assert not np.array_equal(other, got["sync"]), "the seed does not change the tokens"
+    greedy = dec.generate(PROMPT, NEW)
+    assert not np.array_equal(greedy, got["sync"]), "temperature 0.9 sampled the argmax 24 times"
+    # a nucleus so small that only the top token is left: greedy, through the sampling path
+    np.testing.assert_array_equal(dec.generate(PROMPT, NEW, temperature=1.0, top_p=1e-6), greedy)
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = jnp.asarray(np.log(probs)[None, :].repeat(4000, 0), jnp.float32)
+    for top_p, allowed in ((0.7, 2), (0.85, 3), (1.0, 4)):
+        toks, key = next_token(logits, key_data(0), Sampling(1.0, top_p))
+        counts = np.bincount(np.asarray(toks), minlength=4) / len(toks)
+        assert counts[allowed:].sum() == 0, (top_p, counts)
+        want = probs[:allowed] / probs[:allowed].sum()
+        np.testing.assert_allclose(counts[:allowed], want, atol=0.03, err_msg=str(top_p))
+        assert not np.array_equal(np.asarray(key), np.asarray(key_data(0)))  # the key advanced
+    with pytest.raises(ValueError, match="top_p"):
+        Sampling(1.0, 0.0)
+
+
+# ---- the compiled programs --------------------------------------------------------------------------
+
+def _cache_shape(dec):
+    a = dec.state["cache"][0]["k"]
+    return hlo.hlo_shape(a.dtype, a.sharding.shard_shape(a.shape))
+
+
+@pytest.mark.parametrize("allreduce", ["psum", "sifar_buffers"])
+def test_no_copy_of_the_cache_per_step_or_per_loop_iteration(allreduce, sifar_clean):
+    dec = _decoder(2, allreduce)
+    dec.start(PROMPT, reserve=2 * CHUNK)
+    shape = _cache_shape(dec)
+    for name, exe in (("step", dec.compiled_step()),
+                      ("fori", dec.compiled_chunk(CHUNK)),
+                      ("while", dec.compiled_chunk(CHUNK, early_exit=True))):
+        text = exe.as_text()
+        if name != "step":
+            assert "body=" in text, f"{name}: no while loop in the HLO"
+        assert hlo.cache_copies(text, shape) == {}, f"{name}: the KV cache is copied"
+
+
+def test_the_copy_check_can_fail():
+    """The HLO check finds a per-iteration copy and an entry copy where XLA must make them."""
+    x = jnp.ones((1, 64, 2, 16), jnp.float32)
+
+    def keeps_old(c):  # the old value stays live beside the updated one: a copy per iteration
+        def body(i, carry):
+            new, old = carry
+            return new.at[0, i].add(1.0), new
+        return jax.lax.fori_loop(0, 4, body, (c, c))
+
+    text = jax.jit(keeps_old).lower(x).compile().as_text()
+    assert "loop" in hlo.cache_copies(text, hlo.hlo_shape(x.dtype, x.shape))
+    text = jax.jit(lambda c: (c.at[0, 3].set(1.0), c)).lower(x).compile().as_text()  # not donated
+    assert "entry" in hlo.cache_copies(text, hlo.hlo_shape(x.dtype, x.shape))
+
+    def in_a_branch(c, p):  # copies inside the computations a conditional runs
+        return jax.lax.cond(p, lambda c: (c.at[0, 1].set(2.0), c), lambda c: (c, c + 1.0), c)
+
+    text = jax.jit(in_a_branch).lower(x, True).compile().as_text()
+    assert "entry" in hlo.cache_copies(text, hlo.hlo_shape(x.dtype, x.shape))
+
+
+# ---- attention buckets and the request-sized cache ------------------------------------------------
+
+def test_bucketed_attention_equals_attention_over_the_whole_cache():
+    """Attending over a 64-position bucket of a 256-position cache full of garbage gives the
+    logits and cache of attending over all 256 (the rest is masked)."""
+    _need(2)
+    config, mesh, params = _params(2)
+    dec = Decoder(config, mesh, params, max_seq_len=256)
+    dec.reset(256)
+    dec.randomize_cache(seed=5)  # stale, never-zero values past the position
+    cache = dec.state["cache"]
+    tokens, positions = np.array([[9]], np.int32), np.array([40], np.int32)
+    out = {}
+    for attend in (64, None):
+        fwd = jax.jit(llama.make_forward(config, mesh, attend_len=attend))
+        logits, new_cache, _ = fwd(params, cache, tokens, positions, {})
+        out[attend] = np.asarray(logits), [np.asarray(c["k"]) for c in new_cache]
+    np.testing.assert_allclose(out[64][0], out[None][0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(out[64][1], out[None][1]):
+        np.testing.assert_array_equal(a, b)
+    assert attention_buckets(256) == [64, 128, 256] and bucket_up(65) == 128
+
+
+def test_steps_pick_the_smallest_bucket_and_the_cache_fits_the_request(plain_tokens):
+    dec = _decoder(1)
+    got = dec.generate(PROMPT, NEW)
+    assert dec.capacity == 64  # 8 + 24 positions, rounded up to a bucket (config says 128)
+    np.testing.assert_array_equal(got, plain_tokens)
+    dec = _decoder(1, max_seq_len=128)
+    dec.start(PROMPT, reserve=80)
+    dec.advance(60)  # positions 8..67: crosses from the 64 bucket to the 128 one
+    assert dec.compiled_step() is dec._step[1] and dec._step[0] == 128
+    dec.seek(10, [1])
+    dec.compiled_step()
+    assert dec._step[0] == 64
+
+
+def test_the_cache_grows_when_a_sequence_outgrows_it(plain_tokens):
+    dec = _decoder(1)
+    dec.reset(1)
+    assert dec.capacity == 64
+    logits = [dec.prefill(PROMPT[None])[:, -1]]
+    for t in plain_tokens[0, :-1]:
+        logits.append(dec.step([t]))
+    for _ in range(40):  # past 64 positions: the cache grows to 128, keeping what it held
+        logits.append(dec.step([7]))
+    assert dec.capacity == 128
+    ref = _decoder(1, max_seq_len=128)
+    ref.reset()
+    want = [ref.prefill(PROMPT[None])[:, -1]] + [ref.step([t]) for t in plain_tokens[0, :-1]]
+    want += [ref.step([7]) for _ in range(40)]
+    np.testing.assert_allclose(np.stack(logits), np.stack(want), rtol=1e-5, atol=1e-5)
+
+
+# ---- the decoder's options -------------------------------------------------------------------------
+
+def test_slot_bytes_reaches_sifar(sifar_clean):
+    _decoder(2, "sifar", slot_bytes=1 << 15)
+    assert {c.slot_bytes for c in sifar_jax.communicators("tp")} == {1 << 15}
+
+
+def _stub_fused(calls):
+    """sifar_jax.psum_add_rmsnorm's contract, unfused, counting its traced calls."""
+    def psum_add_rmsnorm(x, residual, weight, axis_name, *, eps, algorithm="auto"):
+        calls.append(x.shape)
+        return llama.unfused_psum_add_rmsnorm(
+            x, residual, weight, axis_name, eps=eps,
+            allreduce=lambda v, a: sifar_jax.sifar_psum(v, a, algorithm=algorithm))
+    return psum_add_rmsnorm
+
+
+def test_fused_option_calls_psum_add_rmsnorm_after_every_all_reduce(monkeypatch, sifar_clean):
+    """The decoder's wiring of fused=True, with a stand-in for the kernel: one call per
+    all-reduce (2 per layer), and the tokens of the unfused decoder."""
+    calls = []
+    monkeypatch.setattr(sifar_jax, "psum_add_rmsnorm", _stub_fused(calls), raising=False)
+    # two float32 partials: every all-reduce adds them once, so psum's tokens are sifar's
+    want = _decoder(2).generate(PROMPT, NEW, loop="sync")
+    dec = _decoder(2, "sifar", fused=True)
+    np.testing.assert_array_equal(dec.generate(PROMPT, NEW, loop="sync"), want)
+    layers = LlamaConfig.tiny().num_layers
+    assert len(calls) == 2 * 2 * layers  # traced twice: the prefill and the step
+    with pytest.raises(ValueError, match="allreduce='sifar'"):
+        _decoder(2, "psum", fused=True)
+
+
+@pytest.mark.skipif(llama.fused_add_norm_available() is not None,
+                    reason=str(llama.fused_add_norm_available()))
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fused_decoder_gives_the_unfused_tokens(tp, sifar_clean):
+    unfused = _decoder(tp, "sifar")
+    want = _every_loop(unfused, PROMPT, NEW)["sync"]
+    ref_logits = unfused.teacher_forced_logits(PROMPT[None])
+    fused = _decoder(tp, "sifar", fused=True)
+    for loop, tokens in _every_loop(fused, PROMPT, NEW).items():
+        np.testing.assert_array_equal(tokens, want, err_msg=f"fused, loop {loop}")
+    np.testing.assert_allclose(fused.teacher_forced_logits(PROMPT[None]), ref_logits,
+                               rtol=1e-5, atol=1e-5)
+    sifar_jax.check()
+
+
+def test_fused_needs_the_kernel_or_says_so(monkeypatch, sifar_clean):
+    monkeypatch.delattr(sifar_jax, "psum_add_rmsnorm", raising=False)
+    with pytest.raises(NotImplementedError, match="psum_add_rmsnorm"):
+        _decoder(2, "sifar", fused=True)
+
+
+def test_generate_cli_streams_tokens(capsys):
+    from models import generate
+
+    assert generate.main(["--tp", "2", "--tokens", "12", "--prompt", *map(str, PROMPT),
+                          "--seed", "11"]) == 0
+    out = capsys.readouterr().out
+    want = " ".join(map(str, _decoder(2).generate(PROMPT, 12)[0]))
+    assert f"stream: {want} \n" in out and f"tokens: {want}\n" in out
