@@ -264,6 +264,13 @@ std::vector<std::array<std::array<uint64_t, kNumStats>, kNumAlgorithms>> Comm::S
     for (size_t r = 0; r < g.workspaces.size(); ++r) {
       std::array<std::array<uint64_t, kNumStats>, kNumAlgorithms> s;
       backend_->Read(g.ordinals[r], s.data(), g.workspaces[r] + layout_.stats, sizeof(s));
+      // The portable kernels count calls per lane (no atomic on their fast path).
+      for (int l = 0; l < layout_.lanes; ++l) {
+        std::array<uint64_t, kNumAlgorithms> calls;
+        backend_->Read(g.ordinals[r], calls.data(),
+                      g.workspaces[r] + layout_.LaneAt(l) + layout_.lane.calls, sizeof(calls));
+        for (int a = 0; a < kNumAlgorithms; ++a) s[a][kCalls] += calls[a];
+      }
       out.push_back(s);
     }
   return out;

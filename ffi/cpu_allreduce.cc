@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "comm.h"
+#include "cpu_numbers.h"
 #include "handlers.h"
 #include "protocol.h"
 #include "xla/ffi/api/ffi.h"
@@ -20,32 +21,10 @@ namespace ffi = xla::ffi;
 namespace sifar {
 namespace {
 
-// ----------------------------------------------------------------- numbers --
-float Bf16ToF32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-uint16_t F32ToBf16(float f) {  // round to nearest even, NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-float F16ToF32(uint16_t h) {
-  _Float16 v;
-  std::memcpy(&v, &h, 2);
-  return static_cast<float>(v);
-}
-uint16_t F32ToF16(float f) {
-  _Float16 v = static_cast<_Float16>(f);
-  uint16_t h;
-  std::memcpy(&h, &v, 2);
-  return h;
-}
+using cpu::HalfToF32;
+using cpu::F32ToHalf;
 
+// ----------------------------------------------------------------- numbers --
 // Adds the elements held in `words` to acc (acc = first ? x : acc + x), in
 // fp32 (integers: exact 32-bit two's-complement sums, kept in acc's bits).
 void Accumulate(Elem t, const uint32_t* words, size_t nwords, float* acc, bool first) {
@@ -68,8 +47,8 @@ void Accumulate(Elem t, const uint32_t* words, size_t nwords, float* acc, bool f
   }
   for (size_t i = 0; i < nwords; ++i) {
     uint16_t lo = static_cast<uint16_t>(words[i]), hi = static_cast<uint16_t>(words[i] >> 16);
-    float a = t == Elem::kBf16 ? Bf16ToF32(lo) : F16ToF32(lo);
-    float b = t == Elem::kBf16 ? Bf16ToF32(hi) : F16ToF32(hi);
+    float a = HalfToF32(t, lo);
+    float b = HalfToF32(t, hi);
     acc[2 * i] = first ? a : acc[2 * i] + a;
     acc[2 * i + 1] = first ? b : acc[2 * i + 1] + b;
   }
@@ -82,22 +61,14 @@ void Store(Elem t, const float* acc, size_t nwords, uint32_t* out) {
     return;
   }
   for (size_t i = 0; i < nwords; ++i) {
-    uint16_t a = t == Elem::kBf16 ? F32ToBf16(acc[2 * i]) : F32ToF16(acc[2 * i]);
-    uint16_t b = t == Elem::kBf16 ? F32ToBf16(acc[2 * i + 1]) : F32ToF16(acc[2 * i + 1]);
+    uint16_t a = F32ToHalf(t, acc[2 * i]);
+    uint16_t b = F32ToHalf(t, acc[2 * i + 1]);
     out[i] = static_cast<uint32_t>(a) | (static_cast<uint32_t>(b) << 16);
   }
 }
 
 // Accumulator floats per 32-bit word.
 size_t AccPerWord(Elem t) { return t == Elem::kBf16 || t == Elem::kF16 ? 2 : 1; }
-uint32_t FailWord(Elem t) {
-  switch (t) {
-    case Elem::kF32: return 0x7fc00000u;
-    case Elem::kBf16: return 0x7fc07fc0u;
-    case Elem::kF16: return 0x7e007e00u;
-    default: return 0x80000000u;  // integers have no NaN: INT32_MIN
-  }
-}
 
 // ------------------------------------------------------ shared-memory access --
 // Every word a peer may touch concurrently is accessed atomically (relaxed);
@@ -142,6 +113,10 @@ class CpuRank {
   uint64_t* barrier(int r) const { return reinterpret_cast<uint64_t*>(lane(r) + lay_.lane.barrier); }
   unsigned long long* stats() const {
     return reinterpret_cast<unsigned long long*>(ws(rank_) + lay_.stats);
+  }
+  // This lane's count of completed calls per algorithm (the kernels' rule).
+  uint64_t* lane_calls() const {
+    return reinterpret_cast<uint64_t*>(lane(rank_) + lay_.lane.calls);
   }
   TraceRing* trace() const { return reinterpret_cast<TraceRing*>(ws(rank_) + lay_.trace); }
   // The internal slot of a parity, or the user's buffer.
@@ -310,10 +285,7 @@ class CpuRank {
     Store(call_.elem, acc_.data(), nwords_, out_);
   }
 
-  void FillFailed() {
-    const uint32_t w = FailWord(call_.elem);
-    for (size_t i = 0; i < nwords_; ++i) out_[i] = w;
-  }
+  void FillFailed() { cpu::FillFailed(call_.elem, out_, nwords_ * 4); }
 
   // One all-reduce (repeat calls this `repeat` times).
   ffi::Error Run() {
@@ -356,8 +328,8 @@ class CpuRank {
       return FailedError(comm_);
     }
     epochs()[0] = epoch_;
+    lane_calls()[call_.algorithm] += 1;  // like the epoch: only this lane's calls write it
     if (retried_) Count(kRetries);
-    Count(kCalls);
     if (LoadRelaxed(&c->trace)) Record(start);
     return ffi::Error::Success();
   }
@@ -410,20 +382,28 @@ class CpuRank {
   std::chrono::steady_clock::time_point deadline_;
 };
 
+}  // namespace
+
+ffi::Error RunCpuAllReduce(const RankCall& call) {
+  if (call.nbytes == 0) return ffi::Error::Success();
+  // repeat > 1: back-to-back all-reduces of the same input in one call (the
+  // kernel-level benchmark); every one is a full call with its own epoch.
+  for (int32_t i = 0; i < call.repeat; ++i) {
+    ffi::Error err = CpuRank(call).Run();
+    if (err.failure()) return err;
+  }
+  return ffi::Error::Success();
+}
+
+namespace {
+
 ffi::Error RunCpu(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer y, const ffi::AnyBuffer* buf,
                   int32_t axis_key, int32_t nranks, int32_t algorithm, int32_t repeat,
                   int32_t chain) {
   RankCall call;
   ffi::Error err = PlanCall(ordinal, x, y, buf, axis_key, nranks, algorithm, repeat, chain, &call);
   if (err.failure()) return err;
-  if (call.nbytes == 0) return ffi::Error::Success();
-  // repeat > 1: back-to-back all-reduces of the same input in one call (the
-  // kernel-level benchmark); every one is a full call with its own epoch.
-  for (int32_t i = 0; i < call.repeat; ++i) {
-    err = CpuRank(call).Run();
-    if (err.failure()) return err;
-  }
-  return ffi::Error::Success();
+  return RunCpuAllReduce(call);
 }
 
 ffi::Error CpuAllReduceImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::RemainingArgs /*after*/,

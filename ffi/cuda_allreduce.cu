@@ -1,7 +1,7 @@
-// The CUDA FFI handler: PlanCall's checks, then the algorithm's kernel on
-// XLA's stream.  Command-buffer compatible: nothing here depends on host state
-// that changes between calls (epochs live in device memory and are advanced
-// by the kernels).  The launch and preload tables come from the one list of
+// The CUDA FFI handlers: PlanCall's (PlanFusedCall's) checks, then the
+// algorithm's (the fused) kernel on XLA's stream.  Command-buffer compatible:
+// nothing here depends on host state that changes between calls (epochs live
+// in device memory and are advanced by the kernels).  The launch and preload tables come from the one list of
 // algorithms in protocol.h.
 #include <cuda_runtime.h>
 
@@ -111,6 +111,17 @@ ffi::Error LaunchMulticast(const RankCall& c, cudaStream_t stream) {
   return e == cudaSuccess ? ffi::Error::Success() : CudaError("kernel launch failed", e);
 }
 
+// The handler's thread runs on the call's device.
+ffi::Error UseDevice(int32_t ordinal) {
+  int current = -1;
+  if (cudaGetDevice(&current) == cudaSuccess && current == ordinal) return ffi::Error::Success();
+  cudaError_t e = cudaSetDevice(ordinal);
+  return e == cudaSuccess ? ffi::Error::Success() : CudaError("cudaSetDevice failed", e);
+}
+ffi::Error Launched(cudaError_t e) {
+  return e == cudaSuccess ? ffi::Error::Success() : CudaError("kernel launch failed", e);
+}
+
 ffi::Error RunCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer y,
                    const ffi::AnyBuffer* buf, int32_t axis_key, int32_t nranks, int32_t algorithm,
                    int32_t repeat, int32_t chain) {
@@ -122,14 +133,10 @@ ffi::Error RunCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::
                             capture == cudaStreamCaptureStatusNone);
   if (err.failure()) return err;
   if (call.nbytes == 0) return ffi::Error::Success();
-  int current = -1;
-  if (cudaGetDevice(&current) != cudaSuccess || current != ordinal) {
-    cudaError_t e = cudaSetDevice(ordinal);
-    if (e != cudaSuccess) return CudaError("cudaSetDevice failed", e);
-  }
+  err = UseDevice(ordinal);
+  if (err.failure()) return err;
   if (algorithm == kMulticast) return LaunchMulticast(call, stream);
-  cudaError_t e = LaunchRankAllReduce(call, stream);
-  return e == cudaSuccess ? ffi::Error::Success() : CudaError("kernel launch failed", e);
+  return Launched(LaunchRankAllReduce(call, stream));
 }
 
 ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
@@ -148,12 +155,26 @@ ffi::Error CudaAllReduceIntoImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyB
   return RunCuda(stream, ordinal, x, *y, &buf, axis_key, nranks, algorithm, repeat, chain);
 }
 
+ffi::Error CudaPsumAddRmsNormImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                                  ffi::AnyBuffer residual, ffi::AnyBuffer weight,
+                                  ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> normed,
+                                  ffi::Result<ffi::AnyBuffer> new_residual, int32_t axis_key,
+                                  int32_t nranks, int32_t algorithm, int32_t repeat, int32_t chain,
+                                  float eps) {
+  RankCall call;
+  FusedCall fused;
+  ffi::Error err = PlanFusedCall(ordinal, x, residual, weight, *normed, *new_residual, axis_key,
+                                 nranks, algorithm, repeat, chain, eps, &call, &fused);
+  if (err.failure()) return err;
+  if (call.nbytes == 0) return ffi::Error::Success();
+  err = UseDevice(ordinal);
+  if (err.failure()) return err;
+  return Launched(LaunchRankFused(call, fused, stream));
+}
+
 }  // namespace
 
-cudaError_t LaunchRankAllReduce(const RankCall& c, cudaStream_t stream) {
-  if (!ValidAlgorithm(c.algorithm) || c.comm == nullptr || c.nbytes % 16 != 0) return cudaErrorInvalidValue;
-  const LaunchFn launch = kLaunch[static_cast<int>(c.elem)][c.algorithm];
-  if (launch == nullptr) return cudaErrorInvalidValue;
+KernelArgs MakeKernelArgs(const RankCall& c) {
   const Comm& comm = *c.comm;
   const Group& g = comm.group(c.group);
   KernelArgs a{};
@@ -171,8 +192,15 @@ cudaError_t LaunchRankAllReduce(const RankCall& c, cudaStream_t stream) {
   }
   a.err = g.errors_device[c.rank];
   a.lay = comm.layout();
+  return a;
+}
+
+cudaError_t LaunchRankAllReduce(const RankCall& c, cudaStream_t stream) {
+  if (!ValidAlgorithm(c.algorithm) || c.comm == nullptr || c.nbytes % 16 != 0) return cudaErrorInvalidValue;
+  const LaunchFn launch = kLaunch[static_cast<int>(c.elem)][c.algorithm];
+  if (launch == nullptr) return cudaErrorInvalidValue;
   const int grid = BlocksFor(c.nbytes / LineBytes(c.algorithm), kThreads);
-  launch(a, grid, stream);
+  launch(MakeKernelArgs(c), grid, stream);
   return cudaGetLastError();
 }
 
@@ -181,6 +209,7 @@ void PreloadCudaKernelsOnCurrentDevice() {
   LoadRow<__nv_bfloat16>();
   LoadRow<__half>();
   LoadRow<uint32_t>();
+  PreloadFusedKernels();
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaAllReduce, CudaAllReduceImpl,
@@ -190,6 +219,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaAllReduce, CudaAllReduceImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()  // "after": ordering only, never read
                                   .Ret<ffi::AnyBuffer>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaPsumAddRmsNorm, CudaPsumAddRmsNormImpl,
+                              WithAllReduceAttrs(ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // residual
+                                  .Arg<ffi::AnyBuffer>()  // weight
+                                  .RemainingArgs()  // "after": ordering only, never read
+                                  .Ret<ffi::AnyBuffer>()  // normed
+                                  .Ret<ffi::AnyBuffer>())  // new residual
+                                  .Attr<float>("eps"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaAllReduceInto, CudaAllReduceIntoImpl,

@@ -20,6 +20,9 @@ namespace sifar {
 namespace cuda {
 
 constexpr int kThreads = 256;
+static_assert(kThreads == kLinesPerBlock, "one line per thread");
+// Lines of one round of the grid (every block moves kThreads of them).
+constexpr size_t kRoundLines = static_cast<size_t>(kMaxBlocks) * kThreads;
 
 struct KernelArgs {
   const void* in;
@@ -186,6 +189,10 @@ struct Ws {
     return reinterpret_cast<unsigned long long*>(a.ws[a.rank] + a.lay.stats) + alg * kNumStats + field;
   }
   __device__ TraceRing* trace() const { return reinterpret_cast<TraceRing*>(a.ws[a.rank] + a.lay.trace); }
+  // This lane's count of completed calls of `alg` (block 0 writes it).
+  __device__ uint64_t* calls(int alg) const {
+    return reinterpret_cast<uint64_t*>(lane(a.rank) + a.lay.lane.calls) + alg;
+  }
   // The internal slot of this parity, or the user's buffer.
   __device__ char* slot_of(int r, uint32_t parity) const {
     return a.slots[r] ? a.slots[r] : lane(r) + a.lay.lane.slots + parity * a.lay.slot.total;
@@ -258,18 +265,20 @@ __device__ inline void RecordFailure(const Ws& w, int algorithm, const CallState
 // Lines of this block, round by round: the same ownership for every size.
 #define SIFAR_FOR_EACH_LINE(line, nlines)                                                \
   for (size_t line = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x;           \
-       line < (nlines); line += static_cast<size_t>(kMaxBlocks) * kThreads)
+       line < (nlines); line += kRoundLines)
 
 // A failed call must never return a stale number: a warp that sees the
-// failure fills EVERY element of the output (not only its block's lines,
+// failure fills EVERY element of an output (not only its block's lines,
 // whose size differs between algorithms), so no line is left unwritten.  A
 // line whose own block succeeded holds NaN or its correct sum, never stale
-// data.  Warp-wide (every lane of the calling warp takes part).
+// data.  Warp-wide (every lane of the calling warp takes part), or, with
+// (threadIdx.x, kThreads), block-wide where the whole block decided.
 template <typename T>
-__device__ void FillNaNAll(const KernelArgs& a) {
+__device__ void FillNaN(void* out, size_t nbytes, uint32_t first = threadIdx.x & 31u,
+                        uint32_t stride = 32) {
   const uint32_t n = Elem<T>::kNaNWord;
-  for (size_t line = threadIdx.x & 31u; line < a.nbytes / 16; line += 32)
-    reinterpret_cast<uint4*>(a.out)[line] = make_uint4(n, n, n, n);
+  for (size_t line = first; line < nbytes / 16; line += stride)
+    reinterpret_cast<uint4*>(out)[line] = make_uint4(n, n, n, n);
 }
 
 // ---------------------------------------------------------- barriers ----
@@ -428,75 +437,91 @@ __device__ bool SifarFlag(const Ws& w, CallState& s) {
 // apart.  NR bounds the ranks at compile time (registers).
 // PUSH (sifar_push): the same words are stored into every peer's slot and each
 // rank polls its own memory, trading N-1 remote stores for local polls.
+//
+// One LL line: publishes `mine` (this rank's 8 payload bytes of the line) and
+// returns in `sum` the rank-order sum of every rank's, rounded once.  False:
+// this thread timed out (s.failed_peer) or saw the communicator fail.
 template <typename T, int NR, bool PUSH>
-__device__ bool Sifar(const Ws& w, CallState& s, uint32_t depth, uint32_t gap_ns) {
+__device__ __forceinline__ bool PullLine(const Ws& w, CallState& s, size_t line, uint2 mine,
+                                         uint32_t depth, uint32_t gap_ns, uint2& sum) {
   const KernelArgs& a = w.a;
-  const size_t nlines = a.nbytes / 8;  // an LL line carries 8 payload bytes
-  const uint2* in = static_cast<const uint2*>(a.in);
   const uint32_t e = s.epoch, tag = s.tag;
   constexpr int D = kMaxPollDepth;
-  SIFAR_FOR_EACH_LINE(line, nlines) {
-    const uint2 mine = in[line];
-    const uint64_t lo = PackLL(mine.x, tag), hi = PackLL(mine.y, tag);
-    if (PUSH) {
-#pragma unroll
-      for (int p = 0; p < NR; ++p)
-        if (p < a.nranks && p != a.rank) StoreLL(w.ll(p, a.rank, e) + 2 * line, lo, hi);
-    } else {
-      StoreLL(w.ll(a.rank, a.rank, e) + 2 * line, lo, hi);
-    }
-    // Where peer p's words for this line are read from.
-    auto src = [&](int p) { return (PUSH ? w.ll(a.rank, p, e) : w.ll(p, p, e)) + 2 * line; };
-    uint32_t missing = 0;  // bit 2p+k: word k of peer p not yet seen fresh
+  const uint64_t lo = PackLL(mine.x, tag), hi = PackLL(mine.y, tag);
+  if (PUSH) {
 #pragma unroll
     for (int p = 0; p < NR; ++p)
-      if (p < a.nranks && p != a.rank) missing |= 3u << (2 * p);
-    uint64_t v[D][NR][2];
-    uint64_t got[NR][2];
+      if (p < a.nranks && p != a.rank) StoreLL(w.ll(p, a.rank, e) + 2 * line, lo, hi);
+  } else {
+    StoreLL(w.ll(a.rank, a.rank, e) + 2 * line, lo, hi);
+  }
+  // Where peer p's words for this line are read from.
+  auto src = [&](int p) { return (PUSH ? w.ll(a.rank, p, e) : w.ll(p, p, e)) + 2 * line; };
+  uint32_t missing = 0;  // bit 2p+k: word k of peer p not yet seen fresh
+#pragma unroll
+  for (int p = 0; p < NR; ++p)
+    if (p < a.nranks && p != a.rank) missing |= 3u << (2 * p);
+  uint64_t v[D][NR][2];
+  uint64_t got[NR][2];
+#pragma unroll
+  for (int d = 0; d < D; ++d) {
+    if (d >= static_cast<int>(depth)) break;
+    if (d) __nanosleep(gap_ns);
+#pragma unroll
+    for (int p = 0; p < NR; ++p)
+      if ((missing >> (2 * p)) & 3u) LoadLL(src(p), v[d][p][0], v[d][p][1]);
+  }
+  for (uint32_t spins = 0; missing; ++spins) {
 #pragma unroll
     for (int d = 0; d < D; ++d) {
-      if (d >= static_cast<int>(depth)) break;
-      if (d) __nanosleep(gap_ns);
+      if (d >= static_cast<int>(depth) || !missing) break;
+#pragma unroll
+      for (int p = 0; p < NR; ++p)
+#pragma unroll
+        for (int k = 0; k < 2; ++k)
+          if (((missing >> (2 * p + k)) & 1u) && LLTag(v[d][p][k]) == tag) {
+            got[p][k] = v[d][p][k];
+            missing &= ~(1u << (2 * p + k));
+          }
+      if (!missing) break;
+      s.retried = true;  // mis-speculation: this wave was (partly) stale
 #pragma unroll
       for (int p = 0; p < NR; ++p)
         if ((missing >> (2 * p)) & 3u) LoadLL(src(p), v[d][p][0], v[d][p][1]);
     }
-    for (uint32_t spins = 0; missing; ++spins) {
+    if (missing && Expired(w, s, (__ffs(missing) - 1) / 2, spins)) return false;
+  }
+  Acc<T> acc[2 * Elem<T>::kPerWord];
 #pragma unroll
-      for (int d = 0; d < D; ++d) {
-        if (d >= static_cast<int>(depth) || !missing) break;
-#pragma unroll
-        for (int p = 0; p < NR; ++p)
-#pragma unroll
-          for (int k = 0; k < 2; ++k)
-            if (((missing >> (2 * p + k)) & 1u) && LLTag(v[d][p][k]) == tag) {
-              got[p][k] = v[d][p][k];
-              missing &= ~(1u << (2 * p + k));
-            }
-        if (!missing) break;
-        s.retried = true;  // mis-speculation: this wave was (partly) stale
-#pragma unroll
-        for (int p = 0; p < NR; ++p)
-          if ((missing >> (2 * p)) & 3u) LoadLL(src(p), v[d][p][0], v[d][p][1]);
-      }
-      if (missing && Expired(w, s, (__ffs(missing) - 1) / 2, spins)) return false;
-    }
-    Acc<T> acc[2 * Elem<T>::kPerWord];
-#pragma unroll
-    for (int p = 0; p < NR; ++p) {
-      if (p >= a.nranks) break;
-      const uint32_t w0 = p == a.rank ? mine.x : LLData(got[p][0]);
-      const uint32_t w1 = p == a.rank ? mine.y : LLData(got[p][1]);
-      Elem<T>::Add(acc, w0, p == 0);
-      Elem<T>::Add(acc + Elem<T>::kPerWord, w1, p == 0);
-    }
-    static_cast<uint2*>(a.out)[line] =
-        make_uint2(Elem<T>::Round(acc), Elem<T>::Round(acc + Elem<T>::kPerWord));
+  for (int p = 0; p < NR; ++p) {
+    if (p >= a.nranks) break;
+    const uint32_t w0 = p == a.rank ? mine.x : LLData(got[p][0]);
+    const uint32_t w1 = p == a.rank ? mine.y : LLData(got[p][1]);
+    Elem<T>::Add(acc, w0, p == 0);
+    Elem<T>::Add(acc + Elem<T>::kPerWord, w1, p == 0);
+  }
+  sum = make_uint2(Elem<T>::Round(acc), Elem<T>::Round(acc + Elem<T>::kPerWord));
+  return true;
+}
+
+// The whole payload, line by line.  `first`: this thread's input line of the
+// first round, loaded at kernel start.
+template <typename T, int NR, bool PUSH>
+__device__ bool Sifar(const Ws& w, CallState& s, uint32_t depth, uint32_t gap_ns, uint2 first) {
+  const size_t nlines = w.a.nbytes / 8;  // an LL line carries 8 payload bytes
+  const uint2* in = static_cast<const uint2*>(w.a.in);
+  SIFAR_FOR_EACH_LINE(line, nlines) {
+    uint2 sum;
+    if (!PullLine<T, NR, PUSH>(w, s, line, line < kRoundLines ? first : in[line], depth, gap_ns, sum))
+      return false;
+    static_cast<uint2*>(w.a.out)[line] = sum;
   }
   return true;
 }
 
-// --------------------------------------------------------------- kernel ----
+// ------------------------------------------------------- call framing ----
+// Shared by every portable kernel (AllReduceKernel, FusedKernel).
+//
 // What one thread of each block reads at kernel start and shares: every warp
 // of a block must take the same path (a warp that left on `failed` while the
 // others wait at a barrier would hang or split the block).
@@ -505,106 +530,152 @@ struct BlockStart {
   uint4 c1;  // poll_depth, poll_gap_ns, trace, epoch_mask
   uint64_t timeout_ns;
   uint32_t epoch;
+  uint64_t calls;  // block 0: this lane's count for the algorithm
   uint64_t start_ns;
+  __device__ bool failed() const { return c0.x != 0; }
+  // testing.drop_rank: this block never arrives.
+  __device__ bool dropped() const { return c0.w != 0 && blockIdx.x + 1 >= c0.w; }
+  __device__ uint32_t mask() const { return EpochMask(c1.w); }
 };
 
+// Thread 0: the loads issued together into registers (one memory latency:
+// the "memory" clobbers keep each shared store after every load), while the
+// other threads already load their input.
+__device__ __forceinline__ void ReadBlockStart(const Ws& w, int alg, BlockStart& b) {
+  const Control* ctl = w.ctl(w.a.rank);
+  const uint4 c0 = LoadStrong16(ctl);
+  const uint4 c1 = LoadStrong16(&ctl->poll_depth);
+  const uint64_t timeout_ns = LoadLLWord(&ctl->timeout_ns);
+  const uint32_t epoch = LoadStrong(w.epochs() + blockIdx.x);
+  const uint64_t calls = blockIdx.x == 0 ? LoadLLWord(w.calls(alg)) : 0;
+  b.c0 = c0;
+  b.c1 = c1;
+  b.timeout_ns = timeout_ns;
+  b.epoch = epoch;
+  b.calls = calls;
+  b.start_ns = GlobalTimerNs();
+}
+
+// Starts one call of this block: the next epoch, its tag, a fresh call
+// state.  Returns whether the tag wraps here (the caller then clears, with
+// ClearTaggedAtWrap, block-wide).
+__device__ __forceinline__ bool NextCall(const Ws& w, const BlockStart& st, uint32_t& epoch,
+                                         CallState& s) {
+  const uint32_t prev = epoch, mask = st.mask();
+  epoch = NextEpoch(epoch, mask);
+  s.epoch = epoch;
+  s.tag = Tag(ChainTag(w.a.chain), epoch, mask);
+  s.retried = false;
+  s.failed_peer = -1;
+  s.deadline = 0;
+  return WrapsAt(prev, epoch);
+}
+
+// testing.inject_skew: a deterministic per-(rank, epoch) wait.
+__device__ __forceinline__ void InjectSkew(const Ws& w, const BlockStart& st, uint32_t epoch) {
+  if (st.c0.y) {
+    const uint64_t until = GlobalTimerNs() + SkewNs(st.c0.y, st.c0.z, w.a.rank, epoch);
+    while (GlobalTimerNs() < until) {
+    }
+  }
+}
+
+// Ends one call: mis-speculations and timeouts counted per warp (rare, so
+// are these atomics).  Whole warps (the votes need every lane).  Returns
+// whether this warp re-read anything.
+__device__ __forceinline__ bool EndCall(const Ws& w, int alg, const CallState& s) {
+  const bool warp_retried = __any_sync(0xffffffffu, s.retried);
+  const bool warp_timed_out = __any_sync(0xffffffffu, s.failed_peer >= 0);
+  if ((threadIdx.x & 31u) == 0) {
+    if (warp_retried) atomicAdd(w.stat(alg, kRetries), 1ull);
+    if (warp_timed_out) atomicAdd(w.stat(alg, kTimeouts), 1ull);
+  }
+  return warp_retried;
+}
+
+// Thread 0 of a block whose calls all completed: the block's epoch, and on
+// block 0 the lane's call count (a plain store beside the epoch's: no atomic
+// on the fast path) and the call trace.
+__device__ __forceinline__ void CommitBlock(const Ws& w, int alg, const BlockStart& st,
+                                            uint32_t epoch, bool retried) {
+  if (threadIdx.x != 0) return;
+  w.epochs()[blockIdx.x] = epoch;
+  if (blockIdx.x != 0) return;
+  *w.calls(alg) = st.calls + static_cast<uint64_t>(w.a.repeat);
+  if (st.c1.z) {  // the call trace (testing / benchmarks)
+    TraceRing* ring = w.trace();
+    const unsigned long long k = atomicAdd(&ring->next, 1ull);
+    TraceRecord& r = ring->records[k % kTraceCapacity];
+    r.start_ns = st.start_ns;
+    r.end_ns = GlobalTimerNs();
+    r.epoch = epoch;
+    r.chain = w.a.chain;
+    r.algorithm = alg;
+    r.retried = retried;
+  }
+}
+
+// --------------------------------------------------------------- kernel ----
 template <typename T, int ALG, int NR = kMaxRanks>
 __global__ void __launch_bounds__(kThreads) AllReduceKernel(KernelArgs a) {
   const Ws w{a};
   __shared__ BlockStart b0;
-  if (threadIdx.x == 0) {
-    // Start fetching this block's first input line now, not after the control
-    // words come back (one memory latency less at the start of every call).
-    const size_t first = static_cast<size_t>(blockIdx.x) * kThreads * LineBytes(ALG);
-    if (first < a.nbytes)
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(static_cast<const char*>(a.in) + first));
-    // Issued together: the control words and this block's epoch.
-    const Control* ctl = w.ctl(a.rank);
-    b0.c0 = LoadStrong16(ctl);
-    b0.c1 = LoadStrong16(&ctl->poll_depth);
-    b0.timeout_ns = LoadLLWord(&ctl->timeout_ns);
-    b0.epoch = LoadStrong(w.epochs() + blockIdx.x);
-    b0.start_ns = GlobalTimerNs();
+  // Tagged algorithms: every thread loads its first input line now, while
+  // thread 0's control words are in flight (one memory latency less at the
+  // start of every call).  The others: start fetching the block's first line.
+  uint2 first = make_uint2(0u, 0u);
+  const size_t line0 = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (TaggedAlgorithm(ALG)) {
+    if (line0 < a.nbytes / 8) first = static_cast<const uint2*>(a.in)[line0];
+  } else if (threadIdx.x == 0) {
+    const size_t at = static_cast<size_t>(blockIdx.x) * kThreads * LineBytes(ALG);
+    if (at < a.nbytes)
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(static_cast<const char*>(a.in) + at));
   }
+  if (threadIdx.x == 0) ReadBlockStart(w, ALG, b0);
   __syncthreads();
-  const uint4 c = b0.c0, poll = b0.c1;
-  const uint32_t mask = EpochMask(poll.w);
-  uint32_t epoch = b0.epoch;
-  if (c.w != 0 && blockIdx.x + 1 >= c.w) {  // testing.drop_rank: this block never arrives
+  const BlockStart st = b0;
+  if (st.dropped()) {
     SIFAR_FOR_EACH_LINE(line, a.nbytes / 16) {
       static_cast<uint4*>(a.out)[line] = static_cast<const uint4*>(a.in)[line];
     }
     return;
   }
-  if (c.x) {  // the communicator failed earlier: never return a plausible result
-    FillNaNAll<T>(a);
+  if (st.failed()) {  // the communicator failed earlier: never return a plausible result
+    FillNaN<T>(a.out, a.nbytes);
     return;
   }
+  uint32_t epoch = st.epoch;
   CallState s{};
-  s.timeout_ns = b0.timeout_ns;
+  s.timeout_ns = st.timeout_ns;
   bool ok = true, warp0_retried = false;
   for (int i = 0; i < a.repeat; ++i) {
-    const uint32_t prev = epoch;
-    epoch = NextEpoch(epoch, mask);
-    const bool wraps = WrapsAt(prev, epoch);
+    const bool wraps = NextCall(w, st, epoch, s);
     // Where the call has block-wide barriers (barrier algorithms, the wrap's
     // clearing) every warp must agree first; a failed warp keeps looping
     // (doing nothing) so it still takes part.  Tagged calls have no block
     // barrier: their warps run ahead independently.
     if (!TaggedAlgorithm(ALG) || wraps) ok = __syncthreads_and(ok) != 0;
     if (!ok) continue;
-    s.epoch = epoch;
-    s.tag = Tag(ChainTag(a.chain), epoch, mask);
-    s.retried = false;
-    s.failed_peer = -1;
-    s.deadline = 0;
-    if (c.y) {  // testing.inject_skew: a deterministic per-(rank, epoch) wait
-      const uint64_t until = GlobalTimerNs() + SkewNs(c.y, c.z, a.rank, epoch);
-      while (GlobalTimerNs() < until) {
-      }
-    }
+    InjectSkew(w, st, epoch);
     if (wraps) ok = ClearTaggedAtWrap(w, s);
     if (ok) {
       if (ALG == kOneshot) ok = Oneshot<T>(w, s, true);
       if (ALG == kOneshotDB) ok = Oneshot<T>(w, s, false);
       if (ALG == kTwoshot) ok = Twoshot<T>(w, s);
       if (ALG == kSifarFlag) ok = SifarFlag<T>(w, s);
-      if (ALG == kSifar) ok = Sifar<T, NR, false>(w, s, poll.x, poll.y);
-      if (ALG == kSifarPush) ok = Sifar<T, NR, true>(w, s, poll.x, poll.y);
+      if (ALG == kSifar) ok = Sifar<T, NR, false>(w, s, st.c1.x, st.c1.y, first);
+      if (ALG == kSifarPush) ok = Sifar<T, NR, true>(w, s, st.c1.x, st.c1.y, first);
     }
-    // Counted per warp: mis-speculations are rare, so are these atomics.
-    // The warp agrees on the outcome (the votes need every lane).
-    const bool warp_retried = __any_sync(0xffffffffu, s.retried);
-    const bool warp_timed_out = __any_sync(0xffffffffu, !ok && s.failed_peer >= 0);
     if (!ok && s.failed_peer >= 0) RecordFailure(w, ALG, s);
-    warp0_retried |= warp_retried;
-    if ((threadIdx.x & 31u) == 0) {
-      if (warp_retried) atomicAdd(w.stat(ALG, kRetries), 1ull);
-      if (warp_timed_out) atomicAdd(w.stat(ALG, kTimeouts), 1ull);
-    }
-    ok = __all_sync(0xffffffffu, ok);
+    warp0_retried |= EndCall(w, ALG, s);
+    ok = __all_sync(0xffffffffu, ok);  // the warp agrees on the outcome
   }
   if (!ok) {
-    FillNaNAll<T>(a);
+    FillNaN<T>(a.out, a.nbytes);
     return;
   }
-  if (threadIdx.x == 0) {
-    w.epochs()[blockIdx.x] = epoch;
-    if (blockIdx.x == 0) {
-      atomicAdd(w.stat(ALG, kCalls), static_cast<unsigned long long>(a.repeat));
-      if (poll.z) {  // the call trace (testing / benchmarks)
-        TraceRing* ring = w.trace();
-        const unsigned long long k = atomicAdd(&ring->next, 1ull);
-        TraceRecord& r = ring->records[k % kTraceCapacity];
-        r.start_ns = b0.start_ns;
-        r.end_ns = GlobalTimerNs();
-        r.epoch = epoch;
-        r.chain = a.chain;
-        r.algorithm = ALG;
-        r.retried = warp0_retried;
-      }
-    }
-  }
+  CommitBlock(w, ALG, st, epoch, warp0_retried);
 }
 
 }  // namespace cuda

@@ -202,7 +202,7 @@ __device__ bool Step(const McArgs& a, const cuda::Ws& w, cuda::CallState& s) {
   // bound and the failure record are the portable kernels'.
   bool valid = false;
   if (threadIdx.x == 0) {
-    atomicAdd(w.stat(kMulticast, kRetries), 1ull);
+    s.retried = true;  // counted by EndCall
     for (uint32_t spins = 0;; ++spins) {
       if (MulticastFlagsValid(ReduceFlagAcquire(all_flags), n, e)) {
         valid = true;
@@ -223,45 +223,43 @@ __device__ bool Step(const McArgs& a, const cuda::Ws& w, cuda::CallState& s) {
   return true;
 }
 
+// The portable kernels' call framing (cuda_kernels.cuh): the control words
+// read once per block, epochs, skew, counters, the call count and trace.
 template <int E>
 __global__ void __launch_bounds__(kThreads) MulticastAllReduceKernel(McArgs a) {
   using T = typename ElemOf<E>::type;
   const cuda::Ws w{a.k};
-  const uint4 c = cuda::LoadStrong16(w.ctl(a.k.rank));  // failed, skew_max_ns, skew_seed, drop
-  uint32_t epoch = cuda::LoadStrong(w.epochs() + blockIdx.x);
-  if (c.w != 0 && blockIdx.x + 1 >= c.w) {  // testing.drop_rank: this block never arrives
+  __shared__ cuda::BlockStart b0;
+  if (threadIdx.x == 0) cuda::ReadBlockStart(w, kMulticast, b0);
+  __syncthreads();
+  const cuda::BlockStart st = b0;
+  if (st.dropped()) {  // testing.drop_rank: this block never arrives
     SIFAR_MC_FOR_EACH_LINE(line, a.k.nbytes / 16) {
       static_cast<uint4*>(a.k.out)[line] = static_cast<const uint4*>(a.k.in)[line];
     }
     return;
   }
-  bool ok = c.x == 0;  // a failed communicator never returns a plausible result
-  cuda::CallState s{};
-  s.timeout_ns = cuda::LoadLLWord(&w.ctl(a.k.rank)->timeout_ns);
-  for (int i = 0; i < a.k.repeat && ok; ++i) {
-    // Multicast flags hold whole epochs (no tag), so the tag's wrap is only
-    // skipped over, as the epoch order of every rank's blocks requires.
-    epoch = NextEpoch(epoch, kEpochTagMask);
-    s.epoch = epoch;
-    s.tag = epoch;
-    s.failed_peer = -1;
-    s.deadline = 0;
-    if (c.y) {  // testing.inject_skew
-      const uint64_t until = cuda::GlobalTimerNs() + SkewNs(c.y, c.z, a.k.rank, epoch);
-      while (cuda::GlobalTimerNs() < until) {
-      }
-    }
-    ok = Step<E>(a, w, s);
-  }
-  if (!ok) {
-    cuda::FillNaNAll<T>(a.k);  // every warp: the whole output, never a stale line
+  if (st.failed()) {  // a failed communicator never returns a plausible result
+    cuda::FillNaN<T>(a.k.out, a.k.nbytes);
     return;
   }
-  if (threadIdx.x == 0) {
-    w.epochs()[blockIdx.x] = epoch;
-    if (blockIdx.x == 0)
-      atomicAdd(w.stat(kMulticast, kCalls), static_cast<unsigned long long>(a.k.repeat));
+  uint32_t epoch = st.epoch;
+  cuda::CallState s{};
+  s.timeout_ns = st.timeout_ns;
+  bool ok = true, warp0_retried = false;
+  for (int i = 0; i < a.k.repeat && ok; ++i) {
+    // Multicast flags hold whole epochs, not tags: when the tag bits wrap
+    // there is nothing to clear (NextEpoch keeps the parity alternating).
+    cuda::NextCall(w, st, epoch, s);
+    cuda::InjectSkew(w, st, epoch);
+    ok = Step<E>(a, w, s);  // the same outcome in every thread of the block
+    warp0_retried |= cuda::EndCall(w, kMulticast, s);
   }
+  if (!ok) {
+    cuda::FillNaN<T>(a.k.out, a.k.nbytes);
+    return;
+  }
+  cuda::CommitBlock(w, kMulticast, st, epoch, warp0_retried);
 }
 
 }  // namespace

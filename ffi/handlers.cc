@@ -129,4 +129,36 @@ ffi::Error PlanCall(int ordinal, ffi::AnyBuffer x, ffi::AnyBuffer y, const ffi::
   return ffi::Error::Success();
 }
 
+ffi::Error PlanFusedCall(int ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+                         ffi::AnyBuffer weight, ffi::AnyBuffer normed, ffi::AnyBuffer new_residual,
+                         int32_t axis_key, int32_t nranks, int32_t algorithm, int32_t repeat,
+                         int32_t chain, float eps, RankCall* call, FusedCall* fused) {
+  const ffi::DataType t = x.element_type();
+  if (t != ffi::DataType::F32 && t != ffi::DataType::BF16 && t != ffi::DataType::F16)
+    return Invalid("psum_add_rmsnorm supports float32, bfloat16 and float16");
+  for (const ffi::AnyBuffer* b : {&residual, &weight, &normed, &new_residual})
+    if (b->element_type() != t) return Invalid("psum_add_rmsnorm: operands of different dtypes");
+  const size_t bytes = x.size_bytes();
+  if (residual.size_bytes() != bytes || normed.size_bytes() != bytes)
+    return Invalid("psum_add_rmsnorm: x, residual and the outputs differ in size");
+  if (algorithm != kSifar)
+    return Invalid(std::string("psum_add_rmsnorm runs the sifar algorithm, not '") +
+                   AlgorithmName(algorithm) + "'");
+  fused->hidden = weight.element_count();
+  fused->row_bytes = weight.size_bytes();
+  fused->row_blocks = FusedRowBlocks(fused->row_bytes);
+  if (fused->row_blocks == 0 || bytes % fused->row_bytes != 0)
+    return Invalid("psum_add_rmsnorm: rows of " + std::to_string(fused->row_bytes) +
+                   " bytes are not a layout the fused kernel supports");
+  for (const ffi::AnyBuffer* b : {&residual, &weight, &normed})
+    if (reinterpret_cast<uintptr_t>(b->untyped_data()) % 16)
+      return Invalid("buffers must be 16-byte aligned");
+  fused->residual = residual.untyped_data();
+  fused->weight = weight.untyped_data();
+  fused->normed = normed.untyped_data();
+  fused->eps = eps;
+  return PlanCall(ordinal, x, new_residual, nullptr, axis_key, nranks, algorithm, repeat, chain,
+                  call);
+}
+
 }  // namespace sifar

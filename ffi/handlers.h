@@ -18,11 +18,15 @@ namespace sifar {
 // sifar_allreduce: x -> y, on the communicator's internal dual slots.
 // sifar_allreduce_into: (x, buf, prev) -> (y, buf), on user buffers (buf
 // aliased in place, prev kept alive so the alternation is visible to XLA).
+// sifar_psum_add_rmsnorm: (x, residual, weight) -> (normed, new_residual),
+// the all-reduce with the residual add and RMSNorm as its epilogue.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuAllReduce);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuAllReduceInto);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuPsumAddRmsNorm);
 #ifdef SIFAR_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaAllReduce);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaAllReduceInto);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaPsumAddRmsNorm);
 #endif
 
 // The attributes every all-reduce call carries (sifar_jax/psum.py, _Plan.attrs),
@@ -70,6 +74,31 @@ xla::ffi::Error PlanCall(int ordinal, xla::ffi::AnyBuffer x, xla::ffi::AnyBuffer
                          const xla::ffi::AnyBuffer* buf, int32_t axis_key, int32_t nranks,
                          int32_t algorithm, int32_t repeat, int32_t chain, RankCall* call,
                          bool in_run_order = true);
+
+// The fused call's operands beyond the all-reduce's (RankCall: x -> the new
+// residual), checked and resolved by PlanFusedCall.
+struct FusedCall {
+  const void* residual = nullptr;
+  const void* weight = nullptr;
+  void* normed = nullptr;
+  size_t hidden = 0;     // elements per row (weight's size)
+  size_t row_bytes = 0;  // hidden * element size
+  int row_blocks = 0;    // FusedRowBlocks(row_bytes)
+  float eps = 0.f;
+};
+
+// PlanCall's checks plus the fused ones: float types, one dtype and size for
+// x, residual and both outputs, weight one row, a row layout the kernel
+// supports (FusedRowBlocks), algorithm sifar.
+xla::ffi::Error PlanFusedCall(int ordinal, xla::ffi::AnyBuffer x, xla::ffi::AnyBuffer residual,
+                              xla::ffi::AnyBuffer weight, xla::ffi::AnyBuffer normed,
+                              xla::ffi::AnyBuffer new_residual, int32_t axis_key, int32_t nranks,
+                              int32_t algorithm, int32_t repeat, int32_t chain, float eps,
+                              RankCall* call, FusedCall* fused);
+
+// The CPU backend's all-reduce of a planned call (cpu_allreduce.cc): the
+// fused handler runs it, then its epilogue.
+xla::ffi::Error RunCpuAllReduce(const RankCall& call);
 
 // "... timed out on axis 'tp' (communicator 3, group 0, rank 1, epoch 57,
 // algorithm sifar): rank 0 never arrived within the timeout", or "" if none.

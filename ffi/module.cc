@@ -48,15 +48,18 @@ NB_MODULE(_sifar, m) {
 
   // {target: {platform: capsule}}
   m.def("handlers", [] {
-    nb::dict plain, into, d;
+    nb::dict plain, into, fused, d;
     plain["cpu"] = Capsule(CpuAllReduce);
     into["cpu"] = Capsule(CpuAllReduceInto);
+    fused["cpu"] = Capsule(CpuPsumAddRmsNorm);
 #ifdef SIFAR_WITH_CUDA
     plain["cuda"] = Capsule(CudaAllReduce);
     into["cuda"] = Capsule(CudaAllReduceInto);
+    fused["cuda"] = Capsule(CudaPsumAddRmsNorm);
 #endif
     d["sifar_allreduce"] = plain;
     d["sifar_allreduce_into"] = into;
+    d["sifar_psum_add_rmsnorm"] = fused;
     return d;
   });
   m.def("built_with_cuda", [] {
@@ -67,6 +70,9 @@ NB_MODULE(_sifar, m) {
 #endif
   });
   m.def("max_ranks", [] { return kMaxRanks; });
+  // psum_add_rmsnorm: blocks one row spans, 0 where the fused kernel cannot run.
+  m.def("fused_row_blocks", [](size_t row_bytes) { return FusedRowBlocks(row_bytes); },
+        nb::arg("row_bytes"));
   m.def(
       "workspace_bytes",
       [](size_t slot_bytes, int nranks, int lanes) {

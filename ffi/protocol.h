@@ -159,6 +159,29 @@ SIFAR_HD int BlocksFor(size_t lines, int lines_per_block) {
   return static_cast<int>(b < static_cast<size_t>(kMaxBlocks) ? b : kMaxBlocks);
 }
 
+// Lines one block of the portable kernels owns (one per thread).
+constexpr int kLinesPerBlock = 256;
+
+// The fused all-reduce + residual add + RMSNorm (psum_add_rmsnorm) runs the
+// sifar pull over rows of `hidden` elements, row_bytes / 8 LL lines each, with
+// the line -> block ownership above.  A row's sum of squares is reduced where
+// the row lies: in a power-of-two fraction of one block (a segmented in-block
+// reduction), or over a power-of-two number of whole blocks, at most
+// kMaxRowBlocks (one thread-block cluster; 64 blocks hold whole clusters).
+// Returns the blocks one row spans (1: the row lies within one block), or 0
+// where the fused kernel cannot run (the caller falls back to the unfused
+// composition).  The CPU backend accepts the same rows, so both decide alike.
+constexpr int kMaxRowBlocks = 8;
+static_assert(kMaxBlocks % kMaxRowBlocks == 0, "a round of blocks holds whole clusters");
+SIFAR_HD int FusedRowBlocks(size_t row_bytes) {
+  if (row_bytes == 0 || row_bytes % 16 != 0) return 0;  // whole 16-byte lines per row
+  const size_t lines = row_bytes / 8;
+  if ((lines & (lines - 1)) != 0) return 0;  // a power of two
+  if (lines <= static_cast<size_t>(kLinesPerBlock)) return 1;
+  const size_t blocks = lines / kLinesPerBlock;
+  return blocks <= static_cast<size_t>(kMaxRowBlocks) ? static_cast<int>(blocks) : 0;
+}
+
 // Twoshot: within each block's run of lines, rank r reduces the r-th of N
 // contiguous pieces (so every block works on every rank).
 struct Piece {
@@ -180,10 +203,14 @@ SIFAR_HD Piece PieceOf(size_t run_begin, size_t run_end, int rank, int nranks) {
 //
 //   Control        written by the host one field at a time; `failed` and
 //                  `error_claimed` only by kernels
-//   stats          [algorithm][calls, retries, timeouts], local only
+//   stats          [algorithm][calls, retries, timeouts], local only (the
+//                  portable kernels count calls in their lanes instead)
 //   trace          per-call records (testing/benchmarks), local only
 //   Lane[lanes]    one per call chain slot (docs/design.md, "Ordering"):
 //     epochs       per-block epoch counters, local only
+//     calls        [algorithm] calls completed on this lane, written by block
+//                  0 with its epoch (no atomic on the fast path); the host
+//                  adds them to stats
 //     barrier      [block][peer] arrival words (BarrierWord), written by the peers
 //     Slot[2]      the dual payload buffers (or user-registered buffers)
 //
@@ -268,7 +295,7 @@ SIFAR_HD SlotLayout MakeSlotLayout(size_t slot_bytes, int nranks) {
 }
 
 struct LaneLayout {
-  size_t epochs, barrier, slots, total;  // offsets within a lane
+  size_t epochs, calls, barrier, slots, total;  // offsets within a lane
 };
 
 struct WorkspaceLayout {
@@ -288,6 +315,8 @@ SIFAR_HD WorkspaceLayout MakeWorkspaceLayout(size_t slot_bytes, int nranks, int 
   size_t off = 0;
   w.lane.epochs = off;
   off = AlignUp(off + kMaxBlocks * sizeof(uint32_t), kAlign);
+  w.lane.calls = off;
+  off = AlignUp(off + kNumAlgorithms * sizeof(uint64_t), kAlign);
   w.lane.barrier = off;
   off = AlignUp(off + kMaxBlocks * kMaxRanks * sizeof(uint64_t), kAlign);
   w.lane.slots = off;

@@ -10,6 +10,7 @@ from .algorithms import ALL as ALGORITHMS
 from .buffers import DualBuffers, buffer_spec, make_buffers, sifar_psum_into
 from .comm import DEFAULT_SLOT_BYTES, communicators, init, shutdown, workspace_bytes
 from .errors import NotInitializedError, SifarError, UnboundAxisError
+from .fused import psum_add_rmsnorm
 from .multicast import MulticastDisabledError
 from .ordering import dispatch_lock
 from .psum import SUPPORTED_DTYPES, sifar_psum
@@ -35,6 +36,7 @@ __all__ = [
     "dispatch_lock",
     "init",
     "make_buffers",
+    "psum_add_rmsnorm",
     "shutdown",
     "sifar_psum",
     "sifar_psum_into",

@@ -14,6 +14,8 @@ except ImportError as e:  # pragma: no cover - only when the build is missing
 
 TARGET = "sifar_allreduce"  # x -> y on the internal dual slots
 TARGET_INTO = "sifar_allreduce_into"  # (x, buf, prev) -> (y, buf) on user buffers
+# (x, residual, weight) -> (normed, new_residual): the all-reduce + residual add + RMSNorm
+TARGET_FUSED = "sifar_psum_add_rmsnorm"
 
 
 def _register() -> frozenset[str]:

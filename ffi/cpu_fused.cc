@@ -1,0 +1,134 @@
+// The fused all-reduce + residual add + RMSNorm on the CPU backend: the
+// sifar all-reduce of cpu_allreduce.cc (the same epochs, slots and tags as a
+// plain call of the communicator), then the epilogue the CUDA kernel runs,
+// with its rounding points:
+//   new_residual = round(float(allreduce(x)) + float(residual))
+//   s            = 1 / sqrt(sum(float(new_residual)^2) / hidden + eps)   (fp32)
+//   normed       = round(float(weight) * float(round(float(new_residual) * s)))
+// (models/llama.py's RMSNorm), with the kernel's order of the fp32 sum of
+// squares (RowSumOfSquares).  Only the scale's last bits may differ from the
+// kernel's (its rsqrt is the GPU's approximation), so the two agree exactly
+// on `new_residual` and within an ulp on `normed`.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cpu_numbers.h"
+#include "handlers.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace sifar {
+namespace {
+
+// Element i of a buffer of type t, as fp32.
+float Load(Elem t, const void* p, size_t i) {
+  if (t == Elem::kF32) {
+    float v;
+    std::memcpy(&v, static_cast<const char*>(p) + 4 * i, 4);
+    return v;
+  }
+  uint16_t h;
+  std::memcpy(&h, static_cast<const char*>(p) + 2 * i, 2);
+  return cpu::HalfToF32(t, h);
+}
+// Rounds v to type t, stores it as element i, and returns the rounded value.
+float Store(Elem t, void* p, size_t i, float v) {
+  if (t == Elem::kF32) {
+    std::memcpy(static_cast<char*>(p) + 4 * i, &v, 4);
+    return v;
+  }
+  const uint16_t h = cpu::F32ToHalf(t, v);
+  std::memcpy(static_cast<char*>(p) + 2 * i, &h, 2);
+  return cpu::HalfToF32(t, h);
+}
+float Round(Elem t, float v) {
+  if (t == Elem::kF32) return v;
+  return cpu::HalfToF32(t, cpu::F32ToHalf(t, v));
+}
+
+// The fp32 sum of v[i]^2 over a row in the CUDA kernel's order: the
+// elements of each 8-byte line in order, then the lines of each warp's share
+// of the row as a pairwise tree (the kernel's shuffle butterfly), then the
+// row's warps of each block in order, then the blocks in order.
+float RowSumOfSquares(const float* v, size_t hidden, size_t per_line) {
+  const size_t lines = hidden / per_line;
+  std::vector<float> t(lines);
+  for (size_t l = 0; l < lines; ++l) {
+    float s = 0.f;
+    for (size_t k = 0; k < per_line; ++k) {
+      const float sq = v[l * per_line + k] * v[l * per_line + k];
+      s = s + sq;
+    }
+    t[l] = s;
+  }
+  const size_t width = std::min<size_t>(lines, 32);  // lines is a power of two
+  for (size_t o = 1; o < width; o <<= 1)
+    for (size_t i = 0; i < lines; i += 2 * o) t[i] = t[i] + t[i + o];  // within each width
+  const size_t block = std::min<size_t>(lines, kLinesPerBlock);
+  float total = 0.f;
+  for (size_t b = 0; b < lines / block; ++b) {
+    float part = t[b * block];
+    for (size_t k = 32; k < block; k += 32) part = part + t[b * block + k];
+    total = b == 0 ? part : total + part;
+  }
+  return total;
+}
+
+// `new_residual` holds allreduce(x) on entry; both outputs on return.
+void Epilogue(Elem t, const FusedCall& f, size_t rows, void* new_residual) {
+  const size_t h = f.hidden;
+  const size_t per_line = 8 / (t == Elem::kF32 ? 4 : 2);
+  std::vector<float> v(h);
+  for (size_t row = 0; row < rows; ++row) {
+    const size_t at = row * h;
+    for (size_t i = 0; i < h; ++i)
+      v[i] = Store(t, new_residual, at + i,
+                   Load(t, new_residual, at + i) + Load(t, f.residual, at + i));
+    const float ss = RowSumOfSquares(v.data(), h, per_line);
+    const float scale = 1.f / std::sqrt(ss / static_cast<float>(h) + f.eps);
+    for (size_t i = 0; i < h; ++i) {
+      const float y = Round(t, v[i] * scale);
+      Store(t, f.normed, at + i, Load(t, f.weight, i) * y);
+    }
+  }
+}
+
+ffi::Error CpuPsumAddRmsNormImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+                                 ffi::AnyBuffer weight, ffi::RemainingArgs /*after*/,
+                                 ffi::Result<ffi::AnyBuffer> normed,
+                                 ffi::Result<ffi::AnyBuffer> new_residual, int32_t axis_key,
+                                 int32_t nranks, int32_t algorithm, int32_t repeat, int32_t chain,
+                                 float eps) {
+  RankCall call;
+  FusedCall fused;
+  ffi::Error err = PlanFusedCall(ordinal, x, residual, weight, *normed, *new_residual, axis_key,
+                                 nranks, algorithm, repeat, chain, eps, &call, &fused);
+  if (err.failure()) return err;
+  if (call.nbytes == 0) return ffi::Error::Success();
+  err = RunCpuAllReduce(call);  // into new_residual
+  if (err.failure()) {  // never a plausible number: both outputs NaN
+    cpu::FillFailed(call.elem, call.out, call.nbytes);
+    cpu::FillFailed(call.elem, fused.normed, call.nbytes);
+    return err;
+  }
+  Epilogue(call.elem, fused, call.nbytes / fused.row_bytes, call.out);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuPsumAddRmsNorm, CpuPsumAddRmsNormImpl,
+                              WithAllReduceAttrs(ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // residual
+                                  .Arg<ffi::AnyBuffer>()  // weight
+                                  .RemainingArgs()  // "after": ordering only, never read
+                                  .Ret<ffi::AnyBuffer>()  // normed
+                                  .Ret<ffi::AnyBuffer>())  // new residual
+                                  .Attr<float>("eps"));
+
+}  // namespace sifar

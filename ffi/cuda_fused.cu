@@ -1,0 +1,82 @@
+// Launching the fused all-reduce + residual add + RMSNorm kernel
+// (cuda_fused.cuh): one instance per element type and rank bound, rows longer
+// than a block launched as thread-block clusters (cudaLaunchKernelEx, which
+// CUDA graphs capture like any launch).
+#include <cuda_runtime.h>
+
+#include "cuda_check.h"
+#include "cuda_fused.cuh"
+#include "launch.h"
+
+namespace sifar {
+namespace {
+
+using cuda::FusedArgs;
+using cuda::kThreads;
+
+template <typename T, int NR>
+cudaError_t LaunchNR(const FusedArgs& f, int grid, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  if (f.row_blocks > 1) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = f.row_blocks;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&cfg, cuda::FusedKernel<T, NR>, f);
+}
+template <typename T>
+cudaError_t Launch(const FusedArgs& f, int grid, cudaStream_t stream) {
+  if (f.a.nranks <= 2) return LaunchNR<T, 2>(f, grid, stream);
+  if (f.a.nranks <= 4) return LaunchNR<T, 4>(f, grid, stream);
+  return LaunchNR<T, 8>(f, grid, stream);
+}
+
+template <typename T>
+void LoadRow() {
+  cudaFuncAttributes attr;
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedKernel<T, 2>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedKernel<T, 4>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedKernel<T, 8>));
+}
+
+}  // namespace
+
+cudaError_t LaunchRankFused(const RankCall& c, const FusedCall& fused, cudaStream_t stream) {
+  if (c.comm == nullptr || c.algorithm != kSifar || c.nbytes % fused.row_bytes != 0 ||
+      fused.row_blocks != FusedRowBlocks(fused.row_bytes) || fused.row_blocks == 0)
+    return cudaErrorInvalidValue;
+  FusedArgs f{};
+  f.a = MakeKernelArgs(c);
+  f.residual = fused.residual;
+  f.weight = fused.weight;
+  f.normed = fused.normed;
+  f.row_lines = static_cast<uint32_t>(fused.row_bytes / 8);
+  f.row_blocks = static_cast<uint32_t>(fused.row_blocks);
+  f.hidden = static_cast<uint32_t>(fused.hidden);
+  f.eps = fused.eps;
+  // The plain kernel's grid for this payload: a multiple of the cluster size,
+  // since the payload is whole rows and kMaxBlocks whole clusters.
+  const int grid = BlocksFor(c.nbytes / 8, kThreads);
+  switch (c.elem) {
+    case Elem::kF32: return Launch<float>(f, grid, stream);
+    case Elem::kBf16: return Launch<__nv_bfloat16>(f, grid, stream);
+    case Elem::kF16: return Launch<__half>(f, grid, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+void PreloadFusedKernels() {
+  LoadRow<float>();
+  LoadRow<__nv_bfloat16>();
+  LoadRow<__half>();
+}
+
+}  // namespace sifar

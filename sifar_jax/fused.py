@@ -1,0 +1,173 @@
+"""`psum_add_rmsnorm`: the all-reduce, the residual add and RMSNorm in one call.
+
+A tensor-parallel decoder layer ends with `residual + psum(partial)` followed by
+the next RMSNorm. Fused, the all-reduce's epilogue adds the residual and
+normalises while the row is still in registers (on GPUs, a row spread over a
+thread-block cluster), so the two elementwise kernels after every all-reduce
+disappear. It is an all-reduce call of the same communicator as `sifar_psum`
+(the same epochs, slots, chain tags and ordering), only with another epilogue.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _ext, _jax_compat, algorithms, ordering, psum
+
+FLOAT_DTYPES = tuple(jnp.dtype(n) for n in ("float32", "bfloat16", "float16"))
+_API = "psum_add_rmsnorm"
+_warned: set[str] = set()
+
+
+def rms_norm(x, weight, eps: float):
+    """models.llama.RMSNorm's formula: float32 statistics, the scaled value
+    rounded to x's dtype, then multiplied by the weight in that dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def _unfused(x, residual, weight, eps, allreduce):
+    new_residual = residual + allreduce(x)
+    # The norm sees the rounded sum, as the fused kernel does: without the
+    # barrier XLA may feed it the unrounded float32 sum (its excess-precision
+    # rewrite), and the fallback would differ from the fused call.
+    return rms_norm(jax.lax.optimization_barrier(new_residual), weight, eps), new_residual
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(
+            f"sifar_jax.{_API}: falling back to the unfused composition "
+            f"(sifar_psum, add, RMSNorm): {reason}",
+            stacklevel=3,
+        )
+
+
+def _check_operands(x, residual, weight) -> None:
+    """User errors, raised at trace time whatever the algorithm."""
+    if x.ndim < 1:
+        raise ValueError(f"sifar_jax.{_API}: x must have a hidden dimension, got shape {x.shape}")
+    if residual.shape != x.shape:
+        raise ValueError(
+            f"sifar_jax.{_API}: residual has shape {residual.shape}, x has {x.shape}; "
+            f"they must be equal"
+        )
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(
+            f"sifar_jax.{_API}: weight must have shape {x.shape[-1:]} (the hidden size), "
+            f"got {weight.shape}"
+        )
+    dtypes = {jnp.dtype(a.dtype) for a in (x, residual, weight)}
+    if len(dtypes) != 1:
+        raise TypeError(
+            f"sifar_jax.{_API}: x, residual and weight must have one dtype, got "
+            f"{x.dtype}, {residual.dtype} and {weight.dtype}"
+        )
+    if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+        raise TypeError(
+            f"sifar_jax.{_API}: dtype {x.dtype} is not supported; use one of "
+            f"{', '.join(d.name for d in FLOAT_DTYPES)}"
+        )
+
+
+def _layout_refusal(x) -> str | None:
+    """Why the fused kernel cannot hold x's rows (ffi/protocol.h, FusedRowBlocks)."""
+    row_bytes = x.shape[-1] * jnp.dtype(x.dtype).itemsize
+    if _ext._sifar.fused_row_blocks(row_bytes) > 0:
+        return None
+    return (
+        f"a row of {x.shape[-1]} {jnp.dtype(x.dtype).name} elements ({row_bytes} bytes) is not a "
+        f"layout the fused kernel supports (a power-of-two number of 8-byte lines, 16 bytes to "
+        f"16 KB per row)"
+    )
+
+
+def _same_varying(*arrays):
+    """The operands cast to one varying-axes type (an FFI call requires it
+    under check_vma; JAX may or may not insert these casts itself)."""
+    vmas = [_jax_compat.varying_axes(jax.typeof(a)) for a in arrays]
+    union = frozenset().union(*vmas)
+    return [a if v == union else jax.lax.pcast(a, tuple(sorted(union - v)), to="varying")
+            for a, v in zip(arrays, vmas)]
+
+
+def _result_types(x, residual, weight, axis_name, flat):
+    """(normed, new_residual) as flat arrays typed exactly as `residual +
+    lax.psum(x)` and its norm would be: invariant over axis_name unless the
+    residual or the weight vary over it."""
+    def composed(x, residual, weight):
+        return _unfused(x, residual, weight, 1.0, lambda v: jax.lax.psum(v, axis_name))
+
+    like = jax.typeof(flat)
+    return [_jax_compat.with_varying(like, _jax_compat.varying_axes(t))
+            for t in jax.eval_shape(composed, x, residual, weight)]
+
+
+def psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float,
+                     algorithm: str = algorithms.AUTO):
+    """`residual + sifar_psum(x, axis_name)`, then RMSNorm of that, in one call.
+
+    x: this rank's partial, [..., hidden]; residual: the same shape and dtype
+    (bfloat16, float16 or float32); weight: the norm's [hidden] weight.
+    Returns (normed, new_residual):
+
+      new_residual = residual + sifar_psum(x)   bit-identical to the unfused sum
+                                                (the rank-order fp32 all-reduce
+                                                rounded once, then the add
+                                                rounded once)
+      normed       = weight * (xf * rsqrt(mean(xf * xf, -1) + eps)).astype(dtype)
+                     with xf = float32(new_residual): models.llama.RMSNorm's
+                     rounding points. The fp32 sum of squares has its own
+                     fixed order (the same bits on every rank), so y may
+                     round the other way than in XLA's norm in rare elements
+                     (an ulp of y). XLA compiling the unfused model may also
+                     feed its norm the unrounded float32 sum (excess
+                     precision), which this call does not.
+
+    Both are typed like `residual + lax.psum(x, axis_name)` under
+    `shard_map(check_vma=True)`. Where the fused kernel cannot run (algorithm
+    other than "auto"/"sifar", a payload larger than the slot, rows the kernel
+    cannot lay out, no communicator) it computes the unfused composition with
+    `sifar_psum(x, axis_name, algorithm=algorithm)`, warning once with the
+    reason; sifar_psum's own rules (fallback to lax.psum for "auto") apply.
+    """
+    x, residual, weight = jnp.asarray(x), jnp.asarray(residual), jnp.asarray(weight)
+    _check_operands(x, residual, weight)
+    algorithms.validate(algorithm)
+    unfused = functools.partial(
+        _unfused, x, residual, weight, eps,
+        lambda v: psum.sifar_psum(v, axis_name, algorithm=algorithm))
+    if x.size == 0:
+        return unfused()
+    if algorithm not in (algorithms.AUTO, algorithms.SIFAR):
+        _warn_once(f"the fused kernel runs the sifar algorithm, not {algorithm!r}")
+        return unfused()
+    why = _layout_refusal(x)
+    if why is not None:
+        _warn_once(why)
+        return unfused()
+    plan = psum._plan(x, axis_name, algorithm, _API)
+    if isinstance(plan, str):
+        _warn_once(plan)
+        return unfused()
+    assert plan.algorithm == algorithms.SIFAR and plan.pad == 0, plan
+
+    flat, res = x.reshape(-1), residual.reshape(-1)
+    call = jax.ffi.ffi_call(
+        _ext.TARGET_FUSED,
+        _result_types(x, residual, weight, axis_name, flat),
+        # As sifar_psum: XLA:CPU keeps the call even when its results are
+        # unused, so a failed all-reduce still surfaces.
+        has_side_effect=(plan.platform == "cpu"),
+    )
+    operands = _same_varying(flat, res, weight, *ordering.operands(flat))
+    normed, new_residual = call(*operands, **plan.attrs(), eps=np.float32(eps))
+    ordering.remember(flat, new_residual)
+    return normed.reshape(x.shape), new_residual.reshape(x.shape)
