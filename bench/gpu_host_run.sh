@@ -114,8 +114,12 @@ for step in "${steps[@]}"; do
           "$PYTHON" -m pip install --no-build-isolation --no-deps -q -e .
       fi ;;
     tests)
+      # The GPU-only files, then the GPU parameters of the files that run on both.
       run_step "tests" "${TESTS_TIMEOUT:-300}" \
-        "$PYTHON" -m pytest -q -rs -s tests/test_gpu.py tests/test_buffers.py ;;
+        "$PYTHON" -m pytest -q -rs -s -p no:cacheprovider tests/test_gpu.py tests/test_buffers.py
+      run_step "tests (gpu parameters)" "${TESTS_TIMEOUT:-300}" \
+        "$PYTHON" -m pytest -q -rs -s -p no:cacheprovider tests/test_ordering.py tests/test_fused.py \
+        tests/test_transforms.py tests/test_multiprocess.py -k gpu ;;
     allreduce)
       # shellcheck disable=SC2086
       run_step "bench.allreduce" "${ALLREDUCE_TIMEOUT:-480}" \
