@@ -5,6 +5,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "peer_memory.h"
+
 namespace sifar {
 
 namespace {
@@ -44,7 +46,8 @@ uint64_t IndexKey(int axis_key, int ordinal) {
 std::unique_ptr<Memory> MakeHostMemory() { return std::make_unique<HostMemory>(); }
 
 Comm::Comm(int id, Platform platform, int axis_key, std::string axis_name,
-           std::vector<std::vector<int>> groups, size_t slot_bytes, double timeout_s, int lanes)
+           std::vector<std::vector<int>> groups, size_t slot_bytes, double timeout_s, int lanes,
+           std::shared_ptr<PeerWorkspaces> peers)
     : id_(id),
       platform_(platform),
       axis_key_(axis_key),
@@ -66,13 +69,23 @@ Comm::Comm(int id, Platform platform, int axis_key, std::string axis_name,
     throw std::runtime_error("sifar_jax was built without CUDA support");
   memory_ = MakeHostMemory();
 #endif
+  peers_ = std::move(peers);
+  if (peers_ && (peers_->platform() != platform || peers_->ordinals() != groups ||
+                 peers_->bytes() < layout_.total))
+    throw std::invalid_argument("sifar_jax: the shared workspaces do not fit this communicator");
   for (auto& ords : groups) {
     if (static_cast<int>(ords.size()) != nranks_)
       throw std::invalid_argument("sifar_jax: all groups of an axis must have the same size");
     Group g;
     g.ordinals = ords;
     for (int ord : ords) {
-      g.workspaces.push_back(memory_->Alloc(ord, layout_.total));
+      const int gi = static_cast<int>(groups_.size()), r = static_cast<int>(g.workspaces.size());
+      g.workspaces.push_back(peers_ ? peers_->workspace(gi, r) : memory_->Alloc(ord, layout_.total));
+      if (ord < 0) {  // another process's rank: its process keeps its record
+        g.errors.push_back(nullptr);
+        g.errors_device.push_back(nullptr);
+        continue;
+      }
       char* dev = nullptr;
       char* host = memory_->AllocShared(ord, sizeof(ErrorRecord), &dev);
       g.errors.push_back(reinterpret_cast<ErrorRecord*>(host));
@@ -82,6 +95,7 @@ Comm::Comm(int id, Platform platform, int axis_key, std::string axis_name,
   }
   for (int g = 0; g < static_cast<int>(groups_.size()); ++g)
     for (int r = 0; r < nranks_; ++r) {
+      if (!IsLocal(g, r)) continue;
       Control c{};
       c.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
       c.poll_depth = kDefaultPollDepth;
@@ -91,6 +105,13 @@ Comm::Comm(int id, Platform platform, int axis_key, std::string axis_name,
 #ifdef SIFAR_WITH_CUDA
   if (platform == Platform::kCuda)
     for (auto& g : groups_) {
+      if (peers_) {
+        const int gi = static_cast<int>(&g - groups_.data());
+        g.multicast_refusal = "multicast needs every rank in one process";
+        for (int ord : g.ordinals)
+          if (ord >= 0) PrepareCudaDevice(ord, peers_->PeerAccessList(gi), false);
+        continue;
+      }
       // The guard reads the environment first and makes no CUDA call when it
       // refuses (always, on hosts where multicast is off).
       std::optional<std::string> refusal = MulticastRefusalHere(g.ordinals);
@@ -109,9 +130,14 @@ Comm::~Comm() {
   for (auto& g : groups_) g.multicast.reset();  // unmaps before the workspaces go
   for (auto& g : groups_)
     for (size_t r = 0; r < g.workspaces.size(); ++r) {
-      memory_->Free(g.ordinals[r], g.workspaces[r]);
-      memory_->FreeShared(g.ordinals[r], reinterpret_cast<char*>(g.errors[r]));
+      if (!peers_) memory_->Free(g.ordinals[r], g.workspaces[r]);
+      if (g.errors[r]) memory_->FreeShared(g.ordinals[r], reinterpret_cast<char*>(g.errors[r]));
     }
+  peers_.reset();  // unmaps the peers' workspaces, frees this process's
+}
+
+int Comm::ProcessOf(int group, int rank) const {
+  return peers_ ? peers_->process(group, rank) : -1;
 }
 
 void Comm::WriteControl(int g, int r, const Control& c) {
@@ -130,6 +156,7 @@ std::vector<std::array<std::array<uint64_t, kNumStats>, kNumAlgorithms>> Comm::S
   std::vector<std::array<std::array<uint64_t, kNumStats>, kNumAlgorithms>> out;
   for (auto& g : groups_)
     for (size_t r = 0; r < g.workspaces.size(); ++r) {
+      if (g.ordinals[r] < 0) continue;  // another process counts its own ranks
       std::array<std::array<uint64_t, kNumStats>, kNumAlgorithms> s;
       memory_->Read(g.ordinals[r], s.data(), g.workspaces[r] + layout_.stats, sizeof(s));
       out.push_back(s);
@@ -151,7 +178,7 @@ bool Comm::FirstError(ErrorRecord* out, int* group) const {
 void Comm::UpdateControl(int rank, const std::function<void(Control&)>& update) {
   for (int g = 0; g < static_cast<int>(groups_.size()); ++g)
     for (int r = 0; r < nranks_; ++r) {
-      if (rank >= 0 && r != rank) continue;
+      if ((rank >= 0 && r != rank) || !IsLocal(g, r)) continue;  // each process writes its own
       Control c = ReadControl(g, r);
       update(c);
       WriteControl(g, r, c);
@@ -215,7 +242,7 @@ void Comm::SetEpochs(uint32_t epoch) {
   std::vector<uint64_t> b(kMaxBlocks * kMaxRanks, BarrierWord(0, BarrierValue(epoch, kBottom)));
   for (auto& g : groups_)
     for (size_t r = 0; r < g.workspaces.size(); ++r)
-      for (int l = 0; l < layout_.lanes; ++l) {
+      for (int l = 0; l < layout_.lanes && g.ordinals[r] >= 0; ++l) {
         char* lane = g.workspaces[r] + layout_.LaneAt(l);
         memory_->Write(g.ordinals[r], lane + layout_.lane.epochs, e.data(), e.size() * sizeof(uint32_t));
         memory_->Write(g.ordinals[r], lane + layout_.lane.barrier, b.data(), b.size() * sizeof(uint64_t));
@@ -233,7 +260,8 @@ void Comm::SetTrace(bool on) {
     TraceRing empty{};
     for (auto& g : groups_)
       for (size_t r = 0; r < g.workspaces.size(); ++r)
-        memory_->Write(g.ordinals[r], g.workspaces[r] + layout_.trace, &empty,
+        if (g.ordinals[r] >= 0)
+          memory_->Write(g.ordinals[r], g.workspaces[r] + layout_.trace, &empty,
                        offsetof(TraceRing, records));
   }
   UpdateControl(-1, [&](Control& c) { c.trace = on ? 1u : 0u; });
@@ -245,6 +273,7 @@ std::vector<std::tuple<int, int, TraceRecord>> Comm::Trace() const {
   for (int gi = 0; gi < static_cast<int>(groups_.size()); ++gi) {
     const Group& g = groups_[gi];
     for (int r = 0; r < static_cast<int>(g.workspaces.size()); ++r) {
+      if (!IsLocal(gi, r)) continue;
       memory_->Read(g.ordinals[r], ring.get(), g.workspaces[r] + layout_.trace, sizeof(TraceRing));
       const unsigned long long n = ring->next;
       const unsigned long long first = n > kTraceCapacity ? n - kTraceCapacity : 0;
@@ -262,20 +291,20 @@ Registry& Registry::Get() {
 
 int Registry::Create(Platform platform, int axis_key, const std::string& axis_name,
                      const std::vector<std::vector<int>>& groups, size_t slot_bytes,
-                     double timeout_s, int lanes) {
+                     double timeout_s, int lanes, std::shared_ptr<PeerWorkspaces> peers) {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& g : groups)
     for (int ord : g)
-      if (index_.count(IndexKey(axis_key, ord)))
+      if (ord >= 0 && index_.count(IndexKey(axis_key, ord)))
         throw std::invalid_argument("sifar_jax: device " + std::to_string(ord) +
                                     " already has a communicator for axis '" + axis_name +
                                     "'; call sifar_jax.shutdown() first");
   int id = next_id_++;
   auto comm = std::make_unique<Comm>(id, platform, axis_key, axis_name, groups, slot_bytes,
-                                     timeout_s, lanes);
+                                     timeout_s, lanes, std::move(peers));
   for (int g = 0; g < static_cast<int>(groups.size()); ++g)
     for (int r = 0; r < static_cast<int>(groups[g].size()); ++r)
-      index_[IndexKey(axis_key, groups[g][r])] = {id, g, r};
+      if (groups[g][r] >= 0) index_[IndexKey(axis_key, groups[g][r])] = {id, g, r};
   comms_[id] = std::move(comm);
   return id;
 }

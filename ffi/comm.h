@@ -21,6 +21,9 @@ namespace sifar {
 
 enum class Platform { kCpu, kCuda };
 
+// The workspaces of a communicator spanning processes (peer_memory.h).
+class PeerWorkspaces;
+
 // Where workspaces live.  All copies are synchronous and only used off the
 // hot path (set-up, stats, error reports, test knobs).
 class Memory {
@@ -48,9 +51,9 @@ void PrepareCudaDevice(int ordinal, const std::vector<int>& group, bool multicas
 #endif
 
 struct Group {
-  std::vector<int> ordinals;           // rank -> device ordinal
+  std::vector<int> ordinals;           // rank -> device ordinal (-1: a rank of another process)
   std::vector<char*> workspaces;       // rank -> workspace base
-  std::vector<ErrorRecord*> errors;    // rank -> failure record, host view
+  std::vector<ErrorRecord*> errors;    // rank -> failure record, host view (null: another process's)
   std::vector<ErrorRecord*> errors_device;  // the same records, kernels' view
   // NVLink multicast (algorithm "multicast"): set up only where the guard
   // allows it; otherwise the guard's reason.
@@ -63,8 +66,12 @@ struct Group {
 
 class Comm {
  public:
+  // `peers`: the groups span processes; their workspaces come from it (the
+  // groups are its ordinals: -1 for the ranks of other processes), and only
+  // this process's ranks get error records and host writes.
   Comm(int id, Platform platform, int axis_key, std::string axis_name,
-       std::vector<std::vector<int>> groups, size_t slot_bytes, double timeout_s, int lanes);
+       std::vector<std::vector<int>> groups, size_t slot_bytes, double timeout_s, int lanes,
+       std::shared_ptr<PeerWorkspaces> peers = nullptr);
   ~Comm();
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;
@@ -84,8 +91,14 @@ class Comm {
   // The first failure recorded by any rank, if any.
   bool FirstError(ErrorRecord* out, int* group) const;
   bool RankFailed(int group, int rank) const {
-    return __atomic_load_n(&groups_[group].errors[rank]->failed, __ATOMIC_ACQUIRE) != 0;
+    const ErrorRecord* e = groups_[group].errors[rank];
+    return e != nullptr && __atomic_load_n(&e->failed, __ATOMIC_ACQUIRE) != 0;
   }
+  // A rank of this process (the host reads and writes only those).
+  bool IsLocal(int group, int rank) const { return groups_[group].ordinals[rank] >= 0; }
+  bool spans_processes() const { return peers_ != nullptr; }
+  // The process index of a rank (-1 when the communicator is this process's alone).
+  int ProcessOf(int group, int rank) const;
   void SetSkew(uint32_t max_ns, uint32_t seed);
   void SetTimeout(double seconds);
   // In every group; blocks from `from_block` on skip (a CPU rank is block 0).
@@ -119,6 +132,7 @@ class Comm {
   WorkspaceLayout layout_;
   std::unique_ptr<Memory> memory_;
   std::vector<Group> groups_;
+  std::shared_ptr<PeerWorkspaces> peers_;
   mutable std::mutex buffers_mu_;  // registration (Python) vs lookups (handlers)
 };
 
@@ -137,7 +151,7 @@ class Registry {
   static Registry& Get();
   int Create(Platform platform, int axis_key, const std::string& axis_name,
              const std::vector<std::vector<int>>& groups, size_t slot_bytes, double timeout_s,
-             int lanes);
+             int lanes, std::shared_ptr<PeerWorkspaces> peers = nullptr);
   void Destroy(int id);
   void DestroyAll();
   RankRef Lookup(int axis_key, int ordinal);
