@@ -2,6 +2,7 @@
 
     python -m bench.allreduce                 # full run
     python -m bench.allreduce --quick         # a quick look (CPU / CI: about a minute)
+    python -m sifar_jax.launch -n 2 -- python -m bench.allreduce   # one process per GPU
 
 Two levels, measured in the same run:
 
@@ -15,7 +16,8 @@ Two levels, measured in the same run:
 Payloads are random bfloat16 (never zero), 4..64 KB per device by default.
 Runs on GPUs when at least two are visible (TP = 2, 4, ... up to the GPU
 count), else on 8 XLA:CPU host devices at TP=2, where the numbers only
-demonstrate the protocol. Writes bench/results/allreduce-<host>.{json,md,png}.
+demonstrate the protocol. Writes bench/results/allreduce-<host>.{json,md,png}
+(<host> ends in "-<n>proc" when started by the launcher: process 0 writes).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import sifar_jax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+
+sifar_jax.distributed.initialize()  # started by sifar_jax.launch: one process per GPU
 
 PORTABLE = tuple(sifar_jax.algorithms.PORTABLE)
 BASELINE = "lax.psum"
@@ -163,10 +168,20 @@ def random_bf16(seed: int, tp: int, elems: int):
     return jax.numpy.asarray(x, dtype=jax.numpy.bfloat16)
 
 
+def on_mesh(mesh, x):
+    """x sharded along "tp" (with several processes, each holds its rows)."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("tp")), lambda i: x[i])
+
+
+def local_rows(a) -> np.ndarray:
+    """The rows of a "tp"-sharded result this process holds, as float32."""
+    return np.concatenate([np.asarray(s.data, np.float32) for s in a.addressable_shards])
+
+
 def check_result(got, want, tp: int) -> bool:
-    g = np.asarray(got, np.float32)
-    w = np.asarray(want, np.float32)
-    same = all(np.array_equal(g[i].view(np.uint32), g[0].view(np.uint32)) for i in range(tp))
+    g, w = local_rows(got), local_rows(want)
+    same = all(np.array_equal(g[i].view(np.uint32), g[0].view(np.uint32)) for i in range(len(g)))
     return same and np.allclose(g, w, rtol=2 * tp * 2.0**-8, atol=0)
 
 
@@ -200,7 +215,8 @@ def run(args) -> tuple[list[dict], dict, list[str]]:
         refs = {"kernel": kernel_ref_fn(mesh), "jit": chain_fn(mesh, BASELINE, 1)}
         for (ctp, level, alg, nbytes) in [c for c in cases if c[0] == tp]:
             bar.set_postfix_str(f"tp={tp} {level} {alg} {nbytes // 1024}KB")
-            x = random_bf16(zlib.crc32(repr((tp, level, alg, nbytes)).encode()), tp, nbytes // 2)
+            x = on_mesh(mesh, random_bf16(zlib.crc32(repr((tp, level, alg, nbytes)).encode()), tp,
+                                          nbytes // 2))
             if level == "kernel":
                 r = cfg["kernel_r"]
                 small = fns.setdefault((tp, "k", alg, 1), kernel_fn(mesh, alg, 1))
@@ -374,7 +390,11 @@ def plot(records, path, host, kind):
 def main(argv=None) -> int:
     args = parse_args(argv)
     records, meta, warnings_out = run(args)
+    if jax.process_index() != 0:
+        return 1 if warnings_out else 0  # process 0 reports for all
     env = common.describe_environment(meta["devices"])
+    if jax.process_count() > 1:
+        env["host"] += f"-{jax.process_count()}proc"
     print_tables(records, meta["sizes"], env["host"])
     paths = write_outputs(args, records, meta, env, warnings_out)
     for p in paths:

@@ -9,6 +9,9 @@ through `python -m sifar_jax.launch` (every process runs this same program).
             processes; the sum over both axes in rank order, exactly
     kill    process --victim kills itself (SIGKILL) after --after all-reduces;
             the others must fail within the timeout with an error naming it
+    hosts   the processes claim different hosts: every process falls back to
+            lax.psum with that reason ("auto"), an explicit algorithm raises
+    absent  process 1 never calls init: process 0's init raises, naming it
 
 Each process checks the rows it holds and prints "OK <scenario> ..." lines; any
 failure exits non-zero (the launcher propagates it).
@@ -22,6 +25,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 
 import sifar_jax
 from sifar_jax import distributed
@@ -123,6 +127,14 @@ def run_exact(args) -> None:
         np.testing.assert_array_equal(value, local_rows(theirs)[row])
     say(f"OK exact lax.psum n={n}")
 
+    # Set up again (new workspaces and names, the same compiled function).
+    sifar_jax.shutdown()
+    sifar_jax.init(mesh, slot_bytes=SLOT, timeout_s=args.timeout)
+    ours, _ = g(global_array(mesh, P("tp"), x))
+    for row, value in local_rows(ours).items():
+        expect_bits(value[0], want, f"after re-init, rank {row}")
+    say(f"OK exact re-init n={n}")
+
 
 def run_mesh2d(args) -> None:
     nproc = jax.process_count()
@@ -198,9 +210,61 @@ def run_kill(args) -> None:
     raise AssertionError(f"process {ME}: no call failed after process {args.victim} died")
 
 
+def run_hosts(args) -> None:
+    distributed.host_id = lambda: f"host-{ME}/boot"  # as if each process ran elsewhere
+    mesh = Mesh(np.array(jax.devices()), ("hosts",))
+    sifar_jax.init(mesh, slot_bytes=SLOT)
+    (unsupported,) = sifar_jax.comm.unsupported("hosts")
+    assert "spans hosts" in unsupported.reason, unsupported
+    assert not sifar_jax.communicators("hosts")
+    x = np.random.default_rng(5).uniform(-1, 1, (mesh.size, 40)).astype(np.float32)
+
+    def body(v):
+        return sifar_jax.sifar_psum(v[0], "hosts")[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("hosts"), out_specs=P("hosts")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = f(global_array(mesh, P("hosts"), x))
+    assert any("spans hosts" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    for row, value in local_rows(out).items():
+        np.testing.assert_allclose(value[0], x.sum(0), rtol=1e-5, atol=1e-6)
+
+    def explicit(v):
+        return sifar_jax.sifar_psum(v[0], "hosts", algorithm="sifar")[None]
+
+    try:
+        jax.jit(jax.shard_map(explicit, mesh=mesh, in_specs=P("hosts"), out_specs=P("hosts")))(
+            global_array(mesh, P("hosts"), x))
+    except ValueError as e:
+        assert "spans hosts" in str(e), e
+    else:
+        raise AssertionError("an explicit algorithm on an axis across hosts must raise")
+    say("OK hosts: lax.psum on an axis across hosts")
+
+
+def run_absent(args) -> None:
+    client = distributed._kv_client()
+    if ME == 1:  # never sets the axis up; waits until process 0 has given up
+        client.blocking_key_value_get("test/absent/done", 60_000)
+        return
+    distributed.INIT_TIMEOUT_S = 2.0
+    t0 = time.monotonic()
+    try:
+        sifar_jax.init(Mesh(np.array(jax.devices()), ("absent",)))
+    except sifar_jax.SifarError as e:
+        assert "process 1 did not reach 'identity'" in str(e), e
+        assert time.monotonic() - t0 < 10
+        say(f"OK absent: {str(e)[:120]}")
+    else:
+        raise AssertionError("init must fail when a process never comes")
+    finally:
+        client.key_value_set("test/absent/done", "1")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("scenarios", nargs="+", choices=("exact", "mesh2d", "kill"))
+    p.add_argument("scenarios", nargs="+", choices=tuple(SCENARIOS))
     p.add_argument("--algorithms", default=",".join(PORTABLE))
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--timeout", type=float, default=20.0)
@@ -210,10 +274,13 @@ def main() -> None:
     say(f"PID {os.getpid()} process {ME} of {jax.process_count()}, "
         f"{jax.local_device_count()} local device(s) of {jax.device_count()}")
     for scenario in args.scenarios:
-        {"exact": run_exact, "mesh2d": run_mesh2d, "kill": run_kill}[scenario](args)
+        SCENARIOS[scenario](args)
     sifar_jax.shutdown()
     say("DONE")
 
+
+SCENARIOS = {"exact": run_exact, "mesh2d": run_mesh2d, "kill": run_kill, "hosts": run_hosts,
+             "absent": run_absent}
 
 if __name__ == "__main__":
     main()

@@ -82,6 +82,7 @@ def assert_exact(text: str, n_processes: int, ranks: int, algorithms=PORTABLE) -
                 assert any(ln.startswith(f"[{p}] {want}") for ln in text.splitlines()), (
                     f"process {p} did not report '{want}':\n{_tail(text)}")
         assert lines_of(text, p, f"OK exact lax.psum n={ranks}"), _tail(text)
+        assert lines_of(text, p, f"OK exact re-init n={ranks}"), _tail(text)
         assert lines_of(text, p, "DONE"), _tail(text)
 
 
@@ -98,9 +99,14 @@ def stale_shared_memory():
 
 # ----------------------------------------------------------------- the CPU --
 def test_two_processes_every_algorithm_exact(stale_shared_memory):
-    rc, text, _ = launch(2, "exact")
+    """...and the set-up's failure modes: processes on different hosts agree
+    to fall back to lax.psum; a process that never calls init is named."""
+    rc, text, _ = launch(2, "exact", "hosts", "absent")
     assert rc == 0, _tail(text)
     assert_exact(text, 2, 2)
+    for p in range(2):
+        assert lines_of(text, p, "OK hosts"), _tail(text)
+    assert lines_of(text, 0, "OK absent: sifar_jax: process 1 did not reach"), _tail(text)
     assert_no_leftovers(text)
     assert not stale_shared_memory.exists(), "a stale object of a dead process survived a start"
 
