@@ -1,5 +1,6 @@
 // Every CUDA runtime call off the hot path goes through SIFAR_CUDA_CHECK: a
 // failure becomes an exception naming the call, the file and the error.
+// OnDevice: one scoped device switch for every host-side CUDA file.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,3 +18,23 @@
                                cudaGetErrorString(sifar_err_));                          \
     }                                                                                    \
   } while (0)
+
+namespace sifar {
+
+// Runs on `ordinal`, restoring the caller's device (the Python thread's
+// device matters to JAX and to the user).
+class OnDevice {
+ public:
+  explicit OnDevice(int ordinal) {
+    SIFAR_CUDA_CHECK(cudaGetDevice(&prev_));
+    SIFAR_CUDA_CHECK(cudaSetDevice(ordinal));
+  }
+  ~OnDevice() { cudaSetDevice(prev_); }
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+
+ private:
+  int prev_ = 0;
+};
+
+}  // namespace sifar

@@ -17,19 +17,6 @@ namespace sifar {
 
 namespace {
 
-// Runs on `ordinal`, restoring the caller's device.
-class OnDevice {
- public:
-  explicit OnDevice(int ordinal) {
-    SIFAR_CUDA_CHECK(cudaGetDevice(&prev_));
-    SIFAR_CUDA_CHECK(cudaSetDevice(ordinal));
-  }
-  ~OnDevice() { cudaSetDevice(prev_); }
-
- private:
-  int prev_ = 0;
-};
-
 // Runs f on `ordinal` where nothing may throw (release paths), restoring the
 // caller's device and clearing any error it left.
 template <typename F>

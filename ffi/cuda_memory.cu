@@ -15,20 +15,6 @@ namespace sifar {
 
 namespace {
 
-// Runs on `ordinal`, restoring the caller's device (the Python thread's
-// device matters to JAX and to the user).
-class OnDevice {
- public:
-  explicit OnDevice(int ordinal) {
-    SIFAR_CUDA_CHECK(cudaGetDevice(&prev_));
-    SIFAR_CUDA_CHECK(cudaSetDevice(ordinal));
-  }
-  ~OnDevice() { cudaSetDevice(prev_); }
-
- private:
-  int prev_ = 0;
-};
-
 class CudaMemory : public Memory {
  public:
   char* Alloc(int ordinal, size_t bytes) override {
