@@ -1,28 +1,58 @@
-"""All-reduce latency of every portable SiFAR algorithm and of lax.psum.
+"""All-reduce latency of every portable SiFAR algorithm, of lax.psum and of the
+peers (torch NCCL, torch symmetric memory, XLA's one-shot kernel), in one run.
 
-    python -m bench.allreduce                 # full run
-    python -m bench.allreduce --quick         # a quick look (CPU / CI: about a minute)
+    python -m bench.allreduce                 # full run (GPU: the results the project commits)
+    python -m bench.allreduce --quick         # a quick look (CPU / CI: well under a minute)
+    python -m bench.allreduce --peers none --no-trace   # ours and lax.psum only
     python -m sifar_jax.launch -n 2 -- python -m bench.allreduce   # one process per GPU
 
-Two levels, measured in the same run:
+Levels (the "level" field of each record), each a per-all-reduce latency:
 
-  kernel  R all-reduces back to back inside one handler call / kernel launch
-          (sifar_psum(..., _repeat=R), the paper's method): per all-reduce =
-          (t(R) - t(1)) / (R - 1). lax.psum has no such level.
-  jit     a chain of R data-dependent all-reduces (y <- allreduce(y))
-          in one jitted shard_map function: per all-reduce =
-          (t(R2) - t(R1)) / (R2 - R1), which cancels the launch overhead.
+  kernel            R all-reduces back to back inside one handler call / kernel
+                    launch (the paper's method): (t(R) - t(1)) / (R - 1).
+                    sifar algorithms only.
+  jit               a chain of R data-dependent all-reduces (y <- allreduce(y)) in
+                    one jitted shard_map function (XLA command buffers on GPUs):
+                    (t(R2) - t(R1)) / (R2 - R1), which cancels the launch. sifar
+                    algorithms, lax.psum, xla.one_shot.
+  cuda_graph_chain  torch peers: chains of R1 and R2 all-reduces captured in CUDA
+                    graphs, replays timed with CUDA events, the same difference.
 
-Payloads are random bfloat16 (never zero), 4..64 KB per device by default.
+jit and cuda_graph_chain are the like-for-like comparison: both are chains of
+kernels in one CUDA graph. Payloads are random bfloat16 (never zero), 4..64 KB
+per device by default; every algorithm and peer is checked against a reference
+once per size (a peer with a wrong sum is reported and not timed).
+
+Peers (bench.peers) run first, each in processes of its own, before this
+process starts JAX on the GPUs; a peer that is not importable, fails or hangs
+is recorded in "errors" with its message and the others go on.
+
+Per-call trace (bench.calltrace; needs sifar_jax.call_trace): the jit
+chain of each traced algorithm, without and with forced skew
+(sifar_jax.testing.inject_skew): the share of calls that mis-speculated, the
+latency of calls that retried against those that did not, and the
+p50/p90/p99/p99.9 of per-call latency from device timestamps.
+
 Runs on GPUs when at least two are visible (TP = 2, 4, ... up to the GPU
 count), else on 8 XLA:CPU host devices at TP=2, where the numbers only
-demonstrate the protocol. Writes bench/results/allreduce-<host>.{json,md,png}
-(<host> ends in "-<n>proc" when started by the launcher: process 0 writes).
+demonstrate the protocol. Writes allreduce-<host>.{json,md,png} to --out:
+bench/results/ on GPUs, bench/results/local/ (git-ignored) on the CPU.
+
+Started by `python -m sifar_jax.launch` (one process per GPU), the processes
+measure together and process 0 writes allreduce-<host>-<n>proc.*; the peers are
+skipped there (they start processes of their own).
+
+The JSON is an object: schema, env (machine, versions, date), settings,
+levels, records (one per algorithm, level, TP and size: us_median, us_p10,
+us_p90), errors, comparison (sifar against each peer), target, retry
+(counters), trace ({"skipped": why} or {"records": [...]}).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
 import zlib
 
@@ -36,13 +66,23 @@ from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import sifar_jax  # noqa: E402
+from bench import calltrace, peers  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-sifar_jax.distributed.initialize()  # started by sifar_jax.launch: one process per GPU
+LAUNCHED = sifar_jax.distributed.initialize()  # under sifar_jax.launch: one process per GPU
 
+SCHEMA = "sifar-jax/bench.allreduce/2"
 PORTABLE = tuple(sifar_jax.algorithms.PORTABLE)
 BASELINE = "lax.psum"
 LEVELS = ("kernel", "jit")
+LEVEL_TEXT = {
+    "kernel": "R all-reduces back to back inside one launch: (t(R) - t(1)) / (R - 1)",
+    "jit": "chains of R1 and R2 data-dependent all-reduces in one jitted shard_map function: "
+           "(t(R2) - t(R1)) / (R2 - R1), synchronous calls timed on the host",
+    **{k: v for k, v in peers.LEVELS.items() if k != peers.LEVEL_JIT},
+}
+# The target of issue 14: sifar ahead of every peer at every size up to this, at TP=2.
+TARGET_TP, TARGET_MAX_BYTES = 2, 32 * 1024
 CPU_NOTE = (
     "No GPUs here: these numbers come from XLA:CPU host devices (threads as ranks, "
     "shared host memory). They demonstrate the protocol; they are not a performance result."
@@ -53,7 +93,7 @@ CPU_NOTE = (
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="python -m bench.allreduce",
-        description="Per-all-reduce latency of the SiFAR algorithms and lax.psum.",
+        description="Per-all-reduce latency of the SiFAR algorithms, lax.psum and the peers.",
     )
     p.add_argument("--sizes", default="4,8,16,32,64",
                    help="payload sizes per device in KB of bfloat16 (default: 4,8,16,32,64)")
@@ -66,12 +106,29 @@ def parse_args(argv=None):
                    help="timed runs per case, summarised as median/p10/p90 "
                         "(default: 30 on GPU, 10 on CPU and with --quick)")
     p.add_argument("--kernel-repeat", type=int, default=None,
-                   help="R, all-reduces per launch at kernel level (default: 1000 GPU, 20 CPU)")
+                   help="R, all-reduces per launch at kernel level (default: 2000 GPU, 20 CPU)")
     p.add_argument("--chain", default=None,
-                   help="R1,R2: chain lengths at jit level (default: 20,100 GPU; 4,16 CPU)")
+                   help="R1,R2: chain lengths at jit level and of the peers' graphs "
+                        "(default: 20,200 GPU; 4,16 CPU)")
+    p.add_argument("--peers", default="auto",
+                   help=f"comma list from {', '.join(peers.ALL)}, 'auto' (all; the torch ones "
+                        "need GPUs) or 'none'")
+    p.add_argument("--peer-timeout", type=float, default=120.0,
+                   help="seconds each peer process may run before it is killed (default 120; "
+                        "one normally takes 20-40 s)")
+    p.add_argument("--no-trace", dest="trace", action="store_false",
+                   help="skip the per-call trace (mis-speculation, tail latency)")
+    p.add_argument("--skew-us", default="0,2,10",
+                   help="forced skews for the trace, max microseconds each rank waits before "
+                        "each all-reduce (0 = none; default 0,2,10)")
+    p.add_argument("--trace-algorithms", default="sifar",
+                   help="algorithms traced per call (default: sifar)")
+    p.add_argument("--trace-runs", type=int, default=None,
+                   help="executions of the long jit chain per trace (default: 100 GPU, 5 CPU)")
     p.add_argument("--quick", action="store_true", help="fewer runs and shorter chains (CPU, CI)")
-    p.add_argument("--out", default=str(common.DEFAULT_OUT),
-                   help="directory for the results (default: bench/results)")
+    p.add_argument("--out", default=None,
+                   help="directory for the results (default: bench/results on GPUs, "
+                        "bench/results/local on the CPU, which git ignores)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     return p.parse_args(argv)
 
@@ -89,9 +146,11 @@ def settings(args, kind: str, n_devices: int) -> dict:
         "inner_kernel": 1,
         "inner_jit": 1,
         "warmup": 3,
+        "trace_runs": 100 if gpu else 5,
     }
     if args.quick:
-        s.update(runs=10, kernel_r=200 if gpu else 16, chain=(10, 50) if gpu else (4, 12), warmup=2)
+        s.update(runs=10, kernel_r=200 if gpu else 16, chain=(10, 50) if gpu else (4, 12), warmup=2,
+                 trace_runs=20 if gpu else 5)
         if not gpu:
             s["inner_kernel"] = s["inner_jit"] = 2
     if args.reps is not None:
@@ -103,18 +162,22 @@ def settings(args, kind: str, n_devices: int) -> dict:
         if not 0 < r1 < r2:
             raise SystemExit("--chain needs 0 < R1 < R2")
         s["chain"] = (r1, r2)
+    if args.trace_runs is not None:
+        s["trace_runs"] = max(1, args.trace_runs)
 
-    algs = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    for a in algs:
-        if a not in PORTABLE + (BASELINE,):
-            why = " (never from this benchmark: it must be opted into by hand)" if a in (
-                "multicast", "auto") else ""
-            raise SystemExit(f"unknown algorithm {a!r}{why}; choose from {PORTABLE + (BASELINE,)}")
-    s["algorithms"] = algs
-    s["levels"] = [lv.strip() for lv in args.levels.split(",") if lv.strip()]
-    for lv in s["levels"]:
-        if lv not in LEVELS:
-            raise SystemExit(f"unknown level {lv!r}; choose from {LEVELS}")
+    def names(spec, allowed, what):
+        out = [a.strip() for a in spec.split(",") if a.strip()]
+        for a in out:
+            if a not in allowed:
+                why = " (never from this benchmark: it must be opted into by hand)" if a in (
+                    "multicast", "auto") else ""
+                raise SystemExit(f"unknown {what} {a!r}{why}; choose from {tuple(allowed)}")
+        return out
+
+    s["algorithms"] = names(args.algorithms, PORTABLE + (BASELINE,), "algorithm")
+    s["trace_algorithms"] = names(args.trace_algorithms, PORTABLE, "trace algorithm")
+    s["levels"] = names(args.levels, LEVELS, "level")
+    s["skews_us"] = [float(v) for v in args.skew_us.split(",") if v.strip()]
     s["sizes_kb"] = [float(v) for v in args.sizes.split(",") if v.strip()]
     if args.tp:
         s["tp"] = [int(v) for v in args.tp.split(",")]
@@ -126,10 +189,30 @@ def settings(args, kind: str, n_devices: int) -> dict:
     return s
 
 
+def payload_bytes(cfg) -> list[int]:
+    return [int(kb * 1024) // 2 * 2 for kb in cfg["sizes_kb"]]  # whole bf16 elements
+
+
 # ----------------------------------------------------------------- functions --
+def repeated_psum():
+    """R all-reduces in one launch: sifar_jax.benchmarking.psum_repeated where the
+    library has it (`_repeat` is leaving sifar_psum's signature), else
+    sifar_psum(..., _repeat=R)."""
+    try:
+        fn = getattr(importlib.import_module("sifar_jax.benchmarking"), "psum_repeated", None)
+    except ImportError:
+        fn = None
+    if fn is not None:
+        return lambda x, axis, repeat, algorithm: fn(x, axis, repeat, algorithm=algorithm)
+    return lambda x, axis, repeat, algorithm: sifar_jax.sifar_psum(
+        x, axis, algorithm=algorithm, _repeat=repeat)
+
+
 def kernel_fn(mesh, algorithm: str, repeat: int):
+    psum_repeated = repeated_psum()
+
     def body(x):
-        return sifar_jax.sifar_psum(x[0], "tp", algorithm=algorithm, _repeat=repeat)[None]
+        return psum_repeated(x[0], "tp", repeat, algorithm)[None]
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
 
@@ -161,11 +244,13 @@ def chain_fn(mesh, algorithm: str, length: int):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
 
 
+def as_bf16(x_np):
+    return jax.numpy.asarray(x_np, dtype=jax.numpy.bfloat16)
+
+
 def random_bf16(seed: int, tp: int, elems: int):
     """|x| in [0.5, 2), random sign: never zero, no overflow along a chain."""
-    rng = np.random.default_rng(seed)
-    x = rng.uniform(0.5, 2.0, (tp, elems)) * np.where(rng.random((tp, elems)) < 0.5, -1, 1)
-    return jax.numpy.asarray(x, dtype=jax.numpy.bfloat16)
+    return as_bf16(common.random_payload(seed, tp, elems))
 
 
 def on_mesh(mesh, x):
@@ -186,16 +271,32 @@ def check_result(got, want, tp: int) -> bool:
 
 
 # ------------------------------------------------------------------- running --
-def run(args) -> tuple[list[dict], dict, list[str]]:
-    kind, devices = common.bench_devices()
+def run_peers(args, n_gpus: int) -> tuple[dict, dict]:
+    """The peers, before this process starts JAX on the GPUs (so they have the
+    GPUs' memory, and nothing else runs on them meanwhile)."""
+    kind = "gpu" if n_gpus >= 2 else "cpu"
+    cfg = settings(args, kind, n_gpus if kind == "gpu" else 8)
+    names = peers.parse(args.peers)
+    if not names:
+        return {"records": [], "errors": [], "info": {}}, cfg
+    print(f"peers ({kind}, {n_gpus} GPUs visible): {', '.join(names)}", flush=True)
+    return peers.run(names, tps=cfg["tp"], sizes=payload_bytes(cfg), chain=cfg["chain"],
+                     runs=cfg["runs"], warmup=cfg["warmup"], n_gpus=n_gpus,
+                     timeout_s=args.peer_timeout), cfg
+
+
+def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
     cfg = settings(args, kind, len(devices))
     warnings_out: list[str] = []
     if kind == "cpu":
         print(f"NOTE: {CPU_NOTE}", flush=True)
-    sizes = [int(kb * 1024) // 2 * 2 for kb in cfg["sizes_kb"]]  # bytes, whole bf16 elements
+    sizes = payload_bytes(cfg)
     slot = max(sifar_jax.DEFAULT_SLOT_BYTES, max(sizes))
     algs = cfg["algorithms"]
     sifar_algs = [a for a in algs if a != BASELINE]
+    call_trace, trace_skipped = calltrace.find() if args.trace else (None, "--no-trace")
+    if trace_skipped and args.trace:
+        print(f"NOTE: {trace_skipped}", flush=True)
 
     cases = []
     for tp in cfg["tp"]:
@@ -203,17 +304,21 @@ def run(args) -> tuple[list[dict], dict, list[str]]:
             for alg in (sifar_algs if level == "kernel" else algs):
                 for nbytes in sizes:
                     cases.append((tp, level, alg, nbytes))
+    n_traces = (len(cfg["tp"]) * len(cfg["trace_algorithms"]) * len(sizes) * len(cfg["skews_us"])
+                if call_trace else 0)
 
     records: list[dict] = []
-    retry: dict = {}
-    bar = common.progress(len(cases), "all-reduce")
+    retry: list[dict] = []
+    traces: list[dict] = []
+    trace_latencies: dict = {}  # (tp, alg, bytes, skew) -> per-call us, for the plot only
+    bar = common.progress(len(cases) + n_traces, "all-reduce")
     fns: dict = {}
     for tp in cfg["tp"]:
         mesh = Mesh(np.array(devices[:tp]), ("tp",))
         sifar_jax.shutdown()
         sifar_jax.init(mesh, slot_bytes=slot)
         refs = {"kernel": kernel_ref_fn(mesh), "jit": chain_fn(mesh, BASELINE, 1)}
-        for (ctp, level, alg, nbytes) in [c for c in cases if c[0] == tp]:
+        for (_, level, alg, nbytes) in [c for c in cases if c[0] == tp]:
             bar.set_postfix_str(f"tp={tp} {level} {alg} {nbytes // 1024}KB")
             x = on_mesh(mesh, random_bf16(zlib.crc32(repr((tp, level, alg, nbytes)).encode()), tp,
                                           nbytes // 2))
@@ -241,21 +346,106 @@ def run(args) -> tuple[list[dict], dict, list[str]]:
                 after = sifar_jax.stats()[alg]
                 calls = after["calls"] - before["calls"]
                 if calls:
-                    retry[(level, tp, alg, nbytes)] = (after["retries"] - before["retries"]) / calls
+                    rate = (after["retries"] - before["retries"]) / calls
+                    retry.append({"level": level, "tp": tp, "algorithm": alg, "bytes": nbytes,
+                                  "retries_per_call": rate})
             records.append({"algorithm": alg, "level": level, "tp": tp, "bytes": nbytes,
                             **common.summarize_us(samples)})
             bar.update(1)
+        if call_trace is not None:
+            for alg in cfg["trace_algorithms"]:
+                for nbytes in sizes:
+                    for skew in cfg["skews_us"]:
+                        bar.set_postfix_str(f"tp={tp} trace {alg} {nbytes // 1024}KB "
+                                            f"skew={skew:g}us")
+                        entry, lat = trace_case(call_trace, mesh, fns, cfg, tp, alg, nbytes, skew)
+                        traces.append(entry)
+                        if lat is not None:
+                            trace_latencies[(tp, alg, nbytes, skew)] = lat
+                        bar.update(1)
         sifar_jax.check()
         sifar_jax.shutdown()
     bar.close()
     meta = {"kind": kind, "devices": devices[: max(cfg["tp"])], "cfg": cfg, "retry": retry,
-            "sizes": sizes}
+            "sizes": sizes,
+            "trace": {"records": traces} if call_trace else {"skipped": trace_skipped},
+            "trace_latencies": trace_latencies}
     return records, meta, warnings_out
+
+
+def trace_case(call_trace, mesh, fns, cfg, tp, alg, nbytes, skew_us):
+    """One traced jit chain: (entry for the JSON, per-call latencies in us or None)."""
+    r2 = cfg["chain"][1]
+    fn = fns.setdefault((tp, "j", alg, r2), chain_fn(mesh, alg, r2))
+    x = on_mesh(mesh, random_bf16(zlib.crc32(repr((tp, "trace", alg, nbytes)).encode()), tp,
+                                  nbytes // 2))
+    entry = {"algorithm": alg, "level": "jit", "tp": tp, "bytes": nbytes, "skew_us": skew_us,
+             "chain": r2, "runs": cfg["trace_runs"]}
+    try:
+        common.warm_up(fn, (x,), 1)
+        before = sifar_jax.stats()[alg]
+        rec = calltrace.collect(call_trace, "tp", fn, (x,), cfg["trace_runs"], r2, skew_us)
+        after = sifar_jax.stats()[alg]
+    except Exception as e:  # noqa: BLE001 - recorded; the benchmark goes on
+        entry["error"] = f"{type(e).__name__}: {e}"
+        return entry, None
+    calls = after["calls"] - before["calls"]
+    retries = after["retries"] - before["retries"]
+    entry["retries_per_call"] = round(retries / calls, 4) if calls else None
+    entry.update(calltrace.summarize(rec))
+    return entry, calltrace.latencies_us(rec)[0]
+
+
+# ---------------------------------------------------------------- comparison --
+def comparison(records) -> list[dict]:
+    """sifar (jit level) against every other algorithm that is not ours, per TP and
+    size: ratio = peer median / sifar median (> 1: sifar is faster)."""
+    ours = {(r["tp"], r["bytes"]): r["us_median"] for r in records
+            if r["algorithm"] == "sifar" and r["level"] == "jit"}
+    out = []
+    for r in records:
+        if r["algorithm"] in PORTABLE:
+            continue
+        s = ours.get((r["tp"], r["bytes"]))
+        ratio = r["us_median"] / s if s and s > 0 else None
+        out.append({"tp": r["tp"], "bytes": r["bytes"], "peer": r["algorithm"],
+                    "peer_level": r["level"], "peer_us": r["us_median"], "sifar_us": s,
+                    "ratio": round(ratio, 3) if ratio is not None else None})
+    return out
+
+
+def target_verdict(comp, errors, sizes, wanted_peers) -> dict:
+    """Issue 14's target: sifar ahead of every peer at every size up to 32 KB at
+    TP=2, measured in one run."""
+    sizes_in = [b for b in sizes if b <= TARGET_MAX_BYTES]
+    rows = [c for c in comp if c["tp"] == TARGET_TP and c["bytes"] in sizes_in]
+    have = {(c["peer"], c["bytes"]) for c in rows if c["ratio"] is not None}
+    measured = sorted({p for p, _ in have})
+    behind = [c for c in rows if c["ratio"] is not None and c["ratio"] <= 1.0]
+    # A peer counts as measured only at every size of the target.
+    missing = [p for p in dict.fromkeys(wanted_peers + measured)
+               if any((p, b) not in have for b in sizes_in)]
+    if not rows or not sizes_in:
+        verdict = "not measured"
+    elif behind:
+        verdict = "missed"
+    elif missing:
+        verdict = "met against the peers measured; not measured against " + ", ".join(missing)
+    else:
+        verdict = "met"
+    worst = min((c for c in rows if c["ratio"] is not None), key=lambda c: c["ratio"], default=None)
+    return {"statement": f"sifar ahead of every peer at every size up to "
+                         f"{TARGET_MAX_BYTES // 1024} KB at TP={TARGET_TP}",
+            "verdict": verdict, "peers_measured": measured, "peers_missing": missing,
+            "behind": [{k: c[k] for k in ("peer", "bytes", "ratio")} for c in behind],
+            "lowest_ratio": {k: worst[k] for k in ("peer", "bytes", "ratio")} if worst else None,
+            "errors": [e for e in errors if e.get("tp") in (None, TARGET_TP)]}
 
 
 # -------------------------------------------------------------------- output --
 def _groups(records):
-    keys = sorted({(r["level"], r["tp"]) for r in records}, key=lambda k: (LEVELS.index(k[0]), k[1]))
+    keys = sorted({(r["level"], r["tp"]) for r in records if r["level"] in LEVELS},
+                  key=lambda k: (LEVELS.index(k[0]), k[1]))
     for level, tp in keys:
         rs = [r for r in records if r["level"] == level and r["tp"] == tp]
         yield level, tp, rs
@@ -278,25 +468,22 @@ def _speedup_row(level, rs, sizes):
     return [f"sifar: latency saved vs {name}"] + cells
 
 
+def _cell(r, with_spread: bool) -> str:
+    if r is None:
+        return "-"
+    if with_spread:
+        return (f"{common.fmt_us(r['us_median'])} "
+                f"({common.fmt_us(r['us_p10'])}-{common.fmt_us(r['us_p90'])})")
+    return common.fmt_us(r["us_median"])
+
+
 def tables(records, sizes, with_spread: bool):
     out = []
     for level, tp, rs in _groups(records):
         algs = [a for a in PORTABLE + (BASELINE,) if any(r["algorithm"] == a for r in rs)]
         by = {(r["algorithm"], r["bytes"]): r for r in rs}
         headers = ["algorithm"] + [f"{b / 1024:g} KB" for b in sizes]
-        rows = []
-        for a in algs:
-            row = [a]
-            for b in sizes:
-                r = by.get((a, b))
-                if r is None:
-                    row.append("-")
-                elif with_spread:
-                    row.append(f"{common.fmt_us(r['us_median'])} "
-                               f"({common.fmt_us(r['us_p10'])}-{common.fmt_us(r['us_p90'])})")
-                else:
-                    row.append(common.fmt_us(r["us_median"]))
-            rows.append(row)
+        rows = [[a] + [_cell(by.get((a, b)), with_spread) for b in sizes] for a in algs]
         extra = _speedup_row(level, rs, sizes)
         if extra:
             rows.append(extra)
@@ -304,102 +491,268 @@ def tables(records, sizes, with_spread: bool):
     return out
 
 
-def print_tables(records, sizes, host):
+def peer_tables(records, comp, sizes):
+    """Per TP: sifar (jit, and kernel for reference), then every peer as
+    'median (ratio)', then whether sifar is ahead of all of them."""
+    out = []
+    for tp in sorted({c["tp"] for c in comp}):
+        by = {(r["algorithm"], r["level"], r["bytes"]): r for r in records if r["tp"] == tp}
+        headers = ["algorithm", "level"] + [f"{b / 1024:g} KB" for b in sizes]
+        rows = []
+        for level in ("jit", "kernel"):
+            if any(("sifar", level, b) in by for b in sizes):
+                rows.append(["sifar", level] + [_cell(by.get(("sifar", level, b)), False)
+                                                for b in sizes])
+        cs = [c for c in comp if c["tp"] == tp]
+        for peer, level in dict.fromkeys((c["peer"], c["peer_level"]) for c in cs):
+            row = [peer, level]
+            for b in sizes:
+                c = next((c for c in cs
+                          if (c["peer"], c["peer_level"], c["bytes"]) == (peer, level, b)), None)
+                if c is None:
+                    row.append("-")
+                else:
+                    ratio = f" ({c['ratio']:.2f}x)" if c["ratio"] is not None else ""
+                    row.append(f"{common.fmt_us(c['peer_us'])}{ratio}")
+            rows.append(row)
+        verdict = ["sifar ahead of every peer", ""]
+        for b in sizes:
+            at = [c for c in cs if c["bytes"] == b and c["ratio"] is not None]
+            if not at:
+                verdict.append("-")
+                continue
+            worst = min(at, key=lambda c: c["ratio"])
+            ok = worst["ratio"] > 1.0
+            verdict.append(f"{'yes' if ok else '**no**'}, {worst['ratio']:.2f}x vs {worst['peer']}")
+        rows.append(verdict)
+        out.append((tp, headers, rows))
+    return out
+
+
+def trace_tables(trace_records):
+    mis, tails = [], []
+    for t in trace_records:
+        size = f"{t['bytes'] / 1024:g} KB"
+        if "error" in t:
+            mis.append([t["tp"], t["algorithm"], size, f"{t['skew_us']:g}", "error: " + t["error"]]
+                       + [""] * 6)
+            continue
+        share = t.get("retried_share")
+        mis.append([t["tp"], t["algorithm"], size, f"{t['skew_us']:g}", t["calls"],
+                    f"{share * 100:.1f}%" if share is not None else "-",
+                    t["retries_per_call"] if t.get("retries_per_call") is not None else "-",
+                    common.fmt_us(t["us_median_clean"]), common.fmt_us(t["us_median_retried"]),
+                    common.fmt_us(t["us_mean"]),
+                    f"{t['cost_share'] * 100:.1f}%" if t.get("cost_share") is not None else "-"])
+        tails.append([t["tp"], t["algorithm"], size, f"{t['skew_us']:g}", t["calls"]]
+                     + [common.fmt_us(t[k]) for k in ("us_p50", "us_p90", "us_p99", "us_p99_9")])
+    mis_h = ["TP", "algorithm", "size", "skew us", "calls", "retried", "retries/call (counters)",
+             "median clean us", "median retried us", "mean us", "cost"]
+    tail_h = ["TP", "algorithm", "size", "skew us", "calls",
+              "p50 us", "p90 us", "p99 us", "p99.9 us"]
+    return (mis_h, mis), (tail_h, tails)
+
+
+def print_tables(records, comp, sizes, host):
     print()
     for level, tp, headers, rows in tables(records, sizes, with_spread=False):
         print(f"[{host}] level={level} TP={tp}: microseconds per all-reduce (median)")
         print(common.plain_table(headers, rows))
         print()
+    for tp, headers, rows in peer_tables(records, comp, sizes):
+        print(f"[{host}] TP={tp}: sifar (jit) against every peer, median us (peer / sifar)")
+        print(common.plain_table(headers, [[str(c).replace("**", "") for c in r] for r in rows]))
+        print()
 
 
-def write_outputs(args, records, meta, env, warnings_out):
+def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
     host = env["host"]
     cfg, sizes = meta["cfg"], meta["sizes"]
-    json_path = common.write_json(common.results_path(args.out, "allreduce", host, ".json"), records)
+    comp = comparison(records)
+    wanted = peers.parse(args.peers) + ([BASELINE] if BASELINE in cfg["algorithms"] else [])
+    target = target_verdict(comp, peer_out["errors"], sizes, wanted)
+    payload = {
+        "schema": SCHEMA,
+        "env": env,
+        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
+        "levels": LEVEL_TEXT,
+        "records": records,
+        "errors": peer_out["errors"] + [{"error": w} for w in warnings_out],
+        "comparison": comp,
+        "target": target,
+        "retry": meta["retry"],
+        "trace": meta["trace"],
+    }
+    json_path = common.write_json(common.results_path(out_dir, "allreduce", host, ".json"), payload)
+
     notes = []
     if meta["kind"] == "cpu":
         notes.append(CPU_NOTE)
     notes.append(
         f"kernel level: (t(R) - t(1)) / (R - 1) with R = {cfg['kernel_r']} all-reduces per launch; "
         f"jit level: (t(R2) - t(R1)) / (R2 - R1) with chains of {cfg['chain'][0]} and "
-        f"{cfg['chain'][1]} data-dependent all-reduces with nothing between them. "
-        f"Cells: median (p10-p90) over {cfg['runs']} runs, microseconds, bfloat16 payload per device."
+        f"{cfg['chain'][1]} data-dependent all-reduces with nothing between them; the torch peers "
+        f"the same chains in CUDA graphs, timed with CUDA events. Cells: median (p10-p90) "
+        f"over {cfg['runs']} runs, microseconds, bfloat16 payload per device."
     )
+    low = target["lowest_ratio"]
+    notes.append(f"Target (issue 14): {target['statement']}: **{target['verdict']}**"
+                 + (f"; lowest ratio {low['ratio']:.2f}x (peer / sifar), against {low['peer']} at "
+                    f"{low['bytes'] / 1024:g} KB" if low else "") + ".")
     notes += [f"**{w}**" for w in warnings_out]
     sections = []
+    for tp, headers, rows in peer_tables(records, comp, sizes):
+        sections.append((f"sifar against every peer, TP={tp} (median us; in brackets peer / sifar "
+                         f"at jit level, > 1 means sifar is faster)",
+                         common.markdown_table(headers, rows)))
+    if peer_out["errors"]:
+        rows = [[e.get("algorithm", "-"), e.get("tp", "-"),
+                 f"{e['bytes'] / 1024:g} KB" if e.get("bytes") else "all", e["error"]]
+                for e in peer_out["errors"]]
+        sections.append(("Peers that did not run or were not timed",
+                         common.markdown_table(["peer", "TP", "size", "why"], rows)))
     for level, tp, headers, rows in tables(records, sizes, with_spread=True):
         sections.append((f"{level} level, TP={tp}", common.markdown_table(headers, rows)))
+    if "records" in meta["trace"]:
+        (mh, mrows), (th, trows) = trace_tables(meta["trace"]["records"])
+        sections.append(("Mis-speculation per call (device trace of the jit chain; retried: share "
+                         "of calls in which block 0 of a rank re-read a stale word; cost: "
+                         "1 - mean(clean) / mean(all), an upper bound)",
+                         common.markdown_table(mh, mrows)))
+        if trows:
+            sections.append(("Tail latency per call (end - start per call and rank: %globaltimer "
+                             "on GPUs, the host's steady clock on the CPU)",
+                             common.markdown_table(th, trows)))
+    else:
+        notes.append(f"Per-call trace: {meta['trace']['skipped']}.")
     if meta["retry"]:
-        rows = []
-        for (level, tp, alg, b), rate in sorted(meta["retry"].items(),
-                                                key=lambda kv: (LEVELS.index(kv[0][0]), kv[0][1:])):
-            if alg in ("sifar", "sifar_flag"):
-                rows.append([level, tp, alg, f"{b / 1024:g} KB", f"{rate:.3f}"])
+        rows = [[r["level"], r["tp"], r["algorithm"], f"{r['bytes'] / 1024:g} KB",
+                 f"{r['retries_per_call']:.3f}"]
+                for r in sorted(meta["retry"], key=lambda r: (LEVELS.index(r["level"]), r["tp"],
+                                                               r["algorithm"], r["bytes"]))
+                if r["algorithm"] in ("sifar", "sifar_flag", "sifar_push")]
         if rows:
             sections.append((
-                "Mis-speculation (retries per all-reduce per rank; per warp on GPUs)",
+                "Mis-speculation counters (retries per all-reduce per rank; per warp on GPUs)",
                 common.markdown_table(["level", "TP", "algorithm", "size", "retries"], rows),
             ))
     md_path = common.write_markdown(
-        common.results_path(args.out, "allreduce", host, ".md"),
+        common.results_path(out_dir, "allreduce", host, ".md"),
         f"All-reduce latency on {host}", env, sections, notes,
     )
     png_path = None
     if not args.no_plot:
-        png_path = plot(records, common.results_path(args.out, "allreduce", host, ".png"), host,
-                        meta["kind"])
+        png_path = plot(records, comp, meta["trace_latencies"],
+                        common.results_path(out_dir, "allreduce", host, ".png"), host, meta["kind"])
     return json_path, md_path, png_path
 
 
-def plot(records, path, host, kind):
-    import matplotlib
-
+def plot(records, comp, trace_latencies, path, host, kind):
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = list(_groups(records))
-    if not groups:
+    tps = sorted({r["tp"] for r in records})
+    if not tps:
         return None
-    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
-    for ax, (level, tp, rs) in zip(axes[0], groups):
-        for alg in PORTABLE + (BASELINE,):
-            pts = sorted((r["bytes"], r) for r in rs if r["algorithm"] == alg)
-            if not pts:
+    cols = ["kernel", "jit", "peers"] + (["trace"] if trace_latencies else [])
+    fig, axes = plt.subplots(len(tps), len(cols), figsize=(5 * len(cols), 4 * len(tps)),
+                             squeeze=False)
+    for row, tp in zip(axes, tps):
+        for ax, col in zip(row, cols):
+            if col == "trace":
+                _plot_trace(ax, tp, trace_latencies)
                 continue
-            xs = [b / 1024 for b, _ in pts]
-            med = [r["us_median"] for _, r in pts]
-            lo = [r["us_p10"] for _, r in pts]
-            hi = [r["us_p90"] for _, r in pts]
-            style = "--" if alg == BASELINE else "-"
-            (line,) = ax.plot(xs, med, style, marker="o", label=alg)
-            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({r["bytes"] / 1024 for r in rs}))
-        ax.set_xticklabels([f"{v:g}" for v in sorted({r["bytes"] / 1024 for r in rs})])
-        ax.set_xlabel("payload per device (KB, bf16)")
-        ax.set_ylabel("us per all-reduce")
-        ax.set_title(f"{level} level, TP={tp}")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+            if col == "peers":
+                lines = [("sifar", "jit", "-"), ("sifar", "kernel", ":")]
+                lines += [(c["peer"], c["peer_level"], "--") for c in comp if c["tp"] == tp]
+                title = f"sifar vs peers, TP={tp}"
+            else:
+                lines = [(a, col, "--" if a == BASELINE else "-") for a in PORTABLE + (BASELINE,)]
+                title = f"{col} level, TP={tp}"
+            for alg, level, style in dict.fromkeys(lines):
+                pts = sorted((r["bytes"], r) for r in records
+                             if (r["algorithm"], r["level"], r["tp"]) == (alg, level, tp))
+                if not pts:
+                    continue
+                xs = [b / 1024 for b, _ in pts]
+                label = alg if col != "peers" else f"{alg} ({level})"
+                (line,) = ax.plot(xs, [r["us_median"] for _, r in pts], style, marker="o",
+                                  label=label)
+                ax.fill_between(xs, [r["us_p10"] for _, r in pts], [r["us_p90"] for _, r in pts],
+                                color=line.get_color(), alpha=0.15)
+            ticks = sorted({r["bytes"] / 1024 for r in records if r["tp"] == tp})
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks)
+            ax.set_xticklabels([f"{v:g}" for v in ticks])
+            ax.set_xlabel("payload per device (KB, bf16)")
+            ax.set_ylabel("us per all-reduce")
+            ax.set_title(title)
+            ax.grid(True, alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=7)
     title = f"All-reduce latency, {host}"
     if kind == "cpu":
         title += " (XLA:CPU protocol demo, not GPU performance)"
     return common.save_figure(fig, title, path)
 
 
+def _plot_trace(ax, tp, trace_latencies):
+    """Survival function of per-call latency (log y shows the tail), one size."""
+    keys = [k for k in trace_latencies if k[0] == tp]
+    if not keys:
+        return
+    sizes = sorted({k[2] for k in keys})
+    size = min(sizes, key=lambda b: abs(b - 8192))
+    for k in sorted(k for k in keys if k[2] == size):
+        lat = np.sort(trace_latencies[k])
+        if lat.size == 0:
+            continue
+        surv = 1.0 - np.arange(lat.size) / lat.size
+        ax.step(lat, surv, where="post", label=f"{k[1]}, skew {k[3]:g} us")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("per-call latency (us, device timestamps)")
+    ax.set_ylabel("share of calls slower")
+    ax.set_title(f"per-call latency, {size / 1024:g} KB, TP={tp}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    records, meta, warnings_out = run(args)
+    # Before anything starts NCCL (lax.psum's too): no NVLink multicast, ever.
+    os.environ.update(common.MULTICAST_OFF)
+    n_gpus = common.visible_gpu_count()
+    if LAUNCHED and peers.parse(args.peers):
+        print("NOTE: one process per GPU: the peers are skipped", flush=True)
+        args.peers = "none"
+    peer_out, _ = run_peers(args, n_gpus)
+    kind, devices = common.bench_devices()
+    if (kind == "gpu") != (n_gpus >= 2):
+        print(f"NOTE: {n_gpus} GPUs visible to the driver but JAX runs on {kind}: the peers "
+              f"and ours ran on different hardware", file=sys.stderr)
+    records, meta, warnings_out = run(args, kind, devices)
+    records += peer_out["records"]
     if jax.process_index() != 0:
         return 1 if warnings_out else 0  # process 0 reports for all
     env = common.describe_environment(meta["devices"])
     if jax.process_count() > 1:
         env["host"] += f"-{jax.process_count()}proc"
-    print_tables(records, meta["sizes"], env["host"])
-    paths = write_outputs(args, records, meta, env, warnings_out)
+    env.update({k: v for k, v in peer_out["info"].items() if k in ("torch", "nccl")})
+    env["peers_info"] = peer_out["info"]
+    print_tables(records, comparison(records), meta["sizes"], env["host"])
+    out_dir = args.out if args.out else common.default_out(kind)
+    paths = write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out)
     for p in paths:
         if p is not None:
             print(f"wrote {p}")
+    for e in peer_out["errors"]:
+        print(f"peer {e.get('algorithm')} tp={e.get('tp')}: {e['error']}", file=sys.stderr)
     if warnings_out:
         print("\n".join(warnings_out), file=sys.stderr)
         return 1

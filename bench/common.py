@@ -23,8 +23,24 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+# CPU demo output: git-ignored, so a run on a laptop or in CI leaves the checkout
+# clean (the committed bench/results/*-cpu-2core.* files stay as they are).
+LOCAL_OUT = DEFAULT_OUT / "local"
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+# NVLink multicast stays off on every host here (a program that uses it can take
+# a shared host's GPUs out of service): the values the GPU hosts set, forced
+# into every process a benchmark starts. The same as sifar_jax.multicast.DISABLING
+# (a test keeps them equal), kept here so that the torch peers' processes need not
+# import sifar_jax, hence jax.
+MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+}
 
 
 # ------------------------------------------------------------------ devices --
@@ -48,6 +64,43 @@ def bench_devices(min_gpus: int = 2) -> tuple[str, list]:
     if len(gpus) >= min_gpus:
         return "gpu", gpus
     return "cpu", jax.devices("cpu")
+
+
+def visible_gpu_count() -> int:
+    """NVIDIA GPUs this process may use, found without starting any framework
+    (nvidia-smi, else the /dev/nvidiaN nodes), limited by CUDA_VISIBLE_DEVICES.
+    Lets a benchmark run its GPU peers in other processes before JAX takes
+    the GPUs' memory."""
+    n = 0
+    exe = shutil.which("nvidia-smi")
+    if exe is not None:
+        try:
+            out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20).stdout
+            n = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+        except (OSError, subprocess.SubprocessError):
+            n = 0
+    if n == 0:
+        n = sum(1 for p in Path("/dev").glob("nvidia[0-9]*") if p.name[6:].isdigit())
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [v for v in visible.split(",") if v.strip()]
+        ids = ids[: next((i for i, v in enumerate(ids) if v.strip().startswith("-")), len(ids))]
+        n = min(n, len(ids))
+    return n
+
+
+def child_env(**extra: str) -> dict:
+    """The environment for a process a benchmark starts: ours, multicast forced
+    off (MULTICAST_OFF), plus `extra`."""
+    env = dict(os.environ)
+    env.update(MULTICAST_OFF)
+    env.update(extra)
+    return env
+
+
+def multicast_env() -> dict:
+    """The three multicast switches as this process sees them (for the logs)."""
+    return {k: os.environ.get(k) for k in MULTICAST_OFF}
 
 
 def powers_of_two_up_to(n: int, start: int = 2) -> list[int]:
@@ -137,6 +190,7 @@ def describe_environment(devices: Sequence | None = None) -> dict:
         "jax": jax.__version__,
         "jaxlib": getattr(jaxlib, "__version__", None) or jax.lib.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "multicast_env": " ".join(f"{k}={v}" for k, v in multicast_env().items()),
     }
     try:
         env["platform_version"] = devices[0].client.platform_version
@@ -209,6 +263,17 @@ def percentile(values: Sequence[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
+def tails_us(values_us) -> dict:
+    """{us_p50, us_p90, us_p99, us_p99_9} of latencies in microseconds (linear
+    interpolation, as percentile())."""
+    v = np.asarray(values_us, dtype=np.float64)
+    if v.size == 0:
+        return {"us_p50": None, "us_p90": None, "us_p99": None, "us_p99_9": None}
+    p = np.percentile(v, [50, 90, 99, 99.9])
+    return {"us_p50": round(float(p[0]), 3), "us_p90": round(float(p[1]), 3),
+            "us_p99": round(float(p[2]), 3), "us_p99_9": round(float(p[3]), 3)}
+
+
 def summarize_us(seconds: Sequence[float]) -> dict:
     """{us_median, us_p10, us_p90} of per-unit seconds."""
     us = [s * 1e6 for s in seconds]
@@ -244,14 +309,56 @@ def progress(total: int, desc: str):
         return _Bar()
 
 
+# ----------------------------------------------------------------- payloads --
+def random_payload(seed: int, ranks: int, elems: int) -> np.ndarray:
+    """float32 (ranks, elems) of bfloat16-representable values, |x| in [0.5, 2)
+    with a random sign: never zero, exact in bf16 (any framework converts them
+    without rounding, so every peer reduces the same numbers)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(0.5, 2.0, (ranks, elems)) * np.where(rng.random((ranks, elems)) < 0.5, -1, 1)
+    return x.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def allreduce_mismatch(got, inputs, ranks: Sequence[int] | None = None) -> str | None:
+    """None when every result row of `got` (results, elems) is the sum of
+    `inputs` (ranks, elems) within the error of any summation order in
+    bfloat16 or better (2 * ranks * 2^-8 * sum |x_i| per element); else what is
+    wrong. `ranks` names the rows of `got` (default 0, 1, ...). A missing or
+    stale partial (an error of at least min |x_i| = 0.5) fails."""
+    g = np.asarray(got, dtype=np.float64)
+    x = np.asarray(inputs, dtype=np.float64)
+    want = x.sum(0)
+    bound = 2 * x.shape[0] * 2.0**-8 * np.abs(x).sum(0)
+    g = g.reshape((-1,) + want.shape)
+    ranks = list(range(g.shape[0])) if ranks is None else list(ranks)
+    err = np.abs(g - want)
+    bad = ~(err <= bound)  # NaN counts as bad
+    if not bad.any():
+        return None
+    worst = np.where(bad, np.nan_to_num(err, nan=np.inf), -1.0)
+    r, i = np.unravel_index(int(np.argmax(worst)), bad.shape)
+    return (f"{int(bad.sum())} of {bad.size} elements differ from the float64 sum; worst: rank "
+            f"{ranks[r]} element {i} got {float(g[r, i])!r}, want {float(want[i])!r} "
+            f"(bound {float(bound[i]):.3g})")
+
+
 # ------------------------------------------------------------------- output --
+def default_out(kind: str) -> Path:
+    """Where results go unless --out says otherwise: bench/results/ for GPU
+    runs (the results the project commits), bench/results/local/ (git-ignored)
+    for CPU demo runs."""
+    return DEFAULT_OUT if kind == "gpu" else LOCAL_OUT
+
+
 def results_path(out_dir: str | os.PathLike | None, stem: str, host: str, suffix: str) -> Path:
     d = Path(out_dir) if out_dir else DEFAULT_OUT
     d.mkdir(parents=True, exist_ok=True)
     return d / f"{stem}-{host}{suffix}"
 
 
-def write_json(path: Path, records: list[dict]) -> Path:
+def write_json(path: Path, records) -> Path:
     path.write_text(json.dumps(records, indent=1) + "\n")
     return path
 
@@ -269,9 +376,12 @@ def environment_markdown(env: dict) -> str:
         ("host", "host"), ("hostname", "hostname"), ("date", "date"), ("gpu", "GPU"),
         ("devices", "devices used"), ("driver", "driver"), ("platform_version", "platform"),
         ("cpu", "CPU"), ("cpu_count", "CPU cores"), ("python", "Python"), ("jax", "jax"),
-        ("jaxlib", "jaxlib"), ("sifar_jax", "sifar_jax"), ("xla_flags", "XLA_FLAGS"),
+        ("jaxlib", "jaxlib"), ("sifar_jax", "sifar_jax"), ("torch", "torch (peers)"),
+        ("nccl", "NCCL (torch peers)"), ("xla_flags", "XLA_FLAGS"),
+        ("multicast_env", "multicast switches"),
     ]
-    rows = [(label, f"`{env[k]}`" if k == "xla_flags" else env[k]) for k, label in keys
+    rows = [(label, f"`{env[k]}`" if k in ("xla_flags", "multicast_env") else env[k])
+            for k, label in keys
             if env.get(k) not in (None, "")]
     return markdown_table(["", ""], rows)
 

@@ -1,39 +1,137 @@
 #!/usr/bin/env bash
-# Everything one lease of a GPU host runs, in one call: build, the GPU tests,
-# both benchmarks. One log plus the result files land in $OUT, which the
-# device tool brings back (8 files at most).
+# The whole GPU suite in one device call: build, the GPU tests, bench.allreduce
+# (sifar, lax.psum and the peers, plus the per-call trace), bench.decode. One
+# log and the result files land in $OUT, which the device tool brings back
+# (8 files at most): run.log, allreduce-<host>.{json,md,png},
+# decode-<host>.{json,md,png}.
 #
-#   bash bench/gpu_host_run.sh [tests|allreduce|decode ...]   # default: all three
+#   bash bench/gpu_host_run.sh                      # everything, on a GPU host
+#   bash bench/gpu_host_run.sh tests allreduce      # some steps of: build tests allreduce decode
+#   bash bench/gpu_host_run.sh --quick              # the same on a CPU machine (quick variants;
+#                                                   #  the build only if the extension is missing)
+#
+# Environment: OUT (default /tmp/sifar-out), PYTHON (python3), ALLREDUCE_ARGS,
+# DECODE_ARGS, BUILD_TIMEOUT / TESTS_TIMEOUT / ALLREDUCE_TIMEOUT / DECODE_TIMEOUT
+# (seconds per step), SUITE_BUDGET_S (default 1140: the suite ends within it,
+# each step's timeout is cut to what is left, a step that cannot start in time
+# is skipped and says so).
+#
+# NVLink multicast stays off: the three switches are forced off here (they only
+# ever turn multicast off), and logged as found and as used.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+export TQDM_DISABLE=1  # progress bars are noise in a log
+
+quick=0
+if [[ "${1:-}" == "--quick" ]]; then
+  quick=1
+  shift
+fi
+steps=("$@")
+[[ ${#steps[@]} -eq 0 ]] && steps=(build tests allreduce decode)
+
 OUT="${OUT:-/tmp/sifar-out}"
+PYTHON="${PYTHON:-python3}"
 mkdir -p "$OUT"
 LOG="$OUT/run.log"
-steps=("${@:-tests allreduce decode}")
-steps=(${steps[*]})
+: >"$LOG"
+BUDGET="${SUITE_BUDGET_S:-1140}"
+T0=$(date +%s)
 
-log() { echo "=== $(date -u +%H:%M:%S) $*" | tee -a "$LOG"; }
+log() { echo "=== $(date -u +%H:%M:%S) (+$(( $(date +%s) - T0 ))s) $*" | tee -a "$LOG"; }
+# XLA's and absl's info/warning lines (I1130 ..., W1130 ...) stay out of the log.
+quiet() { grep -v "^[WI][0-9]\{4\}" | tee -a "$LOG"; }
+# run_step NAME DEFAULT_TIMEOUT CMD...: runs CMD with the step's timeout cut to the budget left.
+run_step() {
+  local name="$1" want="$2"
+  shift 2
+  local left=$(( BUDGET - ($(date +%s) - T0) - 15 ))
+  if (( left < 30 )); then
+    log "$name: SKIPPED, only $(( left + 15 )) s of the ${BUDGET} s budget left"
+    return
+  fi
+  local t=$(( want < left ? want : left ))
+  log "$name (timeout ${t} s): $*"
+  timeout --kill-after=10 "$t" "$@" 2>&1 | quiet | tail -40
+  local rc=${PIPESTATUS[0]}
+  if (( rc == 124 || rc == 137 )); then
+    log "$name: TIMED OUT after ${t} s"
+  elif (( rc != 0 )); then
+    log "$name: exit code $rc"
+  fi
+}
 
-log "host"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader 2>&1 | tee -a "$LOG"
-env | grep -E "NVLS|MULTICAST" | tee -a "$LOG"
-log "build"
-python3 -m pip install --no-build-isolation --no-deps -q -e . 2>&1 | tail -3 | tee -a "$LOG"
+log "host ($([[ $quick == 1 ]] && echo quick || echo full) suite: ${steps[*]}; budget ${BUDGET} s)"
+{
+  echo "multicast switches as found: NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE-<unset>}" \
+       "NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS-<unset>}" \
+       "TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST-<unset>}"
+  export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+  echo "multicast switches as used:  NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE" \
+       "NVSHMEM_DISABLE_NVLS=$NVSHMEM_DISABLE_NVLS" \
+       "TORCH_SYMM_MEM_DISABLE_MULTICAST=$TORCH_SYMM_MEM_DISABLE_MULTICAST"
+  echo "kernel: $(uname -srm); cores: $(nproc)"
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.sm,clocks.max.sm \
+      --format=csv 2>&1
+    nvidia-smi topo -m 2>&1 | head -12
+  else
+    echo "nvidia-smi: not found"
+  fi
+  command -v nvcc >/dev/null 2>&1 && nvcc --version | tail -2 || echo "nvcc: not found"
+  echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '-')"
+  "$PYTHON" - <<'PY'
+import importlib
+import platform
+
+print("python", platform.python_version())
+for name in ("jax", "jaxlib", "numpy", "ml_dtypes", "flax", "matplotlib", "tqdm", "torch"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as e:  # noqa: BLE001 - a version report, not a check
+        print(name, "-", type(e).__name__)
+try:
+    import torch
+
+    if torch.cuda.is_available():
+        print("torch cuda", torch.version.cuda, "nccl", ".".join(map(str, torch.cuda.nccl.version())),
+              "gpus", torch.cuda.device_count())
+except Exception as e:  # noqa: BLE001
+    print("torch cuda -", type(e).__name__)
+PY
+} 2>&1 | tee -a "$LOG"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+
+quick_arg=()
+[[ $quick == 1 ]] && quick_arg=(--quick)
 for step in "${steps[@]}"; do
   case "$step" in
+    build)
+      if [[ $quick == 1 ]] && "$PYTHON" -c "import sifar_jax._ext" >/dev/null 2>&1; then
+        log "build: skipped (--quick and the extension imports)"
+      else
+        run_step build "${BUILD_TIMEOUT:-300}" \
+          "$PYTHON" -m pip install --no-build-isolation --no-deps -q -e .
+      fi ;;
     tests)
-      log "tests: pytest tests/test_gpu.py tests/test_buffers.py"
-      timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -rs -s tests/test_gpu.py tests/test_buffers.py \
-        2>&1 | grep -v "^[WI][0-9]\{4\}" | tee -a "$LOG" | tail -25 ;;
+      run_step "tests" "${TESTS_TIMEOUT:-300}" \
+        "$PYTHON" -m pytest -q -rs -s tests/test_gpu.py tests/test_buffers.py ;;
     allreduce)
-      log "bench.allreduce ${ALLREDUCE_ARGS:-}"
-      timeout "${ALLREDUCE_TIMEOUT:-200}" python3 -m bench.allreduce ${ALLREDUCE_ARGS:-} \
-        2>&1 | grep -v "^[WI][0-9]\{4\}" | tee -a "$LOG" | tail -40 ;;
+      # shellcheck disable=SC2086
+      run_step "bench.allreduce" "${ALLREDUCE_TIMEOUT:-480}" \
+        "$PYTHON" -m bench.allreduce ${quick_arg[@]+"${quick_arg[@]}"} --out "$OUT" ${ALLREDUCE_ARGS:-} ;;
     decode)
-      log "bench.decode ${DECODE_ARGS:-}"
-      timeout "${DECODE_TIMEOUT:-300}" python3 -m bench.decode ${DECODE_ARGS:-} \
-        2>&1 | grep -v "^[WI][0-9]\{4\}" | tee -a "$LOG" | tail -25 ;;
+      # shellcheck disable=SC2086
+      run_step "bench.decode" "${DECODE_TIMEOUT:-480}" \
+        "$PYTHON" -m bench.decode ${quick_arg[@]+"${quick_arg[@]}"} --out "$OUT" ${DECODE_ARGS:-} ;;
+    *)
+      log "unknown step '$step' (build, tests, allreduce, decode)" ;;
   esac
 done
-cp bench/results/*xH200.* "$OUT"/ 2>/dev/null
-log "done"; ls "$OUT"
+
+n=$(find "$OUT" -type f | wc -l)
+log "done: $n files in $OUT"
+ls -la "$OUT" | tee -a "$LOG"
+if (( n > 8 )); then
+  log "WARNING: more than 8 files in $OUT: the device tool brings back 8 at most"
+fi

@@ -260,13 +260,15 @@ __device__ inline void RecordFailure(const Ws& w, int algorithm, const CallState
   for (size_t line = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x;           \
        line < (nlines); line += static_cast<size_t>(kMaxBlocks) * kThreads)
 
-// A failed call must never return a plausible number: the block that sees the
-// failure fills EVERY element of the output (not only its own lines, whose
-// size differs between algorithms), so blocks that finished early are covered.
+// A failed call must never return a stale number: a warp that sees the
+// failure fills EVERY element of the output (not only its block's lines,
+// whose size differs between algorithms), so no line is left unwritten.  A
+// line whose own block succeeded holds NaN or its correct sum, never stale
+// data.  Warp-wide (every lane of the calling warp takes part).
 template <typename T>
 __device__ void FillNaNAll(const KernelArgs& a) {
   const uint32_t n = Elem<T>::kNaNWord;
-  for (size_t line = threadIdx.x; line < a.nbytes / 16; line += kThreads)
+  for (size_t line = threadIdx.x & 31u; line < a.nbytes / 16; line += 32)
     reinterpret_cast<uint4*>(a.out)[line] = make_uint4(n, n, n, n);
 }
 
@@ -540,10 +542,17 @@ __global__ void __launch_bounds__(kThreads) AllReduceKernel(KernelArgs a) {
   }
   CallState s{};
   s.timeout_ns = b0.timeout_ns;
-  bool ok = true, block_retried = false;
-  for (int i = 0; i < a.repeat && ok; ++i) {
+  bool ok = true, warp0_retried = false;
+  for (int i = 0; i < a.repeat; ++i) {
     const uint32_t prev = epoch;
     epoch = NextEpoch(epoch, mask);
+    const bool wraps = WrapsAt(prev, epoch);
+    // Where the call has block-wide barriers (barrier algorithms, the wrap's
+    // clearing) every warp must agree first; a failed warp keeps looping
+    // (doing nothing) so it still takes part.  Tagged calls have no block
+    // barrier: their warps run ahead independently.
+    if (!TaggedAlgorithm(ALG) || wraps) ok = __syncthreads_and(ok) != 0;
+    if (!ok) continue;
     s.epoch = epoch;
     s.tag = Tag(ChainTag(a.chain), epoch, mask);
     s.retried = false;
@@ -554,7 +563,7 @@ __global__ void __launch_bounds__(kThreads) AllReduceKernel(KernelArgs a) {
       while (GlobalTimerNs() < until) {
       }
     }
-    if (WrapsAt(prev, epoch)) ok = ClearTaggedAtWrap(w, s);
+    if (wraps) ok = ClearTaggedAtWrap(w, s);
     if (ok) {
       if (ALG == kOneshot) ok = Oneshot<T>(w, s, true);
       if (ALG == kOneshotDB) ok = Oneshot<T>(w, s, false);
@@ -564,24 +573,16 @@ __global__ void __launch_bounds__(kThreads) AllReduceKernel(KernelArgs a) {
       if (ALG == kSifarPush) ok = Sifar<T, NR, true>(w, s, poll.x, poll.y);
     }
     // Counted per warp: mis-speculations are rare, so are these atomics.
-    // The warp also leaves the loop together (the votes need every lane).
+    // The warp agrees on the outcome (the votes need every lane).
     const bool warp_retried = __any_sync(0xffffffffu, s.retried);
     const bool warp_timed_out = __any_sync(0xffffffffu, !ok && s.failed_peer >= 0);
     if (!ok && s.failed_peer >= 0) RecordFailure(w, ALG, s);
-    block_retried |= warp_retried;
+    warp0_retried |= warp_retried;
     if ((threadIdx.x & 31u) == 0) {
       if (warp_retried) atomicAdd(w.stat(ALG, kRetries), 1ull);
       if (warp_timed_out) atomicAdd(w.stat(ALG, kTimeouts), 1ull);
     }
-    ok = __syncthreads_and(ok) != 0;  // the whole block leaves together
-  }
-  // A block that had to wait may have finished just as another block or rank
-  // gave up: it looks again (after a fence, so either it sees `failed` or the
-  // failing block's NaN fill comes after its writes).  Blocks that never
-  // waited finished long before any deadline.
-  if (ok && __syncthreads_or(block_retried)) {
-    __threadfence_system();
-    ok = __syncthreads_and(LoadStrong(&w.ctl(a.rank)->failed) == 0) != 0;
+    ok = __all_sync(0xffffffffu, ok);
   }
   if (!ok) {
     FillNaNAll<T>(a);
@@ -600,7 +601,7 @@ __global__ void __launch_bounds__(kThreads) AllReduceKernel(KernelArgs a) {
         r.epoch = epoch;
         r.chain = a.chain;
         r.algorithm = ALG;
-        r.retried = block_retried;
+        r.retried = warp0_retried;
       }
     }
   }

@@ -227,7 +227,7 @@ struct ErrorRecord {
 
 enum StatField { kCalls = 0, kRetries = 1, kTimeouts = 2, kNumStats = 3 };
 
-// One record per call (block 0's view), in a ring of kTraceCapacity, when
+// One record per call (block 0's view; `retried`: its warp 0's), in a ring of kTraceCapacity, when
 // Control::trace is set: device %globaltimer (or host steady clock) times.
 struct TraceRecord {
   uint64_t start_ns, end_ns;

@@ -1,0 +1,112 @@
+"""Per-call device trace of sifar all-reduces: mis-speculation and tail latency.
+
+The library's trace, `sifar_jax.call_trace(axis_name)` (sifar_jax/stats.py), is a
+context manager yielding an object whose `.records()` (read after the block)
+returns a numpy structured array with one record per call and rank: group,
+rank, epoch, chain, algorithm, start_ns, end_ns (%globaltimer on GPUs, the host's
+steady clock on the CPU) and retried (block 0 of that rank re-read at least
+one stale word). Each rank keeps its last RING_CALLS calls, and entering the
+block empties the ring, so `collect` traces in blocks short enough never to
+wrap. Where the library has no trace, `find()` says so and bench.allreduce
+skips this part with that message.
+
+From one trace (one TP size, algorithm, payload size and forced skew) `summarize`
+gives:
+- retried share: the share of calls (per rank) that mis-speculated, the paper's
+  "32% of all-reduces mis-speculated" (TP=8). Block 0's view: a lower bound of
+  the share in which any block retried;
+- the latency (end - start, per call and rank, block 0's clock) of the calls
+  that retried and of those that did not (median and mean);
+- cost: 1 - mean(clean) / mean(all), the share of the time spent above the
+  clean calls' mean (the paper: 1.6%). An upper bound of what mis-speculation
+  costs: a call retries when its peers are late, and a barrier would have
+  waited for them too;
+- tails: p50/p90/p99/p99.9 of every call's latency.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from bench import common
+
+FIELDS = ("group", "rank", "epoch", "algorithm", "start_ns", "end_ns", "retried")
+RING_CALLS = 4096  # calls each rank's trace ring keeps (ffi/protocol.h kTraceCapacity)
+MISSING = ("sifar_jax.call_trace is not in this build of sifar_jax (it predates the per-call "
+           "trace ring); mis-speculation per call and tail latency were skipped")
+
+
+def find():
+    """(sifar_jax.call_trace, None) where the library has the per-call trace, else (None, why)."""
+    import sifar_jax
+
+    fn = getattr(sifar_jax, "call_trace", None)
+    return (fn, None) if callable(fn) else (None, MISSING)
+
+
+def collect(call_trace, axis_name: str, fn, args: tuple, runs: int, calls_per_run: int,
+            skew_us: float = 0.0, ring_calls: int = RING_CALLS) -> np.ndarray:
+    """Runs fn(*args) `runs` times (each waited for), making `calls_per_run`
+    all-reduces per rank each, inside traces of at most `ring_calls` calls per
+    rank; with every rank waiting a random 0..skew_us before each all-reduce
+    when skew_us > 0. Returns every record."""
+    from sifar_jax import testing
+
+    per_block = max(1, ring_calls // max(1, calls_per_run))
+    parts = []
+    with testing.inject_skew(skew_us) if skew_us > 0 else contextlib.nullcontext():
+        done = 0
+        while done < runs:
+            n = min(per_block, runs - done)
+            with call_trace(axis_name) as t:
+                for _ in range(n):
+                    common.block(fn(*args))
+            parts.append(np.asarray(t.records()))
+            done += n
+    rec = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    missing = [f for f in FIELDS if rec.dtype.names is None or f not in rec.dtype.names]
+    if missing:
+        raise ValueError(f"call_trace records lack the fields {missing} (have {rec.dtype.names})")
+    return rec
+
+
+def latencies_us(rec: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(latency in us of each valid record, the mask of valid records): a record
+    is valid when it was written (start > 0) and ends after it starts."""
+    start = rec["start_ns"].astype(np.int64)
+    end = rec["end_ns"].astype(np.int64)
+    ok = (start > 0) & (end > start)
+    return (end - start)[ok] / 1e3, ok
+
+
+def summarize(rec: np.ndarray) -> dict:
+    """Mis-speculation and tails of one trace (see the module docstring)."""
+    lat, ok = latencies_us(rec)
+    retried = np.asarray(rec["retried"])[ok]
+    hit = retried > 0
+    clean, missed = lat[~hit], lat[hit]
+
+    def r(v):
+        return None if v is None or not np.isfinite(v) else round(float(v), 4)
+
+    mean_all = lat.mean() if lat.size else None
+    mean_clean = clean.mean() if clean.size else None
+    out = {
+        "calls": int(lat.size),
+        "invalid_records": int((~ok).sum()),
+        "ranks": int(np.unique(rec["rank"]).size),
+        "retried_share": r(hit.mean()) if lat.size else None,
+        "us_mean": r(mean_all),
+        "us_median_clean": r(np.median(clean)) if clean.size else None,
+        "us_median_retried": r(np.median(missed)) if missed.size else None,
+        "us_mean_clean": r(mean_clean),
+        "us_mean_retried": r(missed.mean()) if missed.size else None,
+        "cost_share": r(1 - mean_clean / mean_all) if mean_clean and mean_all else None,
+        **common.tails_us(lat),
+    }
+    if retried.dtype.kind in "iu":  # a count, not a flag: retries per call as the trace saw them
+        out["retries_per_call_trace"] = r(retried.mean()) if retried.size else None
+    return out
+

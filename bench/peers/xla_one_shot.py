@@ -1,0 +1,102 @@
+"""XLA's own one-shot all-reduce kernel, a peer of bench.allreduce (bench.peers runs this).
+
+    XLA_FLAGS=--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true \\
+        python -m bench.peers.xla_one_shot --tp 2 --sizes 4096,8192 --chain 20,200 \\
+        --runs 30 --warmup 3 --json out.json
+
+lax.psum chains timed exactly as bench.allreduce times its jit level (the
+same chain function, the same differencing of synchronous calls), in a
+process of its own because XLA reads XLA_FLAGS once. Each size is checked
+once against the float64 sum before it is timed; a wrong sum is recorded as
+an error and not timed. On a machine without GPUs it runs on XLA:CPU host
+devices, where the flag does nothing: a test of the code path, not a result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import zlib
+
+from bench import peers
+
+if peers.XLA_ONE_SHOT_FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    # Run by hand without the flag: add it (before jax is imported, by bench.allreduce).
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {peers.XLA_ONE_SHOT_FLAG}".strip()
+
+from bench import allreduce, common  # noqa: E402  (imports jax)
+
+NAME = peers.XLA_ONE_SHOT
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.peers.xla_one_shot",
+                                description="lax.psum chains with XLA's one-shot kernel.")
+    p.add_argument("--tp", required=True, help="comma list of TP sizes")
+    p.add_argument("--sizes", required=True, help="comma list of payload bytes per rank (bf16)")
+    p.add_argument("--chain", default="20,200", help="R1,R2: chain lengths")
+    p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", required=True)
+    args = p.parse_args(argv)
+    args.tp = [int(v) for v in args.tp.split(",")]
+    args.sizes = [int(v) for v in args.sizes.split(",") if v.strip()]
+    args.chain = tuple(int(v) for v in args.chain.split(","))
+    return args
+
+
+def measure(mesh, tp: int, nbytes: int, args) -> dict:
+    import numpy as np
+
+    elems = nbytes // 2
+    x_np = common.random_payload(zlib.crc32(repr((tp, NAME, nbytes)).encode()), tp, elems)
+    x = allreduce.as_bf16(x_np)
+    got = np.asarray(allreduce.chain_fn(mesh, allreduce.BASELINE, 1)(x), np.float32)
+    wrong = common.allreduce_mismatch(got, x_np)
+    if wrong:
+        return {"error": f"WRONG RESULT, not timed: {wrong}"}
+    r1, r2 = args.chain
+    small = allreduce.chain_fn(mesh, allreduce.BASELINE, r1)
+    large = allreduce.chain_fn(mesh, allreduce.BASELINE, r2)
+    common.warm_up(small, (x,), args.warmup)
+    common.warm_up(large, (x,), args.warmup)
+    samples = common.paired_differences(small, large, (x,), r2 - r1, args.runs)
+    return {"algorithm": NAME, "level": peers.LEVEL_JIT, "tp": tp, "bytes": nbytes,
+            **common.summarize_us(samples), "runs": args.runs, "chain": [r1, r2]}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import numpy as np
+    from jax.sharding import Mesh
+
+    out = {"records": [], "errors": [], "info": {}}
+    kind, devices = common.bench_devices()
+    out["info"]["xla_one_shot_platform"] = kind
+    for tp in args.tp:
+        if tp > len(devices):
+            out["errors"].append({"algorithm": NAME, "tp": tp,
+                                  "error": f"needs {tp} devices, have {len(devices)} ({kind})"})
+            continue
+        mesh = Mesh(np.array(devices[:tp]), ("tp",))
+        for nbytes in args.sizes:
+            try:
+                res = measure(mesh, tp, nbytes, args)
+            except Exception as e:  # noqa: BLE001 - recorded; the next size goes on
+                res = {"error": f"{type(e).__name__}: {e}".strip()}
+            if "error" in res:
+                out["errors"].append({"algorithm": NAME, "tp": tp, "bytes": nbytes, **res})
+                print(f"{NAME} tp={tp} {nbytes} B: {res['error']}", flush=True)
+            else:
+                if kind == "cpu":
+                    res["note"] = "XLA:CPU: the flag has no effect here"
+                out["records"].append(res)
+                print(f"{NAME} tp={tp} {nbytes} B: {res['us_median']:.2f} us", flush=True)
+            peers.write_partial(args.json, out)
+    peers.write_partial(args.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""The all-reduce benchmark on the CPU: the quick run end to end (its JSON, its
+default output directory, a clean checkout afterwards), the peers' failure
+handling, the reference check every peer must pass, the per-call trace
+summary, and sifar-against-peers comparison and target verdict.
+
+The torch peer's own code path runs here only where torch is installed (CPU
+mode over gloo); its GPU path runs on the GPU host (bench/gpu_host_run.sh).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import sifar_jax
+from bench import calltrace, common, peers
+
+REPO = common.REPO_ROOT
+RECORD_KEYS = {"algorithm", "level", "tp", "bytes", "us_median", "us_p10", "us_p90"}
+TAIL_KEYS = {"us_p50", "us_p90", "us_p99", "us_p99_9"}
+
+
+def _git(*args) -> str | None:
+    if shutil.which("git") is None:
+        return None
+    r = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+    return r.stdout if r.returncode == 0 else None
+
+
+def synthetic_trace(latency_us, retried, ranks: int = 2) -> np.ndarray:
+    """Records shaped like sifar_jax.stats.call_trace's: calls dealt round-robin
+    to `ranks`, back to back from t = 1 s."""
+    lat_ns = np.round(np.asarray(latency_us, dtype=np.float64) * 1e3).astype(np.int64)
+    retried = np.asarray(retried)
+    dtype = [("group", "i4"), ("rank", "i4"), ("epoch", "u8"), ("algorithm", "i4"),
+             ("start_ns", "u8"), ("end_ns", "u8"), ("retried", retried.dtype)]
+    rec = np.zeros(lat_ns.size, dtype=dtype)
+    rec["rank"] = np.arange(lat_ns.size) % ranks
+    rec["epoch"] = np.arange(lat_ns.size) // ranks
+    rec["algorithm"] = sifar_jax.algorithms.IDS["sifar"]
+    start = 1_000_000_000 + np.concatenate([[0], np.cumsum(lat_ns)[:-1]])
+    rec["start_ns"] = start
+    rec["end_ns"] = start + lat_ns
+    rec["retried"] = retried
+    return rec
+
+
+# ------------------------------------------------------------- the quick run --
+def test_quick_run_json_and_clean_checkout(tmp_path):
+    status_before = _git("status", "--porcelain", "--untracked-files=all")
+    cmd = [sys.executable, "-m", "bench.allreduce", "--quick", "--sizes", "4,8",
+           "--skew-us", "0,5", "--out", str(tmp_path)]
+    if importlib.util.find_spec("matplotlib") is None:
+        cmd.append("--no-plot")
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert time.monotonic() - t0 < 120
+
+    (json_path,) = tmp_path.glob("allreduce-cpu-*core.json")
+    data = json.loads(json_path.read_text())
+    assert data["schema"] == "sifar-jax/bench.allreduce/2"
+    for key in ("host", "date", "jax", "jaxlib", "multicast_env"):
+        assert data["env"].get(key), key
+    for rec in data["records"]:
+        assert RECORD_KEYS <= rec.keys(), rec
+        assert rec["us_p10"] <= rec["us_median"] <= rec["us_p90"], rec
+    have = {(r["algorithm"], r["level"], r["bytes"]) for r in data["records"]}
+    for b in (4096, 8192):
+        assert ("sifar", "kernel", b) in have and ("sifar", "jit", b) in have
+        assert ("lax.psum", "jit", b) in have
+    # Every peer shows up: measured, or with the reason it was not.
+    failed = {e["algorithm"] for e in data["errors"] if "algorithm" in e}
+    measured = {r["algorithm"] for r in data["records"]}
+    for name in peers.ALL:
+        assert name in measured or name in failed, name
+    assert peers.XLA_ONE_SHOT in measured, data["errors"]  # its child runs on CPU too
+    for e in data["errors"]:
+        assert e["error"], e
+    # The comparison: sifar (jit) against lax.psum and xla.one_shot at each size.
+    comp = {(c["peer"], c["bytes"]): c for c in data["comparison"]}
+    for b in (4096, 8192):
+        for peer in ("lax.psum", peers.XLA_ONE_SHOT):
+            c = comp[(peer, b)]
+            assert c["ratio"] == pytest.approx(c["peer_us"] / c["sifar_us"], rel=1e-2)
+    assert data["target"]["verdict"]
+    # The trace: skipped with its reason until the library has call_trace.
+    if calltrace.find()[0] is None:
+        assert data["trace"]["skipped"] == calltrace.MISSING
+    else:
+        entries = data["trace"]["records"]
+        assert {(t["bytes"], t["skew_us"]) for t in entries} == {
+            (b, s) for b in (4096, 8192) for s in (0.0, 5.0)}
+        for t in entries:
+            assert "error" not in t, t
+            assert TAIL_KEYS <= t.keys() and t["calls"] > 0, t
+    md = json_path.with_suffix(".md").read_text()
+    assert "sifar against every peer, TP=2" in md and "Target (issue 14)" in md
+
+    assert _git("status", "--porcelain", "--untracked-files=all") == status_before
+
+
+def test_cpu_results_default_to_an_ignored_directory():
+    assert common.default_out("gpu") == REPO / "bench" / "results"
+    local = common.default_out("cpu")
+    assert local != common.default_out("gpu")
+    if _git("rev-parse", "--git-dir") is None:
+        pytest.skip("not a git checkout")
+    path = (local / "allreduce-cpu-2core.json").relative_to(REPO)
+    assert _git("check-ignore", "-q", str(path)) is not None, f"{path} is not git-ignored"
+
+
+def test_multicast_switches_match_the_library_guard():
+    assert common.MULTICAST_OFF == sifar_jax.multicast.DISABLING
+    env = common.child_env(FOO="1")
+    assert env["FOO"] == "1"
+    assert all(env[k] == v for k, v in sifar_jax.multicast.DISABLING.items())
+    assert sifar_jax.multicast.refusal(dict(env, **{sifar_jax.multicast.ENABLE_VAR: "1"}))
+
+
+# ----------------------------------------------------------- peer processes --
+def _child(code: str) -> list[str]:
+    """A stand-in peer: `code` runs with sys.argv[2] = the JSON path run_child adds."""
+    return [sys.executable, "-c", code]
+
+
+def test_failing_peer_is_recorded_with_its_message():
+    out = peers.run_child(_child("import sys; print('boom: no such op'); sys.exit(3)"),
+                          common.child_env(), 30, "torch.nccl", 2, log=lambda s: None)
+    assert out["records"] == []
+    (err,) = out["errors"]
+    assert err["algorithm"] == "torch.nccl" and err["tp"] == 2
+    assert "exit code 3" in err["error"] and "boom: no such op" in err["error"]
+
+
+def test_peer_that_hangs_is_killed_and_keeps_what_it_wrote():
+    code = ("import json, sys, time\n"
+            "json.dump({'records': [{'algorithm': 'torch.nccl', 'bytes': 4096}], 'errors': []},"
+            " open(sys.argv[2], 'w'))\n"
+            "time.sleep(60)\n")
+    t0 = time.monotonic()
+    out = peers.run_child(_child(code), common.child_env(), 3, "torch.nccl", 2,
+                          log=lambda s: None)
+    assert time.monotonic() - t0 < 30
+    assert out["records"] == [{"algorithm": "torch.nccl", "bytes": 4096}]
+    assert "timed out after 3 s" in out["errors"][-1]["error"]
+
+
+def test_peer_children_run_with_multicast_off(monkeypatch):
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")  # as if this host had it on: child_env must win
+    code = ("import json, os, sys\n"
+            f"keys = {sorted(common.MULTICAST_OFF)!r}\n"
+            "json.dump({'info': {k: os.environ.get(k) for k in keys}}, open(sys.argv[2], 'w'))\n")
+    out = peers.run_child(_child(code), common.child_env(), 30, "x", None, log=lambda s: None)
+    assert out["info"] == common.MULTICAST_OFF
+    assert out["errors"] == []
+
+
+def test_torch_peer_refuses_to_start_with_multicast_on(tmp_path, monkeypatch):
+    from bench.peers import torch_allreduce
+
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0")
+    with pytest.raises(SystemExit, match="multicast must be off"):
+        torch_allreduce.refuse_multicast()
+
+
+def test_torch_peer_code_path_on_cpu(tmp_path):
+    pytest.importorskip("torch")
+    path = tmp_path / "peer.json"
+    cmd = [sys.executable, "-m", "bench.peers.torch_allreduce", "--algorithm", "torch.nccl",
+           "--tp", "2", "--sizes", "4096,8192", "--chain", "2,6", "--runs", "3", "--warmup", "1",
+           "--device", "cpu", "--json", str(path)]
+    env = common.child_env(GLOO_SOCKET_IFNAME="lo")
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    data = json.loads(path.read_text())
+    assert data["errors"] == []
+    assert [rec["bytes"] for rec in data["records"]] == [4096, 8192]
+    for rec in data["records"]:
+        assert RECORD_KEYS <= rec.keys() and rec["level"] == peers.LEVEL_EAGER
+
+
+# ------------------------------------------------------------ the reference --
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_allreduce_mismatch_accepts_any_bf16_summation_order(ranks):
+    import ml_dtypes
+
+    x = common.random_payload(ranks, ranks, 4096)
+    assert np.all(np.abs(x) >= 0.5)
+    assert np.array_equal(x, x.astype(ml_dtypes.bfloat16).astype(np.float32))
+    # Summed in bf16, rounding after every add, in a different order on each rank.
+    got = np.empty_like(x)
+    for r in range(ranks):
+        acc = np.zeros(x.shape[1], dtype=ml_dtypes.bfloat16)
+        for i in range(ranks):
+            acc = (acc.astype(np.float32) + x[(r + i) % ranks]).astype(ml_dtypes.bfloat16)
+        got[r] = acc.astype(np.float32)
+    assert common.allreduce_mismatch(got, x) is None
+
+
+def test_allreduce_mismatch_rejects_a_missing_partial_and_nan():
+    x = common.random_payload(1, 2, 1024)
+    right = np.broadcast_to(x.sum(0), x.shape).copy()
+    assert common.allreduce_mismatch(right, x) is None
+    stale = right.copy()
+    stale[1, 100] -= x[1, 100]  # one element missed rank 1's partial
+    msg = common.allreduce_mismatch(stale, x)
+    assert msg is not None and "1 of 2048" in msg and "rank 1 element 100" in msg
+    nan = right.copy()
+    nan[0, 5] = np.nan
+    assert common.allreduce_mismatch(nan, x) is not None
+
+
+# --------------------------------------------------------------- the trace --
+def test_trace_summary_counts_retries_and_tails():
+    lat = [2.0] * 7 + [5.0, 6.0, 7.0]
+    retried = np.array([0] * 7 + [1, 3, 2], dtype=np.uint32)
+    s = calltrace.summarize(synthetic_trace(lat, retried))
+    assert s["calls"] == 10 and s["ranks"] == 2 and s["invalid_records"] == 0
+    assert s["retried_share"] == pytest.approx(0.3)
+    assert s["us_median_clean"] == pytest.approx(2.0)
+    assert s["us_median_retried"] == pytest.approx(6.0)
+    assert s["us_mean"] == pytest.approx(3.2)
+    assert s["cost_share"] == pytest.approx(1 - 2.0 / 3.2, abs=1e-4)
+    assert s["retries_per_call_trace"] == pytest.approx(0.6)
+    assert s["us_p50"] == pytest.approx(2.0) and s["us_p99_9"] == pytest.approx(6.991, abs=1e-3)
+    # A flag instead of a count, and an unwritten record (start 0) left out.
+    rec = synthetic_trace(lat, np.array([False] * 7 + [True] * 3))
+    rec["start_ns"][0] = 0
+    s = calltrace.summarize(rec)
+    assert s["calls"] == 9 and s["invalid_records"] == 1
+    assert s["retried_share"] == pytest.approx(3 / 9, abs=1e-4)
+    assert "retries_per_call_trace" not in s
+
+
+def test_trace_case_runs_the_chain_inside_the_trace(cpu_mesh):
+    from bench import allreduce
+
+    mesh = cpu_mesh(2)
+    cfg = {"chain": (2, 6), "trace_runs": 3}
+    for skew in (0.0, 3.0):
+        entry, lat = allreduce.trace_case(sifar_jax.call_trace, mesh, {}, cfg, 2, "sifar", 4096,
+                                          skew)
+        assert "error" not in entry, entry
+        assert entry["calls"] == 2 * 6 * 3 and entry["invalid_records"] == 0  # ranks x chain x runs
+        assert entry["ranks"] == 2 and entry["skew_us"] == skew
+        assert 0 <= entry["retried_share"] <= 1 and entry["retries_per_call"] is not None
+        assert TAIL_KEYS <= entry.keys() and lat.size == entry["calls"] and np.all(lat > 0)
+        assert entry["us_p50"] <= entry["us_p90"] <= entry["us_p99"] <= entry["us_p99_9"]
+    assert sifar_jax.comm._settings["skew"][0] == 0  # the forced skew was undone
+
+
+def test_trace_is_taken_in_blocks_that_fit_the_ring(cpu_mesh):
+    """A ring of 10 calls per rank and runs of 6 calls: one run per block, and
+    every call of every run is in the records, each epoch once per rank."""
+    from bench import allreduce
+
+    mesh = cpu_mesh(2)
+    fn = allreduce.chain_fn(mesh, "sifar", 6)
+    x = allreduce.random_bf16(0, 2, 2048)
+    rec = calltrace.collect(sifar_jax.call_trace, "tp", fn, (x,), 4, 6, ring_calls=10)
+    assert rec.size == 2 * 6 * 4
+    for r in (0, 1):
+        epochs = rec["epoch"][rec["rank"] == r]
+        assert np.unique(epochs).size == epochs.size == 24
+
+
+def test_trace_case_records_a_failing_trace(cpu_mesh):
+    from bench import allreduce
+
+    def broken(axis_name):
+        raise RuntimeError("no trace buffer")
+
+    entry, lat = allreduce.trace_case(broken, cpu_mesh(2), {}, {"chain": (2, 4), "trace_runs": 1},
+                                      2, "sifar", 4096, 0.0)
+    assert lat is None and "no trace buffer" in entry["error"]
+
+
+# -------------------------------------------------------- the comparison --
+def _rec(alg, level, b, us):
+    return {"algorithm": alg, "level": level, "tp": 2, "bytes": b, "us_median": us,
+            "us_p10": us, "us_p90": us}
+
+
+def test_comparison_ratios_and_target_verdict():
+    from bench import allreduce
+
+    recs = [_rec("sifar", "jit", 8192, 3.0), _rec("sifar", "kernel", 8192, 1.7),
+            _rec("oneshot", "jit", 8192, 6.0), _rec("lax.psum", "jit", 8192, 13.5),
+            _rec(peers.TORCH_ONE_SHOT, peers.LEVEL_CUDA_GRAPH, 8192, 6.0)]
+    comp = allreduce.comparison(recs)
+    assert {c["peer"] for c in comp} == {"lax.psum", peers.TORCH_ONE_SHOT}  # not our own
+    assert {c["peer"]: c["ratio"] for c in comp} == {"lax.psum": 4.5, peers.TORCH_ONE_SHOT: 2.0}
+    everyone = ["lax.psum", peers.TORCH_ONE_SHOT]
+    v = allreduce.target_verdict(comp, [], [8192], everyone)
+    assert v["verdict"] == "met" and v["lowest_ratio"]["peer"] == peers.TORCH_ONE_SHOT
+    v = allreduce.target_verdict(comp, [], [8192], everyone + [peers.TORCH_NCCL])
+    assert v["verdict"].startswith("met against the peers measured")
+    assert v["peers_missing"] == [peers.TORCH_NCCL]
+    v = allreduce.target_verdict(comp, [], [4096, 8192], everyone)  # nobody measured at 4 KB
+    assert v["verdict"].startswith("met against the peers measured")
+    assert v["peers_missing"] == everyone
+    slow = allreduce.comparison(recs + [_rec(peers.XLA_ONE_SHOT, "jit", 8192, 2.5)])
+    v = allreduce.target_verdict(slow, [], [8192], everyone)
+    assert v["verdict"] == "missed" and v["behind"][0]["peer"] == peers.XLA_ONE_SHOT
+    (tp, headers, rows) = allreduce.peer_tables(recs, comp, [8192])[0]
+    assert rows[0][:2] == ["sifar", "jit"] and rows[-1][2].startswith("yes, 2.00x")
