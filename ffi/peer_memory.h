@@ -5,7 +5,8 @@
 // the handles of the other processes' ranks.  The kernels then get every
 // rank's workspace pointer exactly as in one process: the protocol does not
 // know where a workspace came from.  The handles travel through
-// jax.distributed's key-value store (sifar_jax/distributed.py).
+// jax.distributed's key-value store (sifar_jax/distributed.py; docs/design.md,
+// Processes).
 #pragma once
 
 #include <cstddef>
