@@ -257,14 +257,15 @@ def create_comm(platform: str, axis_key: int, axis: str, groups, slot_bytes: int
     if _kv_client() is None:
         return "the axis spans several processes, but jax.distributed is not running"
     _start()
-    processes = sorted({d.process_index for g in groups for d in g})
+    processes = tuple(sorted({d.process_index for g in groups for d in g}))
     ids = tuple(tuple(d.id for d in g) for g in groups)
     with _lock:
         n = _setups[(axis, ids)] = _setups.get((axis, ids), 0) + 1
-    digest = hashlib.sha1(repr(ids).encode()).hexdigest()[:12]
-    base = f"sifar_jax/{axis}/{digest}/{n}"
-    what = f"the set-up of axis {axis!r}"
-    exchange = lambda stage, value: _exchange(base, stage, processes, value, INIT_TIMEOUT_S, what)
+    base = f"sifar_jax/{axis}/{hashlib.sha1(repr(ids).encode()).hexdigest()[:12]}/{n}"
+
+    def exchange(stage: str, value: str) -> dict[int, str]:
+        return _exchange(base, stage, processes, value, INIT_TIMEOUT_S,
+                         f"the set-up of axis {axis!r}")
 
     identity = {"host": host_id(), "gpus": {}}
     if platform == "cuda":
@@ -272,18 +273,28 @@ def create_comm(platform: str, axis_key: int, axis: str, groups, slot_bytes: int
                             for g in mine for d in groups[g] if d.process_index == me}
     infos = {p: json.loads(v) for p, v in exchange("identity", json.dumps(identity)).items()}
     verdicts = exchange("verdict", _why_not_here(platform, groups, mine, infos))
-    for p in processes:
-        if verdicts[p]:
-            return verdicts[p]
+    reasons = [verdicts[p] for p in processes if verdicts[p]]
+    if reasons:
+        return reasons[0]
+    comm_id, ws = _share(platform, axis_key, axis, [groups[g] for g in mine], mine, infos,
+                         slot_bytes, timeout_s, lanes, exchange)
+    with _lock:
+        _shared[comm_id] = _Shared(base, platform, processes, ws)
+    return comm_id, processes
 
-    ordinals = [[device_ordinal(d) if d.process_index == me else -1 for d in groups[g]]
-                for g in mine]
-    owners = [[d.process_index for d in groups[g]] for g in mine]
+
+def _share(platform, axis_key, axis, my_groups, mine, infos, slot_bytes, timeout_s, lanes,
+           exchange):
+    """Allocates this process's ranks' workspaces, maps the others', creates the
+    communicator; returns (comm id, the PeerWorkspaces)."""
+    me = jax.process_index()
+    ordinals = [[device_ordinal(d) if d.process_index == me else -1 for d in g] for g in my_groups]
+    owners = [[d.process_index for d in g] for g in my_groups]
     peer_devices = []
     if platform == "cuda":
         bus_ids = {int(k): v for info in infos.values() for k, v in info["gpus"].items()}
-        peer_devices = [[_gpu_ordinal(bus_ids, d) for d in groups[g]] for g in mine]
-    nbytes = _ext._sifar.workspace_bytes(slot_bytes, len(groups[0]), lanes)
+        peer_devices = [[_gpu_ordinal(bus_ids, d) for d in g] for g in my_groups]
+    nbytes = _ext._sifar.workspace_bytes(slot_bytes, len(my_groups[0]), lanes)
     prefix = f"/{SHM_PREFIX}{os.getuid()}.{os.getpid()}.{next(_names)}"
     ws = _ext._sifar.open_peer_workspaces(platform, ordinals, owners, peer_devices, nbytes, prefix)
     comm_id = None
@@ -303,10 +314,8 @@ def create_comm(platform: str, axis_key: int, axis: str, groups, slot_bytes: int
             _ext._sifar.destroy_comm(comm_id)
         raise
     finally:
-        ws.unpublish()
-    with _lock:
-        _shared[comm_id] = _Shared(base, platform, tuple(processes), ws)
-    return comm_id, tuple(processes)
+        ws.unpublish()  # mapped everywhere (or given up): the names can go
+    return comm_id, ws
 
 
 def before_destroy(comm_ids) -> None:
