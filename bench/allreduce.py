@@ -4,6 +4,7 @@ peers (torch NCCL, torch symmetric memory, XLA's one-shot kernel), in one run.
     python -m bench.allreduce                 # full run (GPU: the results the project commits)
     python -m bench.allreduce --quick         # a quick look (CPU / CI: well under a minute)
     python -m bench.allreduce --peers none --no-trace   # ours and lax.psum only
+    python -m sifar_jax.launch -n 2 -- python -m bench.allreduce   # one process per GPU
 
 Levels (the "level" field of each record), each a per-all-reduce latency:
 
@@ -37,6 +38,10 @@ count), else on 8 XLA:CPU host devices at TP=2, where the numbers only
 demonstrate the protocol. Writes allreduce-<host>.{json,md,png} to --out:
 bench/results/ on GPUs, bench/results/local/ (git-ignored) on the CPU.
 
+Started by `python -m sifar_jax.launch` (one process per GPU), the processes
+measure together and process 0 writes allreduce-<host>-<n>proc.*; the peers are
+skipped there (they start processes of their own).
+
 The JSON is an object: schema, env (machine, versions, date), settings,
 levels, records (one per algorithm, level, TP and size: us_median, us_p10,
 us_p90), errors, comparison (sifar against each peer), target, retry
@@ -62,6 +67,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import sifar_jax  # noqa: E402
 from bench import calltrace, peers  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+
+LAUNCHED = sifar_jax.distributed.initialize()  # under sifar_jax.launch: one process per GPU
 
 SCHEMA = "sifar-jax/bench.allreduce/2"
 PORTABLE = tuple(sifar_jax.algorithms.PORTABLE)
@@ -245,10 +253,20 @@ def random_bf16(seed: int, tp: int, elems: int):
     return as_bf16(common.random_payload(seed, tp, elems))
 
 
+def on_mesh(mesh, x):
+    """x sharded along "tp" (with several processes, each holds its rows)."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("tp")), lambda i: x[i])
+
+
+def local_rows(a) -> np.ndarray:
+    """The rows of a "tp"-sharded result this process holds, as float32."""
+    return np.concatenate([np.asarray(s.data, np.float32) for s in a.addressable_shards])
+
+
 def check_result(got, want, tp: int) -> bool:
-    g = np.asarray(got, np.float32)
-    w = np.asarray(want, np.float32)
-    same = all(np.array_equal(g[i].view(np.uint32), g[0].view(np.uint32)) for i in range(tp))
+    g, w = local_rows(got), local_rows(want)
+    same = all(np.array_equal(g[i].view(np.uint32), g[0].view(np.uint32)) for i in range(len(g)))
     return same and np.allclose(g, w, rtol=2 * tp * 2.0**-8, atol=0)
 
 
@@ -302,7 +320,8 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
         refs = {"kernel": kernel_ref_fn(mesh), "jit": chain_fn(mesh, BASELINE, 1)}
         for (_, level, alg, nbytes) in [c for c in cases if c[0] == tp]:
             bar.set_postfix_str(f"tp={tp} {level} {alg} {nbytes // 1024}KB")
-            x = random_bf16(zlib.crc32(repr((tp, level, alg, nbytes)).encode()), tp, nbytes // 2)
+            x = on_mesh(mesh, random_bf16(zlib.crc32(repr((tp, level, alg, nbytes)).encode()), tp,
+                                          nbytes // 2))
             if level == "kernel":
                 r = cfg["kernel_r"]
                 small = fns.setdefault((tp, "k", alg, 1), kernel_fn(mesh, alg, 1))
@@ -358,7 +377,8 @@ def trace_case(call_trace, mesh, fns, cfg, tp, alg, nbytes, skew_us):
     """One traced jit chain: (entry for the JSON, per-call latencies in us or None)."""
     r2 = cfg["chain"][1]
     fn = fns.setdefault((tp, "j", alg, r2), chain_fn(mesh, alg, r2))
-    x = random_bf16(zlib.crc32(repr((tp, "trace", alg, nbytes)).encode()), tp, nbytes // 2)
+    x = on_mesh(mesh, random_bf16(zlib.crc32(repr((tp, "trace", alg, nbytes)).encode()), tp,
+                                  nbytes // 2))
     entry = {"algorithm": alg, "level": "jit", "tp": tp, "bytes": nbytes, "skew_us": skew_us,
              "chain": r2, "runs": cfg["trace_runs"]}
     try:
@@ -708,6 +728,9 @@ def main(argv=None) -> int:
     # Before anything starts NCCL (lax.psum's too): no NVLink multicast, ever.
     os.environ.update(common.MULTICAST_OFF)
     n_gpus = common.visible_gpu_count()
+    if LAUNCHED and peers.parse(args.peers):
+        print("NOTE: one process per GPU: the peers are skipped", flush=True)
+        args.peers = "none"
     peer_out, _ = run_peers(args, n_gpus)
     kind, devices = common.bench_devices()
     if (kind == "gpu") != (n_gpus >= 2):
@@ -715,7 +738,11 @@ def main(argv=None) -> int:
               f"and ours ran on different hardware", file=sys.stderr)
     records, meta, warnings_out = run(args, kind, devices)
     records += peer_out["records"]
+    if jax.process_index() != 0:
+        return 1 if warnings_out else 0  # process 0 reports for all
     env = common.describe_environment(meta["devices"])
+    if jax.process_count() > 1:
+        env["host"] += f"-{jax.process_count()}proc"
     env.update({k: v for k, v in peer_out["info"].items() if k in ("torch", "nccl")})
     env["peers_info"] = peer_out["info"]
     print_tables(records, comparison(records), meta["sizes"], env["host"])

@@ -11,6 +11,8 @@
 #include <thread>
 #include <tuple>
 
+#include "peer_memory.h"
+
 namespace sifar {
 
 namespace {
@@ -55,6 +57,9 @@ class HostBackend : public Backend {
   void Synchronize(int) override {}
   void PrepareGroup(Group& g, size_t) override {
     g.multicast_refusal = "multicast needs NVLink GPUs";
+  }
+  void PrepareSpanningGroup(Group& g, const std::vector<int>&) override {
+    g.multicast_refusal = "multicast needs every rank in one process";
   }
 };
 
@@ -202,7 +207,8 @@ std::vector<PoolEntryInfo> PooledMemory() { return Pool::Get().Entries(); }
 void ReleasePooledMemory() { Pool::Get().FreeAll(); }
 
 Comm::Comm(int id, Platform platform, int axis_key, std::string axis_name,
-           std::vector<std::vector<int>> groups, size_t slot_bytes, double timeout_s, int lanes)
+           std::vector<std::vector<int>> groups, size_t slot_bytes, double timeout_s, int lanes,
+           std::shared_ptr<PeerWorkspaces> peers)
     : id_(id),
       platform_(platform),
       axis_key_(axis_key),
@@ -210,7 +216,8 @@ Comm::Comm(int id, Platform platform, int axis_key, std::string axis_name,
       nranks_(groups.empty() ? 0 : static_cast<int>(groups[0].size())),
       layout_(MakeWorkspaceLayout(slot_bytes, groups.empty() ? 1 : static_cast<int>(groups[0].size()),
                                   lanes)),
-      backend_(&BackendFor(platform)) {
+      backend_(&BackendFor(platform)),
+      peers_(std::move(peers)) {
   if (lanes < 1 || lanes > 64)
     throw std::invalid_argument("sifar_jax: lanes must be 1..64");
   if (slot_bytes == 0 || slot_bytes % 16 != 0)
@@ -221,22 +228,31 @@ Comm::Comm(int id, Platform platform, int axis_key, std::string axis_name,
   for (auto& ords : groups)
     if (static_cast<int>(ords.size()) != nranks_)
       throw std::invalid_argument("sifar_jax: all groups of an axis must have the same size");
+  if (peers_ && (peers_->platform() != platform || peers_->ordinals() != groups ||
+                 peers_->bytes() < layout_.total))
+    throw std::invalid_argument("sifar_jax: the shared workspaces do not fit this communicator");
   try {
     for (auto& ords : groups) {
       groups_.emplace_back();
       groups_.back().ordinals = ords;
-      Pool::Get().Acquire({platform_, axis_key_, ords, layout_.total}, *backend_, groups_.back());
+      if (peers_) TakeSharedMemory(static_cast<int>(groups_.size()) - 1);
+      else Pool::Get().Acquire({platform_, axis_key_, ords, layout_.total}, *backend_, groups_.back());
     }
     // Fresh or zeroed workspaces, no kernel on them: the whole Control,
-    // `failed` included.
+    // `failed` included (each process initialises its own ranks').
     Control init{};
     init.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
     init.poll_depth = kDefaultPollDepth;
     init.poll_gap_ns = kDefaultPollGapNs;
-    for (auto& g : groups_)
+    for (int g = 0; g < static_cast<int>(groups_.size()); ++g)
       for (int r = 0; r < nranks_; ++r)
-        backend_->Write(g.ordinals[r], g.workspaces[r] + layout_.control, &init, sizeof(Control));
-    for (auto& g : groups_) backend_->PrepareGroup(g, slot_bytes);
+        if (IsLocal(g, r))
+          backend_->Write(groups_[g].ordinals[r], groups_[g].workspaces[r] + layout_.control,
+                          &init, sizeof(Control));
+    for (int g = 0; g < static_cast<int>(groups_.size()); ++g) {
+      if (peers_) backend_->PrepareSpanningGroup(groups_[g], peers_->PeerAccessList(g));
+      else backend_->PrepareGroup(groups_[g], slot_bytes);
+    }
   } catch (...) {
     ReturnMemory();
     throw;
@@ -247,21 +263,54 @@ Comm::Comm(int id, Platform platform, int axis_key, std::string axis_name,
 
 Comm::~Comm() { ReturnMemory(); }
 
+void Comm::TakeSharedMemory(int gi) {
+  Group& g = groups_[gi];
+  for (int r = 0; r < nranks_; ++r) {
+    g.workspaces.push_back(peers_->workspace(gi, r));
+    if (!IsLocal(gi, r)) {  // another process's rank: its process keeps its record
+      g.errors.push_back(nullptr);
+      g.errors_device.push_back(nullptr);
+      continue;
+    }
+    char* dev = nullptr;
+    char* host = backend_->AllocShared(g.ordinals[r], sizeof(ErrorRecord), &dev);
+    g.errors.push_back(reinterpret_cast<ErrorRecord*>(host));
+    g.errors_device.push_back(reinterpret_cast<ErrorRecord*>(dev));
+  }
+}
+
 void Comm::ReturnMemory() {
   // Every device of every group first: a rank's kernel may still read a
   // peer's workspace after its own device is idle.
   for (auto& g : groups_)
-    for (int ord : g.ordinals) backend_->Synchronize(ord);
+    for (int ord : g.ordinals)
+      if (ord >= 0) backend_->Synchronize(ord);
+  if (peers_) {
+    // Not pooled: the shared workspaces belong to `peers_` (freed or unmapped
+    // when the last holder lets go; sifar_jax/distributed.py orders that
+    // across processes), the error records to this communicator.
+    for (auto& g : groups_)
+      for (size_t r = 0; r < g.errors.size(); ++r)
+        if (g.errors[r] != nullptr)
+          backend_->FreeShared(g.ordinals[r], reinterpret_cast<char*>(g.errors[r]));
+    peers_.reset();
+    return;
+  }
   for (auto& g : groups_) {
     Pool::Get().Retire(std::move(g.multicast));
     Pool::Get().Release({platform_, axis_key_, g.ordinals, layout_.total}, g);
   }
 }
 
+int Comm::ProcessOf(int group, int rank) const {
+  return peers_ ? peers_->process(group, rank) : -1;
+}
+
 std::vector<std::array<std::array<uint64_t, kNumStats>, kNumAlgorithms>> Comm::Stats() const {
   std::vector<std::array<std::array<uint64_t, kNumStats>, kNumAlgorithms>> out;
   for (auto& g : groups_)
     for (size_t r = 0; r < g.workspaces.size(); ++r) {
+      if (g.ordinals[r] < 0) continue;  // another process counts its own ranks
       std::array<std::array<uint64_t, kNumStats>, kNumAlgorithms> s;
       backend_->Read(g.ordinals[r], s.data(), g.workspaces[r] + layout_.stats, sizeof(s));
       // The portable kernels count calls per lane (no atomic on their fast path).
@@ -292,7 +341,7 @@ void Comm::WriteControlField(int rank, size_t offset, T value) {
   static_assert(sizeof(T) == 4 || sizeof(T) == 8, "one aligned word per write");
   for (auto& g : groups_)
     for (int r = 0; r < nranks_; ++r)
-      if (rank < 0 || r == rank)
+      if ((rank < 0 || r == rank) && g.ordinals[r] >= 0)
         backend_->Write(g.ordinals[r], g.workspaces[r] + layout_.control + offset, &value,
                         sizeof(T));
 }
@@ -329,7 +378,7 @@ void Comm::SetEpochs(uint32_t epoch) {
   std::vector<uint64_t> b(kMaxBlocks * kMaxRanks, BarrierWord(0, BarrierValue(epoch, kBottom)));
   for (auto& g : groups_)
     for (size_t r = 0; r < g.workspaces.size(); ++r)
-      for (int l = 0; l < layout_.lanes; ++l) {
+      for (int l = 0; l < layout_.lanes && g.ordinals[r] >= 0; ++l) {
         char* lane = g.workspaces[r] + layout_.LaneAt(l);
         backend_->Write(g.ordinals[r], lane + layout_.lane.epochs, e.data(), e.size() * sizeof(uint32_t));
         backend_->Write(g.ordinals[r], lane + layout_.lane.barrier, b.data(), b.size() * sizeof(uint64_t));
@@ -347,8 +396,9 @@ void Comm::SetTrace(bool on) {
     TraceRing empty{};
     for (auto& g : groups_)
       for (size_t r = 0; r < g.workspaces.size(); ++r)
-        backend_->Write(g.ordinals[r], g.workspaces[r] + layout_.trace, &empty,
-                       offsetof(TraceRing, records));
+        if (g.ordinals[r] >= 0)
+          backend_->Write(g.ordinals[r], g.workspaces[r] + layout_.trace, &empty,
+                          offsetof(TraceRing, records));
   }
   WriteControlField(-1, offsetof(Control, trace), on ? 1u : 0u);
 }
@@ -359,6 +409,7 @@ std::vector<std::tuple<int, int, TraceRecord>> Comm::Trace() const {
   for (int gi = 0; gi < static_cast<int>(groups_.size()); ++gi) {
     const Group& g = groups_[gi];
     for (int r = 0; r < static_cast<int>(g.workspaces.size()); ++r) {
+      if (!IsLocal(gi, r)) continue;
       backend_->Read(g.ordinals[r], ring.get(), g.workspaces[r] + layout_.trace, sizeof(TraceRing));
       const unsigned long long n = ring->next;
       const unsigned long long first = n > kTraceCapacity ? n - kTraceCapacity : 0;
@@ -453,20 +504,20 @@ Registry& Registry::Get() {
 
 int Registry::Create(Platform platform, int axis_key, const std::string& axis_name,
                      const std::vector<std::vector<int>>& groups, size_t slot_bytes,
-                     double timeout_s, int lanes) {
+                     double timeout_s, int lanes, std::shared_ptr<PeerWorkspaces> peers) {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& g : groups)
     for (int ord : g)
-      if (index_.count(IndexKey(axis_key, ord)))
+      if (ord >= 0 && index_.count(IndexKey(axis_key, ord)))
         throw std::invalid_argument("sifar_jax: device " + std::to_string(ord) +
                                     " already has a communicator for axis '" + axis_name +
                                     "'; call sifar_jax.shutdown() first");
   int id = next_id_++;
   auto comm = std::make_shared<Comm>(id, platform, axis_key, axis_name, groups, slot_bytes,
-                                     timeout_s, lanes);
+                                     timeout_s, lanes, std::move(peers));
   for (int g = 0; g < static_cast<int>(groups.size()); ++g)
     for (int r = 0; r < static_cast<int>(groups[g].size()); ++r)
-      index_[IndexKey(axis_key, groups[g][r])] = {id, g, r};
+      if (groups[g][r] >= 0) index_[IndexKey(axis_key, groups[g][r])] = {id, g, r};
   comms_[id] = std::move(comm);
   return id;
 }

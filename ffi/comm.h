@@ -34,6 +34,9 @@ enum class Platform { kCpu, kCuda };
 
 struct Group;
 
+// The workspaces of a communicator spanning processes (peer_memory.h).
+class PeerWorkspaces;
+
 // Where workspaces live and how a group's devices get ready.  All copies are
 // synchronous and only used off the hot path (set-up, stats, error reports,
 // test knobs).
@@ -58,15 +61,18 @@ class Backend {
   // up its multicast variant where the guard allows it, else records why not
   // in g.multicast_refusal.
   virtual void PrepareGroup(Group& g, size_t slot_bytes) = 0;
+  // The same for a group spanning processes: only this process's devices
+  // (ordinals >= 0), with peer access to `peer_access`; never multicast.
+  virtual void PrepareSpanningGroup(Group& g, const std::vector<int>& peer_access) = 0;
 };
 
 // The process-wide backend of a platform; throws where this build lacks it.
 Backend& BackendFor(Platform platform);
 
 struct Group {
-  std::vector<int> ordinals;           // rank -> device ordinal
+  std::vector<int> ordinals;           // rank -> device ordinal (-1: a rank of another process)
   std::vector<char*> workspaces;       // rank -> workspace base
-  std::vector<ErrorRecord*> errors;    // rank -> failure record, host view
+  std::vector<ErrorRecord*> errors;    // rank -> failure record, host view (null: another process's)
   std::vector<ErrorRecord*> errors_device;  // the same records, kernels' view
   // NVLink multicast (algorithm "multicast"): set up only where the guard
   // allows it; otherwise the guard's reason.
@@ -84,9 +90,16 @@ struct RegisteredBuffer {
 
 class Comm {
  public:
+  // `peers`: the groups span processes; their workspaces come from it, not
+  // from the pool (the groups are its ordinals: -1 for the ranks of other
+  // processes), and only this process's ranks get error records and host
+  // writes.
   Comm(int id, Platform platform, int axis_key, std::string axis_name,
-       std::vector<std::vector<int>> groups, size_t slot_bytes, double timeout_s, int lanes);
-  // Waits for every device of every group, then returns the memory to the pool.
+       std::vector<std::vector<int>> groups, size_t slot_bytes, double timeout_s, int lanes,
+       std::shared_ptr<PeerWorkspaces> peers = nullptr);
+  // Waits for every device of every group, then returns the memory to the
+  // pool (a communicator spanning processes frees its error records and lets
+  // go of the shared workspaces instead).
   ~Comm();
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;
@@ -106,8 +119,14 @@ class Comm {
   // The first failure recorded by any rank, if any.
   bool FirstError(ErrorRecord* out, int* group) const;
   bool RankFailed(int group, int rank) const {
-    return __atomic_load_n(&groups_[group].errors[rank]->failed, __ATOMIC_ACQUIRE) != 0;
+    const ErrorRecord* e = groups_[group].errors[rank];
+    return e != nullptr && __atomic_load_n(&e->failed, __ATOMIC_ACQUIRE) != 0;
   }
+  // A rank of this process (the host reads and writes only those).
+  bool IsLocal(int group, int rank) const { return groups_[group].ordinals[rank] >= 0; }
+  bool spans_processes() const { return peers_ != nullptr; }
+  // The process index of a rank (-1 when the communicator is this process's alone).
+  int ProcessOf(int group, int rank) const;
   void SetSkew(uint32_t max_ns, uint32_t seed);
   void SetTimeout(double seconds);
   // In every group; blocks from `from_block` on skip (a CPU rank is block 0).
@@ -139,13 +158,15 @@ class Comm {
   size_t slot_total_bytes() const { return layout_.slot.total; }
 
  private:
-  // Writes one Control field of `rank` (every rank if < 0) in every group.
+  // Writes one Control field of `rank` (every rank if < 0) in every group,
+  // this process's ranks only (each process writes its own).
   // Only that field: kernels may be running, and `failed` / `error_claimed`
   // belong to them (the host writes those only when it (re)initialises a
   // workspace that no kernel uses).
   template <typename T>
   void WriteControlField(int rank, size_t offset, T value);
-  void ReturnMemory();  // every group's memory back to the pool
+  void TakeSharedMemory(int group);  // from peers_, plus error records of local ranks
+  void ReturnMemory();  // every group's memory back to the pool (or freed, with peers_)
 
   int id_;
   Platform platform_;
@@ -155,6 +176,7 @@ class Comm {
   WorkspaceLayout layout_;
   Backend* backend_;
   std::vector<Group> groups_;
+  std::shared_ptr<PeerWorkspaces> peers_;  // null unless the groups span processes
   // Registration (Python) vs lookups (handlers).
   mutable std::mutex buffers_mu_;
   std::vector<std::vector<RegisteredBuffer>> buffers_;  // [group]
@@ -179,7 +201,7 @@ class Registry {
   static Registry& Get();
   int Create(Platform platform, int axis_key, const std::string& axis_name,
              const std::vector<std::vector<int>>& groups, size_t slot_bytes, double timeout_s,
-             int lanes);
+             int lanes, std::shared_ptr<PeerWorkspaces> peers = nullptr);
   // Unlists the communicator, waits until no handler call holds it, then
   // destroys it (which waits for its devices); returns after all of that.
   void Destroy(int id);

@@ -101,6 +101,11 @@ class CudaBackendImpl : public Backend {
     else g.multicast = CreateMulticastGroup(g.ordinals, slot_bytes);
     for (int ord : g.ordinals) PrepareDevice(ord, g.ordinals, g.multicast != nullptr);
   }
+  void PrepareSpanningGroup(Group& g, const std::vector<int>& peer_access) override {
+    g.multicast_refusal = "multicast needs every rank in one process";
+    for (int ord : g.ordinals)
+      if (ord >= 0) PrepareDevice(ord, peer_access, false);
+  }
 };
 
 }  // namespace

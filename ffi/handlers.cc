@@ -31,6 +31,8 @@ std::string DescribeFailure(const Comm& comm) {
   int group = 0;
   if (!comm.FirstError(&e, &group)) return "";
   std::string who = e.peer >= 0 ? "rank " + std::to_string(e.peer) : "a peer";
+  if (e.peer >= 0 && comm.ProcessOf(group, e.peer) >= 0)
+    who += " (process " + std::to_string(comm.ProcessOf(group, e.peer)) + ")";
   return "sifar_jax: all-reduce timed out on axis '" + comm.axis_name() + "' (communicator " +
          std::to_string(comm.id()) + ", group " + std::to_string(group) + ", rank " +
          std::to_string(e.rank) + ", epoch " + std::to_string(e.epoch) + ", block " +
@@ -43,6 +45,11 @@ std::string DescribeFailure(const Comm& comm) {
 
 ffi::Error FailedError(const Comm& comm) {
   std::string msg = DescribeFailure(comm);
+  if (msg.empty() && comm.spans_processes())
+    msg = "sifar_jax: communicator " + std::to_string(comm.id()) + " of axis '" +
+          comm.axis_name() +
+          "' failed in another process (its error names the rank that never arrived); call "
+          "sifar_jax.shutdown() and sifar_jax.init(mesh) again in every process.";
   if (msg.empty()) msg = "sifar_jax: communicator " + std::to_string(comm.id()) + " has failed";
   return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg);
 }

@@ -1,6 +1,7 @@
 // The nanobind module `sifar_jax._sifar`: FFI handler capsules and the
 // communicator registry, as plain functions the Python layer composes.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -9,6 +10,7 @@
 
 #include "comm.h"
 #include "handlers.h"
+#include "peer_memory.h"
 #include "protocol.h"
 
 namespace nb = nanobind;
@@ -33,6 +35,7 @@ namespace sifar {
 void RegisterMulticastBindings(nb::module_& m);
 void RegisterMulticastTestingBindings(nb::module_& t);
 void RegisterTestingBindings(nb::module_& t);
+void RegisterPeerBindings(nb::module_& m);
 }  // namespace sifar
 
 #ifdef SIFAR_WITH_CUDA
@@ -111,17 +114,20 @@ NB_MODULE(_sifar, m) {
       "create_comm",
       [](const std::string& platform, int axis_key, const std::string& axis_name,
          const std::vector<std::vector<int>>& groups, size_t slot_bytes, double timeout_s,
-         int lanes) {
+         int lanes, std::shared_ptr<PeerWorkspaces> peers) {
         Platform p;
         if (platform == "cpu") p = Platform::kCpu;
         else if (platform == "cuda") p = Platform::kCuda;
         else throw std::invalid_argument("sifar_jax: unsupported platform '" + platform + "'");
         nb::gil_scoped_release release;
         return Registry::Get().Create(p, axis_key, axis_name, groups, slot_bytes, timeout_s,
-                                      lanes);
+                                      lanes, std::move(peers));
       },
       nb::arg("platform"), nb::arg("axis_key"), nb::arg("axis_name"), nb::arg("groups"),
-      nb::arg("slot_bytes"), nb::arg("timeout_s"), nb::arg("lanes"));
+      nb::arg("slot_bytes"), nb::arg("timeout_s"), nb::arg("lanes"),
+      // A communicator spanning processes: its shared workspaces (groups are
+      // then local ordinals, -1 for other processes' ranks).
+      nb::arg("peers") = nb::none());
   // Both wait for the communicators' handler calls and devices (no GIL held).
   m.def("destroy_comm", [](int id) {
     nb::gil_scoped_release release;
@@ -216,6 +222,7 @@ NB_MODULE(_sifar, m) {
       nb::arg("id"), nb::arg("rank"), nb::arg("drop"), nb::arg("from_block") = 0);
 
   RegisterMulticastBindings(m);
+  RegisterPeerBindings(m);
   nb::module_ testing = m.def_submodule("_testing", "Test-only hooks (sifar_jax._testing)");
   RegisterTestingBindings(testing);
   RegisterMulticastTestingBindings(testing);

@@ -5,7 +5,7 @@
     y = jax.shard_map(lambda x: sifar_jax.sifar_psum(x, "tp"), mesh=mesh, ...)(x)
 """
 
-from . import algorithms, benchmarking, testing
+from . import algorithms, benchmarking, distributed, testing
 from .algorithms import ALL as ALGORITHMS
 from .buffers import DualBuffers, buffer_spec, make_buffers, sifar_psum_into
 from .comm import DEFAULT_SLOT_BYTES, communicators, init, shutdown, workspace_bytes
@@ -33,6 +33,7 @@ __all__ = [
     "call_trace",
     "check",
     "communicators",
+    "distributed",
     "dispatch_lock",
     "init",
     "make_buffers",

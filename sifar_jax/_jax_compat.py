@@ -115,3 +115,18 @@ def forget_runtime_tokens() -> None:
         except Exception:  # noqa: BLE001 - the failing call already raised it
             pass
     tokens.clear()
+
+
+def kv_client():
+    """jax.distributed's key-value client, or None where it is not running.
+
+    `jax._src.distributed.global_state.client` (0.10.2, 0.11.x): jax.distributed
+    exposes no public accessor for its store; sifar_jax.distributed agrees on
+    communicators spanning processes through it.
+    """
+    try:
+        from jax._src import distributed as jax_distributed
+
+        return jax_distributed.global_state.client
+    except (ImportError, AttributeError):  # moved in a later JAX: no spanning communicators
+        return None

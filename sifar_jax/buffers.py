@@ -103,6 +103,11 @@ def make_buffers(mesh, axis_name: str) -> DualBuffers:
             f"sifar_jax.make_buffers: no communicator for axis {axis_name!r}; "
             f"call sifar_jax.init(mesh) first"
         )
+    if any(c.processes for c in comms):
+        raise NotImplementedError(
+            f"sifar_jax.make_buffers: axis {axis_name!r} spans several processes; explicit "
+            f"buffers need every rank in one process (use sifar_psum there)"
+        )
     total = _ext._sifar.slot_total_bytes(comms[0].comm_id)
     sharding = NamedSharding(mesh, buffer_spec(mesh))
     shape = (mesh.devices.size, total)

@@ -40,7 +40,7 @@ import threading
 import jax
 import numpy as np
 
-from . import _ext, _jax_compat
+from . import _ext, _jax_compat, distributed
 
 DEFAULT_SLOT_BYTES = 64 * 1024
 # Lanes per communicator: independent call chains (a scan body and its caller,
@@ -60,6 +60,9 @@ class Communicator:
     slot_bytes: int
     groups: tuple[tuple[int, ...], ...]  # device ids, rank order
     lanes: int = DEFAULT_LANES
+    # The processes whose devices it spans; () when they are all this process's
+    # (sifar_jax.distributed).
+    processes: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +119,8 @@ def _why_unsupported(groups: list[list], platform: str | None) -> str | None:
         return f"sifar_jax was built without its {platform} backend"
     if n > _ext._sifar.max_ranks():
         return f"axis has {n} devices; sifar_jax supports up to {_ext._sifar.max_ranks()}"
-    me = jax.process_index()
-    if any(d.process_index != me for g in groups for d in g):
-        return "the axis spans several processes (one process per GPU is not supported yet)"
+    if distributed.spans_processes(groups):
+        return None  # decided with the other processes (sifar_jax.distributed)
     if platform == "cuda":
         for g in groups:
             for a in g:
@@ -156,6 +158,7 @@ def _drop_overlapping(axis: str, devices: set[int]) -> None:
             keep.append(c)
         else:
             _wait_for_effects()
+            distributed.before_destroy([c.comm_id])
             _ext._sifar.destroy_comm(c.comm_id)
     _comms[axis] = keep
 
@@ -210,6 +213,11 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None,
         products = [p for p in sorted(_products) if set(p) <= set(mesh.axis_names)]
         for axis in [*mesh.axis_names, *products]:
             groups = _groups(mesh, axis)
+            if not distributed.spans_processes(groups):
+                # Every group lies in one process: each serves its own groups.
+                groups = [g for g in groups if g[0].process_index == jax.process_index()]
+                if not groups:
+                    continue
             ids = tuple(tuple(d.id for d in g) for g in groups)
             platform = _platform(groups[0][0])
             if any(c.groups == ids and (keep_slot or c.slot_bytes == slot_bytes)
@@ -217,23 +225,33 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None,
                 continue  # already set up: init is idempotent
             _drop_overlapping(axis, {d for g in ids for d in g})
             reason = _why_unsupported(groups, platform)
+            shared = None  # (comm id, processes) of an axis spanning processes
+            if reason is None and distributed.spans_processes(groups):
+                shared = distributed.create_comm(platform, _axis_key(axis), _label(axis),
+                                                 groups, slot_bytes, _settings["timeout_s"],
+                                                 lanes)
+                if shared is None:
+                    continue  # no device of this process lies on the axis
+                if isinstance(shared, str):  # every process falls back, for the same reason
+                    reason, shared = shared, None
             if reason is not None:
                 _unsupported.setdefault(axis, []).append(Unsupported(axis, len(groups[0]), reason))
                 continue
             key = _axis_key(axis)
-            comm_id = _ext._sifar.create_comm(
+            comm_id, processes = shared or (_ext._sifar.create_comm(
                 platform,
                 key,
                 _label(axis),
-                [[d.local_hardware_id for d in g] for g in groups],
+                [[distributed.device_ordinal(d) for d in g] for g in groups],
                 slot_bytes,
                 _settings["timeout_s"],
                 lanes,
-            )
+            ), ())
             if _settings["skew"] != (0, 0):
                 _ext._sifar.set_skew(comm_id, *_settings["skew"])
             _comms.setdefault(axis, []).append(
-                Communicator(axis, key, comm_id, platform, len(groups[0]), slot_bytes, ids, lanes)
+                Communicator(axis, key, comm_id, platform, len(groups[0]), slot_bytes, ids, lanes,
+                             processes)
             )
 
 
@@ -246,6 +264,7 @@ def shutdown(release_memory: bool = False) -> None:
     """
     with _lock:
         _wait_for_effects()
+        distributed.before_destroy([c.comm_id for cs in _comms.values() for c in cs])
         _ext._sifar.destroy_all()
         _comms.clear()
         _unsupported.clear()

@@ -1,0 +1,318 @@
+"""One process of the multi-process tests, started by tests/test_multiprocess.py
+through `python -m sifar_jax.launch` (every process runs this same program).
+
+    exact   every portable algorithm over an axis spanning all processes: a
+            chain of all-reduces, without and with testing.inject_skew,
+            bit-identical to the rank-order float32 reference; one all-reduce
+            against lax.psum (cross-process CPU collectives: gloo), int32 exactly
+    mesh2d  a ("proc", "dev") mesh: "dev" within each process, "proc" across
+            processes; the sum over both axes in rank order, exactly
+    kill    process --victim kills itself (SIGKILL) after --after all-reduces;
+            the others must fail within the timeout with an error naming it
+    hosts   the processes claim different hosts: every process falls back to
+            lax.psum with that reason ("auto"), an explicit algorithm raises
+    absent  process 1 never calls init: process 0's init raises, naming it
+
+Each process checks the rows it holds and prints "OK <scenario> ..." lines; any
+failure exits non-zero (the launcher propagates it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import time
+import warnings
+
+import sifar_jax
+from sifar_jax import _jax_compat, distributed
+
+distributed.initialize()  # before any computation: the launcher's coordinator
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from reference import chain_reference_f32  # noqa: E402
+from test_faults import scan_chain_fn  # noqa: E402
+
+SLOT = 4096
+SIZE = 61  # float32 elements: 244 bytes, padded to whole lines
+PORTABLE = tuple(sifar_jax.algorithms.PORTABLE)
+ME = jax.process_index()
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def global_array(mesh, spec, data: np.ndarray):
+    """The global array whose value is `data` (every process holds all of it)."""
+    return jax.make_array_from_callback(data.shape, NamedSharding(mesh, spec), lambda i: data[i])
+
+
+def local_rows(arr) -> dict[int, np.ndarray]:
+    """{row: value} of the rows of a ("tp",)-sharded array this process holds."""
+    return {s.index[0].start or 0: np.asarray(s.data) for s in arr.addressable_shards}
+
+
+def expect_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    g, w = np.ascontiguousarray(got), np.ascontiguousarray(want)
+    bad = np.nonzero(g.view(np.uint32) != w.view(np.uint32))
+    if bad[0].size:
+        raise AssertionError(f"process {ME}: {what}: {bad[0].size} words differ from the "
+                             f"rank-order float32 reference, first at {[int(b[0]) for b in bad]}")
+
+
+def tp_mesh():
+    return Mesh(np.array(jax.devices()), ("tp",))
+
+
+def run_exact(args) -> None:
+    mesh = tp_mesh()
+    n = mesh.size
+    sifar_jax.init(mesh, slot_bytes=SLOT, timeout_s=args.timeout)
+    (comm,) = sifar_jax.communicators("tp")
+    assert comm.processes == tuple(range(jax.process_count())), comm
+    local = sum(1 for d in mesh.devices.flat if d.process_index == ME)
+    for algorithm in args.algorithms.split(","):
+        f = scan_chain_fn(mesh, algorithm)
+        rng = np.random.default_rng([n, len(algorithm)])
+        y0 = rng.uniform(0.5, 2.0, (n, SIZE)).astype(np.float32)
+        xs = rng.uniform(0.5, 2.0, (n, args.steps, SIZE)).astype(np.float32)
+        want = chain_reference_f32(y0, xs)
+        y0_g, xs_g = global_array(mesh, P("tp"), y0), global_array(mesh, P("tp"), xs)
+        for skew_us in (0, 200):
+            before = sifar_jax.stats()[algorithm]
+            skew = sifar_jax.testing.inject_skew(skew_us, seed=n) if skew_us else contextlib.nullcontext()
+            with skew:
+                got = f(y0_g, xs_g)
+                jax.block_until_ready(got)
+            sifar_jax.check()
+            after = sifar_jax.stats()[algorithm]
+            for row, value in local_rows(got).items():
+                expect_bits(value[0], want, f"{algorithm} skew={skew_us}us rank {row}")
+            calls = after["calls"] - before["calls"]
+            assert calls == local * args.steps, (algorithm, calls)
+            assert after["timeouts"] == before["timeouts"]
+            retries = after["retries"] - before["retries"]
+            if algorithm == "sifar" and skew_us:
+                assert retries > 0, "skewed ranks arrive late: sifar must have re-read"
+            say(f"OK exact {algorithm} n={n} skew={skew_us}us steps={args.steps} retries={retries}")
+
+    # One all-reduce against lax.psum, which runs on the cross-process CPU
+    # collectives (NCCL on GPUs): sifar is the rank-order float32 sum; psum
+    # may add in another order (close), and int32 sums agree exactly.
+    def both(x):
+        ours = sifar_jax.sifar_psum(x[0], "tp")[None]
+        if args.no_psum:  # NCCL refuses two ranks on one GPU
+            return ours, ours
+        return ours, jax.lax.psum(x[0], "tp")[None]
+
+    g = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=P("tp"), out_specs=(P("tp"), P("tp"))))
+    rng = np.random.default_rng(7)
+    x = rng.uniform(-2, 2, (n, 300)).astype(np.float32)
+    want = x[0].copy()
+    for r in range(1, n):
+        want = (want + x[r]).astype(np.float32)
+    ours, theirs = g(global_array(mesh, P("tp"), x))
+    for row, value in local_rows(ours).items():
+        expect_bits(value[0], want, f"sifar_psum vs reference, rank {row}")
+        np.testing.assert_allclose(local_rows(theirs)[row][0], want, rtol=1e-5, atol=1e-5)
+    xi = rng.integers(-(2**30), 2**30, (n, 300), dtype=np.int32)
+    ours, theirs = g(global_array(mesh, P("tp"), xi))
+    for row, value in local_rows(ours).items():
+        np.testing.assert_array_equal(value, local_rows(theirs)[row])
+    say(f"OK exact lax.psum n={n}")
+
+    # Set up again (new workspaces and names, the same compiled function).
+    sifar_jax.shutdown()
+    sifar_jax.init(mesh, slot_bytes=SLOT, timeout_s=args.timeout)
+    ours, _ = g(global_array(mesh, P("tp"), x))
+    for row, value in local_rows(ours).items():
+        expect_bits(value[0], want, f"after re-init, rank {row}")
+    say(f"OK exact re-init n={n}")
+
+
+def run_mesh2d(args) -> None:
+    nproc = jax.process_count()
+    devs = np.array(jax.devices()).reshape(nproc, -1)  # row p: process p's devices
+    mesh = Mesh(devs, ("proc", "dev"))
+    sifar_jax.init(mesh, slot_bytes=SLOT, timeout_s=args.timeout)
+    assert all(c.processes == () for c in sifar_jax.communicators("dev"))
+    assert all(c.processes == tuple(range(nproc)) for c in sifar_jax.communicators("proc"))
+
+    def body(x):
+        return sifar_jax.sifar_psum(sifar_jax.sifar_psum(x[0, 0], "dev"), "proc")[None, None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("proc", "dev"),
+                              out_specs=P("proc", "dev")))
+    rng = np.random.default_rng(11)
+    x = rng.uniform(-2, 2, devs.shape + (200,)).astype(np.float32)
+    per_proc = []
+    for p in range(nproc):  # "dev" first, in rank order, then "proc" in rank order
+        s = x[p, 0].copy()
+        for d in range(1, devs.shape[1]):
+            s = (s + x[p, d]).astype(np.float32)
+        per_proc.append(s)
+    want = per_proc[0]
+    for p in range(1, nproc):
+        want = (want + per_proc[p]).astype(np.float32)
+    for _ in range(3):
+        out = f(global_array(mesh, P("proc", "dev"), x))
+        for s in out.addressable_shards:
+            expect_bits(np.asarray(s.data)[0, 0], want, f"mesh2d shard {s.index}")
+    sifar_jax.check()
+    say(f"OK mesh2d {devs.shape}")
+
+
+def run_kill(args) -> None:
+    mesh = tp_mesh()
+    n = mesh.size
+    sifar_jax.init(mesh, slot_bytes=SLOT, timeout_s=args.timeout)
+
+    def body(x):
+        return sifar_jax.sifar_psum(x[0], "tp", algorithm=args.algorithms.split(",")[0])[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+    x = np.random.default_rng(3).uniform(0.5, 2, (n, 64)).astype(np.float32)
+    want = x[0].copy()
+    for r in range(1, n):
+        want = (want + x[r]).astype(np.float32)
+    xg = global_array(mesh, P("tp"), x)
+    for i in range(args.after + 50):
+        t0 = time.monotonic()
+        try:
+            out = f(xg)
+            jax.block_until_ready(out)
+            sifar_jax.check()
+        except Exception as e:  # noqa: BLE001 - the expected failure
+            elapsed = time.monotonic() - t0
+            msg = str(e)
+            assert i == args.after + 1, f"failed at call {i}, expected {args.after + 1}: {msg}"
+            victim_ranks = [r for r, d in enumerate(mesh.devices.flat)
+                            if d.process_index == args.victim]
+            named = [f"rank {r} (process {args.victim}) never arrived" for r in victim_ranks]
+            assert "timed out" in msg and any(s in msg for s in named), msg
+            assert elapsed < args.timeout + 5, f"the error took {elapsed:.1f} s"
+            say(f"OK kill: call {i} failed after {elapsed:.1f} s: "
+                f"{msg[msg.index('sifar_jax:'):][:300]}")
+            sys.stdout.flush()
+            # Exit now: jax.distributed's shutdown would wait for the dead process.
+            os._exit(0)
+        for row, value in local_rows(out).items():
+            expect_bits(value[0], want, f"kill: call {i}, rank {row}")
+        if ME == args.victim and i == args.after:
+            say(f"killing myself after call {i}")
+            os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError(f"process {ME}: no call failed after process {args.victim} died")
+
+
+def run_hosts(args) -> None:
+    distributed.host_id = lambda: f"host-{ME}/boot"  # as if each process ran elsewhere
+    mesh = Mesh(np.array(jax.devices()), ("hosts",))
+    sifar_jax.init(mesh, slot_bytes=SLOT)
+    (unsupported,) = sifar_jax.comm.unsupported("hosts")
+    assert "spans hosts" in unsupported.reason, unsupported
+    assert not sifar_jax.communicators("hosts")
+    x = np.random.default_rng(5).uniform(-1, 1, (mesh.size, 40)).astype(np.float32)
+
+    def body(v):
+        return sifar_jax.sifar_psum(v[0], "hosts")[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("hosts"), out_specs=P("hosts")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = f(global_array(mesh, P("hosts"), x))
+    assert any("spans hosts" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    for row, value in local_rows(out).items():
+        np.testing.assert_allclose(value[0], x.sum(0), rtol=1e-5, atol=1e-6)
+
+    def explicit(v):
+        return sifar_jax.sifar_psum(v[0], "hosts", algorithm="sifar")[None]
+
+    try:
+        jax.jit(jax.shard_map(explicit, mesh=mesh, in_specs=P("hosts"), out_specs=P("hosts")))(
+            global_array(mesh, P("hosts"), x))
+    except ValueError as e:
+        assert "spans hosts" in str(e), e
+    else:
+        raise AssertionError("an explicit algorithm on an axis across hosts must raise")
+    say("OK hosts: lax.psum on an axis across hosts")
+
+
+def run_hosts2d(args) -> None:
+    """A ("host", "gpu") mesh, each process as if on its own host, reduced over
+    both axes: sifar within the host ("gpu", this process's devices), lax.psum
+    across hosts (the product axis falls back: it spans hosts)."""
+    distributed.host_id = lambda: f"host-{ME}/boot"
+    nproc = jax.process_count()
+    devs = np.array(jax.devices()).reshape(nproc, -1)  # row p: process p's devices
+    mesh = Mesh(devs, ("host", "gpu"))
+    sifar_jax.init(mesh, slot_bytes=SLOT, timeout_s=args.timeout)
+
+    def body(x):
+        return sifar_jax.sifar_psum(x[0, 0], ("host", "gpu"))[None, None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("host", "gpu"),
+                              out_specs=P("host", "gpu")))
+    x = np.random.default_rng(13).uniform(-2, 2, devs.shape + (96,)).astype(np.float32)
+    before = sifar_jax.stats()["sifar"]["calls"]
+    out = f(global_array(mesh, P("host", "gpu"), x))
+    for s in out.addressable_shards:
+        np.testing.assert_allclose(np.asarray(s.data)[0, 0], x.sum((0, 1)), rtol=1e-5, atol=1e-5)
+    sifar_jax.check()
+    (unsupported,) = sifar_jax.comm.unsupported(("host", "gpu"))
+    assert "spans hosts" in unsupported.reason, unsupported
+    calls = sifar_jax.stats()["sifar"]["calls"] - before
+    assert calls == devs.shape[1], f"sifar must serve the in-host axis: {calls} calls"
+    say(f"OK hosts2d {devs.shape}: sifar over 'gpu', lax.psum over 'host'")
+
+
+def run_absent(args) -> None:
+    client = _jax_compat.kv_client()
+    if ME == 1:  # never sets the axis up; waits until process 0 has given up
+        client.blocking_key_value_get("test/absent/done", 60_000)
+        return
+    distributed.INIT_TIMEOUT_S = 2.0
+    t0 = time.monotonic()
+    try:
+        sifar_jax.init(Mesh(np.array(jax.devices()), ("absent",)))
+    except sifar_jax.SifarError as e:
+        assert "process 1 did not reach 'identity'" in str(e), e
+        assert time.monotonic() - t0 < 10
+        say(f"OK absent: {str(e)[:120]}")
+    else:
+        raise AssertionError("init must fail when a process never comes")
+    finally:
+        client.key_value_set("test/absent/done", "1")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("scenarios", nargs="+", choices=tuple(SCENARIOS))
+    p.add_argument("--algorithms", default=",".join(PORTABLE))
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--timeout", type=float, default=20.0)
+    p.add_argument("--victim", type=int, default=1)
+    p.add_argument("--after", type=int, default=3)
+    p.add_argument("--no-psum", action="store_true", help="skip the lax.psum comparison")
+    args = p.parse_args()
+    say(f"PID {os.getpid()} process {ME} of {jax.process_count()}, "
+        f"{jax.local_device_count()} local device(s) of {jax.device_count()}")
+    for scenario in args.scenarios:
+        SCENARIOS[scenario](args)
+    sifar_jax.shutdown()
+    say("DONE")
+
+
+SCENARIOS = {"exact": run_exact, "mesh2d": run_mesh2d, "kill": run_kill, "hosts": run_hosts,
+             "hosts2d": run_hosts2d, "absent": run_absent}
+
+if __name__ == "__main__":
+    main()
