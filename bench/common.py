@@ -28,7 +28,7 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 # CPU demo output: git-ignored, so a run on a laptop or in CI leaves the checkout
-# clean (the committed bench/results/*-cpu-2core.* files stay as they are).
+# clean (bench/results/ holds only GPU results, which are committed).
 LOCAL_OUT = DEFAULT_OUT / "local"
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 # NVLink multicast stays off on every host here (a program that uses it can take

@@ -2,7 +2,7 @@
 // multicast object set-up and the multimem.ld_reduce kernel.
 //
 // IMPLEMENTED AND COMPILED, NEVER EXECUTED ON OUR HARDWARE.  Multicast is
-// forbidden on our GPU hosts (DESIGN.md section 2).  Nothing in this file
+// forbidden on our GPU hosts (docs/design.md, Multicast).  Nothing in this file
 // calls the driver before the guard (MulticastRefusalHere) has passed, and
 // every CUDA call is counted (CountMulticastCudaCall) so tests can prove a
 // refusal made none.
@@ -28,7 +28,7 @@
 // kernels: finishing e-1 proves every peer's block b started e-1, hence
 // finished reading slot[e%2] at e-2.
 //
-// KNOWN FLAW (the paper's, kept on purpose; DESIGN.md section 1): in step 2
+// KNOWN FLAW (the paper's, kept on purpose; docs/design.md, What SiFAR is: Correct by construction): in step 2
 // the flag and the payload loads are not ordered, so a pull can in principle
 // see a stale payload together with a fresh flag.  The epoch-tagged "sifar"
 // algorithm is the correct-by-construction default; an epoch tag cannot ride

@@ -2,7 +2,7 @@
 without ever executing multicast.
 
 NO TEST HERE CREATES A MULTICAST OBJECT OR RUNS A multimem INSTRUCTION, on any
-host. Multicast is forbidden on our GPU hosts (DESIGN.md section 2). What runs:
+host. Multicast is forbidden on our GPU hosts (docs/design.md, Multicast). What runs:
 
 - the Python and C++ guards, on explicit environments (pure functions);
 - the C++ set-up entry point, ONLY under a process environment the guard
