@@ -193,23 +193,35 @@ def test_chain_ids_differ_between_jaxprs():
 # --------------------------------------------------------------- epoch wrap --
 @pytest.mark.parametrize("algorithm", ALGS)
 def test_crossing_the_tag_wrap_never_accepts_old_words(cpu_mesh, algorithm):
-    """Tags carry 4 epoch bits here, so the tag wraps every 14 calls. A
-    full-slot payload first leaves tagged words in every line; then small
-    payloads cross the wrap; then full payloads under skew (so a late peer's
-    old word is what an early reader finds): every sum exact."""
-    n = 2
+    """Tags carry 4 epoch bits here, so a tag comes back every 14 epochs (the
+    wrap skips two), at the same slot parity. One chain runs a full-slot
+    all-reduce then 13 small ones, 8 times: from the second round on, every
+    full call runs at the tag the previous full call left in every line, under
+    skew (so a late peer's old word is what an early reader finds). Without
+    the clearing at the wrap this returns wrong sums; with it every sum is
+    exact."""
+    n, rounds, smalls = 2, 8, 13
     mesh = cpu_mesh(n, slot_bytes=SLOT)
     full, small = SLOT // 4, 8
-    f_full = shard(mesh, lambda x: sifar_jax.sifar_psum(x, "tp", algorithm=algorithm))
-    with testing.epoch_bits("tp", 4):
-        rng = rng_for("wrap", algorithm)
-        sequence = [full] + [small] * 9 + [full] * 3 + [small] * 20 + [full] * 6
-        with testing.inject_skew(300, seed=11):
-            for k, size in enumerate(sequence):
-                x = rng.standard_normal((n, size)).astype(np.float32)
-                got = np.asarray(f_full(x))
-                np.testing.assert_array_equal(
-                    got, np.broadcast_to(rank_order_sum(x), x.shape), err_msg=f"call {k} ({size})")
+
+    def body(a, b):
+        outs = [sifar_jax.sifar_psum(a, "tp", algorithm=algorithm)]
+        outs += [sifar_jax.sifar_psum(b[0, k], "tp", algorithm=algorithm) for k in range(smalls)]
+        return outs[0], jnp.stack(outs[1:])[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp")),
+                              out_specs=(P("tp"), P("tp"))))
+    rng = rng_for("wrap", algorithm)
+    with testing.epoch_bits("tp", 4), testing.inject_skew(300, seed=11):
+        for it in range(rounds):
+            a = rng.standard_normal((n, full)).astype(np.float32)
+            b = rng.standard_normal((n, smalls, small)).astype(np.float32)
+            ga, gb = jax.device_get(f(a, b))
+            np.testing.assert_array_equal(ga, np.broadcast_to(rank_order_sum(a), a.shape),
+                                          err_msg=f"round {it}: full payload")
+            want = np.stack([rank_order_sum(b[:, k]) for k in range(smalls)])
+            np.testing.assert_array_equal(gb, np.broadcast_to(want, (n, smalls, small)),
+                                          err_msg=f"round {it}: small payloads")
     sifar_jax.check()
 
 
