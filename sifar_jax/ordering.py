@@ -43,25 +43,13 @@ _next_chain = itertools.count(1)
 # refers to its trace), so a finished trace is forgotten and no limit on the
 # number of remembered traces is needed; the trace keeps its tracers alive.
 _chains: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-# Traces that cannot be weakly referenced (none in current JAX) fall back to
-# this strong map keyed by id, pruned when full.
-_strong: dict = {}
-_STRONG_LIMIT = 64
 
 
 def _entry(trace):
-    try:
-        e = _chains.get(trace)
-        if e is None:
-            e = _chains[trace] = [next(_next_chain), None]
-        return e
-    except TypeError:  # not weak-referenceable
-        e = _strong.get(id(trace))
-        if e is None or e[2] is not trace:
-            if len(_strong) >= _STRONG_LIMIT:
-                _strong.pop(next(iter(_strong)))
-            e = _strong[id(trace)] = [next(_next_chain), None, trace]
-        return e
+    e = _chains.get(trace)
+    if e is None:
+        e = _chains[trace] = [next(_next_chain), None]
+    return e
 
 
 def chain_id(x) -> int:
