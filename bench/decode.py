@@ -26,6 +26,11 @@ bucket), so a step costs what a filled context of that length costs, at every le
 prefill of an 8B model would take longer than the whole run). Every variant starts from the same
 cache and token, so the generated tokens are comparable ("same tokens as psum").
 
+sifar variants also trace their all-reduces inside the decode step (sifar_jax.call_trace: device
+%globaltimer stamps per call and rank, bench.calltrace): TRACE_STEPS pipelined steps after the
+timed loops, giving "allreduce_trace" (p50/p90/p99/p99.9 of per-call latency, the share of calls
+that mis-speculated) on each of the variant's records.
+
 Each record also says whether the optimised HLO of the executable its loop runs copies the KV cache
 (per call, or per iteration of the on-device loop: "cache_copies", models.hlo).
 
@@ -42,7 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import common
+from bench import calltrace, common
 
 common.use_host_devices(8)  # before jax is imported; only XLA:CPU reads it
 
@@ -111,6 +116,10 @@ def parse_args(argv=None):
     p.add_argument("--chunk", type=int, default=16, help="on_device tokens per dispatch")
     p.add_argument("--in-flight", type=int, default=2, help="stream: steps dispatched ahead")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-layout", choices=("auto", *sorted(llama.KV_LAYOUTS)), default="auto",
+                   help="KV cache layout (auto: llama.default_kv_layout, bhsd on GPUs)")
+    p.add_argument("--no-trace", action="store_true",
+                   help="skip the per-call all-reduce trace of the sifar variants")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (CPU, CI)")
     p.add_argument("--out", default=None,
                    help="results directory (default: bench/results on GPUs, bench/results/local "
@@ -170,6 +179,8 @@ def settings(args, platform: str, n_devices: int) -> dict:
         "in_flight": args.in_flight,
         "warmup": 2,
         "seed": args.seed,
+        "kv_layout": None if args.kv_layout == "auto" else args.kv_layout,
+        "trace": not args.no_trace,
         "loops": _loops(args.loops),
         "sweep_loops": [] if args.no_sweep else _loops(args.sweep_loops),
         "variants": parse_variants(args),
@@ -277,7 +288,8 @@ def _counter_delta(before, after) -> dict:
 
 
 # ------------------------------------------------------------------- set-up --
-def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: int):
+def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: int,
+                 kv_layout: str | None = None):
     """A Decoder whose cache of `context` positions is filled with random values. sifar's slot
     is widened where a step's payload (batch x hidden) would not fit the default."""
     _, kind, alg, fused = variant
@@ -288,7 +300,7 @@ def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: 
         payload = batch * config.hidden_size * np.dtype(jax.numpy.dtype(config.dtype)).itemsize
         slot = payload if payload > sifar_jax.DEFAULT_SLOT_BYTES else None
     dec = Decoder(config, mesh, params, allreduce=kind, algorithm=alg, fused=fused,
-                  slot_bytes=slot, batch_size=batch, max_seq_len=context)
+                  slot_bytes=slot, batch_size=batch, max_seq_len=context, kv_layout=kv_layout)
     dec.reset(context)
     dec.randomize_cache(seed)
     return dec
@@ -415,7 +427,7 @@ def run_variant(config, mesh, params, case, s, bar) -> list[dict]:
     before = _sifar_counters() if kind in SIFAR_KINDS else None
     t0 = time.perf_counter()
     bar.set_postfix_str(f"{where}: set-up")
-    dec = make_decoder(config, mesh, params, variant, batch, context, s["seed"])
+    dec = make_decoder(config, mesh, params, variant, batch, context, s["seed"], s["kv_layout"])
     first = start_tokens(config, batch, s["seed"])
     setup_s = time.perf_counter() - t0
     timed = []
@@ -426,15 +438,39 @@ def run_variant(config, mesh, params, case, s, bar) -> list[dict]:
         t1 = time.perf_counter()
         seconds, tokens = TIMERS[loop](dec, s)
         timed.append((loop, seconds, tokens, time.perf_counter() - t1, copies))
-    common_fields = {"setup_s": round(setup_s, 2),
+    trace = trace_allreduces(dec, s, context, first) if kind in SIFAR_KINDS and s["trace"] else None
+    common_fields = {"setup_s": round(setup_s, 2), "kv_layout": dec.kv_layout,
                      "weights_bytes_per_rank": streamed_bytes_per_rank(config, params, tp),
                      "kv_bytes_per_rank": kv_cache_bytes_per_rank(config, context, tp, batch)}
     if kind in SIFAR_KINDS:
         common_fields.update(sifar_fields(before))
+    if trace is not None:
+        common_fields["allreduce_trace"] = trace
     del dec
     return [make_record(variant, loop, tp, batch, context, s, seconds, tokens,
                         dict(common_fields, loop_s=round(loop_s, 2), cache_copies=copies))
             for loop, seconds, tokens, loop_s, copies in timed]
+
+
+TRACE_STEPS = 48  # traced pipelined steps: 48 x 64 all-reduces (8B) stay within one trace ring
+
+
+def trace_allreduces(dec, s, context: int, first) -> dict:
+    """Per-call latency of the all-reduces inside TRACE_STEPS back-to-back decode steps, from the
+    device's own timestamps (bench.calltrace.summarize), or {"error": why}."""
+    import sifar_jax
+
+    try:
+        dec.seek(context - TRACE_STEPS - 2, first)
+        dec.advance()  # compiled and warm before the trace starts
+        dec.token()
+        with sifar_jax.call_trace(dec.axis_name) as t:
+            dec.advance(TRACE_STEPS)
+            dec.token()
+        rec = t.records()
+        return {"steps": TRACE_STEPS, **calltrace.summarize(rec)}
+    except Exception as e:  # noqa: BLE001 - recorded; the benchmark goes on
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def cache_copies(dec, loop: str, s) -> dict:
@@ -610,6 +646,26 @@ def tail_rows(records) -> tuple[list[str], list[list]]:
     return headers, rows
 
 
+def allreduce_tail_rows(records) -> tuple[list[str], list[list]]:
+    """Per sifar variant and point: the per-call all-reduce latency inside the decode step."""
+    headers = ["TP", "all-reduce", "batch", "KV length", "calls", "p50 us", "p90 us", "p99 us",
+               "p99.9 us", "mis-speculated"]
+    rows, seen = [], set()
+    for r in records:
+        t = r.get("allreduce_trace")
+        key = (r["tp"], r["allreduce"], r["batch"], r["context"])
+        if not t or key in seen:
+            continue
+        seen.add(key)
+        if "error" in t:
+            rows.append([*key, "-", t["error"], "", "", "", ""])
+            continue
+        tails = [t.get(f"us_p{q}") for q in ("50", "90", "99", "99_9")]
+        rows.append([*key, t["calls"], *("-" if v is None else f"{v:.2f}" for v in tails),
+                     f"{100 * (t.get('retried_share') or 0):.0f}%"])
+    return headers, rows
+
+
 def _bytes(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= scale:
@@ -719,6 +775,11 @@ def write_outputs(args, s, env, records, platform, final: bool):
     headers, rows = tail_rows(records)
     if rows:
         sections.append(("Tail of the per-step time (batch 1)", common.markdown_table(headers, rows)))
+    headers, rows = allreduce_tail_rows(records)
+    if rows:
+        sections.append(("sifar all-reduces inside the decode step: per-call latency from device "
+                         f"timestamps ({TRACE_STEPS} back-to-back steps, every rank, block 0's view)",
+                         common.markdown_table(headers, rows)))
     budget = budget_lines(records, s)
     if budget:
         sections.append((f"Per-token budget, pipelined, batch 1 (assumed HBM bandwidth "

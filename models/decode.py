@@ -5,7 +5,8 @@ its address from step to step (a buffer that moves makes XLA:GPU re-record the s
 buffer; at 8B shapes a token passed in and out of the step measured ~0.7 ms more per waited step
 on an H200 than a token kept in the state):
 
-    cache  per layer {"k", "v"}: [B, capacity, kv_heads, head_dim], split over the tp axis
+    cache  per layer {"k", "v"}: [B, capacity, kv_heads, head_dim] or [B, kv_heads, capacity,
+           head_dim] (Decoder.kv_layout), split over the tp axis
     pos    int32, the next position          tok   [B, 1] int32, the last token chosen
     done   [B] bool, eos was produced        eos   int32, the stop token (-1: none)
     key    uint32 raw PRNG key data          ar    all-reduce buffers (sifar_buffers), else {}
@@ -116,12 +117,15 @@ class Decoder:
     (prompt + max_new_tokens, rounded up to a power of two), grown when a sequence outgrows it,
     never beyond config.max_seq_len. A prefill's all-reduce payload is batch x prompt x hidden:
     past sifar's slot it falls back to lax.psum with algorithm="auto" (and raises with a named
-    algorithm); raise slot_bytes to keep it on sifar.
+    algorithm); raise slot_bytes to keep it on sifar. kv_layout: "bshd" or "bhsd"
+    (llama.KV_LAYOUTS), by default the one the platform updates in place
+    (llama.default_kv_layout).
     """
 
     def __init__(self, config: LlamaConfig, mesh: Mesh, params, *, allreduce: str = "psum",
                  algorithm: str = "auto", fused: bool = False, slot_bytes: Optional[int] = None,
-                 axis_name: str = "tp", batch_size: int = 1, max_seq_len: Optional[int] = None):
+                 axis_name: str = "tp", batch_size: int = 1, max_seq_len: Optional[int] = None,
+                 kv_layout: Optional[str] = None):
         if allreduce not in llama.ALLREDUCE_KINDS:
             raise ValueError(f"allreduce must be one of {llama.ALLREDUCE_KINDS}, got {allreduce!r}")
         if slot_bytes is not None and allreduce not in SIFAR_KINDS:
@@ -132,6 +136,10 @@ class Decoder:
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len  # None: sized per request
         self.tp = mesh.shape[axis_name]
+        self.kv_layout = kv_layout or llama.default_kv_layout(mesh)
+        if self.kv_layout not in llama.KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {sorted(llama.KV_LAYOUTS)}, "
+                             f"got {kv_layout!r}")
         self.layout = llama.tp_layout(config, self.tp)  # raises if tp does not split the model
         if fused:
             llama.make_fused_add_norm(allreduce, algorithm)  # a clear error now, not at trace
@@ -146,12 +154,12 @@ class Decoder:
                 spec = sifar_jax.buffer_spec(mesh)
                 ar_specs = {"a": spec, "b": spec}
         self._fwd_kw = dict(allreduce=allreduce, algorithm=algorithm, fused=fused,
-                            axis_name=axis_name, ar_specs=ar_specs)
+                            axis_name=axis_name, ar_specs=ar_specs, kv_layout=self.kv_layout)
         self.params = self._place(params)
         # flattened once: every call passes this list (no per-call flattening of a nested dict)
         self._leaves, self._treedef = jax.tree.flatten(self.params)
         self._rep = NamedSharding(mesh, P())
-        self._cache_sharding = NamedSharding(mesh, llama.cache_spec(axis_name))
+        self._cache_sharding = NamedSharding(mesh, llama.cache_spec(axis_name, self.kv_layout))
         self._forwards: dict = {}
         self._executables: dict = {}
         self.sampling = Sampling()
@@ -196,7 +204,8 @@ class Decoder:
             return
         old = self._capacity
         grow = jax.jit(lambda c: jax.tree.map(
-            lambda a: jnp.pad(a, ((0, 0), (0, new - old), (0, 0), (0, 0))), c),
+            lambda a: jnp.pad(a, [(0, new - old if d == "s" else 0)
+                                  for d in llama.KV_LAYOUTS[self.kv_layout]]), c),
             out_shardings=self._cache_sharding)  # (a larger output cannot reuse the input)
         cache, self.state["cache"] = self.state["cache"], None
         self.state["cache"] = grow(cache)
@@ -215,7 +224,8 @@ class Decoder:
                 self.state = None  # free the old cache before allocating the new one
             elif self._buffers is not None:
                 ar, self._buffers = dict(self._buffers._asdict()), None  # the state owns them
-            cache = llama.init_cache(self.config, self.mesh, self.batch_size, size, self.axis_name)
+            cache = llama.init_cache(self.config, self.mesh, self.batch_size, size, self.axis_name,
+                                     self.kv_layout)
             self.state = {"cache": cache, "ar": ar}
             self._capacity = size
         b = self.batch_size

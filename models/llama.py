@@ -246,6 +246,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 # ---- modules (per-rank __call__) ------------------------------------------------------------------
 
+# KV cache layouts, by the einsum letters of a cache tensor: b batch, s positions, k kv heads,
+# d head dim. Which one a platform reads in place: default_kv_layout.
+KV_LAYOUTS = {"bshd": "bskd", "bhsd": "bksd"}
+
+
+def _to_cache(x, dims: str, dtype):
+    """[B, T, kv heads, D] keys or values in the cache's layout (`dims`) and dtype."""
+    return (x if dims == "bskd" else jnp.swapaxes(x, 1, 2)).astype(dtype)
+
+
 def _normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
@@ -270,8 +280,10 @@ class Attention(nnx.Module):
         self.o = nnx.Param(_normal(rngs, (c.num_heads, c.head_dim, c.hidden_size),
                                    (c.num_heads * c.head_dim) ** -0.5, dt))
 
-    def __call__(self, x, cos, sin, kv_cache, positions, attend_len: Optional[int] = None):
-        """x [B, T, hidden]; kv_cache {"k","v"}: [B, S, local_kv_heads, head_dim].
+    def __call__(self, x, cos, sin, kv_cache, positions, attend_len: Optional[int] = None,
+                 kv_layout: str = "bshd"):
+        """x [B, T, hidden]; kv_cache {"k","v"}: [B, S, local_kv_heads, head_dim] ("bshd") or
+        [B, local_kv_heads, S, head_dim] ("bhsd"), see KV_LAYOUTS.
         Returns (this rank's partial sum of the output projection, new cache): the caller
         all-reduces it. Attention runs over the first `attend_len` cache positions (all S if
         None): the caller guarantees positions[-1] < attend_len."""
@@ -284,18 +296,22 @@ class Attention(nnx.Module):
         # write this step's keys/values in place (the cache is donated), then attend over a
         # static prefix of the cache with a position mask: one compiled step per length bucket,
         # whose cost is that of the bucket, not of the whole cache.
-        start = positions[0]
-        kc = jax.lax.dynamic_update_slice(kv_cache["k"], k.astype(kv_cache["k"].dtype), (0, start, 0, 0))
-        vc = jax.lax.dynamic_update_slice(kv_cache["v"], v.astype(kv_cache["v"].dtype), (0, start, 0, 0))
-        n = kc.shape[1] if attend_len is None else attend_len
-        ka, va = kc[:, :n], vc[:, :n]
+        dims = KV_LAYOUTS[kv_layout]
+        s_axis = dims.index("s")
+        at = [0, 0, 0, 0]
+        at[s_axis] = positions[0]
+        kc = jax.lax.dynamic_update_slice(kv_cache["k"], _to_cache(k, dims, kv_cache["k"].dtype), at)
+        vc = jax.lax.dynamic_update_slice(kv_cache["v"], _to_cache(v, dims, kv_cache["v"].dtype), at)
+        n = kc.shape[s_axis] if attend_len is None else attend_len
+        ka = jax.lax.slice_in_dim(kc, 0, n, axis=s_axis)
+        va = jax.lax.slice_in_dim(vc, 0, n, axis=s_axis)
 
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, ka, preferred_element_type=jnp.float32)
+        scores = jnp.einsum(f"btkgd,{dims}->bkgts", q, ka, preferred_element_type=jnp.float32)
         scores = scores * (d ** -0.5)
         visible = positions[:, None] >= jnp.arange(n)[None, :]  # [T, n]
         scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(va.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, va, preferred_element_type=jnp.float32)
+        out = jnp.einsum(f"bkgts,{dims}->btkgd", probs, va, preferred_element_type=jnp.float32)
         out = out.astype(x.dtype).reshape(*x.shape[:2], -1, d)  # heads in (kv group, group) order
         partial = jnp.einsum("bthd,hdm->btm", out, self.o[...])  # row-parallel: partial sum
         return partial, {"k": kc, "v": vc}
@@ -326,11 +342,11 @@ class Block(nnx.Module):
         self.mlp = MLP(config, rngs=rngs)
 
     def __call__(self, h, x, cos, sin, kv_cache, positions, tp: TPContext, next_norm: RMSNorm,
-                 attend_len: Optional[int] = None):
+                 attend_len: Optional[int] = None, kv_layout: str = "bshd"):
         """h = input_norm(x), already computed by the previous all-reduce; x the residual
         stream. Returns (next_norm(new x), new x, new cache): each all-reduce is followed by the
         residual add and the norm after it, fused or not (TPContext.add_norm)."""
-        a, kv_cache = self.attn(h, cos, sin, kv_cache, positions, attend_len)
+        a, kv_cache = self.attn(h, cos, sin, kv_cache, positions, attend_len, kv_layout)
         h, x = tp.add_norm(a, x, self.post_norm)
         h, x = tp.add_norm(self.mlp(h), x, next_norm)
         return h, x, kv_cache
@@ -348,10 +364,10 @@ class Llama(nnx.Module):
                                              config.hidden_size ** -0.5, dt))
 
     def __call__(self, tokens, positions, cache, tp: TPContext, last_only: bool = False,
-                 attend_len: Optional[int] = None):
+                 attend_len: Optional[int] = None, kv_layout: str = "bshd"):
         """tokens [B, T] int32; positions [T] int32, contiguous, shared by the batch (the cache
         is written at positions[0]); cache: list over layers of {"k","v"}; attend_len: see
-        Attention. Returns (local logits [B, T or 1, vocab/tp] float32, new cache)."""
+        Attention; kv_layout: the cache's KV_LAYOUTS key. Returns (local logits [B, T or 1, vocab/tp] float32, new cache)."""
         x = jnp.take(self.embed[...], tokens, axis=0)
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.config))
         layers = list(self.layers)
@@ -359,7 +375,7 @@ class Llama(nnx.Module):
         h = layers[0].input_norm(x)  # the only norm not preceded by an all-reduce
         new_cache = []
         for layer, kv, next_norm in zip(layers, cache, next_norms):
-            h, x, kv = layer(h, x, cos, sin, kv, positions, tp, next_norm, attend_len)
+            h, x, kv = layer(h, x, cos, sin, kv, positions, tp, next_norm, attend_len, kv_layout)
             new_cache.append(kv)
         x = h  # self.norm(residual), from the last layer's MLP all-reduce
         if last_only:
@@ -410,17 +426,27 @@ def param_shardings(config: LlamaConfig, mesh: Mesh, axis_name: str = "tp") -> d
     return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(abstract, axis_name))
 
 
-def cache_spec(axis_name: str = "tp") -> P:
-    return P(None, None, axis_name, None)  # [B, S, kv_heads, head_dim], split over kv heads
+def default_kv_layout(mesh: Mesh) -> str:
+    """The KV cache layout whose attention matmuls read it in place on `mesh`'s platform:
+    "bhsd" on GPUs (the matmuls batch over (B, kv heads), which XLA:GPU wants major: with "bshd"
+    it copied every cache tensor in and out of each step at batch > 1, bench/NOTES.md); "bshd"
+    elsewhere (XLA:CPU updates it in place and copies "bhsd", tests/test_decode_loops.py)."""
+    return "bhsd" if mesh.devices.flat[0].platform == "gpu" else "bshd"
+
+
+def cache_spec(axis_name: str = "tp", kv_layout: str = "bshd") -> P:
+    """Split over kv heads, whichever axis holds them."""
+    return P(*(axis_name if d == "k" else None for d in KV_LAYOUTS[kv_layout]))
 
 
 def init_cache(config: LlamaConfig, mesh: Mesh, batch_size: int, max_seq_len: int,
-               axis_name: str = "tp") -> list:
+               axis_name: str = "tp", kv_layout: str = "bshd") -> list:
     """Zero KV cache, created directly sharded (no host copy). With tp > num_kv_heads each rank
     holds its copy of one KV head."""
     config = tp_layout(config, mesh.shape[axis_name])
-    shape = (batch_size, max_seq_len, config.num_kv_heads, config.head_dim)
-    sharding = NamedSharding(mesh, cache_spec(axis_name))
+    sizes = {"b": batch_size, "s": max_seq_len, "k": config.num_kv_heads, "d": config.head_dim}
+    shape = tuple(sizes[d] for d in KV_LAYOUTS[kv_layout])
+    sharding = NamedSharding(mesh, cache_spec(axis_name, kv_layout))
     make = jax.jit(lambda: [{"k": jnp.zeros(shape, config.dtype), "v": jnp.zeros(shape, config.dtype)}
                             for _ in range(config.num_layers)],
                    out_shardings=sharding)
@@ -429,7 +455,8 @@ def init_cache(config: LlamaConfig, mesh: Mesh, batch_size: int, max_seq_len: in
 
 def make_forward(config: LlamaConfig, mesh: Mesh, *, allreduce: str = "psum",
                  algorithm: str = "auto", fused: bool = False, axis_name: str = "tp",
-                 last_only: bool = False, attend_len: Optional[int] = None, ar_specs: Any = None):
+                 last_only: bool = False, attend_len: Optional[int] = None, ar_specs: Any = None,
+                 kv_layout: str = "bshd"):
     """The TP forward as a pure function, ready for jax.jit:
 
         forward(params, cache, tokens, positions, ar) -> (logits, cache, ar)
@@ -438,14 +465,17 @@ def make_forward(config: LlamaConfig, mesh: Mesh, *, allreduce: str = "psum",
     tokens [B, T] and positions [T] are replicated; logits [B, T (1 if last_only), vocab] come out
     split over vocab; `ar` is the all-reduce buffer pytree of the decode state ({} unless
     sifar_buffers; `ar_specs` its specs). attend_len: attention over that many cache positions
-    (see Attention). fused=True (allreduce="sifar"): all-reduce + residual add + RMSNorm as one
+    (see Attention); kv_layout: the cache's (KV_LAYOUTS). fused=True (allreduce="sifar"): all-reduce + residual add + RMSNorm as one
     sifar_jax.psum_add_rmsnorm call. Works for a 1-device mesh (tp=1) too.
     """
     tp = mesh.shape[axis_name]
     config = tp_layout(config, tp)
     graphdef, abstract = abstract_model(config)
     pspecs = param_specs(abstract, axis_name)
-    cspec = [{"k": cache_spec(axis_name), "v": cache_spec(axis_name)}] * config.num_layers
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {sorted(KV_LAYOUTS)}, got {kv_layout!r}")
+    cspec = [{"k": cache_spec(axis_name, kv_layout), "v": cache_spec(axis_name, kv_layout)}] \
+        * config.num_layers
     aspecs = {} if ar_specs is None else ar_specs
     reduce_fn = make_allreduce(allreduce, algorithm)
     fused_fn = make_fused_add_norm(allreduce, algorithm) if fused else None
@@ -454,7 +484,7 @@ def make_forward(config: LlamaConfig, mesh: Mesh, *, allreduce: str = "psum",
         model = nnx.merge(graphdef, params)
         ctx = TPContext(axis_name, tp, reduce_fn, ar, make_allreduce_into(algorithm), fused_fn)
         logits, cache = model(tokens, positions, cache, ctx, last_only=last_only,
-                              attend_len=attend_len)
+                              attend_len=attend_len, kv_layout=kv_layout)
         if ctx.buffers and ctx.count % 2:
             # The next step starts with buffer "a" again: an odd count would reuse the buffer
             # the last all-reduce wrote, which dual buffering forbids.

@@ -170,10 +170,12 @@ def _cache_shape(dec):
     return hlo.hlo_shape(a.dtype, a.sharding.shard_shape(a.shape))
 
 
-@pytest.mark.parametrize("allreduce", ["psum", "sifar_buffers"])
-def test_no_copy_of_the_cache_per_step_or_per_loop_iteration(allreduce, sifar_clean):
-    dec = _decoder(2, allreduce)
-    dec.start(PROMPT, reserve=2 * CHUNK)
+@pytest.mark.parametrize("allreduce,batch", [("psum", 1), ("psum", 4), ("sifar_buffers", 1)])
+def test_no_copy_of_the_cache_per_step_or_per_loop_iteration(allreduce, batch, sifar_clean):
+    """With the platform's default cache layout (llama.default_kv_layout); batch > 1 matters:
+    XLA:GPU copied a [B, S, heads, D] cache at B > 1 only."""
+    dec = _decoder(2, allreduce, batch_size=batch)
+    dec.start(np.tile(PROMPT, (batch, 1)), reserve=2 * CHUNK)
     shape = _cache_shape(dec)
     for name, exe in (("step", dec.compiled_step()),
                       ("fori", dec.compiled_chunk(CHUNK)),
@@ -182,6 +184,24 @@ def test_no_copy_of_the_cache_per_step_or_per_loop_iteration(allreduce, sifar_cl
         if name != "step":
             assert "body=" in text, f"{name}: no while loop in the HLO"
         assert hlo.cache_copies(text, shape) == {}, f"{name}: the KV cache is copied"
+
+
+def test_both_kv_layouts_give_the_same_tokens_and_logits():
+    """The cache as [B, S, heads, D] or [B, heads, S, D]: the same tokens at batch 2, TP=2, every
+    loop, and the same logits (the same sums in the same order: equal to float32 rounding)."""
+    _need(2)
+    prompts = np.stack([PROMPT, PROMPT[::-1]])
+    got = {}
+    for layout in sorted(llama.KV_LAYOUTS):
+        dec = _decoder(2, batch_size=2, kv_layout=layout)
+        assert dec.kv_layout == layout
+        got[layout] = (_every_loop(dec, prompts, NEW), dec.teacher_forced_logits(prompts))
+    (toks_a, logits_a), (toks_b, logits_b) = got.values()
+    for loop in toks_a:
+        np.testing.assert_array_equal(toks_a[loop], toks_b[loop], err_msg=loop)
+    np.testing.assert_allclose(logits_a, logits_b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="kv_layout"):
+        _decoder(2, kv_layout="sbhd")
 
 
 def test_the_copy_check_can_fail():
