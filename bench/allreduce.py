@@ -15,6 +15,11 @@ Levels (the "level" field of each record), each a per-all-reduce latency:
                     one jitted shard_map function (XLA command buffers on GPUs):
                     (t(R2) - t(R1)) / (R2 - R1), which cancels the launch. sifar
                     algorithms, lax.psum, xla.one_shot.
+  jit_device        the jit chain of R2 all-reduces traced per call (sifar_jax.call_trace):
+                    per rank and run, (end of the last call - end of the first) / (R2 - 1)
+                    from the device's clock. The host's dispatch and the ranks' start skew
+                    fall outside it: the level that compares one process per GPU with one
+                    process for all. sifar algorithms, where the trace exists.
   cuda_graph_chain  torch peers: chains of R1 and R2 all-reduces captured in CUDA
                     graphs, replays timed with CUDA events, the same difference.
 
@@ -74,11 +79,13 @@ LAUNCHED = sifar_jax.distributed.initialize()  # under sifar_jax.launch: one pro
 SCHEMA = "sifar-jax/bench.allreduce/2"
 PORTABLE = tuple(sifar_jax.algorithms.PORTABLE)
 BASELINE = "lax.psum"
-LEVELS = ("kernel", "jit")
+LEVELS = ("kernel", "jit", "jit_device")
 LEVEL_TEXT = {
     "kernel": "R all-reduces back to back inside one launch: (t(R) - t(1)) / (R - 1)",
     "jit": "chains of R1 and R2 data-dependent all-reduces in one jitted shard_map function: "
            "(t(R2) - t(R1)) / (R2 - R1), synchronous calls timed on the host",
+    "jit_device": "the jit chain of R2 all-reduces, per rank and run (end of the last call - "
+                  "end of the first) / (R2 - 1) from the device's clock (sifar_jax.call_trace)",
     **{k: v for k, v in peers.LEVELS.items() if k != peers.LEVEL_JIT},
 }
 # The target of issue 14: sifar ahead of every peer at every size up to this, at TP=2.
@@ -99,7 +106,8 @@ def parse_args(argv=None):
                    help="payload sizes per device in KB of bfloat16 (default: 4,8,16,32,64)")
     p.add_argument("--algorithms", default=",".join(PORTABLE + (BASELINE,)),
                    help=f"comma list from {', '.join(PORTABLE + (BASELINE,))} (default: all)")
-    p.add_argument("--levels", default=",".join(LEVELS), help="kernel, jit or both (default)")
+    p.add_argument("--levels", default=",".join(LEVELS),
+                   help=f"comma list from {', '.join(LEVELS)} (default: all)")
     p.add_argument("--tp", default=None,
                    help="comma list of TP sizes (default: 2, 4, ... up to the GPU count; 2 on CPU)")
     p.add_argument("--reps", type=int, default=None,
@@ -301,7 +309,9 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
     cases = []
     for tp in cfg["tp"]:
         for level in cfg["levels"]:
-            for alg in (sifar_algs if level == "kernel" else algs):
+            if level == "jit_device" and call_trace is None:
+                continue  # no per-call trace in this build (said above)
+            for alg in (algs if level == "jit" else sifar_algs):
                 for nbytes in sizes:
                     cases.append((tp, level, alg, nbytes))
     n_traces = (len(cfg["tp"]) * len(cfg["trace_algorithms"]) * len(sizes) * len(cfg["skews_us"])
@@ -322,6 +332,10 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
             bar.set_postfix_str(f"tp={tp} {level} {alg} {nbytes // 1024}KB")
             x = on_mesh(mesh, random_bf16(zlib.crc32(repr((tp, level, alg, nbytes)).encode()), tp,
                                           nbytes // 2))
+            if level == "jit_device":
+                records.append(jit_device_case(call_trace, mesh, fns, cfg, tp, alg, nbytes, x))
+                bar.update(1)
+                continue
             if level == "kernel":
                 r = cfg["kernel_r"]
                 small = fns.setdefault((tp, "k", alg, 1), kernel_fn(mesh, alg, 1))
@@ -371,6 +385,17 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
             "trace": {"records": traces} if call_trace else {"skipped": trace_skipped},
             "trace_latencies": trace_latencies}
     return records, meta, warnings_out
+
+
+def jit_device_case(call_trace, mesh, fns, cfg, tp, alg, nbytes, x) -> dict:
+    """The jit_device level of one algorithm and size (see the module docstring)."""
+    r2 = cfg["chain"][1]
+    fn = fns.setdefault((tp, "j", alg, r2), chain_fn(mesh, alg, r2))
+    common.warm_up(fn, (x,), cfg["warmup"])
+    rec = calltrace.collect(call_trace, "tp", fn, (x,), cfg["runs"], r2)
+    samples = calltrace.chain_seconds_per_call(rec, r2)
+    return {"algorithm": alg, "level": "jit_device", "tp": tp, "bytes": nbytes,
+            **common.summarize_us(samples)}
 
 
 def trace_case(call_trace, mesh, fns, cfg, tp, alg, nbytes, skew_us):

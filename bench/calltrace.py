@@ -72,6 +72,22 @@ def collect(call_trace, axis_name: str, fn, args: tuple, runs: int, calls_per_ru
     return rec
 
 
+def chain_seconds_per_call(rec: np.ndarray, calls_per_run: int) -> list[float]:
+    """Per rank and run of a chain of `calls_per_run` all-reduces (as `collect` runs them): the
+    device time from the end of its first call to the end of its last, over calls_per_run - 1.
+    The steady-state time per call of a chain in one executable, launch gaps included, from the
+    device's clock alone: the host's dispatch and the ranks' start skew (one process per GPU
+    starts each run at its own time) fall before the first call ends."""
+    out = []
+    for rank in np.unique(rec["rank"]):
+        mine = rec[(rec["rank"] == rank) & (rec["start_ns"] > 0)]
+        ends = np.sort(mine["end_ns"].astype(np.int64))
+        for i in range(0, ends.size - calls_per_run + 1, calls_per_run):
+            run = ends[i:i + calls_per_run]
+            out.append(float(run[-1] - run[0]) / (calls_per_run - 1) * 1e-9)
+    return out
+
+
 def latencies_us(rec: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(latency in us of each valid record, the mask of valid records): a record
     is valid when it was written (start > 0) and ends after it starts."""
