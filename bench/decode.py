@@ -34,6 +34,10 @@ that mis-speculated) on each of the variant's records.
 Each record also says whether the optimised HLO of the executable its loop runs copies the KV cache
 (per call, or per iteration of the on-device loop: "cache_copies", models.hlo).
 
+Started by `python -m sifar_jax.launch -n N` (one process per GPU), the N processes decode
+together at TP=N (TP=1, a mesh of one process's GPU, is skipped), each timing its own host loop;
+process 0 reports, as decode-<host>-<N>proc.*.
+
 Writes decode-<host>.{json,md,png} after every variant (a run cut short keeps what it measured):
 to bench/results/ on GPUs (the committed results), to bench/results/local/ (git-ignored) on a CPU.
 """
@@ -59,6 +63,18 @@ from models.config import LlamaConfig  # noqa: E402
 from models.decode import LOOPS, SIFAR_KINDS, Decoder, make_mesh  # noqa: E402
 from models.weights import random_params  # noqa: E402
 
+
+def _start_processes() -> bool:
+    """jax.distributed under `python -m sifar_jax.launch` (before any computation); False
+    otherwise, and where the extension is missing (the benchmark runs without sifar)."""
+    try:
+        import sifar_jax
+    except ImportError:
+        return False
+    return sifar_jax.distributed.initialize()
+
+
+LAUNCHED = _start_processes()
 PIPELINE_STEPS = (4, 20)  # back-to-back runs whose difference gives one pipelined TPOT sample
 TAIL = (50, 90, 99, 99.9)  # percentiles of per-step times (sync, stream)
 HBM_BYTES_PER_S = 4.3e12  # assumed H200 HBM3e bandwidth actually reached when streaming weights
@@ -195,8 +211,19 @@ def settings(args, platform: str, n_devices: int) -> dict:
                              f"top half of the context; raise --context or lower --tokens/--samples")
     if args.tp:
         tps = _ints(" ".join(args.tp))
+    elif jax.process_count() > 1:
+        tps = [n_devices]  # every process's GPUs in one mesh
     else:
         tps = sorted(common.powers_of_two_up_to(n_devices) if gpu else [2], reverse=True) + [1]
+    if jax.process_count() > 1:
+        local = len(jax.local_devices())
+        skipped = [t for t in tps if t % local or t < local * jax.process_count()]
+        if skipped:
+            print(f"NOTE: {jax.process_count()} processes: TP {skipped} skipped (a mesh must "
+                  f"hold every process's {local} device(s))", flush=True)
+        tps = [t for t in tps if t not in skipped]
+        if not tps:
+            raise SystemExit("no TP size spans every process")
     for t in tps:
         if not 1 <= t <= n_devices:
             raise SystemExit(f"--tp {t}: have {n_devices} {platform} devices")
@@ -881,7 +908,13 @@ def main(argv=None) -> int:
     print(f"decode benchmark: {describe_run(s)}; TP {s['tp']}; variants "
           f"{[v[0] for v in s['variants']]}", flush=True)
     env = common.describe_environment(devices[: max(s["tp"])])
-    records = run(s, devices, lambda recs: write_outputs(args, s, env, recs, platform, final=False))
+    lead = jax.process_index() == 0  # with one process per GPU, process 0 reports
+    if jax.process_count() > 1:
+        env["host"] += f"-{jax.process_count()}proc"
+    records = run(s, devices, lambda recs: lead and write_outputs(args, s, env, recs, platform,
+                                                                  final=False))
+    if not lead:
+        return 1 if any(r.get("sifar_check", "ok") != "ok" for r in records) else 0
     paths = write_outputs(args, s, env, records, platform, final=True)
 
     print()

@@ -74,6 +74,12 @@ def attention_buckets(capacity: int) -> list[int]:
     return out + [capacity]
 
 
+def _host(a) -> np.ndarray:
+    """A replicated array's value on the host: every process holds it whole (with one process per
+    GPU, np.asarray refuses an array that spans other processes' devices)."""
+    return np.asarray(a if a.is_fully_addressable else a.addressable_data(0))
+
+
 @jax.jit
 def _peek(tok):
     """A fresh copy of the state's token [B, 1] as [B] (the state's own buffer is donated)."""
@@ -398,7 +404,7 @@ class Decoder:
 
     def token(self) -> np.ndarray:
         """The last chosen token of each sequence, [B] (waits for it)."""
-        return np.asarray(self.state["tok"])[:, 0]
+        return _host(self.state["tok"])[:, 0]
 
     def _snapshot(self) -> jax.Array:
         # The state's token is donated to the next step: fetch a copy, asynchronously.
@@ -434,7 +440,7 @@ class Decoder:
                 self.advance()
                 fetched.append(self._snapshot())
             for f in fetched:
-                tok = np.asarray(f)
+                tok = _host(f)
                 yield tok
                 if stop.seen(tok):
                     return
@@ -454,13 +460,13 @@ class Decoder:
             while issued < n and len(pending) <= in_flight:
                 pending.append(dispatch())
                 issued += per_dispatch
-            block = np.asarray(pending.popleft()).reshape(self.batch_size, -1)
+            block = _host(pending.popleft()).reshape(self.batch_size, -1)
             for tok in block.T[:left]:
                 left -= 1
                 yield tok
                 if stop.seen(tok):
                     if early_exit:
-                        self._pos = int(self.state["pos"])
+                        self._pos = int(_host(self.state["pos"]))
                     return
 
     def stream(self, prompt, max_new_tokens: int, eos_id: Optional[int] = None, *,

@@ -76,6 +76,8 @@ def test_quick_run_json_and_clean_checkout(tmp_path):
     for b in (4096, 8192):
         assert ("sifar", "kernel", b) in have and ("sifar", "jit", b) in have
         assert ("lax.psum", "jit", b) in have
+        if calltrace.find()[0] is not None:
+            assert ("sifar", "jit_device", b) in have
     # Every peer shows up: measured, or with the reason it was not.
     failed = {e["algorithm"] for e in data["errors"] if "algorithm" in e}
     measured = {r["algorithm"] for r in data["records"]}
@@ -238,6 +240,37 @@ def test_trace_summary_counts_retries_and_tails():
     assert s["calls"] == 9 and s["invalid_records"] == 1
     assert s["retried_share"] == pytest.approx(3 / 9, abs=1e-4)
     assert "retries_per_call_trace" not in s
+
+
+def test_chain_seconds_per_call_uses_only_the_device_clock():
+    """Two runs of 5 calls per rank; rank 1 starts each run 40 us late (a process that
+    dispatched later): its first call is slow, the per-call time after it is not."""
+    lat = np.array([[40.0, 2, 2, 2, 2, 3, 3, 3, 3, 3],   # rank 0: the first call waits
+                    [1.0, 2, 2, 2, 2, 1, 3, 3, 3, 3]])   # rank 1
+    rec = np.concatenate([synthetic_trace(lat[r], np.zeros(10, np.uint32), ranks=1)
+                          for r in (0, 1)])
+    rec["rank"][10:] = 1
+    got = calltrace.chain_seconds_per_call(rec, 5)
+    assert len(got) == 4  # 2 ranks x 2 runs
+    np.testing.assert_allclose(sorted(np.array(got) * 1e6), [2.0, 2.0, 3.0, 3.0])
+
+
+def test_multiprocess_decode_quick_run(tmp_path):
+    """bench.decode under the launcher (2 processes on XLA:CPU): process 0 reports TP=2, sifar
+    gives lax.psum's tokens, the per-call trace is taken."""
+    cmd = [sys.executable, "-m", "sifar_jax.launch", "-n", "2", "--", sys.executable, "-m",
+           "bench.decode", "--quick", "--no-plot", "--batch", "1", "--context", "256",
+           "--loops", "pipelined", "--no-sweep", "--allreduce", "psum,sifar", "--fused", "off",
+           "--out", str(tmp_path)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (json_path,) = tmp_path.glob("decode-cpu-*-2proc.json")
+    recs = json.loads(json_path.read_text())
+    by = {rec["allreduce"]: rec for rec in recs}
+    assert set(by) == {"psum", "sifar"} and {rec["tp"] for rec in recs} == {2}
+    assert by["sifar"]["generated"] == by["psum"]["generated"]
+    assert by["sifar"]["sifar_check"] == "ok" and by["sifar"]["algorithm_used"]
+    assert by["sifar"]["allreduce_trace"]["calls"] > 0, by["sifar"]["allreduce_trace"]
 
 
 def test_trace_case_runs_the_chain_inside_the_trace(cpu_mesh):
