@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
-# The whole GPU suite in one device call: build, the GPU tests, bench.allreduce
-# (sifar, lax.psum and the peers, plus the per-call trace), bench.decode. One
+# The GPU suite in one device call: build, the GPU tests, bench.allreduce
+# (sifar, lax.psum and the peers, plus the per-call trace), bench.decode (the
+# loops at batch 1), the decode sweep, and the one-process-per-GPU runs. One
 # log and the result files land in $OUT, which the device tool brings back
 # (8 files at most): run.log, allreduce-<host>.{json,md,png},
-# decode-<host>.{json,md,png}.
+# decode/decode-<host>.*, sweep/decode-<host>.*, mp/*-<host>-<n>proc.*.
 #
-#   bash bench/gpu_host_run.sh                      # everything, on a GPU host
-#   bash bench/gpu_host_run.sh tests allreduce      # some steps of: build tests allreduce decode
+#   bash bench/gpu_host_run.sh                      # build tests allreduce decode
+#   bash bench/gpu_host_run.sh decode sweep         # some steps of: build tests allreduce decode
+#                                                   #  sweep mp
 #   bash bench/gpu_host_run.sh --quick              # the same on a CPU machine (quick variants;
 #                                                   #  the build only if the extension is missing)
 #
 # Environment: OUT (default /tmp/sifar-out), PYTHON (python3), ALLREDUCE_ARGS,
-# DECODE_ARGS, BUILD_TIMEOUT / TESTS_TIMEOUT / ALLREDUCE_TIMEOUT / DECODE_TIMEOUT
-# (seconds per step), SUITE_BUDGET_S (default 1140: the suite ends within it,
-# each step's timeout is cut to what is left, a step that cannot start in time
-# is skipped and says so).
+# DECODE_ARGS, SWEEP_ARGS, MP_ARGS (bench.allreduce under the launcher),
+# TESTS_ARGS (pytest arguments replacing the default GPU test selection),
+# BUILD_TIMEOUT / TESTS_TIMEOUT / ALLREDUCE_TIMEOUT / DECODE_TIMEOUT /
+# SWEEP_TIMEOUT / MP_TIMEOUT (seconds per step), SUITE_BUDGET_S (default 570:
+# one device call is 600 s; the suite ends within it, each step's timeout is
+# cut to what is left, a step that cannot start in time is skipped and says
+# so).
 #
 # NVLink multicast stays off: the three switches are forced off here (they only
 # ever turn multicast off), and logged as found and as used.
@@ -29,13 +34,14 @@ if [[ "${1:-}" == "--quick" ]]; then
 fi
 steps=("$@")
 [[ ${#steps[@]} -eq 0 ]] && steps=(build tests allreduce decode)
+n_gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU " || true)
 
 OUT="${OUT:-/tmp/sifar-out}"
 PYTHON="${PYTHON:-python3}"
 mkdir -p "$OUT"
 LOG="$OUT/run.log"
 : >"$LOG"
-BUDGET="${SUITE_BUDGET_S:-1140}"
+BUDGET="${SUITE_BUDGET_S:-570}"
 T0=$(date +%s)
 
 log() { echo "=== $(date -u +%H:%M:%S) (+$(( $(date +%s) - T0 ))s) $*" | tee -a "$LOG"; }
@@ -114,6 +120,12 @@ for step in "${steps[@]}"; do
           "$PYTHON" -m pip install --no-build-isolation --no-deps -q -e .
       fi ;;
     tests)
+      if [[ -n "${TESTS_ARGS:-}" ]]; then
+        # shellcheck disable=SC2086
+        run_step "tests ($TESTS_ARGS)" "${TESTS_TIMEOUT:-300}" \
+          "$PYTHON" -m pytest -q -rs -p no:cacheprovider $TESTS_ARGS
+        continue
+      fi
       # The GPU-only files, then the GPU parameters of the files that run on both.
       run_step "tests" "${TESTS_TIMEOUT:-300}" \
         "$PYTHON" -m pytest -q -rs -s -p no:cacheprovider tests/test_gpu.py tests/test_buffers.py
@@ -125,15 +137,36 @@ for step in "${steps[@]}"; do
       run_step "bench.allreduce" "${ALLREDUCE_TIMEOUT:-480}" \
         "$PYTHON" -m bench.allreduce ${quick_arg[@]+"${quick_arg[@]}"} --out "$OUT" ${ALLREDUCE_ARGS:-} ;;
     decode)
+      # The four loops at batch 1 and the first KV length.
       # shellcheck disable=SC2086
       run_step "bench.decode" "${DECODE_TIMEOUT:-480}" \
-        "$PYTHON" -m bench.decode ${quick_arg[@]+"${quick_arg[@]}"} --out "$OUT" ${DECODE_ARGS:-} ;;
+        "$PYTHON" -m bench.decode ${quick_arg[@]+"${quick_arg[@]}"} --no-sweep --out "$OUT/decode" \
+        ${DECODE_ARGS:-} ;;
+    sweep)
+      # batch x KV length, pipelined, psum / sifar / identity.
+      # shellcheck disable=SC2086
+      run_step "bench.decode sweep" "${SWEEP_TIMEOUT:-480}" \
+        "$PYTHON" -m bench.decode ${quick_arg[@]+"${quick_arg[@]}"} --loops pipelined --fused off \
+        --out "$OUT/sweep" ${SWEEP_ARGS:-} ;;
+    mp)
+      # One process per GPU (CPU: 2 processes of XLA:CPU devices).
+      nproc_mp=$(( n_gpus >= 2 ? n_gpus : 2 ))
+      # shellcheck disable=SC2086
+      run_step "bench.allreduce, $nproc_mp processes" "${MP_TIMEOUT:-240}" \
+        "$PYTHON" -m sifar_jax.launch -n "$nproc_mp" -- "$PYTHON" -m bench.allreduce \
+        ${quick_arg[@]+"${quick_arg[@]}"} --peers none --no-trace --no-plot --out "$OUT/mp" \
+        ${MP_ARGS:---sizes 8,32 --algorithms sifar,sifar_push,lax.psum}
+      # shellcheck disable=SC2086
+      run_step "bench.decode, $nproc_mp processes" "${MP_TIMEOUT:-240}" \
+        "$PYTHON" -m sifar_jax.launch -n "$nproc_mp" -- "$PYTHON" -m bench.decode \
+        ${quick_arg[@]+"${quick_arg[@]}"} --no-sweep --fused off --no-plot --out "$OUT/mp" ;;
     *)
-      log "unknown step '$step' (build, tests, allreduce, decode)" ;;
+      log "unknown step '$step' (build, tests, allreduce, decode, sweep, mp)" ;;
   esac
 done
 
 n=$(find "$OUT" -type f | wc -l)
+# (sweep and decode both write decode-<host>.*: their folders keep them apart)
 log "done: $n files in $OUT"
 ls -la "$OUT" | tee -a "$LOG"
 if (( n > 8 )); then
