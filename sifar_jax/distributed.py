@@ -341,8 +341,7 @@ def _share(platform, axis_key, axis, my_groups, mine, infos, slot_bytes, timeout
     except BaseException:
         if comm_id is not None:
             _ext._sifar.destroy_comm(comm_id)
-        with _lock:
-            _pool[key] = shared  # still mapped everywhere: the next agreement decides
+        _keep(shared, [])  # still mapped everywhere: the next agreement decides
         raise
     finally:
         shared.workspaces.unpublish()  # mapped everywhere (or given up): the names can go
@@ -377,26 +376,32 @@ def _agree_on_pool(key, exchange) -> _Shared | None:
         mine = _pool.pop(key, None)
         stale = [s for s in _closing if s.key == key]
         _closing[:] = [s for s in _closing if s.key != key]
-    if mine is not None:
-        mine.workspaces.synchronize()  # no old executable of ours still runs on them
-    posted = exchange("pool", json.dumps({"base": mine.base, "handles": mine.handles})
-                      if mine is not None else "")
-    sets = [json.loads(v) for v in posted.values() if v]
-    merged: dict[str, str] = {}
-    same = (len(sets) == len(posted) and len({s["base"] for s in sets}) == 1
-            and all(merged.setdefault(k, h) == h for s in sets for k, h in s["handles"].items()))
-    if same:
-        with _lock:
-            _closing.extend(stale)  # no peer releases those now: keep them for later
-        try:
+    try:
+        if mine is not None:
+            mine.workspaces.synchronize()  # no old executable of ours still runs on them
+        posted = exchange("pool", json.dumps({"base": mine.base, "handles": mine.handles})
+                          if mine is not None else "")
+        sets = [json.loads(v) for v in posted.values() if v]
+        merged: dict[str, str] = {}
+        same = (len(sets) == len(posted) and len({s["base"] for s in sets}) == 1
+                and all(merged.setdefault(k, h) == h for s in sets for k, h in s["handles"].items()))
+        if same:
             mine.workspaces.reset()  # zeroed before `ready`: no peer writes into it yet
-        except BaseException:
-            with _lock:
-                _pool[key] = mine
-            raise
+    except BaseException:
+        _keep(mine, stale)  # nothing decided: still mapped, the next agreement decides
+        raise
+    if same:
+        _keep(None, stale)  # no peer releases those now: keep them for later
         return mine
     _release(([mine] if mine is not None else []) + stale, CLOSE_TIMEOUT_S)
     return None
+
+
+def _keep(pooled: _Shared | None, closing: list[_Shared]) -> None:
+    with _lock:
+        if pooled is not None:
+            _pool[pooled.key] = pooled
+        _closing.extend(closing)
 
 
 # --------------------------------------------------------------- releasing --
