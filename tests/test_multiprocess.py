@@ -156,12 +156,14 @@ def test_reinit_reuses_pooled_shared_memory(handshake):
     released, init falls back to fresh memory in both, exactly. `handshake`:
     the same with the GPUs' `closed` handshake (process 1's lone release
     keeps its memory until process 0 lets go at the next init), and the
-    pooled memory released at exit without waiting."""
-    rc, text, _ = launch(2, "pool", *(["--handshake"] if handshake else []))
+    pooled memory released at exit without waiting. (Without it, also the
+    GPU test's scenario, where the CPU has no CUDA graphs to replay.)"""
+    rc, text, _ = launch(2, "pool", *(["--handshake"] if handshake else ["oldexec"]))
     assert rc == 0, _tail(text)
     for p in range(2):
         for what in ("reuse", "release", "mismatch"):
             assert lines_of(text, p, f"OK pool {what} n=2 handshake={handshake}"), _tail(text)
+        assert handshake or lines_of(text, p, "OK oldexec n=2"), _tail(text)
         assert lines_of(text, p, "DONE"), _tail(text)
     assert "before exit" not in text, _tail(text)
     assert_no_leftovers(text)
