@@ -267,15 +267,12 @@ void Comm::TakeSharedMemory(int gi) {
   Group& g = groups_[gi];
   for (int r = 0; r < nranks_; ++r) {
     g.workspaces.push_back(peers_->workspace(gi, r));
-    if (!IsLocal(gi, r)) {  // another process's rank: its process keeps its record
-      g.errors.push_back(nullptr);
-      g.errors_device.push_back(nullptr);
-      continue;
-    }
-    char* dev = nullptr;
-    char* host = backend_->AllocShared(g.ordinals[r], sizeof(ErrorRecord), &dev);
-    g.errors.push_back(reinterpret_cast<ErrorRecord*>(host));
-    g.errors_device.push_back(reinterpret_cast<ErrorRecord*>(dev));
+    ErrorRecord* host = nullptr;
+    ErrorRecord* dev = nullptr;
+    // Another process's rank: its process keeps its record.
+    if (IsLocal(gi, r)) host = peers_->error_record(gi, r, &dev);
+    g.errors.push_back(host);
+    g.errors_device.push_back(dev);
   }
 }
 
@@ -286,13 +283,9 @@ void Comm::ReturnMemory() {
     for (int ord : g.ordinals)
       if (ord >= 0) backend_->Synchronize(ord);
   if (peers_) {
-    // Not pooled: the shared workspaces belong to `peers_` (freed or unmapped
-    // when the last holder lets go; sifar_jax/distributed.py orders that
-    // across processes), the error records to this communicator.
-    for (auto& g : groups_)
-      for (size_t r = 0; r < g.errors.size(); ++r)
-        if (g.errors[r] != nullptr)
-          backend_->FreeShared(g.ordinals[r], reinterpret_cast<char*>(g.errors[r]));
+    // Not pooled here: the shared workspaces and error records belong to
+    // `peers_`, which sifar_jax/distributed.py pools, reuses or frees
+    // together with the other processes.
     peers_.reset();
     return;
   }

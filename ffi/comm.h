@@ -98,8 +98,8 @@ class Comm {
        std::vector<std::vector<int>> groups, size_t slot_bytes, double timeout_s, int lanes,
        std::shared_ptr<PeerWorkspaces> peers = nullptr);
   // Waits for every device of every group, then returns the memory to the
-  // pool (a communicator spanning processes frees its error records and lets
-  // go of the shared workspaces instead).
+  // pool (a communicator spanning processes lets go of `peers`, which holds
+  // its workspaces and error records, instead).
   ~Comm();
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;
@@ -165,8 +165,8 @@ class Comm {
   // workspace that no kernel uses).
   template <typename T>
   void WriteControlField(int rank, size_t offset, T value);
-  void TakeSharedMemory(int group);  // from peers_, plus error records of local ranks
-  void ReturnMemory();  // every group's memory back to the pool (or freed, with peers_)
+  void TakeSharedMemory(int group);  // workspaces and local error records, from peers_
+  void ReturnMemory();  // every group's memory back to the pool (or to peers_)
 
   int id_;
   Platform platform_;

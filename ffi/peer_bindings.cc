@@ -1,5 +1,5 @@
 // nanobind bindings for communicators spanning processes: the shared
-// workspaces (export, map, unpublish), the names this process still
+// workspaces (export, map, unpublish, reset for reuse, free), the names this process still
 // publishes, and the GPU identity (PCI bus id) the processes compare.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/shared_ptr.h>
@@ -50,7 +50,12 @@ void RegisterPeerBindings(nb::module_& m) {
              w.MapPeer(g, r, std::string(handle.c_str(), handle.size()));
            })
       .def("unpublish", &PeerWorkspaces::Unpublish)
-      .def("unmap_peers", &PeerWorkspaces::UnmapPeers, nb::call_guard<nb::gil_scoped_release>());
+      // Pooling (sifar_jax/distributed.py): wait for this process's devices;
+      // zero its ranks' memory for reuse; unmap the peers'; free everything.
+      .def("synchronize", &PeerWorkspaces::Synchronize, nb::call_guard<nb::gil_scoped_release>())
+      .def("reset", &PeerWorkspaces::Reset, nb::call_guard<nb::gil_scoped_release>())
+      .def("unmap_peers", &PeerWorkspaces::UnmapPeers, nb::call_guard<nb::gil_scoped_release>())
+      .def("free", &PeerWorkspaces::Free, nb::call_guard<nb::gil_scoped_release>());
 
   m.def("published_names", &PublishedNames);
   m.def("unpublish_all", &UnpublishAll);

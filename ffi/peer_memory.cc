@@ -1,5 +1,6 @@
 #include "peer_memory.h"
 
+#include <cstring>
 #include <stdexcept>
 
 namespace sifar {
@@ -19,6 +20,7 @@ PeerWorkspaces::PeerWorkspaces(Platform platform, std::vector<std::vector<int>> 
                                const std::string& name_prefix)
     : platform_(platform),
       memory_(PeerMemoryFor(platform)),
+      backend_(BackendFor(platform)),
       ordinals_(std::move(ordinals)),
       processes_(std::move(processes)),
       peer_devices_(std::move(peer_devices)),
@@ -47,6 +49,7 @@ PeerWorkspaces::PeerWorkspaces(Platform platform, std::vector<std::vector<int>> 
         e.base = memory_.Export(ordinals_[g][r], bytes_, name, &handle);
         e.name = name;
         e.handle = handle;
+        e.error_host = backend_.AllocShared(ordinals_[g][r], sizeof(ErrorRecord), &e.error_device);
       }
     }
   } catch (...) {
@@ -55,16 +58,50 @@ PeerWorkspaces::PeerWorkspaces(Platform platform, std::vector<std::vector<int>> 
   }
 }
 
-PeerWorkspaces::~PeerWorkspaces() { Release(); }
+PeerWorkspaces::~PeerWorkspaces() { Free(); }
+
+void PeerWorkspaces::Free() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (freed_) return;  // (also at interpreter exit, after the atexit hook freed it)
+  freed_ = true;
+  SynchronizeLocked();
+  Release();
+}
 
 void PeerWorkspaces::Release() {
   for (size_t g = 0; g < entries_.size(); ++g)
     for (size_t r = 0; r < entries_[g].size(); ++r) {
       Entry& e = entries_[g][r];
+      if (e.error_host != nullptr) backend_.FreeShared(ordinals_[g][r], e.error_host);
+      e.error_host = e.error_device = nullptr;
       if (e.base == nullptr) continue;
       if (ordinals_[g][r] >= 0) memory_.FreeExported(ordinals_[g][r], e.base, bytes_, e.name);
       else memory_.Unmap(MappingOrdinal(static_cast<int>(g)), e.base, bytes_);
       e.base = nullptr;
+    }
+}
+
+void PeerWorkspaces::SynchronizeLocked() const {
+  for (auto& ords : ordinals_)
+    for (int ord : ords)
+      if (ord >= 0) memory_.Synchronize(ord);
+}
+
+void PeerWorkspaces::Synchronize() {
+  std::lock_guard<std::mutex> lock(mu_);
+  SynchronizeLocked();
+}
+
+void PeerWorkspaces::Reset() {
+  std::lock_guard<std::mutex> lock(mu_);
+  SynchronizeLocked();
+  for (size_t g = 0; g < entries_.size(); ++g)
+    for (size_t r = 0; r < entries_[g].size(); ++r) {
+      Entry& e = entries_[g][r];
+      if (freed_) throw std::runtime_error("sifar_jax: freed shared workspaces cannot be reused");
+      if (ordinals_[g][r] < 0) continue;
+      backend_.Zero(ordinals_[g][r], e.base, bytes_);
+      std::memset(e.error_host, 0, sizeof(ErrorRecord));
     }
 }
 
@@ -108,9 +145,7 @@ void PeerWorkspaces::Unpublish() {
 
 void PeerWorkspaces::UnmapPeers() {
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& ords : ordinals_)
-    for (int ord : ords)
-      if (ord >= 0) memory_.Synchronize(ord);
+  SynchronizeLocked();
   for (size_t g = 0; g < entries_.size(); ++g)
     for (size_t r = 0; r < entries_[g].size(); ++r) {
       Entry& e = entries_[g][r];
@@ -140,6 +175,16 @@ char* PeerWorkspaces::workspace(int g, int r) const {
                              " (process " + std::to_string(processes_[g][r]) +
                              ") was never mapped");
   return p;
+}
+
+ErrorRecord* PeerWorkspaces::error_record(int g, int r, ErrorRecord** device) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Entry& e = entries_[g][r];
+  if (e.error_host == nullptr)
+    throw std::runtime_error("sifar_jax: rank " + std::to_string(r) +
+                             " has no error record in this process");
+  *device = reinterpret_cast<ErrorRecord*>(e.error_device);
+  return reinterpret_cast<ErrorRecord*>(e.error_host);
 }
 
 }  // namespace sifar

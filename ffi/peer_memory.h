@@ -52,9 +52,13 @@ std::vector<std::string> PublishedNames();
 void UnpublishAll();
 
 // The workspaces of one communicator spanning processes, [group][rank], for
-// the groups that hold at least one rank of this process.  Shared by the
-// Python set-up and the communicator (enable_shared_from_this: nanobind then
-// hands C++ the object's own shared_ptr, not one holding a Python reference).
+// the groups that hold at least one rank of this process, and the error
+// records of this process's ranks.  Shared by the Python set-up and the
+// communicator (enable_shared_from_this: nanobind then hands C++ the object's
+// own shared_ptr, not one holding a Python reference).  It outlives its
+// communicator: sifar_jax/distributed.py pools it at shutdown (an executable
+// compiled before may replay into it) and hands it to the next communicator
+// of the same layout once every process agrees (docs/design.md, Processes).
 class PeerWorkspaces : public std::enable_shared_from_this<PeerWorkspaces> {
  public:
   // ordinals[g][r]: local device ordinal of rank r, or -1 for a rank of
@@ -68,7 +72,7 @@ class PeerWorkspaces : public std::enable_shared_from_this<PeerWorkspaces> {
                  std::vector<std::vector<int>> processes,
                  std::vector<std::vector<int>> peer_devices, size_t bytes,
                  const std::string& name_prefix);
-  ~PeerWorkspaces();  // unmaps the peers' workspaces, frees the local ones
+  ~PeerWorkspaces();  // Free()
   PeerWorkspaces(const PeerWorkspaces&) = delete;
   PeerWorkspaces& operator=(const PeerWorkspaces&) = delete;
 
@@ -78,9 +82,18 @@ class PeerWorkspaces : public std::enable_shared_from_this<PeerWorkspaces> {
   void MapPeer(int g, int r, const std::string& handle);
   // Every process has mapped every workspace: forget the names.
   void Unpublish();
-  // Waits for this process's devices, then unmaps the peers' workspaces (at
-  // shutdown, before the owners free them).  No call may run afterwards.
+  // Returns once nothing runs on this process's devices of these groups.
+  void Synchronize();
+  // For reuse by a new communicator: waits for this process's devices, then
+  // zeroes its ranks' workspaces and error records (the peers zero theirs;
+  // the caller makes every process finish that before any first use).
+  void Reset();
+  // Waits for this process's devices, then unmaps the peers' workspaces
+  // (before the owners free them).  No call may run afterwards.
   void UnmapPeers();
+  // Waits for this process's devices, then unmaps and frees everything,
+  // error records included.  Idempotent; never throws.
+  void Free();
 
   Platform platform() const { return platform_; }
   size_t bytes() const { return bytes_; }
@@ -91,21 +104,29 @@ class PeerWorkspaces : public std::enable_shared_from_this<PeerWorkspaces> {
   std::vector<int> PeerAccessList(int g) const;
   // Throws unless every rank's workspace is there.
   char* workspace(int g, int r) const;
+  // The error record of local rank r of group g: host view; *device gets the
+  // kernels' view.
+  ErrorRecord* error_record(int g, int r, ErrorRecord** device) const;
 
  private:
   struct Entry {
     char* base = nullptr;
     std::string name;    // local ranks: the published name
     std::string handle;  // local ranks: what peers map it by
+    char* error_host = nullptr;    // local ranks: the error record (Backend::AllocShared)
+    char* error_device = nullptr;
   };
   int MappingOrdinal(int g) const;  // the local device that maps group g's peers
+  void SynchronizeLocked() const;   // waits for this process's devices
   void Release();                   // frees / unmaps everything (never throws)
 
   Platform platform_;
   PeerMemory& memory_;
+  Backend& backend_;  // this process's error records, zeroing
   std::vector<std::vector<int>> ordinals_, processes_, peer_devices_;
   size_t bytes_;
   mutable std::mutex mu_;
+  bool freed_ = false;
   std::vector<std::vector<Entry>> entries_;
 };
 

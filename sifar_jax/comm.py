@@ -27,7 +27,9 @@ another slot size allocates anew. The pool therefore holds at most one
 workspace per (axis, devices, slot size) ever used (more only if several
 communicators of one axis lived at once). `shutdown(release_memory=True)`
 frees the pool: only do that when no executable compiled before will run
-again (re-trace and recompile everything that uses sifar_jax).
+again (re-trace and recompile everything that uses sifar_jax). Communicators
+spanning processes pool their shared workspaces the same way, and take them
+back when every process agrees (sifar_jax/distributed.py, "Pooling").
 """
 
 from __future__ import annotations
@@ -271,6 +273,7 @@ def shutdown(release_memory: bool = False) -> None:
         _meshes.clear()
         if release_memory:
             _ext._sifar.release_pooled_memory()
+            distributed.release_pooled()
 
 
 def communicators(axis_name=None) -> list[Communicator]:

@@ -12,6 +12,13 @@ through `python -m sifar_jax.launch` (every process runs this same program).
     hosts   the processes claim different hosts: every process falls back to
             lax.psum with that reason ("auto"), an explicit algorithm raises
     absent  process 1 never calls init: process 0's init raises, naming it
+    pool    shutdown() pools the shared workspaces (still mapped) and init takes
+            the same ones back; shutdown(release_memory=True) unmaps them; when
+            only process 1 released, init falls back to fresh memory; exact
+            throughout (--handshake: with the GPUs' `closed` handshake)
+    oldexec a function compiled (CUDA graph) before shutdown() runs again after
+            init with the same slot (pooled memory reused) and with another
+            (pooled memory kept), beside new functions, exactly
 
 Each process checks the rows it holds and prints "OK <scenario> ..." lines; any
 failure exits non-zero (the launcher propagates it).
@@ -28,7 +35,7 @@ import time
 import warnings
 
 import sifar_jax
-from sifar_jax import _jax_compat, distributed
+from sifar_jax import _jax_compat, _testing, distributed
 
 distributed.initialize()  # before any computation: the launcher's coordinator
 
@@ -137,6 +144,158 @@ def run_exact(args) -> None:
     for row, value in local_rows(ours).items():
         expect_bits(value[0], want, f"after re-init, rank {row}")
     say(f"OK exact re-init n={n}")
+
+
+def rank_order_sum(x: np.ndarray) -> np.ndarray:
+    want = x[0].copy()
+    for r in range(1, len(x)):
+        want = (want + x[r]).astype(np.float32)
+    return want
+
+
+def shm_mappings() -> set[str]:
+    """Paths of the sifar_jax shared-memory objects this process maps (unlinked
+    ones read '<path> (deleted)')."""
+    with open("/proc/self/maps") as f:
+        return {ln.split(None, 5)[5].strip() for ln in f if f"/dev/shm/{distributed.SHM_PREFIX}" in ln}
+
+
+def mapped_names(handles: dict[str, str]) -> set[str]:
+    """Which of these workspaces (CPU handles: shared-memory names) are mapped."""
+    maps = shm_mappings()
+    names = {bytes.fromhex(h).decode() for h in handles.values()}
+    return {n for n in names if any(m.split(" ")[0] == f"/dev/shm{n}" for m in maps)}
+
+
+def live_handles(axis: str) -> dict[str, str]:
+    (c,) = sifar_jax.communicators(axis)
+    return distributed.shared_memory_state()["live"][c.comm_id]
+
+
+def run_pool(args) -> None:
+    if args.handshake:
+        distributed.HANDSHAKE_PLATFORMS.add("cpu")
+        distributed.CLOSE_TIMEOUT_S = 1.5
+    axis = "pool"
+    mesh = Mesh(np.array(jax.devices()), (axis,))
+    n = mesh.size
+
+    def body(v):
+        return sifar_jax.sifar_psum(v[0], axis)[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis)))
+    rng = np.random.default_rng(17)
+
+    def check(what: str) -> None:  # the same compiled f every time (an old executable)
+        for k in range(3):
+            x = rng.uniform(-2, 2, (n, 250)).astype(np.float32)
+            for row, value in local_rows(f(global_array(mesh, P(axis), x))).items():
+                expect_bits(value[0], rank_order_sum(x), f"pool: {what}, call {k}, rank {row}")
+        sifar_jax.check()
+
+    def init():
+        sifar_jax.init(mesh, slot_bytes=SLOT, timeout_s=args.timeout)
+        return live_handles(axis), _testing.comm_workspaces(sifar_jax.communicators(axis)[0].comm_id)
+
+    first, addresses = init()
+    assert len(first) == n and mapped_names(first) == {bytes.fromhex(h).decode() for h in first.values()}
+    check("first set-up")
+
+    # shutdown(): pooled, still mapped; init takes the very same memory back.
+    sifar_jax.shutdown()
+    state = distributed.shared_memory_state()
+    assert first in state["pooled"] and not state["live"], state
+    assert len(mapped_names(first)) == n, "shutdown() must keep the pooled workspaces mapped"
+    again, addresses_again = init()
+    assert again == first and addresses_again == addresses, "init must reuse the pooled workspaces"
+    assert not distributed.shared_memory_state()["pooled"]
+    check("re-init on pooled memory")
+    say(f"OK pool reuse n={n} handshake={args.handshake}")
+
+    # shutdown(release_memory=True) everywhere: nothing pooled, nothing mapped.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sifar_jax.shutdown(release_memory=True)
+    assert not [w for w in caught if "sifar_jax" in str(w.message)], [str(w.message) for w in caught]
+    assert distributed.shared_memory_state() == {"live": {}, "pooled": [], "closing": []}
+    assert not mapped_names(first), f"released workspaces still mapped: {mapped_names(first)}"
+    fresh, _ = init()
+    assert not set(fresh.values()) & set(first.values()), "release_memory=True: new memory expected"
+    check("after release_memory=True")
+    say(f"OK pool release n={n} handshake={args.handshake}")
+
+    # Only process 1 releases: the processes disagree, so every one frees what
+    # it holds and allocates anew.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sifar_jax.shutdown(release_memory=(ME == 1))
+    waiting = [str(w.message) for w in caught if "has not released" in str(w.message)]
+    state = distributed.shared_memory_state()
+    if ME == 1 and args.handshake:  # process 0 still maps process 1's memory: kept
+        assert waiting and "process 0" in waiting[0], [str(w.message) for w in caught]
+        assert state["closing"] == [fresh] and not state["pooled"], state
+    else:
+        assert not waiting, waiting
+        assert state["pooled"] == ([fresh] if ME == 0 else []) and not state["closing"], state
+    newest, _ = init()
+    assert not set(newest.values()) & set(fresh.values()), "a disagreement must give new memory"
+    assert distributed.shared_memory_state()["pooled"] == []
+    assert distributed.shared_memory_state()["closing"] == []
+    assert not mapped_names(fresh), f"the disagreed-on workspaces are still mapped: {mapped_names(fresh)}"
+    check("after a disagreement")
+    say(f"OK pool mismatch n={n} handshake={args.handshake}")
+
+
+def chain_fn(mesh, calls: int = 8):
+    """`calls` chained sifar all-reduces (enough thunks for a CUDA graph)."""
+    def body(v):
+        y = v[0]
+        for _ in range(calls):
+            y = sifar_jax.sifar_psum(y, "tp", algorithm="sifar") - y
+        return y[None]
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+
+
+def chain_reference(x: np.ndarray, calls: int = 8) -> np.ndarray:
+    y = x.copy()
+    for _ in range(calls):
+        y = (rank_order_sum(y)[None] - y).astype(np.float32)
+    return y
+
+
+def run_oldexec(args) -> None:
+    mesh = tp_mesh()
+    n = mesh.size
+    rng = np.random.default_rng(19)
+
+    def check(fn, what: str) -> None:
+        x = rng.integers(-8, 9, (n, 500)).astype(np.float32)  # every sum exact; fits SLOT
+        want = chain_reference(x)
+        assert np.abs(want).max() > 0
+        for row, value in local_rows(fn(global_array(mesh, P("tp"), x))).items():
+            expect_bits(value[0], want[row], f"oldexec: {what}, rank {row}")
+
+    sifar_jax.init(mesh, slot_bytes=SLOT, timeout_s=args.timeout)
+    first = live_handles("tp")
+    old = chain_fn(mesh)
+    check(old, "old before shutdown")
+    sifar_jax.shutdown()
+    sifar_jax.init(mesh, slot_bytes=SLOT, timeout_s=args.timeout)  # the pooled memory, reused
+    assert live_handles("tp") == first, "init must reuse the pooled workspaces"
+    new = chain_fn(mesh)
+    for k in range(5):
+        check(old, f"old after re-init on pooled memory ({k})")
+        check(new, f"new after re-init on pooled memory ({k})")
+    sifar_jax.shutdown()
+    sifar_jax.init(mesh, slot_bytes=2 * SLOT, timeout_s=args.timeout)  # another layout: kept
+    assert first in distributed.shared_memory_state()["pooled"]
+    newer = chain_fn(mesh)
+    for k in range(5):
+        check(old, f"old after re-init with another slot ({k})")
+        check(newer, f"new after re-init with another slot ({k})")
+    sifar_jax.check()
+    say(f"OK oldexec n={n}")
 
 
 def run_mesh2d(args) -> None:
@@ -302,6 +461,7 @@ def main() -> None:
     p.add_argument("--victim", type=int, default=1)
     p.add_argument("--after", type=int, default=3)
     p.add_argument("--no-psum", action="store_true", help="skip the lax.psum comparison")
+    p.add_argument("--handshake", action="store_true", help="pool: the `closed` handshake on the CPU")
     args = p.parse_args()
     say(f"PID {os.getpid()} process {ME} of {jax.process_count()}, "
         f"{jax.local_device_count()} local device(s) of {jax.device_count()}")
@@ -312,7 +472,8 @@ def main() -> None:
 
 
 SCENARIOS = {"exact": run_exact, "mesh2d": run_mesh2d, "kill": run_kill, "hosts": run_hosts,
-             "hosts2d": run_hosts2d, "absent": run_absent}
+             "hosts2d": run_hosts2d, "absent": run_absent, "pool": run_pool,
+             "oldexec": run_oldexec}
 
 if __name__ == "__main__":
     main()

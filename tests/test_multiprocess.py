@@ -148,6 +148,27 @@ def test_killed_process_is_named_within_the_timeout():
     assert_no_leftovers(text)
 
 
+@pytest.mark.parametrize("handshake", [False, True], ids=["cpu", "handshake"])
+def test_reinit_reuses_pooled_shared_memory(handshake):
+    """shutdown() pools the shared workspaces (still mapped), init takes the
+    same ones back (same names and addresses) and stays exact;
+    release_memory=True in every process unmaps them; when only process 1
+    released, init falls back to fresh memory in both, exactly. `handshake`:
+    the same with the GPUs' `closed` handshake (process 1's lone release
+    keeps its memory until process 0 lets go at the next init), and the
+    pooled memory released at exit without waiting. (Without it, also the
+    GPU test's scenario, where the CPU has no CUDA graphs to replay.)"""
+    rc, text, _ = launch(2, "pool", *(["--handshake"] if handshake else ["oldexec"]))
+    assert rc == 0, _tail(text)
+    for p in range(2):
+        for what in ("reuse", "release", "mismatch"):
+            assert lines_of(text, p, f"OK pool {what} n=2 handshake={handshake}"), _tail(text)
+        assert handshake or lines_of(text, p, "OK oldexec n=2"), _tail(text)
+        assert lines_of(text, p, "DONE"), _tail(text)
+    assert "before exit" not in text, _tail(text)
+    assert_no_leftovers(text)
+
+
 def test_stale_objects_of_dead_processes_only_are_removed(stale_shared_memory):
     alive = Path(distributed.SHM_DIR) / f"{distributed.SHM_PREFIX}{os.getuid()}.{os.getppid()}.0.g0.r0"
     alive.write_bytes(b"\0" * 64)
@@ -226,6 +247,22 @@ def test_gpu_two_processes_every_algorithm_exact(gpus, share_gpu):
                          share_gpu=share_gpu)
     assert rc == 0, _tail(text)
     assert_exact(text, 2, 2)
+
+
+def test_gpu_old_executable_after_reinit_in_two_processes(gpus):
+    """Like test_gpu.py::test_old_executable_after_reinit_with_command_buffers,
+    with one process per GPU: a function compiled (recorded into a CUDA graph)
+    before shutdown() replays its IPC-mapped workspace pointers after init with
+    the same slot (the pooled memory, reused and zeroed) and with another slot
+    (the pooled memory kept mapped), beside functions compiled after, exactly."""
+    if gpus < 2:
+        pytest.skip("needs 2 GPUs")
+    rc, text, _ = launch(2, "oldexec", platform="gpu")
+    assert rc == 0, _tail(text)
+    for p in range(2):
+        assert lines_of(text, p, "OK oldexec n=2"), _tail(text)
+        assert lines_of(text, p, "DONE"), _tail(text)
+    assert "before exit" not in text, _tail(text)
 
 
 def test_gpu_killed_process_is_named_within_the_timeout(gpus):
