@@ -125,7 +125,8 @@ def parse_args(argv=None):
                    help="seconds each peer process may run before it is killed (default 120; "
                         "one normally takes 20-40 s)")
     p.add_argument("--no-trace", dest="trace", action="store_false",
-                   help="skip the per-call trace (mis-speculation, tail latency)")
+                   help="skip the mis-speculation and tail part of the per-call trace (the "
+                        "jit_device level still runs)")
     p.add_argument("--skew-us", default="0,2,10",
                    help="forced skews for the trace, max microseconds each rank waits before "
                         "each all-reduce (0 = none; default 0,2,10)")
@@ -302,14 +303,19 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
     slot = max(sifar_jax.DEFAULT_SLOT_BYTES, max(sizes))
     algs = cfg["algorithms"]
     sifar_algs = [a for a in algs if a != BASELINE]
-    call_trace, trace_skipped = calltrace.find() if args.trace else (None, "--no-trace")
-    if trace_skipped and args.trace:
+    # The per-call trace serves the jit_device level always, the mis-speculation part unless
+    # --no-trace.
+    traced, trace_skipped = calltrace.find()
+    if trace_skipped:
         print(f"NOTE: {trace_skipped}", flush=True)
+    call_trace = traced if args.trace else None
+    if not args.trace:
+        trace_skipped = "--no-trace"
 
     cases = []
     for tp in cfg["tp"]:
         for level in cfg["levels"]:
-            if level == "jit_device" and call_trace is None:
+            if level == "jit_device" and traced is None:
                 continue  # no per-call trace in this build (said above)
             for alg in (algs if level == "jit" else sifar_algs):
                 for nbytes in sizes:
@@ -333,7 +339,7 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
             x = on_mesh(mesh, random_bf16(zlib.crc32(repr((tp, level, alg, nbytes)).encode()), tp,
                                           nbytes // 2))
             if level == "jit_device":
-                records.append(jit_device_case(call_trace, mesh, fns, cfg, tp, alg, nbytes, x))
+                records.append(jit_device_case(traced, mesh, fns, cfg, tp, alg, nbytes, x))
                 bar.update(1)
                 continue
             if level == "kernel":
