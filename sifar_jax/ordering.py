@@ -10,7 +10,9 @@ mechanisms make the order a property of the communicator (docs/design.md,
   dependence every scheduler honours, so calls run in trace order.
 * Across jaxprs (a scan body and its caller, separate executables, threads),
   which no data dependence links, each jaxpr is a *chain* with its own id
-  (`chain_id`). The communicator keeps one lane (epochs and slots) per chain
+  (`chain_id`), counted per communicator (its axis key): ranks in several
+  processes agree on it as long as they trace the jaxprs that call sifar on
+  that axis in the same order, whatever else each traces. The communicator keeps one lane (epochs and slots) per chain
   slot, and every epoch tag carries the chain, so two chains never pair each
   other's words: independent chains run concurrently without mixing, and a
   mismatch that cannot be resolved times out with a clear error instead of
@@ -38,27 +40,33 @@ _lock = threading.Lock()
 # Held around the dispatch of a jitted call, so that its per-device launches
 # are enqueued on every device before another thread's (see above).
 dispatch_lock = threading.RLock()
-_next_chain = itertools.count(1)
-# trace -> [chain id, weak ref to the last result]. Both sides weak (a tracer
-# refers to its trace), so a finished trace is forgotten and no limit on the
-# number of remembered traces is needed; the trace keeps its tracers alive.
+# communicator scope (axis key) -> the next chain id there
+_next_chain: "dict[int, itertools.count]" = {}
+# trace -> [{scope: chain id}, weak ref to the last result]. Both sides weak (a
+# tracer refers to its trace), so a finished trace is forgotten and no limit on
+# the number of remembered traces is needed; the trace keeps its tracers alive.
 _chains: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _entry(trace):
     e = _chains.get(trace)
     if e is None:
-        e = _chains[trace] = [next(_next_chain), None]
+        e = _chains[trace] = [{}, None]
     return e
 
 
-def chain_id(x) -> int:
-    """The chain of the jaxpr `x` is being traced into (0 outside any trace)."""
+def chain_id(x, scope: int = 0) -> int:
+    """The chain of the jaxpr `x` is being traced into, numbered among the
+    jaxprs that called chain_id with this `scope` (a communicator's axis key);
+    0 outside any trace."""
     trace = _trace_of(x)
     if trace is None:
         return 0
     with _lock:
-        return _entry(trace)[0]
+        ids = _entry(trace)[0]
+        if scope not in ids:
+            ids[scope] = next(_next_chain.setdefault(scope, itertools.count(1)))
+        return ids[scope]
 
 
 def operands(x) -> list:

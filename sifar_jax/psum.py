@@ -96,6 +96,11 @@ class _Plan:
         return self.comms[0].platform
 
     @property
+    def scope(self) -> int:
+        """Chain ids are counted per communicator (sifar_jax.ordering)."""
+        return int(self.comms[0].axis_key)
+
+    @property
     def slot(self) -> int:
         return min(c.slot_bytes for c in self.comms)
 
@@ -214,7 +219,7 @@ def _plan(x, axis_name, algorithm: str, api: str):
             raise ValueError(f"sifar_jax.{api}(algorithm={algorithm!r}): {_too_large(padded, plan)}")
         return _too_large(padded, plan)
     pad = (padded - x.size * dtype.itemsize) // dtype.itemsize
-    return dataclasses.replace(plan, pad=pad, chain=ordering.chain_id(x))
+    return dataclasses.replace(plan, pad=pad, chain=ordering.chain_id(x, plan.scope))
 
 
 def _flat(x, plan: _Plan):
@@ -239,7 +244,7 @@ def _allreduce(payload, plan: _Plan, repeat: int = 1):
     The transformation rules below bind through here again, one level down,
     so the call that lands in a jaxpr takes that jaxpr's ordering operand and
     chain, not those of a transient jvp or vmap trace."""
-    plan = dataclasses.replace(plan, chain=ordering.chain_id(payload))
+    plan = dataclasses.replace(plan, chain=ordering.chain_id(payload, plan.scope))
     out = allreduce_p.bind(payload, *ordering.operands(payload), plan=plan, repeat=repeat)
     ordering.remember(payload, out)
     return out

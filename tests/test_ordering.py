@@ -190,6 +190,28 @@ def test_chain_ids_differ_between_jaxprs():
     assert ordering.chain_id(np.ones(3)) == 0
 
 
+def test_chain_ids_are_counted_per_communicator():
+    """Tracing calls on another axis does not shift this axis's chain ids (a process that
+    traces one more function on an axis of its own still agrees with its peers)."""
+    from sifar_jax import ordering
+
+    def ids(scopes):
+        got = []
+
+        def f(x):
+            got.extend(ordering.chain_id(x, s) for s in scopes)
+            return x
+
+        jax.jit(f)(jnp.ones(3))
+        return got
+
+    a1, = ids([101])
+    b1, = ids([202])
+    a2, b2 = ids([101, 202])
+    a3, = ids([101])
+    assert (a2, a3) == (a1 + 1, a1 + 2) and b2 == b1 + 1  # axis 202's traces left 101's alone
+
+
 # --------------------------------------------------------------- epoch wrap --
 @pytest.mark.parametrize("algorithm", ALGS)
 def test_crossing_the_tag_wrap_never_accepts_old_words(cpu_mesh, algorithm):
