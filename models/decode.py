@@ -11,6 +11,9 @@ on an H200 than a token kept in the state):
     done   [B] bool, eos was produced        eos   int32, the stop token (-1: none)
     key    uint32 raw PRNG key data          ar    all-reduce buffers (sifar_buffers), else {}
 
+B is Decoder.rows: batch_size, or min_rows where that is larger (the extra rows copy the last
+sequence and are never returned).
+
 A step is `state = step(param_leaves, state)`: no host input, no new buffer, no Python scalar.
 Its executable is compiled ahead of time (exact in/out shardings, so no call re-places or
 re-checks anything) per cache capacity, attention bucket and Sampling. Attention runs over the
@@ -125,13 +128,17 @@ class Decoder:
     past sifar's slot it falls back to lax.psum with algorithm="auto" (and raises with a named
     algorithm); raise slot_bytes to keep it on sifar. kv_layout: "bshd" or "bhsd"
     (llama.KV_LAYOUTS), by default the one the platform updates in place
-    (llama.default_kv_layout).
+    (llama.default_kv_layout). min_rows: run at least this many rows (sequences) on the device,
+    the extra ones copies of the last real one, never returned: on an H200, XLA:GPU ran a
+    batch-1 step at TP=2's per-rank shapes 20% slower than a batch-2 step (its matmuls for one
+    row; bench/NOTES.md), so min_rows=2 can make batch-1 decoding faster. Greedy tokens do not
+    change; sampled ones may (the random draws are per row).
     """
 
     def __init__(self, config: LlamaConfig, mesh: Mesh, params, *, allreduce: str = "psum",
                  algorithm: str = "auto", fused: bool = False, slot_bytes: Optional[int] = None,
                  axis_name: str = "tp", batch_size: int = 1, max_seq_len: Optional[int] = None,
-                 kv_layout: Optional[str] = None):
+                 kv_layout: Optional[str] = None, min_rows: int = 1):
         if allreduce not in llama.ALLREDUCE_KINDS:
             raise ValueError(f"allreduce must be one of {llama.ALLREDUCE_KINDS}, got {allreduce!r}")
         if slot_bytes is not None and allreduce not in SIFAR_KINDS:
@@ -140,6 +147,9 @@ class Decoder:
         self.mesh = mesh
         self.axis_name = axis_name
         self.batch_size = batch_size
+        if min_rows < 1:
+            raise ValueError(f"min_rows must be >= 1, got {min_rows}")
+        self.rows = max(batch_size, min_rows)  # rows on the device: batch_size real, then copies
         self.max_seq_len = max_seq_len  # None: sized per request
         self.tp = mesh.shape[axis_name]
         self.kv_layout = kv_layout or llama.default_kv_layout(mesh)
@@ -230,11 +240,11 @@ class Decoder:
                 self.state = None  # free the old cache before allocating the new one
             elif self._buffers is not None:
                 ar, self._buffers = dict(self._buffers._asdict()), None  # the state owns them
-            cache = llama.init_cache(self.config, self.mesh, self.batch_size, size, self.axis_name,
+            cache = llama.init_cache(self.config, self.mesh, self.rows, size, self.axis_name,
                                      self.kv_layout)
             self.state = {"cache": cache, "ar": ar}
             self._capacity = size
-        b = self.batch_size
+        b = self.rows
         self.state.update(pos=self._put(np.int32(0)), tok=self._put(np.zeros((b, 1), np.int32)),
                           done=self._put(np.zeros(b, bool)), eos=self._put(np.int32(-1)),
                           key=self._put(key_data(0)))
@@ -244,9 +254,9 @@ class Decoder:
         """Continue from `position` of the current cache (taken as the context, as it is) with
         `token` ([B] ints) as the last token. For benchmarks: a context without a prefill."""
         self._ensure_capacity(position + 1)
-        tok = np.asarray(token, np.int32).reshape(self.batch_size, 1)
+        tok = self._padded(np.asarray(token, np.int32).reshape(self.batch_size, 1))
         self.state.update(pos=self._put(np.int32(position)), tok=self._put(tok),
-                          done=self._put(np.zeros(self.batch_size, bool)))
+                          done=self._put(np.zeros(self.rows, bool)))
         self._pos, self._step = position, (0, None)
 
     def randomize_cache(self, seed: int = 0) -> None:
@@ -264,7 +274,12 @@ class Decoder:
         if tokens.ndim != 2 or tokens.shape[0] != self.batch_size:
             raise ValueError(f"tokens of shape {tokens.shape}: expected [batch_size="
                              f"{self.batch_size}, T]")
-        return self._put(tokens)
+        return self._put(self._padded(tokens))
+
+    def _padded(self, rows: np.ndarray) -> np.ndarray:
+        """[batch_size, ...] host values -> [rows, ...]: the last real row repeated."""
+        extra = self.rows - rows.shape[0]
+        return np.concatenate([rows, np.repeat(rows[-1:], extra, axis=0)]) if extra else rows
 
     # ---- executables -------------------------------------------------------------------------
 
@@ -321,7 +336,7 @@ class Decoder:
         """The executable of k steps in one dispatch from the current position:
         (leaves, state) -> (state, tokens [B, k]). fori_loop, or with early_exit a while_loop
         that stops once every sequence has produced eos (unrun steps' tokens are eos)."""
-        n, s, b = self._bucket(self._pos + k), self.sampling, self.batch_size
+        n, s, b = self._bucket(self._pos + k), self.sampling, self.rows
 
         def chunk(leaves, state):
             def body(i, carry):
@@ -362,7 +377,7 @@ class Decoder:
                             outputs=(NamedSharding(self.mesh, P(None, None, self.axis_name)),))
         self.state, logits = exe(self._leaves, self.state, tokens)
         self._pos += t
-        return logits
+        return logits if self.rows == self.batch_size else logits[: self.batch_size]
 
     def step(self, token) -> jax.Array:
         """Append one token per sequence ([B] or [B, 1]); logits [B, vocab]."""
@@ -394,8 +409,8 @@ class Decoder:
             self._pos += 1
 
     def advance_on_device(self, k: int, early_exit: bool = False) -> jax.Array:
-        """Dispatch k steps as one on-device loop; returns their tokens [B, k] (a device array
-        whose copy to the host has started)."""
+        """Dispatch k steps as one on-device loop; returns their tokens [rows, k] (a device array
+        whose copy to the host has started; the first batch_size rows are the sequences')."""
         exe = self.compiled_chunk(k, early_exit)
         self.state, toks = exe(self._leaves, self.state)
         self._pos += k  # with early_exit an upper bound: only ever used to pick larger buckets
@@ -404,7 +419,7 @@ class Decoder:
 
     def token(self) -> np.ndarray:
         """The last chosen token of each sequence, [B] (waits for it)."""
-        return _host(self.state["tok"])[:, 0]
+        return _host(self.state["tok"])[: self.batch_size, 0]
 
     def _snapshot(self) -> jax.Array:
         # The state's token is donated to the next step: fetch a copy, asynchronously.
@@ -440,7 +455,7 @@ class Decoder:
                 self.advance()
                 fetched.append(self._snapshot())
             for f in fetched:
-                tok = _host(f)
+                tok = _host(f)[: self.batch_size]
                 yield tok
                 if stop.seen(tok):
                     return
@@ -460,7 +475,7 @@ class Decoder:
             while issued < n and len(pending) <= in_flight:
                 pending.append(dispatch())
                 issued += per_dispatch
-            block = _host(pending.popleft()).reshape(self.batch_size, -1)
+            block = _host(pending.popleft()).reshape(self.rows, -1)[: self.batch_size]
             for tok in block.T[:left]:
                 left -= 1
                 yield tok

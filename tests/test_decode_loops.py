@@ -204,6 +204,23 @@ def test_both_kv_layouts_give_the_same_tokens_and_logits():
         _decoder(2, kv_layout="sbhd")
 
 
+def test_extra_rows_change_no_greedy_token_and_no_logit():
+    """min_rows=2 at batch 1 (a copy of the sequence rides along): every loop gives the tokens of
+    min_rows=1, teacher-forced logits come back [1, T, vocab] and equal."""
+    _need(2)
+    one, two = _decoder(2), _decoder(2, min_rows=2)
+    assert (one.rows, two.rows, two.batch_size) == (1, 2, 1)
+    want = _every_loop(one, PROMPT, NEW, early_exit=True)
+    for loop, toks in _every_loop(two, PROMPT, NEW, early_exit=True).items():
+        assert toks.shape == (1, NEW), loop
+        np.testing.assert_array_equal(toks, want[loop], err_msg=loop)
+    a, b = one.teacher_forced_logits(PROMPT[None]), two.teacher_forced_logits(PROMPT[None])
+    assert a.shape == b.shape == (1, PROMPT.size, LlamaConfig.tiny().vocab_size)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="min_rows"):
+        _decoder(2, min_rows=0)
+
+
 def test_the_copy_check_can_fail():
     """The HLO check finds a per-iteration copy and an entry copy where XLA must make them."""
     x = jnp.ones((1, 64, 2, 16), jnp.float32)
