@@ -131,8 +131,10 @@ class Decoder:
     (llama.default_kv_layout). min_rows: run at least this many rows (sequences) on the device,
     the extra ones copies of the last real one, never returned: on an H200, XLA:GPU ran a
     batch-1 step at TP=2's per-rank shapes 20% slower than a batch-2 step (its matmuls for one
-    row; bench/NOTES.md), so min_rows=2 can make batch-1 decoding faster. Greedy tokens do not
-    change; sampled ones may (the random draws are per row).
+    row; bench/NOTES.md): min_rows=2 made batch-1 decoding 17% faster there. XLA may then pick
+    other matmul kernels, whose bf16 rounding can flip a greedy token where two logits nearly
+    tie (as any change of batch can); sampled tokens also depend on the row count (the random
+    draws are per row).
     """
 
     def __init__(self, config: LlamaConfig, mesh: Mesh, params, *, allreduce: str = "psum",
