@@ -94,11 +94,11 @@ void PeerWorkspaces::Synchronize() {
 
 void PeerWorkspaces::Reset() {
   std::lock_guard<std::mutex> lock(mu_);
+  if (freed_) throw std::runtime_error("sifar_jax: freed shared workspaces cannot be reused");
   SynchronizeLocked();
   for (size_t g = 0; g < entries_.size(); ++g)
     for (size_t r = 0; r < entries_[g].size(); ++r) {
       Entry& e = entries_[g][r];
-      if (freed_) throw std::runtime_error("sifar_jax: freed shared workspaces cannot be reused");
       if (ordinals_[g][r] < 0) continue;
       backend_.Zero(ordinals_[g][r], e.base, bytes_);
       std::memset(e.error_host, 0, sizeof(ErrorRecord));

@@ -367,7 +367,8 @@ class Llama(nnx.Module):
                  attend_len: Optional[int] = None, kv_layout: str = "bshd"):
         """tokens [B, T] int32; positions [T] int32, contiguous, shared by the batch (the cache
         is written at positions[0]); cache: list over layers of {"k","v"}; attend_len: see
-        Attention; kv_layout: the cache's KV_LAYOUTS key. Returns (local logits [B, T or 1, vocab/tp] float32, new cache)."""
+        Attention; kv_layout: the cache's KV_LAYOUTS key. Returns (local logits
+        [B, T or 1, vocab/tp] float32, new cache)."""
         x = jnp.take(self.embed[...], tokens, axis=0)
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.config))
         layers = list(self.layers)
@@ -465,8 +466,8 @@ def make_forward(config: LlamaConfig, mesh: Mesh, *, allreduce: str = "psum",
     tokens [B, T] and positions [T] are replicated; logits [B, T (1 if last_only), vocab] come out
     split over vocab; `ar` is the all-reduce buffer pytree of the decode state ({} unless
     sifar_buffers; `ar_specs` its specs). attend_len: attention over that many cache positions
-    (see Attention); kv_layout: the cache's (KV_LAYOUTS). fused=True (allreduce="sifar"): all-reduce + residual add + RMSNorm as one
-    sifar_jax.psum_add_rmsnorm call. Works for a 1-device mesh (tp=1) too.
+    (see Attention); kv_layout: the cache's (KV_LAYOUTS). fused=True (allreduce="sifar"):
+    all-reduce + residual add + RMSNorm as one sifar_jax.psum_add_rmsnorm call. Works for a 1-device mesh (tp=1) too.
     """
     tp = mesh.shape[axis_name]
     config = tp_layout(config, tp)

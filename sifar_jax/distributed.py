@@ -457,20 +457,22 @@ def before_destroy(comm_ids) -> None:
 def release_pooled() -> None:
     """shutdown(release_memory=True), in every process: frees the pooled
     shared workspaces (with the `closed` handshake)."""
+    _release(_take_all(), CLOSE_TIMEOUT_S)
+
+
+def _take_all() -> list[_Shared]:
+    """Empties the pool and the sets waiting for a peer; returns them."""
     with _lock:
         sets = [*_pool.values(), *_closing]
         _pool.clear()
         _closing.clear()
-    _release(sets, CLOSE_TIMEOUT_S)
+    return sets
 
 
 def _at_exit() -> None:
     """Frees what the pool still holds (the peers exit too: bounded waits),
     then removes the names this process still publishes."""
-    with _lock:
-        sets = [*_pool.values(), *_closing]
-        _pool.clear()
-        _closing.clear()
+    sets = _take_all()
     try:
         if _jax_compat.kv_client() is not None:
             _release(sets, CLOSE_TIMEOUT_S, at_exit=True)

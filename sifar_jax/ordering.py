@@ -12,11 +12,11 @@ mechanisms make the order a property of the communicator (docs/design.md,
   which no data dependence links, each jaxpr is a *chain* with its own id
   (`chain_id`), counted per communicator (its axis key): ranks in several
   processes agree on it as long as they trace the jaxprs that call sifar on
-  that axis in the same order, whatever else each traces. The communicator keeps one lane (epochs and slots) per chain
-  slot, and every epoch tag carries the chain, so two chains never pair each
-  other's words: independent chains run concurrently without mixing, and a
-  mismatch that cannot be resolved times out with a clear error instead of
-  returning a wrong sum.
+  that axis in the same order, whatever else each traces. The communicator
+  keeps one lane (epochs and slots) per chain slot, and every epoch tag
+  carries the chain, so two chains never pair each other's words: independent
+  chains run concurrently without mixing, and a mismatch that cannot be
+  resolved times out with a clear error instead of returning a wrong sum.
 
 Executables are ordered by the host: every device runs them in the order they
 were dispatched. Two threads that dispatch at the same time can enqueue two
