@@ -112,6 +112,9 @@ def parse_args(argv=None):
     p.add_argument("--fused", choices=("auto", "on", "off"), default="auto",
                    help="one more row: sifar fused with the residual add and RMSNorm (auto: when "
                         "sifar_jax.psum_add_rmsnorm exists; on: required)")
+    p.add_argument("--fused-sweep", action="store_true",
+                   help="time the fused variant at every sweep point too (default: only at the "
+                        "loops' point)")
     p.add_argument("--tp", nargs="+", default=None,
                    help="TP sizes, run in that order (default: every power of two up to the "
                         "device count, largest first, then 1; on CPU: 2 1)")
@@ -200,6 +203,7 @@ def settings(args, platform: str, n_devices: int) -> dict:
         "seed": args.seed,
         "kv_layout": None if args.kv_layout == "auto" else args.kv_layout,
         "min_rows": max(1, args.min_rows),
+        "fused_sweep": args.fused_sweep,
         "trace": not args.no_trace,
         "loops": _loops(args.loops),
         "sweep_loops": [] if args.no_sweep else _loops(args.sweep_loops),
@@ -262,7 +266,9 @@ def _chunks(s) -> int:
 
 def cases(s) -> list[tuple[int, int, int, tuple, list[str]]]:
     """[(tp, batch, context, variant, loops)]: the loops at batch 1 and the first context, the
-    sweep elsewhere (and its loops added at that point). TP=1 runs only lax.psum."""
+    sweep elsewhere (and its loops added at that point). TP=1 runs only lax.psum; the fused
+    variant only at the loops' point unless --fused-sweep (the sweep compares psum, sifar and
+    identity, and each variant costs a compile per point)."""
     base = (1, s["context"][0])
     points = [base] + [(b, c) for c in s["context"] for b in s["batch"] if (b, c) != base]
     out = []
@@ -271,8 +277,9 @@ def cases(s) -> list[tuple[int, int, int, tuple, list[str]]]:
         for b, c in points:
             loops = s["loops"] + [x for x in s["sweep_loops"] if x not in s["loops"]] \
                 if (b, c) == base else s["sweep_loops"]
+            here = [v for v in variants if (b, c) == base or s["fused_sweep"] or not v[3]]
             if loops:
-                out += [(tp, b, c, v, loops) for v in variants]
+                out += [(tp, b, c, v, loops) for v in here]
     return out
 
 

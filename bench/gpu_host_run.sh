@@ -1,25 +1,25 @@
 #!/usr/bin/env bash
-# The GPU suite in one device call: build, the GPU tests, bench.allreduce
-# (sifar, lax.psum and the peers, plus the per-call trace), bench.decode (the
-# loops at batch 1), the decode sweep, and the one-process-per-GPU runs. One
-# log and the result files land in $OUT, which the device tool brings back
-# (8 files at most): run.log, allreduce-<host>.{json,md,png},
-# decode/decode-<host>.*, sweep/decode-<host>.*, mp/*-<host>-<n>proc.*.
+# The GPU suite, each command sized for one 10-minute device call. One log and
+# the result files land in $OUT, which the device tool brings back (8 files at
+# most): run.log, allreduce-<host>.{json,md,png}, decode/decode-<host>.*,
+# mp/*-<host>-<n>proc.*.
 #
-#   bash bench/gpu_host_run.sh                      # build tests allreduce decode
-#   bash bench/gpu_host_run.sh decode sweep         # some steps of: build tests allreduce decode
-#                                                   #  sweep mp
-#   bash bench/gpu_host_run.sh --quick              # the same on a CPU machine (quick variants;
-#                                                   #  the build only if the extension is missing)
+#   bash bench/gpu_host_run.sh                  # the evaluation: build, bench.allreduce (sifar,
+#                                               #  lax.psum, the peers, the per-call trace),
+#                                               #  bench.decode (the loops, then the batch x KV
+#                                               #  length sweep, TP 2.. and 1)
+#   bash bench/gpu_host_run.sh build tests mp   # the GPU tests and one process per GPU
+#   bash bench/gpu_host_run.sh --quick ...      # the same on a CPU machine (quick variants;
+#                                               #  the build only if the extension is missing)
 #
-# Environment: OUT (default /tmp/sifar-out), PYTHON (python3), ALLREDUCE_ARGS,
-# DECODE_ARGS, SWEEP_ARGS, MP_ARGS (bench.allreduce under the launcher),
-# TESTS_ARGS (pytest arguments replacing the default GPU test selection),
-# BUILD_TIMEOUT / TESTS_TIMEOUT / ALLREDUCE_TIMEOUT / DECODE_TIMEOUT /
-# SWEEP_TIMEOUT / MP_TIMEOUT (seconds per step), SUITE_BUDGET_S (default 570:
-# one device call is 600 s; the suite ends within it, each step's timeout is
-# cut to what is left, a step that cannot start in time is skipped and says
-# so).
+# Steps: build tests allreduce decode mp. Environment: OUT (default
+# /tmp/sifar-out), PYTHON (python3), ALLREDUCE_ARGS, DECODE_ARGS (e.g.
+# --no-sweep), MP_ARGS (bench.allreduce under the launcher), TESTS_ARGS (pytest
+# arguments replacing the default GPU test selection), BUILD_TIMEOUT /
+# TESTS_TIMEOUT / ALLREDUCE_TIMEOUT / DECODE_TIMEOUT / MP_TIMEOUT (seconds per
+# step), SUITE_BUDGET_S (default 570: one device call is 600 s; the suite ends
+# within it, each step's timeout is cut to what is left, a step that cannot
+# start in time is skipped and says so).
 #
 # NVLink multicast stays off: the three switches are forced off here (they only
 # ever turn multicast off), and logged as found and as used.
@@ -33,7 +33,7 @@ if [[ "${1:-}" == "--quick" ]]; then
   shift
 fi
 steps=("$@")
-[[ ${#steps[@]} -eq 0 ]] && steps=(build tests allreduce decode)
+[[ ${#steps[@]} -eq 0 ]] && steps=(build allreduce decode)
 n_gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU " || true)
 
 OUT="${OUT:-/tmp/sifar-out}"
@@ -137,17 +137,12 @@ for step in "${steps[@]}"; do
       run_step "bench.allreduce" "${ALLREDUCE_TIMEOUT:-480}" \
         "$PYTHON" -m bench.allreduce ${quick_arg[@]+"${quick_arg[@]}"} --out "$OUT" ${ALLREDUCE_ARGS:-} ;;
     decode)
-      # The four loops at batch 1 and the first KV length.
+      # The four loops at batch 1 and the first KV length, then batch x KV length (pipelined;
+      # psum / sifar / identity), per TP size.
       # shellcheck disable=SC2086
       run_step "bench.decode" "${DECODE_TIMEOUT:-480}" \
-        "$PYTHON" -m bench.decode ${quick_arg[@]+"${quick_arg[@]}"} --no-sweep --out "$OUT/decode" \
+        "$PYTHON" -m bench.decode ${quick_arg[@]+"${quick_arg[@]}"} --out "$OUT/decode" \
         ${DECODE_ARGS:-} ;;
-    sweep)
-      # batch x KV length, pipelined, psum / sifar / identity.
-      # shellcheck disable=SC2086
-      run_step "bench.decode sweep" "${SWEEP_TIMEOUT:-480}" \
-        "$PYTHON" -m bench.decode ${quick_arg[@]+"${quick_arg[@]}"} --loops pipelined --fused off \
-        --out "$OUT/sweep" ${SWEEP_ARGS:-} ;;
     mp)
       # One process per GPU (CPU: 2 processes of XLA:CPU devices).
       nproc_mp=$(( n_gpus >= 2 ? n_gpus : 2 ))
@@ -161,12 +156,11 @@ for step in "${steps[@]}"; do
         "$PYTHON" -m sifar_jax.launch -n "$nproc_mp" -- "$PYTHON" -m bench.decode \
         ${quick_arg[@]+"${quick_arg[@]}"} --no-sweep --fused off --no-plot --out "$OUT/mp" ;;
     *)
-      log "unknown step '$step' (build, tests, allreduce, decode, sweep, mp)" ;;
+      log "unknown step '$step' (build, tests, allreduce, decode, mp)" ;;
   esac
 done
 
 n=$(find "$OUT" -type f | wc -l)
-# (sweep and decode both write decode-<host>.*: their folders keep them apart)
 log "done: $n files in $OUT"
 ls -la "$OUT" | tee -a "$LOG"
 if (( n > 8 )); then

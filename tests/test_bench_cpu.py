@@ -111,23 +111,24 @@ def test_quick_run_json_and_clean_checkout(tmp_path):
 
 
 def test_gpu_host_suite_script_runs_its_steps_on_the_cpu(tmp_path):
-    """bench/gpu_host_run.sh --quick with the decode, sweep and one-process-per-device steps:
+    """bench/gpu_host_run.sh --quick with the decode and one-process-per-device steps:
     every step starts, none fails, each writes where the suite says (a broken step would
     otherwise show only on a GPU host, in its scarce time)."""
     if shutil.which("bash") is None:
         pytest.skip("no bash")
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
-    r = subprocess.run(["bash", "bench/gpu_host_run.sh", "--quick", "decode", "sweep", "mp"],
+    r = subprocess.run(["bash", "bench/gpu_host_run.sh", "--quick", "decode", "mp"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     log = (tmp_path / "run.log").read_text()
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    for step in ("bench.decode (", "bench.decode sweep", "bench.allreduce, 2 processes",
-                 "bench.decode, 2 processes"):
+    for step in ("bench.decode (", "bench.allreduce, 2 processes", "bench.decode, 2 processes"):
         assert step in log, step
     assert "exit code" not in log and "TIMED OUT" not in log and "SKIPPED" not in log, log[-3000:]
-    for pattern in ("decode/decode-*.json", "sweep/decode-*.json", "mp/allreduce-*-2proc.json",
-                    "mp/decode-*-2proc.json"):
+    for pattern in ("decode/decode-*.json", "mp/allreduce-*-2proc.json", "mp/decode-*-2proc.json"):
         assert list(tmp_path.glob(pattern)), pattern
+    sweep = json.loads(next(tmp_path.glob("decode/decode-*core.json")).read_text())
+    assert {(r["batch"], r["context"]) for r in sweep} == {(b, c) for b in (1, 2) for c in (256, 512)}
+    assert all(r["batch"] == 1 for r in sweep if r["fused"])  # fused: the loops' point only
 
 
 def test_cpu_results_default_to_an_ignored_directory():
