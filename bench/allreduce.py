@@ -679,13 +679,9 @@ def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
 
 
 def plot(records, comp, trace_latencies, path, host, kind):
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+    plt = common.pyplot()
+    if plt is None:
         return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     tps = sorted({r["tp"] for r in records})
     if not tps:

@@ -417,6 +417,20 @@ def plain_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
     return "\n".join(out)
 
 
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (saying so) where matplotlib is not
+    installed: the results are in the JSON and markdown either way."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def save_figure(fig, title: str, path):
     """Titles, lays out, writes (PNG, 120 dpi) and closes a matplotlib figure."""
     import matplotlib.pyplot as plt

@@ -855,10 +855,9 @@ def _first_loop(r, records) -> str:
 
 
 def plot(records, order, path, host, platform, s):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
+    if plt is None:
+        return None
 
     idx = _index(records)
     ctx = s["context"][0]
