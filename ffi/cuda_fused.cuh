@@ -13,8 +13,9 @@
 // of at most one block's lines lie in aligned segments of one block (a
 // segmented reduction: warp shuffles, then the row's warps through shared
 // memory).  Longer rows span row_blocks whole blocks, launched as one
-// thread-block cluster, whose per-block sums meet in distributed shared
-// memory, added in cluster-rank order.  Since a round of kMaxBlocks blocks
+// thread-block cluster: each block stores its sum into every block's shared
+// memory (distributed shared memory), one cluster barrier, and every block adds
+// them in cluster-rank order.  Since a round of kMaxBlocks blocks
 // holds whole clusters, the line -> block ownership stays BlockOfLine's.
 #pragma once
 
@@ -59,46 +60,80 @@ __device__ __forceinline__ FusedIn LoadFusedIn(const FusedArgs& f, size_t line) 
 
 // ----------------------------------------------------------- clusters ----
 // barrier.cluster split in its two halves: the release/acquire pair orders
-// the shared-memory writes before the arrive with the reads after the wait,
-// in every block of the cluster.  All threads of every block execute both.
+// the (distributed) shared-memory writes before the arrive with the reads
+// after the wait, in every block of the cluster.  All threads of every block
+// execute both.
 __device__ __forceinline__ void ClusterArrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void ClusterArriveRelaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 }
 __device__ __forceinline__ void ClusterWait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
-// A 32-bit word of block `rank`'s shared memory (distributed shared memory).
-__device__ __forceinline__ uint32_t LoadClusterShared(const void* local, uint32_t rank) {
+// Stores a 32-bit word into block `rank`'s copy of `local` (distributed
+// shared memory).
+__device__ __forceinline__ void StoreClusterShared(const void* local, uint32_t rank, uint32_t v) {
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(local));
-  uint32_t remote, v;
+  uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-  asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(remote) : "memory");
-  return v;
+  asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(remote), "r"(v) : "memory");
 }
 
-// The shared memory of the row reduction.
+// The shared memory of the row reduction, double-buffered by exchange parity:
+// a block writes exchange k + 2's words only after exchange k + 1's barrier,
+// which every thread (of every block of the cluster) passes after reading
+// exchange k's.
 struct RowShared {
-  float warp_sums[kThreads / 32];
-  float block_sum;   // read by the other blocks of the cluster
-  uint32_t block_ok;
+  float warp_sums[2][kThreads / 32];
+  float part[2][kMaxRowBlocks];        // the cluster's blocks' row sums, by cluster rank
+  uint32_t part_ok[2][kMaxRowBlocks];  // and whether each block's lines all succeeded
 };
 
 // The sum of `v` over this thread's row within the block, in a fixed order
 // (butterfly over the row's lanes of a warp: both partners of each step add
 // the same two numbers, so every lane ends with the same bits; then the row's
-// warps in order).  Rows of at most 32 lines never touch shared memory.
+// warps in order); `ok` becomes the block's AND, in the same barrier.
 // Block-uniform: all threads call it.
-__device__ __forceinline__ float BlockRowSum(float v, uint32_t row_lines, RowShared& sh) {
+__device__ __forceinline__ float BlockRowSum(float v, uint32_t row_lines, float* warp_sums,
+                                             bool& ok) {
   const uint32_t width = row_lines < 32u ? row_lines : 32u;
   for (uint32_t o = 1; o < width; o <<= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
-  if (row_lines <= 32u) return v;
+  if (row_lines <= 32u) {
+    ok = __syncthreads_and(ok) != 0;
+    return v;
+  }
   const uint32_t warps = (row_lines < kThreads ? row_lines : kThreads) / 32;  // the row's, here
   const uint32_t warp = threadIdx.x / 32;
-  if ((threadIdx.x & 31u) == 0) sh.warp_sums[warp] = v;
-  __syncthreads();
+  if ((threadIdx.x & 31u) == 0) warp_sums[warp] = v;
+  ok = __syncthreads_and(ok) != 0;
   const uint32_t first = warp & ~(warps - 1);
-  float t = sh.warp_sums[first];
-  for (uint32_t k = 1; k < warps; ++k) t = __fadd_rn(t, sh.warp_sums[first + k]);
+  float t = warp_sums[first];
+  for (uint32_t k = 1; k < warps; ++k) t = __fadd_rn(t, warp_sums[first + k]);
+  return t;
+}
+
+// Rows of several blocks: thread b sends this block's sum and outcome into
+// block b's shared memory, one cluster barrier, then every block adds the
+// sums in cluster-rank order (the blocks' order along the row) from its own
+// memory.  Returns the row's sum; `ok` becomes the cluster's AND.
+__device__ __forceinline__ float ClusterRowSum(float total, uint32_t row_blocks, RowShared& sh,
+                                               uint32_t parity, bool& ok) {
+  const uint32_t me = blockIdx.x % row_blocks;  // cluster rank (1-D clusters along the grid)
+  if (threadIdx.x < row_blocks) {
+    StoreClusterShared(&sh.part[parity][me], threadIdx.x, __float_as_uint(total));
+    StoreClusterShared(&sh.part_ok[parity][me], threadIdx.x, ok ? 1u : 0u);
+  }
+  ClusterArrive();
+  ClusterWait();
+  float t = sh.part[parity][0];
+  bool all_ok = sh.part_ok[parity][0] != 0;
+  for (uint32_t b = 1; b < row_blocks; ++b) {
+    t = __fadd_rn(t, sh.part[parity][b]);
+    all_ok = all_ok && sh.part_ok[parity][b] != 0;
+  }
+  ok = all_ok;
   return t;
 }
 
@@ -132,7 +167,13 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(FusedArgs f) {
   CallState s{};
   s.timeout_ns = st.timeout_ns;
   s.failed_peer = -1;
-  bool warp0_retried = false, pending = false;  // pending: a cluster arrive not yet waited for
+  bool warp0_retried = false;
+  // A block may write into another's shared memory only once that block runs:
+  // every block arrives now and waits before its first exchange (by then the
+  // barrier has long completed), or at exit if it never exchanged.
+  bool started_pending = cluster;
+  if (cluster) ClusterArriveRelaxed();
+  uint32_t exchange = 0;  // row exchanges so far: the parity of RowShared's buffers
   for (int i = 0; i < a.repeat && go; ++i) {
     if (ok && !dropped) {
       const bool wraps = NextCall(w, st, epoch, s);
@@ -166,26 +207,14 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(FusedArgs f) {
 #pragma unroll
         for (int k = 0; k < K; ++k) ss = __fadd_rn(ss, __fmul_rn(v[k], v[k]));
       }
-      float total = BlockRowSum(ss, f.row_lines, sh);
-      ok = __syncthreads_and(ok) != 0;  // also: warp_sums are read before anyone rewrites them
+      const uint32_t parity = exchange++ & 1u;
+      float total = BlockRowSum(ss, f.row_lines, sh.warp_sums[parity], ok);
       if (cluster) {
-        if (pending) ClusterWait();  // every block has read the previous exchange
-        if (threadIdx.x == 0) {
-          sh.block_sum = total;
-          sh.block_ok = ok;
+        if (started_pending) {
+          ClusterWait();
+          started_pending = false;
         }
-        ClusterArrive();
-        ClusterWait();
-        // In cluster-rank order, which is the blocks' order along the row.
-        total = __uint_as_float(LoadClusterShared(&sh.block_sum, 0));
-        bool all_ok = LoadClusterShared(&sh.block_ok, 0) != 0;
-        for (uint32_t b = 1; b < f.row_blocks; ++b) {
-          total = __fadd_rn(total, __uint_as_float(LoadClusterShared(&sh.block_sum, b)));
-          all_ok = all_ok && LoadClusterShared(&sh.block_ok, b) != 0;
-        }
-        ClusterArrive();  // done reading; waited for before the next write or the exit
-        pending = true;
-        ok = all_ok;
+        total = ClusterRowSum(total, f.row_blocks, sh, parity, ok);
       }
       go = ok;
       if (!go) break;
@@ -211,7 +240,7 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(FusedArgs f) {
   } else if (!dropped) {
     CommitBlock(w, kSifar, st, epoch, warp0_retried);
   }
-  if (pending) ClusterWait();  // no block leaves while another may read its shared memory
+  if (started_pending) ClusterWait();  // every arrive is waited for
 }
 
 }  // namespace cuda
