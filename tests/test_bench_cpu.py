@@ -386,3 +386,35 @@ def test_comparison_ratios_and_target_verdict():
     assert v["verdict"] == "missed" and v["behind"][0]["peer"] == peers.XLA_ONE_SHOT
     (tp, headers, rows) = allreduce.peer_tables(recs, comp, [8192])[0]
     assert rows[0][:2] == ["sifar", "jit"] and rows[-1][2].startswith("yes, 2.00x")
+
+
+def test_step_kernel_probe_sums_per_step_by_kind():
+    """bench.probes.step_kernels: kinds from kernel names, per-step counts and microseconds."""
+    from bench.probes import step_kernels as sk
+
+    assert sk.kind_of("void sifar::cuda::FusedKernel<__nv_bfloat16, 2>(sifar::cuda::FusedArgs)") \
+        == "sifar"
+    assert sk.kind_of("gemm_fusion_dot_354") == "matmul"
+    assert sk.kind_of("input_reduce_fusion_49") == "reduction"
+    assert sk.kind_of("ncclDevKernel_AllGather_RING_LL") == "nccl"
+    assert sk.kind_of("loop_multiply_fusion_126") == "other"
+    kernels = [("gemm_fusion_dot_1", 0, 30_000), ("input_reduce_fusion_2", 0, 2_000),
+               ("AllReduceKernel_sifar", 0, 3_000), ("AllReduceKernel_sifar", 0, 5_000)] * 2
+    r = sk.per_step(kernels, steps=2, top=2)
+    assert r["kernels_per_step"] == 4
+    assert r["busy_us_per_step"] == 40.0
+    assert r["by_kind"]["sifar"] == {"count": 2.0, "us": 8.0}
+    assert r["by_kind"]["matmul"] == {"count": 1.0, "us": 30.0}
+    assert [t["kernel"] for t in r["top"]] == ["gemm_fusion_dot_1", "AllReduceKernel_sifar"]
+    assert r["top"][1]["median_us"] == 4.0
+
+
+def test_step_kernel_probe_runs_on_the_cpu(tmp_path):
+    """On a CPU the probe runs every variant and says that it found no GPU kernels."""
+    from bench.probes import step_kernels as sk
+
+    out = tmp_path / "probe.json"
+    assert sk.main(["--quick", "--steps", "2", "--context", "256", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["variants"]) == set(sk.VARIANTS)
+    assert all("no GPU kernels" in v["note"] for v in data["variants"].values())
