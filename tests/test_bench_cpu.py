@@ -398,11 +398,14 @@ def test_step_kernel_probe_sums_per_step_by_kind():
     assert sk.kind_of("input_reduce_fusion_49") == "reduction"
     assert sk.kind_of("ncclDevKernel_AllGather_RING_LL") == "nccl"
     assert sk.kind_of("loop_multiply_fusion_126") == "other"
-    kernels = [("gemm_fusion_dot_1", 0, 30_000), ("input_reduce_fusion_2", 0, 2_000),
-               ("AllReduceKernel_sifar", 0, 3_000), ("AllReduceKernel_sifar", 0, 5_000)] * 2
+    kernels = [("gemm_fusion_dot_1", 0, 30_000), ("input_reduce_fusion_2", 31_000, 2_000),
+               ("AllReduceKernel_sifar", 34_000, 3_000), ("AllReduceKernel_sifar", 38_000, 5_000),
+               ("gemm_fusion_dot_1", 50_000, 30_000), ("input_reduce_fusion_2", 81_000, 2_000),
+               ("AllReduceKernel_sifar", 84_000, 3_000), ("AllReduceKernel_sifar", 88_000, 5_000)]
     r = sk.per_step(kernels, steps=2, top=2)
     assert r["kernels_per_step"] == 4
     assert r["busy_us_per_step"] == 40.0
+    assert r["span_us_per_step"] == 46.5  # (93 - 0) us over 2 steps
     assert r["by_kind"]["sifar"] == {"count": 2.0, "us": 8.0}
     assert r["by_kind"]["matmul"] == {"count": 1.0, "us": 30.0}
     assert [t["kernel"] for t in r["top"]] == ["gemm_fusion_dot_1", "AllReduceKernel_sifar"]

@@ -6,9 +6,11 @@ the fused sifar decoder to reach it. This profiles a few back-to-back steps of e
 NCCL, matmuls, reductions, the rest), so the cost of the all-reduce shows next to the XLA kernels
 it replaces (the fused call replaces the residual add and RMSNorm fusions).
 
-Durations are the kernels' own device times. Gaps between kernels are not comparable to a
-command-buffer run: XLA may run the step without command buffers while it is profiled, so the
-step's time comes from `bench.decode`, not from here.
+Durations are the kernels' own device times. The span per step (first kernel's start to last
+kernel's end, over the profiled steps) includes the gaps between kernels, which match a
+command-buffer run only where XLA keeps command buffers while profiling
+(`XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true`, where this XLA knows the
+flag); the step time to quote comes from `bench.decode`.
 
     python -m bench.probes.step_kernels                    # GPU host: TP=2 (1 with one GPU)
     python -m bench.probes.step_kernels --quick            # CPU: the tiny model, host only
@@ -74,10 +76,13 @@ def per_step(kernels, steps: int, top: int) -> dict:
         by_kind[kind_of(name)][1] += dur / 1e3
         by_name[name].append(dur / 1e3)
     busy = sum(d for _, _, d in kernels) / 1e3
+    span = (max(t + d for _, t, d in kernels) - min(t for _, t, _ in kernels)) / 1e3
     names = sorted(by_name, key=lambda n: -sum(by_name[n]))[:top]
     return {
         "kernels_per_step": round(len(kernels) / steps, 1),
         "busy_us_per_step": round(busy / steps, 1),
+        # first kernel's start to last kernel's end: idle = span - busy (kernels on one stream)
+        "span_us_per_step": round(span / steps, 1),
         "by_kind": {k: {"count": round(c / steps, 1), "us": round(t / steps, 1)}
                     for k, (c, t) in sorted(by_kind.items())},
         "top": [{"kernel": n[:120], "kind": kind_of(n), "count": round(len(by_name[n]) / steps, 1),
@@ -132,8 +137,8 @@ def main(argv=None) -> int:
         r = per_step(kernels, args.steps, args.top)
         results["variants"][name] = r
         kinds = ", ".join(f"{k} {v['count']} x = {v['us']} us" for k, v in r["by_kind"].items())
-        print(f"{name}: {r['kernels_per_step']} kernels, {r['busy_us_per_step']} us busy per "
-              f"step ({kinds})", flush=True)
+        print(f"{name}: {r['kernels_per_step']} kernels, {r['busy_us_per_step']} us busy of "
+              f"{r['span_us_per_step']} us per step ({kinds})", flush=True)
         for t in r["top"]:
             print(f"    {t['us']:8.1f} us  {t['count']:5.1f} x {t['median_us']:6.2f}  "
                   f"[{t['kind']}] {t['kernel']}", flush=True)
