@@ -421,3 +421,14 @@ def test_step_kernel_probe_runs_on_the_cpu(tmp_path):
     data = json.loads(out.read_text())
     assert set(data["variants"]) == set(sk.VARIANTS)
     assert all("no GPU kernels" in v["note"] for v in data["variants"].values())
+
+
+def test_layer_tail_probe_runs_on_the_cpu(tmp_path):
+    """bench.probes.layer_tail times every variant and checks the communicator afterwards."""
+    from bench.probes import layer_tail
+
+    out = tmp_path / "tail.json"
+    assert layer_tail.main(["--quick", "--hidden", "256", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["us_per_tail"]) == {"norm", "psum+norm", "sifar+norm", "fused"}
+    assert all(np.isfinite(v["median"]) for v in data["us_per_tail"].values())
