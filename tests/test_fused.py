@@ -235,7 +235,9 @@ def chain_reference(xs, zs, r0, w):
 def test_fused_and_plain_calls_interleave_on_one_communicator(cpu_mesh, n):
     """Fused and plain calls alternate on one chain, and a scan body's fused
     chain (another lane) runs beside them; under skew and across the tag wrap
-    (4 epoch bits: a wrap every 14 calls) every result stays exact."""
+    (4 epoch bits: a wrap every 14 calls) every result stays exact. A small
+    plain call (one block) between them moves the first block's epoch ahead of
+    the other blocks of its row, so a row's blocks wrap at different calls."""
     hidden, tokens, steps = 4096, 2, 6  # 16 KB: past XLA:CPU's in-order threshold for small thunks
     mesh = cpu_mesh(n, slot_bytes=SLOT)
     dt = DTYPES["bfloat16"]
@@ -245,7 +247,8 @@ def test_fused_and_plain_calls_interleave_on_one_communicator(cpu_mesh, n):
         r, outs = r0, []
         for k in range(steps):
             normed, r = sifar_jax.psum_add_rmsnorm(xs[k], r, w, "tp", eps=EPS)
-            outs += [normed, r, sifar_jax.sifar_psum(zs[k], "tp")]
+            outs += [normed, r, sifar_jax.sifar_psum(zs[k], "tp"),
+                     sifar_jax.sifar_psum(zs[k][:, :64], "tp")]
 
         def step(c, x):
             normed, c = sifar_jax.psum_add_rmsnorm(x, c, w, "tp", eps=EPS)
@@ -255,7 +258,7 @@ def test_fused_and_plain_calls_interleave_on_one_communicator(cpu_mesh, n):
         return tuple(v[None] for v in outs + [scan_normed, scan_res])
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp"), P(), P()),
-                              out_specs=(P("tp"),) * (3 * steps + 2)))
+                              out_specs=(P("tp"),) * (4 * steps + 2)))
     count = UlpCount("the float64 model reference", "bfloat16")
     before = sifar_jax.stats()["sifar"]["calls"]
     runs = 4
@@ -269,25 +272,26 @@ def test_fused_and_plain_calls_interleave_on_one_communicator(cpu_mesh, n):
             got = jax.device_get(f(xs, zs, r0, w))
             want = chain_reference(xs, zs, r0, w)
             for k, (normed, res, plain) in enumerate(want):
-                assert same_bits(got[3 * k + 1][0], res), f"run {it} step {k}: new_residual"
-                assert same_bits(got[3 * k + 2][0], plain), f"run {it} step {k}: plain sum"
-                count.add(got[3 * k][0], normed)
+                assert same_bits(got[4 * k + 1][0], res), f"run {it} step {k}: new_residual"
+                assert same_bits(got[4 * k + 2][0], plain), f"run {it} step {k}: plain sum"
+                assert same_bits(got[4 * k + 3][0], plain[:, :64]), f"run {it} step {k}: small sum"
+                count.add(got[4 * k][0], normed)
                 # The scan's chain computes the same recurrence.
                 assert same_bits(got[-1][0][k], res), f"run {it} scan step {k}: new_residual"
                 count.add(got[-2][0][k], normed)
-                for v in got[3 * k:3 * k + 3] + (got[-2], got[-1]):
+                for v in got[4 * k:4 * k + 4] + (got[-2], got[-1]):
                     assert all(same_bits(v[q], v[0]) for q in range(n)), "ranks differ"
     sifar_jax.check()
     count.check()
     # A fused call is one all-reduce of the communicator: counted with sifar's.
     calls = sifar_jax.stats()["sifar"]["calls"] - before
     if mesh.devices.flat[0].platform == "cpu":
-        assert calls == runs * n * 3 * steps
+        assert calls == runs * n * 4 * steps
     else:
         # XLA:GPU may execute a side-effect-free custom call more than once
         # (measured on 2x H200: one extra call per step); every execution is
         # a whole all-reduce on every rank, so results stay exact (checked above).
-        assert calls >= runs * n * 3 * steps, calls
+        assert calls >= runs * n * 4 * steps, calls
 
 
 # -------------------------------------------------------------------- failure --
