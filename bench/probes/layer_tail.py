@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 from bench import common
@@ -69,18 +68,9 @@ def chain(mesh, variant: str, n: int):
 
 def per_tail_us(mesh, variant, args, r1: int, r2: int, samples: int) -> list[float]:
     short, long_ = chain(mesh, variant, r1), chain(mesh, variant, r2)
-    for f in (short, long_):
-        jax.block_until_ready(f(*args))
-        jax.block_until_ready(f(*args))
-    out = []
-    for _ in range(samples):
-        ts = []
-        for f in (short, long_):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            ts.append(time.perf_counter() - t0)
-        out.append((ts[1] - ts[0]) / (r2 - r1) * 1e6)
-    return out
+    common.warm_up(short, args, 2)
+    common.warm_up(long_, args, 2)
+    return [t * 1e6 for t in common.paired_differences(short, long_, args, r2 - r1, samples)]
 
 
 def main(argv=None) -> int:
