@@ -112,6 +112,10 @@ def parse_args(argv=None):
     p.add_argument("--fused", choices=("auto", "on", "off"), default="auto",
                    help="one more row: sifar fused with the residual add and RMSNorm (auto: when "
                         "sifar_jax.psum_add_rmsnorm exists; on: required)")
+    p.add_argument("--prefetch-mib", nargs="+", type=float, default=None,
+                   help="one more fused row per size 'sifar+fused:pf<MiB>': the fused call "
+                        "prefetching that much of the next matmul's weight into L2 (0: none); "
+                        "the plain sifar+fused row uses sifar_jax's default")
     p.add_argument("--fused-sweep", action="store_true",
                    help="time the fused variant at every sweep point too (default: only at the "
                         "loops' point)")
@@ -150,9 +154,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def parse_variants(args) -> list[tuple[str, str, str, bool]]:
-    """[(label, kind, algorithm, fused)]: ("psum", "psum", "auto", False),
-    ("sifar:oneshot", "sifar", "oneshot", False), ("sifar+fused", "sifar", "auto", True)."""
+def parse_variants(args) -> list[tuple]:
+    """[(label, kind, algorithm, fused[, prefetch_bytes])]: ("psum", "psum", "auto", False),
+    ("sifar:oneshot", "sifar", "oneshot", False), ("sifar+fused", "sifar", "auto", True),
+    ("sifar+fused:pf8", "sifar", "auto", True, 8 << 20). No prefetch_bytes: the default."""
     items = [a.strip() for a in args.allreduce.split(",") if a.strip()]
     items += [f"sifar:{a.strip()}" for a in args.algorithms.split(",") if a.strip()]
     out, seen = [], set()
@@ -180,7 +185,18 @@ def parse_variants(args) -> list[tuple[str, str, str, bool]]:
     if args.fused != "off" and not missing and any(v[0] == "sifar" for v in out):
         at = next(i for i, v in enumerate(out) if v[0] == "sifar")
         out.insert(at + 1, ("sifar+fused", "sifar", "auto", True))
+        for k, mib in enumerate(args.prefetch_mib or []):
+            out.insert(at + 2 + k, (f"sifar+fused:pf{mib:g}", "sifar", "auto", True,
+                                    int(mib * (1 << 20)) // 16 * 16))
+    elif args.prefetch_mib:
+        raise SystemExit("--prefetch-mib: needs the fused variant (sifar in --allreduce, "
+                         "--fused not off)")
     return out
+
+
+def prefetch_of(variant) -> int | None:
+    """The fused call's prefetch_bytes (None: the library's default), or None unfused."""
+    return variant[4] if len(variant) > 4 else None
 
 
 def settings(args, platform: str, n_devices: int) -> dict:
@@ -330,7 +346,7 @@ def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: 
                  kv_layout: str | None = None, min_rows: int = 1):
     """A Decoder whose cache of `context` positions is filled with random values. sifar's slot
     is widened where a step's payload (batch x hidden) would not fit the default."""
-    _, kind, alg, fused = variant
+    _, kind, alg, fused = variant[:4]
     slot = None
     if kind in SIFAR_KINDS:
         import sifar_jax
@@ -339,7 +355,7 @@ def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: 
         slot = payload if payload > sifar_jax.DEFAULT_SLOT_BYTES else None
     dec = Decoder(config, mesh, params, allreduce=kind, algorithm=alg, fused=fused,
                   slot_bytes=slot, batch_size=batch, max_seq_len=context, kv_layout=kv_layout,
-                  min_rows=min_rows)
+                  min_rows=min_rows, prefetch_bytes=prefetch_of(variant))
     dec.reset(context)
     dec.randomize_cache(seed)
     return dec
@@ -410,9 +426,20 @@ TIMERS = {"sync": time_sync, "stream": time_stream, "pipelined": time_pipelined,
 
 
 # ------------------------------------------------------------------ records --
+def _prefetch_bytes(variant) -> int | None:
+    """What the fused call prefetches (resolved default), None for unfused variants."""
+    if not variant[3]:
+        return None
+    if prefetch_of(variant) is not None:
+        return prefetch_of(variant)
+    import sifar_jax.fused
+
+    return sifar_jax.fused.DEFAULT_PREFETCH_BYTES
+
+
 def make_record(variant, loop: str, tp: int, batch: int, context: int, s, seconds,
                 tokens, extra: dict) -> dict:
-    label, kind, alg, fused = variant
+    label, kind, alg, fused = variant[:4]
     ms = [t * 1e3 for t in seconds]
     med = statistics.median(ms)
     rec = {
@@ -420,6 +447,7 @@ def make_record(variant, loop: str, tp: int, batch: int, context: int, s, second
         "tp": tp,
         "loop": loop,
         "fused": fused,
+        "prefetch_bytes": _prefetch_bytes(variant),
         "batch": batch,
         "context": context,
         "tpot_ms_median": round(med, 4),

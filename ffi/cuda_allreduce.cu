@@ -157,14 +157,15 @@ ffi::Error CudaAllReduceIntoImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyB
 
 ffi::Error CudaPsumAddRmsNormImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                   ffi::AnyBuffer residual, ffi::AnyBuffer weight,
-                                  ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> normed,
+                                  ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> normed,
                                   ffi::Result<ffi::AnyBuffer> new_residual, int32_t axis_key,
                                   int32_t nranks, int32_t algorithm, int32_t repeat, int32_t chain,
-                                  float eps) {
+                                  float eps, int64_t prefetch_bytes) {
   RankCall call;
   FusedCall fused;
-  ffi::Error err = PlanFusedCall(ordinal, x, residual, weight, *normed, *new_residual, axis_key,
-                                 nranks, algorithm, repeat, chain, eps, &call, &fused);
+  ffi::Error err = PlanFusedCall(ordinal, x, residual, weight, rest, *normed, *new_residual,
+                                 axis_key, nranks, algorithm, repeat, chain, eps, prefetch_bytes,
+                                 &call, &fused);
   if (err.failure()) return err;
   if (call.nbytes == 0) return ffi::Error::Success();
   err = UseDevice(ordinal);
@@ -228,10 +229,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaPsumAddRmsNorm, CudaPsumAddRmsNormImpl,
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Arg<ffi::AnyBuffer>()  // residual
                                   .Arg<ffi::AnyBuffer>()  // weight
-                                  .RemainingArgs()  // "after": ordering only, never read
+                                  // [prefetch target], then "after": never read
+                                  .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()  // normed
                                   .Ret<ffi::AnyBuffer>())  // new residual
-                                  .Attr<float>("eps"),
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("prefetch_bytes"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaAllReduceInto, CudaAllReduceIntoImpl,

@@ -62,6 +62,8 @@ cudaError_t LaunchRankFused(const RankCall& c, const FusedCall& fused, cudaStrea
   f.row_blocks = static_cast<uint32_t>(fused.row_blocks);
   f.hidden = static_cast<uint32_t>(fused.hidden);
   f.eps = fused.eps;
+  f.prefetch = static_cast<const char*>(fused.prefetch);
+  f.prefetch_bytes = fused.prefetch != nullptr ? fused.prefetch_bytes : 0;
   // The plain kernel's grid for this payload: a multiple of the cluster size,
   // since the payload is whole rows and kMaxBlocks whole clusters.
   const int grid = BlocksFor(c.nbytes / 8, kThreads);

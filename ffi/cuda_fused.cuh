@@ -33,6 +33,8 @@ struct FusedArgs {
   uint32_t row_blocks;  // blocks per row: the cluster size (1: rows within a block)
   uint32_t hidden;      // elements per row
   float eps;
+  const char* prefetch;  // the next operation's operand (never read here), or null
+  size_t prefetch_bytes;
 };
 
 // ------------------------------------------------------------- numbers ----
@@ -56,6 +58,28 @@ struct FusedIn {
 __device__ __forceinline__ FusedIn LoadFusedIn(const FusedArgs& f, size_t line) {
   return {static_cast<const uint2*>(f.a.in)[line], static_cast<const uint2*>(f.residual)[line],
           static_cast<const uint2*>(f.weight)[line & (f.row_lines - 1)]};
+}
+
+// ----------------------------------------------------------- prefetch ----
+// While the all-reduce waits for its peers the GPU's memory is idle, and the
+// operation after it (the next matmul) is bound by reading its weight.  The
+// last warp of every block hands its share of the weight's first
+// prefetch_bytes to the copy engine as bulk L2 prefetches (fire and forget:
+// no completion to wait for, no register or shared memory used), so those
+// bytes are in L2 when the matmul starts.  Results are unaffected.
+constexpr uint32_t kPrefetchChunk = 64 * 1024;
+__device__ __forceinline__ void PrefetchL2(const char* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void IssuePrefetch(const FusedArgs& f) {
+  if (f.prefetch_bytes == 0 || threadIdx.x < kThreads - 32) return;
+  const size_t lanes = static_cast<size_t>(gridDim.x) * 32;
+  const size_t stride = lanes * kPrefetchChunk;
+  for (size_t at = (static_cast<size_t>(blockIdx.x) * 32 + (threadIdx.x & 31u)) * kPrefetchChunk;
+       at < f.prefetch_bytes; at += stride) {
+    const size_t left = f.prefetch_bytes - at;  // a multiple of 16, as the size must be
+    PrefetchL2(f.prefetch + at, static_cast<uint32_t>(left < kPrefetchChunk ? left : kPrefetchChunk));
+  }
 }
 
 // ----------------------------------------------------------- clusters ----
@@ -147,6 +171,7 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(FusedArgs f) {
   __shared__ RowShared sh;
   const size_t nlines = a.nbytes / 8;
   const bool cluster = f.row_blocks > 1;
+  IssuePrefetch(f);
   // This thread's first line of every input, loaded while thread 0's control
   // words are in flight.
   FusedIn first{};

@@ -137,9 +137,10 @@ ffi::Error PlanCall(int ordinal, ffi::AnyBuffer x, ffi::AnyBuffer y, const ffi::
 }
 
 ffi::Error PlanFusedCall(int ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual,
-                         ffi::AnyBuffer weight, ffi::AnyBuffer normed, ffi::AnyBuffer new_residual,
-                         int32_t axis_key, int32_t nranks, int32_t algorithm, int32_t repeat,
-                         int32_t chain, float eps, RankCall* call, FusedCall* fused) {
+                         ffi::AnyBuffer weight, const ffi::RemainingArgs& rest,
+                         ffi::AnyBuffer normed, ffi::AnyBuffer new_residual, int32_t axis_key,
+                         int32_t nranks, int32_t algorithm, int32_t repeat, int32_t chain,
+                         float eps, int64_t prefetch_bytes, RankCall* call, FusedCall* fused) {
   const ffi::DataType t = x.element_type();
   if (t != ffi::DataType::F32 && t != ffi::DataType::BF16 && t != ffi::DataType::F16)
     return Invalid("psum_add_rmsnorm supports float32, bfloat16 and float16");
@@ -164,6 +165,21 @@ ffi::Error PlanFusedCall(int ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual,
   fused->weight = weight.untyped_data();
   fused->normed = normed.untyped_data();
   fused->eps = eps;
+  if (prefetch_bytes < 0 || prefetch_bytes % 16 != 0)
+    return Invalid("psum_add_rmsnorm: prefetch_bytes must be a non-negative multiple of 16");
+  if (prefetch_bytes > 0) {
+    auto target = rest.get<ffi::AnyBuffer>(0);
+    if (target.has_error())
+      return Invalid("psum_add_rmsnorm: prefetch_bytes is set but the prefetch operand is missing");
+    if (static_cast<size_t>(prefetch_bytes) > target->size_bytes())
+      return Invalid("psum_add_rmsnorm: prefetch_bytes (" + std::to_string(prefetch_bytes) +
+                     ") exceeds the prefetch operand's " + std::to_string(target->size_bytes()) +
+                     " bytes");
+    if (reinterpret_cast<uintptr_t>(target->untyped_data()) % 16)
+      return Invalid("psum_add_rmsnorm: the prefetch operand must be 16-byte aligned");
+    fused->prefetch = target->untyped_data();
+    fused->prefetch_bytes = static_cast<size_t>(prefetch_bytes);
+  }
   return PlanCall(ordinal, x, new_residual, nullptr, axis_key, nranks, algorithm, repeat, chain,
                   call);
 }

@@ -85,16 +85,24 @@ struct FusedCall {
   size_t row_bytes = 0;  // hidden * element size
   int row_blocks = 0;    // FusedRowBlocks(row_bytes)
   float eps = 0.f;
+  // The operand the next operation reads (a weight): its first
+  // prefetch_bytes are prefetched into L2 while the all-reduce waits for its
+  // peers. Never read by the kernel; no effect on the results.
+  const void* prefetch = nullptr;
+  size_t prefetch_bytes = 0;
 };
 
 // PlanCall's checks plus the fused ones: float types, one dtype and size for
 // x, residual and both outputs, weight one row, a row layout the kernel
-// supports (FusedRowBlocks), algorithm sifar.
+// supports (FusedRowBlocks), algorithm sifar; with prefetch_bytes > 0, the
+// first of `rest` is the operand to prefetch, at least that large and
+// 16-byte aligned (the others in `rest` only order the call).
 xla::ffi::Error PlanFusedCall(int ordinal, xla::ffi::AnyBuffer x, xla::ffi::AnyBuffer residual,
-                              xla::ffi::AnyBuffer weight, xla::ffi::AnyBuffer normed,
-                              xla::ffi::AnyBuffer new_residual, int32_t axis_key, int32_t nranks,
-                              int32_t algorithm, int32_t repeat, int32_t chain, float eps,
-                              RankCall* call, FusedCall* fused);
+                              xla::ffi::AnyBuffer weight, const xla::ffi::RemainingArgs& rest,
+                              xla::ffi::AnyBuffer normed, xla::ffi::AnyBuffer new_residual,
+                              int32_t axis_key, int32_t nranks, int32_t algorithm, int32_t repeat,
+                              int32_t chain, float eps, int64_t prefetch_bytes, RankCall* call,
+                              FusedCall* fused);
 
 // The CPU backend's all-reduce of a planned call (cpu_allreduce.cc): the
 // fused handler runs it, then its epilogue.

@@ -120,7 +120,9 @@ class Decoder:
     allreduce: "psum", "sifar" (calls sifar_jax.init(mesh, slot_bytes=slot_bytes)),
     "sifar_buffers" (sifar with explicit dual buffers carried in the decode state) or "identity"
     (no all-reduce: wrong numbers, the timing upper bound). fused=True (sifar only): all-reduce,
-    residual add and RMSNorm as one sifar_jax.psum_add_rmsnorm call.
+    residual add and RMSNorm as one sifar_jax.psum_add_rmsnorm call, prefetching the first
+    prefetch_bytes of the next matmul's weight into L2 while it waits (None: sifar_jax's default,
+    0: none).
 
     The KV cache holds max_seq_len positions when given; otherwise it is sized to the request
     (prompt + max_new_tokens, rounded up to a power of two), grown when a sequence outgrows it,
@@ -140,7 +142,8 @@ class Decoder:
     def __init__(self, config: LlamaConfig, mesh: Mesh, params, *, allreduce: str = "psum",
                  algorithm: str = "auto", fused: bool = False, slot_bytes: Optional[int] = None,
                  axis_name: str = "tp", batch_size: int = 1, max_seq_len: Optional[int] = None,
-                 kv_layout: Optional[str] = None, min_rows: int = 1):
+                 kv_layout: Optional[str] = None, min_rows: int = 1,
+                 prefetch_bytes: Optional[int] = None):
         if allreduce not in llama.ALLREDUCE_KINDS:
             raise ValueError(f"allreduce must be one of {llama.ALLREDUCE_KINDS}, got {allreduce!r}")
         if slot_bytes is not None and allreduce not in SIFAR_KINDS:
@@ -159,8 +162,10 @@ class Decoder:
             raise ValueError(f"kv_layout must be one of {sorted(llama.KV_LAYOUTS)}, "
                              f"got {kv_layout!r}")
         self.layout = llama.tp_layout(config, self.tp)  # raises if tp does not split the model
-        if fused:
-            llama.make_fused_add_norm(allreduce, algorithm)  # a clear error now, not at trace
+        if fused:  # a clear error now, not at trace
+            llama.make_fused_add_norm(allreduce, algorithm, prefetch_bytes)
+        elif prefetch_bytes:
+            raise ValueError("prefetch_bytes is the fused call's (fused=True)")
         self._buffers = None
         ar_specs = None
         if allreduce in SIFAR_KINDS:
@@ -172,7 +177,7 @@ class Decoder:
                 spec = sifar_jax.buffer_spec(mesh)
                 ar_specs = {"a": spec, "b": spec}
         self._fwd_kw = dict(allreduce=allreduce, algorithm=algorithm, fused=fused,
-                            axis_name=axis_name, ar_specs=ar_specs, kv_layout=self.kv_layout)
+                            prefetch_bytes=prefetch_bytes, axis_name=axis_name, ar_specs=ar_specs, kv_layout=self.kv_layout)
         self.params = self._place(params)
         # flattened once: every call passes this list (no per-call flattening of a nested dict)
         self._leaves, self._treedef = jax.tree.flatten(self.params)

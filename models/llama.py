@@ -108,8 +108,11 @@ def fused_add_norm_available() -> Optional[str]:
     return None
 
 
-def make_fused_add_norm(allreduce: str, algorithm: str = "auto"):
-    """f(x, residual, weight, axis_name, *, eps) -> (normed, new_residual) as one fused call."""
+def make_fused_add_norm(allreduce: str, algorithm: str = "auto",
+                        prefetch_bytes: Optional[int] = None):
+    """f(x, residual, weight, axis_name, *, eps, prefetch=None) -> (normed, new_residual) as one
+    fused call; `prefetch` (the next matmul's weight) gets its first prefetch_bytes (None:
+    sifar_jax's default, 0: none) brought into L2 while the all-reduce waits."""
     if allreduce != "sifar":
         raise ValueError(f"fused=True needs allreduce='sifar' (the fused kernel is sifar's), "
                          f"got allreduce={allreduce!r}")
@@ -118,7 +121,10 @@ def make_fused_add_norm(allreduce: str, algorithm: str = "auto"):
         raise NotImplementedError(f"fused=True: {why}")
     import sifar_jax
 
-    return functools.partial(sifar_jax.psum_add_rmsnorm, algorithm=algorithm)
+    if prefetch_bytes is not None and prefetch_bytes < 0:
+        raise ValueError(f"prefetch_bytes must be >= 0 (or None: the default), got {prefetch_bytes}")
+    return functools.partial(sifar_jax.psum_add_rmsnorm, algorithm=algorithm,
+                             prefetch_bytes=prefetch_bytes)
 
 
 class TPContext:
@@ -155,13 +161,17 @@ class TPContext:
         self.count += 1
         return y
 
-    def add_norm(self, x: jax.Array, residual: jax.Array, norm: "RMSNorm"):
+    def add_norm(self, x: jax.Array, residual: jax.Array, norm: "RMSNorm",
+                 next_weight: Optional[jax.Array] = None):
         """All-reduce the row-parallel partial x, add it to the residual stream, normalise with
-        `norm`: (normed, new_residual). One fused call when fused, else the composition."""
+        `norm`: (normed, new_residual). One fused call when fused, else the composition.
+        next_weight: the weight the next matmul reads; the fused call prefetches its start into
+        L2 while it waits for the other ranks (the unfused composition ignores it)."""
         weight = norm.weight[...]
         if self._fused_add_norm is not None:
             self.count += 1
-            return self._fused_add_norm(x, residual, weight, self.axis_name, eps=norm.eps)
+            return self._fused_add_norm(x, residual, weight, self.axis_name, eps=norm.eps,
+                                        prefetch=next_weight)
         return unfused_psum_add_rmsnorm(x, residual, weight, self.axis_name, eps=norm.eps,
                                         allreduce=lambda v, _: self.all_reduce(v))
 
@@ -342,13 +352,15 @@ class Block(nnx.Module):
         self.mlp = MLP(config, rngs=rngs)
 
     def __call__(self, h, x, cos, sin, kv_cache, positions, tp: TPContext, next_norm: RMSNorm,
-                 attend_len: Optional[int] = None, kv_layout: str = "bshd"):
+                 attend_len: Optional[int] = None, kv_layout: str = "bshd",
+                 next_weight: Optional[jax.Array] = None):
         """h = input_norm(x), already computed by the previous all-reduce; x the residual
         stream. Returns (next_norm(new x), new x, new cache): each all-reduce is followed by the
-        residual add and the norm after it, fused or not (TPContext.add_norm)."""
+        residual add and the norm after it, fused or not (TPContext.add_norm). next_weight: the
+        first weight read after this block (the next layer's qkv, or the LM head)."""
         a, kv_cache = self.attn(h, cos, sin, kv_cache, positions, attend_len, kv_layout)
-        h, x = tp.add_norm(a, x, self.post_norm)
-        h, x = tp.add_norm(self.mlp(h), x, next_norm)
+        h, x = tp.add_norm(a, x, self.post_norm, self.mlp.gate_up[...])
+        h, x = tp.add_norm(self.mlp(h), x, next_norm, next_weight)
         return h, x, kv_cache
 
 
@@ -373,10 +385,14 @@ class Llama(nnx.Module):
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.config))
         layers = list(self.layers)
         next_norms = [layer.input_norm for layer in layers[1:]] + [self.norm]
+        # The LM head's local shard; the tied embedding's rows are a slice (not prefetched).
+        head = None if self.config.tie_word_embeddings else self.lm_head[...]
+        next_weights = [layer.attn.qkv[...] for layer in layers[1:]] + [head]
         h = layers[0].input_norm(x)  # the only norm not preceded by an all-reduce
         new_cache = []
-        for layer, kv, next_norm in zip(layers, cache, next_norms):
-            h, x, kv = layer(h, x, cos, sin, kv, positions, tp, next_norm, attend_len, kv_layout)
+        for layer, kv, next_norm, next_weight in zip(layers, cache, next_norms, next_weights):
+            h, x, kv = layer(h, x, cos, sin, kv, positions, tp, next_norm, attend_len, kv_layout,
+                             next_weight)
             new_cache.append(kv)
         x = h  # self.norm(residual), from the last layer's MLP all-reduce
         if last_only:
@@ -457,7 +473,7 @@ def init_cache(config: LlamaConfig, mesh: Mesh, batch_size: int, max_seq_len: in
 def make_forward(config: LlamaConfig, mesh: Mesh, *, allreduce: str = "psum",
                  algorithm: str = "auto", fused: bool = False, axis_name: str = "tp",
                  last_only: bool = False, attend_len: Optional[int] = None, ar_specs: Any = None,
-                 kv_layout: str = "bshd"):
+                 kv_layout: str = "bshd", prefetch_bytes: Optional[int] = None):
     """The TP forward as a pure function, ready for jax.jit:
 
         forward(params, cache, tokens, positions, ar) -> (logits, cache, ar)
@@ -467,7 +483,9 @@ def make_forward(config: LlamaConfig, mesh: Mesh, *, allreduce: str = "psum",
     split over vocab; `ar` is the all-reduce buffer pytree of the decode state ({} unless
     sifar_buffers; `ar_specs` its specs). attend_len: attention over that many cache positions
     (see Attention); kv_layout: the cache's (KV_LAYOUTS). fused=True (allreduce="sifar"):
-    all-reduce + residual add + RMSNorm as one sifar_jax.psum_add_rmsnorm call. Works for a 1-device mesh (tp=1) too.
+    all-reduce + residual add + RMSNorm as one sifar_jax.psum_add_rmsnorm call, which brings the
+    first prefetch_bytes of the next matmul's weight into L2 while it waits (None: sifar_jax's
+    default; 0: no prefetch). Works for a 1-device mesh (tp=1) too.
     """
     tp = mesh.shape[axis_name]
     config = tp_layout(config, tp)
@@ -479,7 +497,7 @@ def make_forward(config: LlamaConfig, mesh: Mesh, *, allreduce: str = "psum",
         * config.num_layers
     aspecs = {} if ar_specs is None else ar_specs
     reduce_fn = make_allreduce(allreduce, algorithm)
-    fused_fn = make_fused_add_norm(allreduce, algorithm) if fused else None
+    fused_fn = make_fused_add_norm(allreduce, algorithm, prefetch_bytes) if fused else None
 
     def per_rank(params, cache, tokens, positions, ar):
         model = nnx.merge(graphdef, params)

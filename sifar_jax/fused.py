@@ -20,6 +20,10 @@ import numpy as np
 from . import _ext, _jax_compat, algorithms, ordering, psum
 
 FLOAT_DTYPES = tuple(jnp.dtype(n) for n in ("float32", "bfloat16", "float16"))
+# How much of `prefetch` goes to L2 by default: about what the GPU's memory
+# moves while a fused call waits for its peers (a few microseconds), well
+# under an H100/H200's 50 MB L2. bench/NOTES.md has the sweep behind it.
+DEFAULT_PREFETCH_BYTES = 16 << 20
 _API = "psum_add_rmsnorm"
 _warned: set[str] = set()
 
@@ -110,8 +114,44 @@ def _result_types(x, residual, weight, axis_name, flat):
             for t in jax.eval_shape(composed, x, residual, weight)]
 
 
+def _check_prefetch(prefetch, prefetch_bytes) -> None:
+    if prefetch_bytes is not None and (not isinstance(prefetch_bytes, (int, np.integer))
+                                       or isinstance(prefetch_bytes, bool) or prefetch_bytes < 0):
+        raise ValueError(f"sifar_jax.{_API}: prefetch_bytes must be a non-negative int, got "
+                         f"{prefetch_bytes!r}")
+    if prefetch is not None and not hasattr(prefetch, "dtype"):
+        raise TypeError(f"sifar_jax.{_API}: prefetch must be an array (the weight the next "
+                        f"operation reads), got {type(prefetch).__name__}")
+
+
+def _prefetch_operand(prefetch, prefetch_bytes, like) -> tuple[list, int]:
+    """([the operand], bytes) to prefetch, or ([], 0): prefetch_bytes (default
+    DEFAULT_PREFETCH_BYTES) clamped to the operand's size, rounded down to 16
+    bytes (the bulk prefetch's unit). Typed with like's varying axes."""
+    if prefetch_bytes is None:
+        prefetch_bytes = DEFAULT_PREFETCH_BYTES
+    if prefetch is None or prefetch_bytes == 0:
+        return [], 0
+    prefetch = jnp.asarray(prefetch)
+    nbytes = min(int(prefetch_bytes), prefetch.size * jnp.dtype(prefetch.dtype).itemsize) // 16 * 16
+    if nbytes == 0:
+        return [], 0
+    # Cast to the call's varying axes, never widening them (that would change
+    # the results' type): an operand varying over other axes is left out.
+    vma = _jax_compat.varying_axes(jax.typeof(prefetch))
+    union = _jax_compat.varying_axes(jax.typeof(like))
+    if not vma <= union:
+        _warn_once(f"prefetch varies over {sorted(vma - union)}, which x, residual and weight do "
+                   f"not; not prefetched")
+        return [], 0
+    if vma != union:
+        prefetch = jax.lax.pcast(prefetch, tuple(sorted(union - vma)), to="varying")
+    return [prefetch], nbytes
+
+
 def psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float,
-                     algorithm: str = algorithms.AUTO):
+                     algorithm: str = algorithms.AUTO, prefetch=None,
+                     prefetch_bytes: int | None = None):
     """`residual + sifar_psum(x, axis_name)`, then RMSNorm of that, in one call.
 
     x: this rank's partial, [..., hidden]; residual: the same shape and dtype
@@ -131,6 +171,14 @@ def psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float,
                      feed its norm the unrounded float32 sum (excess
                      precision), which this call does not.
 
+    prefetch (optional): an array the next operation reads, typically the
+    next matmul's weight shard. On GPUs the kernel asks the copy engine to
+    bring its first `prefetch_bytes` (default DEFAULT_PREFETCH_BYTES, clamped
+    to its size) into L2 while the all-reduce waits for its peers, so that
+    matmul reads them from L2, not HBM: the wait does useful work. It is never
+    read by the call and changes no result; the CPU ignores it, and so does
+    the unfused fallback.
+
     Both are typed like `residual + lax.psum(x, axis_name)` under
     `shard_map(check_vma=True)`. Where the fused kernel cannot run (algorithm
     other than "auto"/"sifar", a payload larger than the slot, rows the kernel
@@ -141,6 +189,7 @@ def psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float,
     x, residual, weight = jnp.asarray(x), jnp.asarray(residual), jnp.asarray(weight)
     _check_operands(x, residual, weight)
     algorithms.validate(algorithm)
+    _check_prefetch(prefetch, prefetch_bytes)
     unfused = functools.partial(
         _unfused, x, residual, weight, eps,
         lambda v: psum.sifar_psum(v, axis_name, algorithm=algorithm))
@@ -167,7 +216,10 @@ def psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float,
         # unused, so a failed all-reduce still surfaces.
         has_side_effect=(plan.platform == "cpu"),
     )
-    operands = _same_varying(flat, res, weight, *ordering.operands(flat))
-    normed, new_residual = call(*operands, **plan.attrs(), eps=np.float32(eps))
+    flat, res, weight, *after = _same_varying(flat, res, weight, *ordering.operands(flat))
+    target, nbytes = _prefetch_operand(prefetch, prefetch_bytes, flat)
+    operands = [flat, res, weight, *target, *after]
+    normed, new_residual = call(*operands, **plan.attrs(), eps=np.float32(eps),
+                                prefetch_bytes=np.int64(nbytes))
     ordering.remember(flat, new_residual)
     return normed.reshape(x.shape), new_residual.reshape(x.shape)

@@ -304,10 +304,14 @@ def test_slot_bytes_reaches_sifar(sifar_clean):
     assert {c.slot_bytes for c in sifar_jax.communicators("tp")} == {1 << 15}
 
 
-def _stub_fused(calls):
-    """sifar_jax.psum_add_rmsnorm's contract, unfused, counting its traced calls."""
-    def psum_add_rmsnorm(x, residual, weight, axis_name, *, eps, algorithm="auto"):
+def _stub_fused(calls, prefetched=None):
+    """sifar_jax.psum_add_rmsnorm's contract, unfused, counting its traced calls (and the
+    shapes of the prefetch operands it is given, None for none)."""
+    def psum_add_rmsnorm(x, residual, weight, axis_name, *, eps, algorithm="auto",
+                         prefetch=None, prefetch_bytes=None):
         calls.append(x.shape)
+        if prefetched is not None:
+            prefetched.append((None if prefetch is None else prefetch.shape, prefetch_bytes))
         return llama.unfused_psum_add_rmsnorm(
             x, residual, weight, axis_name, eps=eps,
             allreduce=lambda v, a: sifar_jax.sifar_psum(v, a, algorithm=algorithm))
@@ -317,14 +321,24 @@ def _stub_fused(calls):
 def test_fused_option_calls_psum_add_rmsnorm_after_every_all_reduce(monkeypatch, sifar_clean):
     """The decoder's wiring of fused=True, with a stand-in for the kernel: one call per
     all-reduce (2 per layer), and the tokens of the unfused decoder."""
-    calls = []
-    monkeypatch.setattr(sifar_jax, "psum_add_rmsnorm", _stub_fused(calls), raising=False)
+    calls, prefetched = [], []
+    monkeypatch.setattr(sifar_jax, "psum_add_rmsnorm", _stub_fused(calls, prefetched),
+                        raising=False)
     # two float32 partials: every all-reduce adds them once, so psum's tokens are sifar's
     want = _decoder(2).generate(PROMPT, NEW, loop="sync")
-    dec = _decoder(2, "sifar", fused=True)
+    dec = _decoder(2, "sifar", fused=True, prefetch_bytes=4096)
     np.testing.assert_array_equal(dec.generate(PROMPT, NEW, loop="sync"), want)
-    layers = LlamaConfig.tiny().num_layers
+    c = LlamaConfig.tiny()
+    layers = c.num_layers
     assert len(calls) == 2 * 2 * layers  # traced twice: the prefill and the step
+    # Each call is handed the local shard of the weight the next matmul reads: after
+    # attention the MLP's gate_up, after the MLP the next layer's qkv, last the LM head.
+    local_kv = c.num_kv_heads // 2
+    gate_up = (c.hidden_size, 2, c.intermediate_size // 2)
+    qkv = (c.hidden_size, local_kv, c.num_heads // c.num_kv_heads + 2, c.head_dim)
+    head = (c.hidden_size, c.vocab_size // 2)
+    one_trace = [(gate_up, 4096), (qkv, 4096)] * (layers - 1) + [(gate_up, 4096), (head, 4096)]
+    assert prefetched == one_trace * 2, prefetched
     with pytest.raises(ValueError, match="allreduce='sifar'"):
         _decoder(2, "psum", fused=True)
 

@@ -22,6 +22,7 @@ On the GPU host: python -m pytest -q tests/test_fused.py -k gpu
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 
@@ -447,3 +448,88 @@ def test_operand_errors_are_clear_at_trace_time(cpu_mesh):
             lambda x, r, w: sifar_jax.psum_add_rmsnorm(x, r, w, "tp", eps=EPS, algorithm="nope")[1],
             mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=P())).lower(
                 x, np.ones((2, 64), bf), np.ones(64, bf))
+
+
+# ------------------------------------------------------------------- prefetch --
+def test_prefetch_changes_no_result_and_reaches_the_call(cpu_mesh):
+    """The next matmul's weight as `prefetch` (its shard varies over tp, as a
+    column-parallel weight's does): the results are bit-identical to the call
+    without it, for the default size, a size past the operand's (clamped), a
+    size not a multiple of 16 (rounded down) and zero (off). The lowered call
+    carries the operand and the clamped size (so a dropped prefetch fails
+    here), and a run of every kind stays exact."""
+    n = 2
+    mesh = cpu_mesh(n, slot_bytes=SLOT)
+    dt = DTYPES["bfloat16"]
+    hidden, tokens = 4096, 2
+    w_rows = 5000  # 5000 x 4096 bf16 per rank: 40 MB, past the default 16 MiB
+    sizes = [None, 1 << 40, 1000, 0]
+
+    def body(x, r, w, next_weight):
+        x, nw = x[0], next_weight
+        outs = list(sifar_jax.psum_add_rmsnorm(x, r, w, "tp", eps=EPS))
+        for size in sizes:
+            outs += sifar_jax.psum_add_rmsnorm(x, r, w, "tp", eps=EPS, prefetch=nw,
+                                               prefetch_bytes=size)
+        return tuple(v[None] for v in outs)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P(), P("tp")),
+                              out_specs=(P("tp"),) * (2 + 2 * len(sizes))))
+    rng = rng_for("prefetch")
+    x, r, w = make_data(rng, "normal", n, tokens, hidden, dt)
+    nw = rng.standard_normal((n * w_rows, hidden)).astype(dt)
+    text = f.lower(x, r, w, nw).as_text()
+    shard_bytes = w_rows * hidden * 2
+    got = sorted(int(v) for v in re.findall(r"prefetch_bytes = (\d+)", text))
+    assert got == sorted([0, 0, fused.DEFAULT_PREFETCH_BYTES, shard_bytes, 992]), got
+    outs = jax.device_get(f(x, r, w, nw))
+    want_norm, want_res = model_reference(x, r, w)
+    for q in range(n):
+        assert same_bits(outs[1][q], want_res)
+        assert ulps(outs[0][q], want_norm).max() <= MAX_ULPS["bfloat16"]
+        for k in range(len(sizes)):
+            assert same_bits(outs[2 + 2 * k][q], outs[0][q]), f"size {sizes[k]}: normed"
+            assert same_bits(outs[3 + 2 * k][q], outs[1][q]), f"size {sizes[k]}: new_residual"
+    sifar_jax.check()
+
+
+def test_prefetch_errors(cpu_mesh, monkeypatch):
+    """Clear errors for a bad prefetch at trace time; the handlers' own checks
+    (operand missing, size past it) as run-time errors, never a kernel that
+    reads past a buffer. A prefetch varying over an axis the call does not
+    (dp here) is left out with a warning: it would change the results' type."""
+    mesh = cpu_mesh(2, slot_bytes=SLOT)
+    bf = DTYPES["bfloat16"]
+    x, r, w = np.ones((4, 64), bf), np.ones((2, 64), bf), np.ones(64, bf)
+
+    def make(**kw):
+        f = jax.shard_map(lambda x, r, w: sifar_jax.psum_add_rmsnorm(x, r, w, "tp", eps=EPS,
+                                                                     **kw)[1],
+                          mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=P())
+        return jax.jit(f)
+
+    with pytest.raises(ValueError, match="prefetch_bytes must be a non-negative int"):
+        make(prefetch=w, prefetch_bytes=-16).lower(x, r, w)
+    with pytest.raises(ValueError, match="prefetch_bytes must be a non-negative int"):
+        make(prefetch=w, prefetch_bytes=1.5).lower(x, r, w)
+    with pytest.raises(TypeError, match="prefetch must be an array"):
+        make(prefetch="weights").lower(x, r, w)
+    for fake, match in ((lambda p, b, like: ([], 1024), "prefetch operand is missing"),
+                        (lambda p, b, like: ([jnp.asarray(p)], 1 << 20), "exceeds the prefetch")):
+        monkeypatch.setattr(fused, "_prefetch_operand", fake)
+        with pytest.raises(Exception, match=match):
+            jax.block_until_ready(make(prefetch=w).__call__(x, r, w))
+        sifar_jax.check()  # a refused call is no failed all-reduce
+    monkeypatch.undo()
+
+    mesh2 = cpu_mesh(shape=(2, 2), axis_names=("dp", "tp"), slot_bytes=SLOT)
+    fused._warned.clear()
+
+    def body(x, r, w, nw):
+        return sifar_jax.psum_add_rmsnorm(x[0], r, w, "tp", eps=EPS, prefetch=nw)[1][None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh2, in_specs=(P("tp"), P(), P(), P("dp")),
+                              out_specs=P("tp")))
+    with pytest.warns(UserWarning, match=r"prefetch varies over \['dp'\]"):
+        text = f.lower(np.ones((2, 2, 64), bf), r, w, np.ones((2, 64), bf)).as_text()
+    assert "prefetch_bytes = 0" in text

@@ -33,6 +33,8 @@ from models import make_mesh, random_params
 
 VARIANTS = {"psum": ("psum", "psum", "auto", False), "sifar": ("sifar", "sifar", "auto", False),
             "sifar+fused": ("sifar+fused", "sifar", "auto", True),
+            # the fused call without its L2 prefetch of the next weight
+            "sifar+fused:pf0": ("sifar+fused:pf0", "sifar", "auto", True, 0),
             "identity": ("identity", "identity", "auto", False)}
 
 
