@@ -14,6 +14,14 @@ namespace {
 using cuda::FusedArgs;
 using cuda::kThreads;
 
+#ifndef SIFAR_PREFETCH_BLOCKS
+#define SIFAR_PREFETCH_BLOCKS 32
+#endif
+// Blocks that only prefetch (cuda_fused.cuh): a bulk prefetch moves a few
+// hundred GB/s per multiprocessor, so 16 MiB within the few microseconds of
+// the all-reduce takes tens of them.
+constexpr int kPrefetchBlocks = SIFAR_PREFETCH_BLOCKS;
+
 template <typename T, int NR>
 cudaError_t LaunchNR(const FusedArgs& f, int grid, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
@@ -67,10 +75,14 @@ cudaError_t LaunchRankFused(const RankCall& c, const FusedCall& fused, cudaStrea
   // The plain kernel's grid for this payload: a multiple of the cluster size,
   // since the payload is whole rows and kMaxBlocks whole clusters.
   const int grid = BlocksFor(c.nbytes / 8, kThreads);
+  f.ar_blocks = static_cast<uint32_t>(grid);
+  // Prefetch blocks: whole clusters after the all-reduce's.
+  const int extra = f.prefetch_bytes == 0 ? 0
+                    : (kPrefetchBlocks + f.row_blocks - 1) / f.row_blocks * f.row_blocks;
   switch (c.elem) {
-    case Elem::kF32: return Launch<float>(f, grid, stream);
-    case Elem::kBf16: return Launch<__nv_bfloat16>(f, grid, stream);
-    case Elem::kF16: return Launch<__half>(f, grid, stream);
+    case Elem::kF32: return Launch<float>(f, grid + extra, stream);
+    case Elem::kBf16: return Launch<__nv_bfloat16>(f, grid + extra, stream);
+    case Elem::kF16: return Launch<__half>(f, grid + extra, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -35,6 +35,7 @@ struct FusedArgs {
   float eps;
   const char* prefetch;  // the next operation's operand (never read here), or null
   size_t prefetch_bytes;
+  uint32_t ar_blocks;    // the all-reduce's blocks; the grid's others only prefetch
 };
 
 // ------------------------------------------------------------- numbers ----
@@ -62,22 +63,40 @@ __device__ __forceinline__ FusedIn LoadFusedIn(const FusedArgs& f, size_t line) 
 
 // ----------------------------------------------------------- prefetch ----
 // While the all-reduce waits for its peers the GPU's memory is idle, and the
-// operation after it (the next matmul) is bound by reading its weight.  The
-// last warp of every block hands its share of the weight's first
-// prefetch_bytes to the copy engine as bulk L2 prefetches (fire and forget:
-// no completion to wait for, no register or shared memory used), so those
-// bytes are in L2 when the matmul starts.  Results are unaffected.
+// operation after it (the next matmul) is bound by reading its weight.  Extra
+// blocks after the all-reduce's (ar_blocks on) own no lines: each hands its
+// share of the weight's first prefetch_bytes to its copy engine as bulk L2
+// prefetches and exits, so those bytes are in L2 when the matmul starts.  A
+// block's prefetches run at a fraction of HBM's bandwidth, hence many blocks.
+// Results are unaffected: nothing is read into the SM.
+#ifndef SIFAR_PREFETCH_HINT
+#define SIFAR_PREFETCH_HINT 1  // 0: the default L2 policy, 1: evict_last, 2: evict_normal
+#endif
 constexpr uint32_t kPrefetchChunk = 64 * 1024;
 __device__ __forceinline__ void PrefetchL2(const char* p, uint32_t bytes) {
+#if SIFAR_PREFETCH_HINT == 0
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#else
+  uint64_t policy;
+#if SIFAR_PREFETCH_HINT == 1
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+#else
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+#endif
+  asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;"
+               ::"l"(p), "r"(bytes), "l"(policy) : "memory");
+#endif
 }
-__device__ __forceinline__ void IssuePrefetch(const FusedArgs& f) {
-  if (f.prefetch_bytes == 0 || threadIdx.x < kThreads - 32) return;
-  const size_t lanes = static_cast<size_t>(gridDim.x) * 32;
-  const size_t stride = lanes * kPrefetchChunk;
-  for (size_t at = (static_cast<size_t>(blockIdx.x) * 32 + (threadIdx.x & 31u)) * kPrefetchChunk;
-       at < f.prefetch_bytes; at += stride) {
-    const size_t left = f.prefetch_bytes - at;  // a multiple of 16, as the size must be
+// Block-uniform: a prefetch block's lanes of warp 0 take contiguous shares.
+__device__ __forceinline__ void PrefetchShare(const FusedArgs& f) {
+  if (threadIdx.x >= 32) return;
+  const size_t lanes = static_cast<size_t>(gridDim.x - f.ar_blocks) * 32;
+  const size_t lane = static_cast<size_t>(blockIdx.x - f.ar_blocks) * 32 + threadIdx.x;
+  const size_t share = (f.prefetch_bytes / lanes + 16) & ~static_cast<size_t>(15);
+  const size_t begin = lane * share;
+  const size_t end = begin + share < f.prefetch_bytes ? begin + share : f.prefetch_bytes;
+  for (size_t at = begin; at < end; at += kPrefetchChunk) {
+    const size_t left = end - at;  // a multiple of 16, as the size must be
     PrefetchL2(f.prefetch + at, static_cast<uint32_t>(left < kPrefetchChunk ? left : kPrefetchChunk));
   }
 }
@@ -170,8 +189,11 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(FusedArgs f) {
   __shared__ BlockStart b0;
   __shared__ RowShared sh;
   const size_t nlines = a.nbytes / 8;
+  if (blockIdx.x >= f.ar_blocks) {  // whole clusters of their own: no barrier to meet
+    PrefetchShare(f);
+    return;
+  }
   const bool cluster = f.row_blocks > 1;
-  IssuePrefetch(f);
   // This thread's first line of every input, loaded while thread 0's control
   // words are in flight.
   FusedIn first{};
