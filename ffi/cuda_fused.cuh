@@ -70,7 +70,8 @@ __device__ __forceinline__ FusedIn LoadFusedIn(const FusedArgs& f, size_t line) 
 // block's prefetches run at a fraction of HBM's bandwidth, hence many blocks.
 // Results are unaffected: nothing is read into the SM.
 #ifndef SIFAR_PREFETCH_HINT
-#define SIFAR_PREFETCH_HINT 1  // 0: the default L2 policy, 1: evict_last, 2: evict_normal
+#define SIFAR_PREFETCH_HINT 1  // 0: the default L2 policy, 1: evict_last, 2: evict_normal,
+                               // 3: per-line prefetch.global.L2::evict_last from every thread
 #endif
 constexpr uint32_t kPrefetchChunk = 64 * 1024;
 __device__ __forceinline__ void PrefetchL2(const char* p, uint32_t bytes) {
@@ -89,6 +90,13 @@ __device__ __forceinline__ void PrefetchL2(const char* p, uint32_t bytes) {
 }
 // Block-uniform: a prefetch block's lanes of warp 0 take contiguous shares.
 __device__ __forceinline__ void PrefetchShare(const FusedArgs& f) {
+#if SIFAR_PREFETCH_HINT == 3
+  const size_t threads = static_cast<size_t>(gridDim.x - f.ar_blocks) * kThreads;
+  for (size_t at = (static_cast<size_t>(blockIdx.x - f.ar_blocks) * kThreads + threadIdx.x) * 128;
+       at < f.prefetch_bytes; at += threads * 128)
+    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(f.prefetch + at) : "memory");
+  return;
+#endif
   if (threadIdx.x >= 32) return;
   const size_t lanes = static_cast<size_t>(gridDim.x - f.ar_blocks) * 32;
   const size_t lane = static_cast<size_t>(blockIdx.x - f.ar_blocks) * 32 + threadIdx.x;
