@@ -15,11 +15,11 @@ using cuda::FusedArgs;
 using cuda::kThreads;
 
 #ifndef SIFAR_PREFETCH_BLOCKS
-#define SIFAR_PREFETCH_BLOCKS 32
+#define SIFAR_PREFETCH_BLOCKS 16
 #endif
-// Blocks that only prefetch (cuda_fused.cuh): a bulk prefetch moves a few
-// hundred GB/s per multiprocessor, so 16 MiB within the few microseconds of
-// the all-reduce takes tens of them.
+// Blocks that only prefetch (cuda_fused.cuh). Measured in the decode step
+// (2x H200, bench/NOTES.md): 16 gained most; 32 a little less; 64 made the
+// call 5 -> 7.7 us, a loss.
 constexpr int kPrefetchBlocks = SIFAR_PREFETCH_BLOCKS;
 
 template <typename T, int NR>

@@ -67,36 +67,22 @@ __device__ __forceinline__ FusedIn LoadFusedIn(const FusedArgs& f, size_t line) 
 // blocks after the all-reduce's (ar_blocks on) own no lines: each hands its
 // share of the weight's first prefetch_bytes to its copy engine as bulk L2
 // prefetches and exits, so those bytes are in L2 when the matmul starts.  A
-// block's prefetches run at a fraction of HBM's bandwidth, hence many blocks.
-// Results are unaffected: nothing is read into the SM.
-#ifndef SIFAR_PREFETCH_HINT
-#define SIFAR_PREFETCH_HINT 1  // 0: the default L2 policy, 1: evict_last, 2: evict_normal,
-                               // 3: per-line prefetch.global.L2::evict_last from every thread
-#endif
+// block's prefetches run at a fraction of HBM's bandwidth, hence several
+// blocks (too many lengthen the call).  Results are unaffected: nothing is
+// read into the SM.
+// evict_last: the matmul's own misses would otherwise evict the prefetched
+// lines before it reads them (bench/NOTES.md: the default and evict_normal
+// policies gained less; per-line prefetch instructions from every thread made
+// the call longer).
 constexpr uint32_t kPrefetchChunk = 64 * 1024;
 __device__ __forceinline__ void PrefetchL2(const char* p, uint32_t bytes) {
-#if SIFAR_PREFETCH_HINT == 0
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#else
   uint64_t policy;
-#if SIFAR_PREFETCH_HINT == 1
   asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-#else
-  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
-#endif
   asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;"
                ::"l"(p), "r"(bytes), "l"(policy) : "memory");
-#endif
 }
 // Block-uniform: a prefetch block's lanes of warp 0 take contiguous shares.
 __device__ __forceinline__ void PrefetchShare(const FusedArgs& f) {
-#if SIFAR_PREFETCH_HINT == 3
-  const size_t threads = static_cast<size_t>(gridDim.x - f.ar_blocks) * kThreads;
-  for (size_t at = (static_cast<size_t>(blockIdx.x - f.ar_blocks) * kThreads + threadIdx.x) * 128;
-       at < f.prefetch_bytes; at += threads * 128)
-    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(f.prefetch + at) : "memory");
-  return;
-#endif
   if (threadIdx.x >= 32) return;
   const size_t lanes = static_cast<size_t>(gridDim.x - f.ar_blocks) * 32;
   const size_t lane = static_cast<size_t>(blockIdx.x - f.ar_blocks) * 32 + threadIdx.x;
