@@ -432,3 +432,12 @@ def test_layer_tail_probe_runs_on_the_cpu(tmp_path):
     data = json.loads(out.read_text())
     assert set(data["us_per_tail"]) == {"norm", "psum+norm", "sifar+norm", "fused"}
     assert all(np.isfinite(v["median"]) for v in data["us_per_tail"].values())
+
+
+def test_l2_reuse_probe_runs_on_the_cpu(capsys):
+    """bench.probes.l2_reuse runs its chain and says when there is no GPU profile to read."""
+    from bench.probes import l2_reuse
+
+    assert l2_reuse.main(["--quick", "--runs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny:" in out

@@ -9,6 +9,7 @@ then the same after a pass over a large buffer in between (L2 flushed). Kernel
 durations come from a device profile (CUPTI via jax.profiler), median over runs.
 
     python -m bench.probes.l2_reuse              # GPU host
+    python -m bench.probes.l2_reuse --quick      # CPU: small shapes, runs the code only
 """
 
 from __future__ import annotations
@@ -43,11 +44,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.probes.l2_reuse", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--quick", action="store_true", help="small shapes (CPU)")
     args = p.parse_args(argv)
     dev = jax.devices()[0]
-    big = jax.device_put(jnp.ones((1 << 14, 1 << 14), jnp.bfloat16), dev)  # 512 MB
+    side = 1 << (8 if args.quick else 14)
+    big = jax.device_put(jnp.ones((side, side), jnp.bfloat16), dev)  # 512 MB on GPUs
     key = jax.random.PRNGKey(0)
-    for name, rows, cols in SHAPES:
+    shapes = [("tiny", 64, 128)] if args.quick else SHAPES
+    for name, rows, cols in shapes:
         w = jax.device_put(jax.random.normal(key, (rows, cols), jnp.bfloat16), dev)
         x = jax.device_put(jax.random.normal(key, (1, rows), jnp.bfloat16), dev)
         f = jax.jit(chain)
