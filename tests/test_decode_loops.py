@@ -216,7 +216,10 @@ def test_extra_rows_change_no_greedy_token_and_no_logit():
         np.testing.assert_array_equal(toks, want[loop], err_msg=loop)
     a, b = one.teacher_forced_logits(PROMPT[None]), two.teacher_forced_logits(PROMPT[None])
     assert a.shape == b.shape == (1, PROMPT.size, LlamaConfig.tiny().vocab_size)
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # XLA:GPU picks other float32 matmul kernels for two rows (TF32 passes): measured on 2x H200,
+    # logits moved by up to 0.003 (Decoder's docstring says so). The CPU keeps every bit.
+    tol = 1e-5 if jax.devices()[0].platform == "cpu" else 1e-2
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
     with pytest.raises(ValueError, match="min_rows"):
         _decoder(2, min_rows=0)
 
@@ -257,7 +260,8 @@ def test_bucketed_attention_equals_attention_over_the_whole_cache():
     tokens, positions = np.array([[9]], np.int32), np.array([40], np.int32)
     out = {}
     for attend in (64, None):
-        fwd = jax.jit(llama.make_forward(config, mesh, attend_len=attend))
+        fwd = jax.jit(llama.make_forward(config, mesh, attend_len=attend,
+                                         kv_layout=dec.kv_layout))
         logits, new_cache, _ = fwd(params, cache, tokens, positions, {})
         out[attend] = np.asarray(logits), [np.asarray(c["k"]) for c in new_cache]
     np.testing.assert_allclose(out[64][0], out[None][0], rtol=1e-6, atol=1e-6)
@@ -353,8 +357,12 @@ def test_fused_decoder_gives_the_unfused_tokens(tp, sifar_clean):
     fused = _decoder(tp, "sifar", fused=True)
     for loop, tokens in _every_loop(fused, PROMPT, NEW).items():
         np.testing.assert_array_equal(tokens, want, err_msg=f"fused, loop {loop}")
+    # GPUs: the fused norm may differ from XLA's unfused one in an ulp (psum_add_rmsnorm's
+    # docstring), which XLA:GPU's float32 matmuls (TF32 passes) carry into the logits: measured
+    # on 2x H200, up to 2.5e-4. The CPU stays within 1e-5.
+    tol = 1e-5 if jax.devices()[0].platform == "cpu" else 2e-3
     np.testing.assert_allclose(fused.teacher_forced_logits(PROMPT[None]), ref_logits,
-                               rtol=1e-5, atol=1e-5)
+                               rtol=tol, atol=tol)
     sifar_jax.check()
 
 
