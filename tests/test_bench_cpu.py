@@ -441,3 +441,29 @@ def test_l2_reuse_probe_runs_on_the_cpu(capsys):
     assert l2_reuse.main(["--quick", "--runs", "2"]) == 0
     out = capsys.readouterr().out
     assert "tiny:" in out
+
+
+def test_decode_prefetch_rows_and_records(tmp_path):
+    """bench.decode --prefetch-mib: one fused row per size after the default fused row; each
+    record says what the fused call prefetched (None unfused, the library default for the plain
+    fused row), and prefetching changes no token."""
+    from bench import decode as bd
+    import sifar_jax.fused
+
+    args = bd.parse_args(["--quick", "--allreduce", "psum,sifar", "--prefetch-mib", "0", "1.5"])
+    variants = bd.parse_variants(args)
+    assert [v[0] for v in variants] == ["psum", "sifar", "sifar+fused", "sifar+fused:pf0",
+                                        "sifar+fused:pf1.5"]
+    assert variants[3][4] == 0 and variants[4][4] == 3 << 19
+    with pytest.raises(SystemExit, match="prefetch-mib"):
+        bd.parse_variants(bd.parse_args(["--quick", "--allreduce", "psum", "--prefetch-mib", "8"]))
+
+    assert bd.main(["--quick", "--tp", "2", "--no-sweep", "--loops", "sync", "--no-plot",
+                    "--no-trace", "--allreduce", "sifar", "--prefetch-mib", "0",
+                    "--out", str(tmp_path)]) == 0
+    records = json.loads(next(tmp_path.glob("decode-*.json")).read_text())
+    by_label = {r["allreduce"]: r for r in records if r["tp"] == 2}
+    assert by_label["sifar"]["prefetch_bytes"] is None
+    assert by_label["sifar+fused"]["prefetch_bytes"] == sifar_jax.fused.DEFAULT_PREFETCH_BYTES
+    assert by_label["sifar+fused:pf0"]["prefetch_bytes"] == 0
+    assert by_label["sifar+fused"]["generated"] == by_label["sifar+fused:pf0"]["generated"]
