@@ -70,10 +70,10 @@ __device__ __forceinline__ FusedIn LoadFusedIn(const FusedArgs& f, size_t line) 
 // block's prefetches run at a fraction of HBM's bandwidth, hence several
 // blocks (too many lengthen the call).  Results are unaffected: nothing is
 // read into the SM.
-// evict_last: the matmul's own misses would otherwise evict the prefetched
-// lines before it reads them (bench/NOTES.md: the default and evict_normal
-// policies gained less; per-line prefetch instructions from every thread made
-// the call longer).
+// evict_last, so that the matmul's own misses replace other lines first: in
+// the device comparison (bench/NOTES.md) it gained as much as the default
+// policy and more than evict_normal; per-line prefetch instructions from every
+// thread made the call longer.
 constexpr uint32_t kPrefetchChunk = 64 * 1024;
 __device__ __forceinline__ void PrefetchL2(const char* p, uint32_t bytes) {
   uint64_t policy;
