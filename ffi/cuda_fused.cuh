@@ -175,18 +175,17 @@ __device__ __forceinline__ float ClusterRowSum(float total, uint32_t row_blocks,
 }
 
 // ------------------------------------------------------------- kernel ----
+// The calls of one all-reduce block (blockIdx.x < ar_blocks): both outputs of
+// its lines written, NaN if the block (its cluster) failed.  Returns whether
+// they succeeded.  Block-uniform; every block of a cluster calls it.
 template <typename T, int NR>
-__global__ void __launch_bounds__(kThreads) FusedKernel(FusedArgs f) {
+__device__ __forceinline__ bool FusedBlock(const FusedArgs& f) {
   constexpr int K = kLineElems<T>;
   const KernelArgs& a = f.a;
   const Ws w{a};
   __shared__ BlockStart b0;
   __shared__ RowShared sh;
   const size_t nlines = a.nbytes / 8;
-  if (blockIdx.x >= f.ar_blocks) {  // whole clusters of their own: no barrier to meet
-    PrefetchShare(f);
-    return;
-  }
   const bool cluster = f.row_blocks > 1;
   // This thread's first line of every input, loaded while thread 0's control
   // words are in flight.
@@ -282,6 +281,16 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(FusedArgs f) {
     CommitBlock(w, kSifar, st, epoch, warp0_retried);
   }
   if (started_pending) ClusterWait();  // every arrive is waited for
+  return go;
+}
+
+template <typename T, int NR>
+__global__ void __launch_bounds__(kThreads) FusedKernel(FusedArgs f) {
+  if (blockIdx.x >= f.ar_blocks) {  // whole clusters of their own: no barrier to meet
+    PrefetchShare(f);
+    return;
+  }
+  FusedBlock<T, NR>(f);
 }
 
 }  // namespace cuda
