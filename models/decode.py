@@ -122,7 +122,8 @@ class Decoder:
     (no all-reduce: wrong numbers, the timing upper bound). fused=True (sifar only): all-reduce,
     residual add and RMSNorm as one sifar_jax.psum_add_rmsnorm call, prefetching the first
     prefetch_bytes of the next matmul's weight into L2 while it waits (None: sifar_jax's default,
-    0: none).
+    0: none). fused="matmul": at batch 1 the projection after each all-reduce joins that call
+    (sifar_jax.psum_add_rmsnorm_matmul: its weight is read while the all-reduce waits).
 
     The KV cache holds max_seq_len positions when given; otherwise it is sized to the request
     (prompt + max_new_tokens, rounded up to a power of two), grown when a sequence outgrows it,
@@ -140,7 +141,7 @@ class Decoder:
     """
 
     def __init__(self, config: LlamaConfig, mesh: Mesh, params, *, allreduce: str = "psum",
-                 algorithm: str = "auto", fused: bool = False, slot_bytes: Optional[int] = None,
+                 algorithm: str = "auto", fused=False, slot_bytes: Optional[int] = None,
                  axis_name: str = "tp", batch_size: int = 1, max_seq_len: Optional[int] = None,
                  kv_layout: Optional[str] = None, min_rows: int = 1,
                  prefetch_bytes: Optional[int] = None):
@@ -162,6 +163,10 @@ class Decoder:
             raise ValueError(f"kv_layout must be one of {sorted(llama.KV_LAYOUTS)}, "
                              f"got {kv_layout!r}")
         self.layout = llama.tp_layout(config, self.tp)  # raises if tp does not split the model
+        if fused not in llama.FUSED_MODES:
+            raise ValueError(f"fused must be one of {llama.FUSED_MODES}, got {fused!r}")
+        if fused == "matmul":
+            llama.make_fused_add_norm_matmul(allreduce, algorithm)
         if fused:  # a clear error now, not at trace
             llama.make_fused_add_norm(allreduce, algorithm, prefetch_bytes)
         elif prefetch_bytes:

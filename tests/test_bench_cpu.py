@@ -453,8 +453,12 @@ def test_decode_prefetch_rows_and_records(tmp_path):
     args = bd.parse_args(["--quick", "--allreduce", "psum,sifar", "--prefetch-mib", "0", "1.5"])
     variants = bd.parse_variants(args)
     assert [v[0] for v in variants] == ["psum", "sifar", "sifar+fused", "sifar+fused:pf0",
-                                        "sifar+fused:pf1.5"]
+                                        "sifar+fused:pf1.5", "sifar+fused+mm"]
     assert variants[3][4] == 0 and variants[4][4] == 3 << 19
+    assert variants[5][3] == "matmul"
+    off = bd.parse_variants(bd.parse_args(["--quick", "--allreduce", "psum,sifar",
+                                           "--fused-matmul", "off"]))
+    assert [v[0] for v in off] == ["psum", "sifar", "sifar+fused"]
     with pytest.raises(SystemExit, match="prefetch-mib"):
         bd.parse_variants(bd.parse_args(["--quick", "--allreduce", "psum", "--prefetch-mib", "8"]))
 
@@ -467,3 +471,8 @@ def test_decode_prefetch_rows_and_records(tmp_path):
     assert by_label["sifar+fused"]["prefetch_bytes"] == sifar_jax.fused.DEFAULT_PREFETCH_BYTES
     assert by_label["sifar+fused:pf0"]["prefetch_bytes"] == 0
     assert by_label["sifar+fused"]["generated"] == by_label["sifar+fused:pf0"]["generated"]
+    # The fused-matmul row: its own flag, the same tokens.
+    mm = by_label["sifar+fused+mm"]
+    assert mm["fused"] is True and mm["fused_matmul"] is True
+    assert by_label["sifar+fused"]["fused_matmul"] is False
+    assert mm["generated"] == by_label["sifar+fused"]["generated"]

@@ -35,6 +35,8 @@ VARIANTS = {"psum": ("psum", "psum", "auto", False), "sifar": ("sifar", "sifar",
             "sifar+fused": ("sifar+fused", "sifar", "auto", True),
             # the fused call without its L2 prefetch of the next weight
             "sifar+fused:pf0": ("sifar+fused:pf0", "sifar", "auto", True, 0),
+            # the fused call and the projection after it in one launch
+            "sifar+fused+mm": ("sifar+fused+mm", "sifar", "auto", "matmul"),
             "identity": ("identity", "identity", "auto", False)}
 
 
@@ -89,6 +91,9 @@ def per_step(kernels, steps: int, top: int) -> dict:
                     for k, (c, t) in sorted(by_kind.items())},
         "top": [{"kernel": n[:120], "kind": kind_of(n), "count": round(len(by_name[n]) / steps, 1),
                  "median_us": round(statistics.median(by_name[n]), 2),
+                 # a kernel run at two shapes (the fused matmul's QKV and gate/up) is bimodal
+                 "p25_us": round(common.percentile(by_name[n], 25), 2),
+                 "p75_us": round(common.percentile(by_name[n], 75), 2),
                  "us": round(sum(by_name[n]) / steps, 1)} for n in names],
     }
 
@@ -142,8 +147,9 @@ def main(argv=None) -> int:
         print(f"{name}: {r['kernels_per_step']} kernels, {r['busy_us_per_step']} us busy of "
               f"{r['span_us_per_step']} us per step ({kinds})", flush=True)
         for t in r["top"]:
-            print(f"    {t['us']:8.1f} us  {t['count']:5.1f} x {t['median_us']:6.2f}  "
-                  f"[{t['kind']}] {t['kernel']}", flush=True)
+            print(f"    {t['us']:8.1f} us  {t['count']:5.1f} x {t['median_us']:6.2f} "
+                  f"(p25 {t['p25_us']:.2f}, p75 {t['p75_us']:.2f})  [{t['kind']}] {t['kernel']}",
+                  flush=True)
     if args.out:
         path = common.write_json(Path(args.out), results)
         print(f"wrote {path}", flush=True)
