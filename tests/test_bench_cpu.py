@@ -443,6 +443,18 @@ def test_l2_reuse_probe_runs_on_the_cpu(capsys):
     assert "tiny:" in out
 
 
+def test_tail_matmul_probe_runs_on_the_cpu(tmp_path, capsys):
+    """bench.probes.tail_matmul times every variant's chain (CPU: small shapes) and writes
+    its JSON, one entry per variant."""
+    from bench.probes import tail_matmul
+
+    out = tmp_path / "tail.json"
+    assert tail_matmul.main(["--quick", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["us_per_tail"]["64"]) == set(tail_matmul.VARIANTS)
+    assert "over no all-reduce" in capsys.readouterr().out
+
+
 def test_decode_prefetch_rows_and_records(tmp_path):
     """bench.decode --prefetch-mib: one fused row per size after the default fused row; each
     record says what the fused call prefetched (None unfused, the library default for the plain
