@@ -24,20 +24,8 @@ constexpr int kPrefetchBlocks = SIFAR_PREFETCH_BLOCKS;
 
 template <typename T, int NR>
 cudaError_t LaunchNR(const FusedArgs& f, int grid, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  if (f.row_blocks > 1) {
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = f.row_blocks;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = cuda::RowClusterLaunch(grid, f.row_blocks, stream, attr);
   return cudaLaunchKernelEx(&cfg, cuda::FusedKernel<T, NR>, f);
 }
 template <typename T>

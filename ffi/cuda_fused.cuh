@@ -174,6 +174,27 @@ __device__ __forceinline__ float ClusterRowSum(float total, uint32_t row_blocks,
   return t;
 }
 
+// ------------------------------------------------------------- launch ----
+// A launch configuration in 1-D clusters of `cluster` blocks (none for 1):
+// the fused kernels' rows span that many blocks.  `attr` must outlive the
+// cudaLaunchKernelEx (CUDA graphs capture it like any launch).
+inline cudaLaunchConfig_t RowClusterLaunch(int grid, uint32_t cluster, cudaStream_t stream,
+                                           cudaLaunchAttribute& attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  if (cluster > 1) {
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = cluster;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+  }
+  return cfg;
+}
+
 // ------------------------------------------------------------- kernel ----
 // The calls of one all-reduce block (blockIdx.x < ar_blocks): both outputs of
 // its lines written, NaN if the block (its cluster) failed.  Returns whether

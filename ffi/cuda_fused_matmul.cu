@@ -26,16 +26,8 @@ int ComputeMatmulGrid() {
     return 0;
   int grid = sms * cuda::kMatmulBlocksPerSM;
   for (int cluster = 2; cluster <= kMaxRowBlocks; cluster *= 2) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(grid / cluster * cluster);
-    cfg.blockDim = dim3(kThreads);
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = cluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = cuda::RowClusterLaunch(grid / cluster * cluster, cluster, 0, attr);
     int clusters = 0;
     if (cudaOccupancyMaxActiveClusters(&clusters, cuda::FusedMatmulKernel<__nv_bfloat16, 2>,
                                        &cfg) != cudaSuccess) {
@@ -50,19 +42,8 @@ int ComputeMatmulGrid() {
 
 template <typename T, int NR>
 cudaError_t LaunchNR(const MatmulArgs& m, int grid, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  if (m.f.row_blocks > 1) {
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = m.f.row_blocks;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = cuda::RowClusterLaunch(grid, m.f.row_blocks, stream, attr);
   return cudaLaunchKernelEx(&cfg, cuda::FusedMatmulKernel<T, NR>, m);
 }
 template <typename T>

@@ -87,17 +87,9 @@ __device__ __forceinline__ float* MatmulPartial(const Ws& w) {
   return reinterpret_cast<float*>(w.lane(w.a.rank) + w.a.lay.lane.matmul_partial);
 }
 
-// The 16 bytes of a weight row (kColsPerLoad elements) as fp32.
+// Elements in 16 bytes of a weight row (AddLine unpacks them to fp32).
 template <typename T>
-constexpr int kColsPerLoad = 16 / sizeof(T);
-template <typename T>
-__device__ __forceinline__ void Unpack16(uint4 v, float* out) {
-  constexpr int P = Elem<T>::kPerWord;
-  Elem<T>::Add(out + 0 * P, v.x, true);
-  Elem<T>::Add(out + 1 * P, v.y, true);
-  Elem<T>::Add(out + 2 * P, v.z, true);
-  Elem<T>::Add(out + 3 * P, v.w, true);
-}
+constexpr int kColsPerLoad = 4 * Elem<T>::kPerWord;
 template <typename T>
 __device__ __forceinline__ void StoreElem(void* y, uint32_t i, float v);
 template <>
@@ -142,7 +134,7 @@ __device__ __forceinline__ void StageRows(const void* normed, uint32_t r0, uint3
   constexpr uint32_t E = kColsPerLoad<T>;
   for (uint32_t v = threadIdx.x; v * E < r1 - r0; v += kThreads) {
     const uint4 line = __ldcg(reinterpret_cast<const uint4*>(static_cast<const T*>(normed) + r0) + v);
-    Unpack16<T>(line, x + r0 + v * E);
+    AddLine<T>(x + r0 + v * E, line, true);  // the 16 bytes as fp32
   }
 }
 
@@ -208,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, kMatmulBlocksPerSM) FusedMatmulKerne
         const uint32_t r = rb + b * kMatmulWarps;
         if (step < steps && r < r1) {
           float wf[C];
-          Unpack16<T>(wv[b], wf);
+          AddLine<T>(wf, wv[b], true);  // the 16 bytes as fp32
           const float xv = sh.x[r];
 #pragma unroll
           for (int c = 0; c < C; ++c) acc[c] = __fmaf_rn(xv, wf[c], acc[c]);
