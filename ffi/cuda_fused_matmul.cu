@@ -3,6 +3,8 @@
 // (the all-reduce blocks need them; the matmul blocks ignore them).
 #include <cuda_runtime.h>
 
+#include <atomic>
+
 #include "cuda_check.h"
 #include "cuda_fused_matmul.cuh"
 #include "launch.h"
@@ -25,6 +27,7 @@ int ComputeMatmulGrid() {
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
     return 0;
   int grid = sms * cuda::kMatmulBlocksPerSM;
+  bool queried = false;
   for (int cluster = 2; cluster <= kMaxRowBlocks; cluster *= 2) {
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg = cuda::RowClusterLaunch(grid / cluster * cluster, cluster, 0, attr);
@@ -34,8 +37,10 @@ int ComputeMatmulGrid() {
       cudaGetLastError();
       continue;
     }
+    queried = true;
     if (clusters * cluster < grid) grid = clusters * cluster;
   }
+  if (!queried) return 0;  // no fit known: refuse the launch rather than guess
   if (grid > kMaxMatmulGrid) grid = kMaxMatmulGrid;
   return grid / kMaxRowBlocks * kMaxRowBlocks;
 }
@@ -96,11 +101,15 @@ cudaError_t LaunchRankFusedMatmul(const RankCall& c, const FusedCall& fused,
 }
 
 int MatmulGrid() {
-  static int grids[64] = {};  // per device ordinal; 0: not computed yet
+  static std::atomic<int> grids[64];  // per device ordinal; 0: not computed yet
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
-  if (grids[device] == 0) grids[device] = ComputeMatmulGrid();
-  return grids[device];
+  int grid = grids[device].load();
+  if (grid == 0) {  // the same value from any thread that computes it
+    grid = ComputeMatmulGrid();
+    grids[device].store(grid);
+  }
+  return grid;
 }
 
 int MatmulGridOn(int device) {

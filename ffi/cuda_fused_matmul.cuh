@@ -18,9 +18,9 @@
 //                           times a range of rows.  Each warp reads 512
 //                           contiguous bytes of a row per load (whole DRAM
 //                           bursts), its rows w, w + 8, ... of the range.
-// Every block takes part in every call of the lane (the grid never changes),
-// so every block's own count (`seen`) numbers the call without reading
-// anybody else's: the matmul blocks wait for ready[b] == seen + 1.
+// Every block reads the lane's call number at start; the last block of the
+// launch to finish advances it (after every block has read it, whatever the
+// grid), and the matmul blocks wait for ready[b] == that number.
 //
 //   y[c] = round(sum over k of float(normed[k]) * float(matrix[k][c]))
 // in fp32, in a fixed order: per split, each warp's rows ascending (fused
@@ -74,8 +74,24 @@ __device__ __forceinline__ uint4 LoadStreaming16(const void* p) {
   return v;
 }
 
-__device__ __forceinline__ uint32_t* MatmulSeen(const Ws& w) {
-  return reinterpret_cast<uint32_t*>(w.lane(w.a.rank) + w.a.lay.lane.matmul_seen);
+// [0]: the lane's generation (calls completed), [1]: blocks of this launch that exited.
+__device__ __forceinline__ uint32_t* MatmulCalls(const Ws& w) {
+  return reinterpret_cast<uint32_t*>(w.lane(w.a.rank) + w.a.lay.lane.matmul_calls);
+}
+// A ready word's call number: 1 .. 2^31 - 1 (never 0, the zeroed word; never the failed bit).
+__device__ __forceinline__ uint32_t CallNumber(uint32_t generation) {
+  return generation % kReadyFailed % (kReadyFailed - 1u) + 1u;
+}
+// The block's last act: the launch's last block to exit advances the
+// generation (the next launch, ordered after this one, reads the new value).
+__device__ __forceinline__ void ExitBlock(const Ws& w, uint32_t generation) {
+  __syncthreads();  // every thread of the block read the generation
+  if (threadIdx.x != 0) return;
+  uint32_t* calls = MatmulCalls(w);
+  if (atomicAdd(calls + 1, 1u) == gridDim.x - 1) {
+    calls[1] = 0;
+    calls[0] = generation + 1;
+  }
 }
 __device__ __forceinline__ uint32_t* MatmulReady(const Ws& w) {
   return reinterpret_cast<uint32_t*>(w.lane(w.a.rank) + w.a.lay.lane.matmul_ready);
@@ -107,9 +123,11 @@ __device__ __forceinline__ void StoreElem<__half>(void* y, uint32_t i, float v) 
 
 // Thread b < ar_blocks of a matmul block: waits until all-reduce block b has
 // written call n's rows (one word per thread, so the block sees the last of
-// them one L2 latency after it lands).  Returns false (and records the
-// failure) past the timeout; `failed` becomes true when that block's call
-// failed.
+// them one L2 latency after it lands).  `failed` becomes true when that
+// block's call failed.  The all-reduce blocks report their own timeouts; this
+// wait gives up (recording a failure) only past twice the timeout plus the
+// injected skew, longer than any all-reduce that succeeds may take, or at
+// once when the communicator has failed.
 __device__ inline bool WaitRowsReady(const Ws& w, uint32_t n, uint64_t timeout_ns, bool& failed) {
   const uint32_t* ready = MatmulReady(w) + threadIdx.x;
   CallState s{};
@@ -149,16 +167,14 @@ template <typename T, int NR>
 __global__ void __launch_bounds__(kThreads, kMatmulBlocksPerSM) FusedMatmulKernel(MatmulArgs m) {
   const FusedArgs& f = m.f;
   const Ws w{f.a};
-  uint32_t* seen = MatmulSeen(w);
-  // This call's number on the lane (every block of the grid runs every call).
-  const uint32_t n = (seen[blockIdx.x] + 1) & ~kReadyFailed;
+  // This call's number on the lane: the same in every block of the launch.
+  const uint32_t generation = MatmulCalls(w)[0];
+  const uint32_t n = CallNumber(generation);
   if (blockIdx.x < f.ar_blocks) {
     const bool ok = FusedBlock<T, NR>(f);
     __syncthreads();  // the block's rows are written before thread 0's release
-    if (threadIdx.x == 0) {
-      StoreReleaseGpu(MatmulReady(w) + blockIdx.x, n | (ok ? 0u : kReadyFailed));
-      seen[blockIdx.x] = n;
-    }
+    if (threadIdx.x == 0) StoreReleaseGpu(MatmulReady(w) + blockIdx.x, n | (ok ? 0u : kReadyFailed));
+    ExitBlock(w, generation);
     return;
   }
   constexpr int C = kColsPerLoad<T>;
@@ -214,7 +230,8 @@ __global__ void __launch_bounds__(kThreads, kMatmulBlocksPerSM) FusedMatmulKerne
       bool ok = true;
       if (threadIdx.x < f.ar_blocks) {
         bool failed = false;
-        const uint64_t timeout_ns = LoadLLWord(&w.ctl(w.a.rank)->timeout_ns);
+        const Control* ctl = w.ctl(w.a.rank);
+        const uint64_t timeout_ns = 2 * LoadLLWord(&ctl->timeout_ns) + LoadStrong(&ctl->skew_max_ns);
         ok = WaitRowsReady(w, n, timeout_ns, failed) && !failed;
       }
       go = __syncthreads_and(ok) != 0;
@@ -280,8 +297,7 @@ __global__ void __launch_bounds__(kThreads, kMatmulBlocksPerSM) FusedMatmulKerne
     }
     __syncthreads();  // warp_part and sh.last are written again by the next item
   }
-  __syncthreads();  // every thread read its count before it changes
-  if (threadIdx.x == 0) seen[blockIdx.x] = n;
+  ExitBlock(w, generation);
 }
 
 }  // namespace cuda

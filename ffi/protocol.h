@@ -294,10 +294,11 @@ SIFAR_HD SlotLayout MakeSlotLayout(size_t slot_bytes, int nranks) {
   return s;
 }
 
-// psum_add_rmsnorm_matmul (cuda_fused_matmul.cuh): its fixed grid's blocks
-// count their calls of the lane (`seen`, one word per block), and each
-// all-reduce block publishes the count of the call whose rows it has written
-// (`ready`), so that the matmul blocks of the same launch know when to read.
+// psum_add_rmsnorm_matmul (cuda_fused_matmul.cuh): the lane's call number
+// (`generation`, advanced by the last block of a launch to finish, counted in
+// `exited`), and per all-reduce block the number of the call whose rows it has
+// written (`ready`), so that the matmul blocks of the same launch know when to
+// read.
 constexpr int kMaxMatmulGrid = 1024;
 // The matmul y = x @ W (W [hidden, cols], row-major) is split into work items:
 // tiles of 512 bytes of columns (a warp's 32 x 16 bytes of a row) times
@@ -323,7 +324,7 @@ SIFAR_HD MatmulSplit MatmulSplitOf(size_t hidden, size_t cols, size_t elem_bytes
   return m;
 }
 struct LaneLayout {
-  size_t epochs, calls, barrier, matmul_seen, matmul_ready, matmul_count, matmul_partial, slots,
+  size_t epochs, calls, barrier, matmul_calls, matmul_ready, matmul_count, matmul_partial, slots,
       total;  // offsets within a lane
 };
 
@@ -348,8 +349,8 @@ SIFAR_HD WorkspaceLayout MakeWorkspaceLayout(size_t slot_bytes, int nranks, int 
   off = AlignUp(off + kNumAlgorithms * sizeof(uint64_t), kAlign);
   w.lane.barrier = off;
   off = AlignUp(off + kMaxBlocks * kMaxRanks * sizeof(uint64_t), kAlign);
-  w.lane.matmul_seen = off;
-  off = AlignUp(off + kMaxMatmulGrid * sizeof(uint32_t), kAlign);
+  w.lane.matmul_calls = off;  // [0]: generation, [1]: blocks exited
+  off = AlignUp(off + 2 * sizeof(uint32_t), kAlign);
   w.lane.matmul_ready = off;
   off = AlignUp(off + kMaxBlocks * sizeof(uint32_t), kAlign);
   w.lane.matmul_count = off;
