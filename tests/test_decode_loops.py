@@ -413,11 +413,15 @@ def test_fused_needs_the_kernel_or_says_so(monkeypatch, sifar_clean):
         _decoder(2, "sifar", fused=True)
 
 
-def test_generate_cli_streams_tokens(capsys):
+@pytest.mark.parametrize("extra", [[], ["--allreduce", "sifar", "--fused", "matmul"]],
+                         ids=["psum", "sifar-fused-matmul"])
+def test_generate_cli_streams_tokens(capsys, extra, sifar_clean):
     from models import generate
 
+    if extra and llama.fused_add_norm_available() is not None:
+        pytest.skip(llama.fused_add_norm_available())
     assert generate.main(["--tp", "2", "--tokens", "12", "--prompt", *map(str, PROMPT),
-                          "--seed", "11"]) == 0
+                          "--seed", "11", *extra]) == 0
     out = capsys.readouterr().out
     want = " ".join(map(str, _decoder(2).generate(PROMPT, 12)[0]))
     assert f"stream: {want} \n" in out and f"tokens: {want}\n" in out
