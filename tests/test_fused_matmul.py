@@ -185,6 +185,40 @@ def test_calls_interleave_with_plain_and_fused_calls(cpu_mesh):
     sifar_jax.check()
 
 
+def test_rows_of_other_sizes_interleave_on_one_chain(cpu_mesh):
+    """Calls whose rows span 1, 4 and 8 all-reduce blocks (clusters of 1, 4, 8 on GPUs)
+    alternate on one chain: each pairs its matmul blocks with its own rows (the lane's call
+    number is shared by every shape; the ready words of blocks a smaller call leaves alone
+    keep older numbers)."""
+    n = 2
+    mesh = cpu_mesh(n, slot_bytes=SLOT)
+    dt = DTYPES["bfloat16"]
+    shapes = [(4096, 64), (128, 32), (8192, 64), (128, 32), (4096, 64)]
+
+    def body(*args):
+        out = []
+        for i in range(len(shapes)):
+            x, r, w, m = args[4 * i:4 * i + 4]
+            normed, _ = sifar_jax.psum_add_rmsnorm(x[0], r, w, "tp", eps=EPS)
+            y, _ = sifar_jax.psum_add_rmsnorm_matmul(x[0], r, w, m, "tp", eps=EPS)
+            out += [normed[None], y[None]]
+        return tuple(out)
+
+    specs = (P("tp"), P(), P(), P(None, "tp")) * len(shapes)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs,
+                              out_specs=(P("tp"),) * (2 * len(shapes))))
+    for it in range(2):
+        rng = rng_for("fused_matmul_sizes", it)
+        data = [make_case(rng, n, h, c, dt) for h, c in shapes]
+        got = jax.device_get(f(*[a for d in data for a in d]))
+        for i, ((h, c), (_, _, _, m)) in enumerate(zip(shapes, data)):
+            normed, y = got[2 * i], got[2 * i + 1]
+            for q in range(n):
+                want = kernel_order_matmul(normed[q, 0], m[:, q * c:(q + 1) * c])
+                assert same_bits(y[q, 0], want), f"run {it} call {i} (hidden {h}) rank {q}"
+    sifar_jax.check()
+
+
 def test_a_timed_out_call_leaves_y_nan(cpu_mesh):
     """Rank 1 never arrives: on GPUs every element of rank 0's y, normed row
     and residual is NaN; the CPU raises; check() reports the timeout."""
