@@ -57,14 +57,6 @@ struct MatmulArgs {
   MatmulSplit split;   // MatmulSplitOf(hidden, cols, element size)
 };
 
-__device__ __forceinline__ uint32_t LoadAcquireGpu(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void StoreReleaseGpu(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 // The weight is read once per call: not kept in L1.
 __device__ __forceinline__ uint4 LoadStreaming16(const void* p) {
   uint4 v;
