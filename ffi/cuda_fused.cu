@@ -22,8 +22,28 @@ using cuda::kThreads;
 // call 5 -> 7.7 us, a loss.
 constexpr int kPrefetchBlocks = SIFAR_PREFETCH_BLOCKS;
 
+#ifndef SIFAR_FUSED_WIDE
+#define SIFAR_FUSED_WIDE 1
+#endif
+// Rows of 2 or 4 blocks' lines in one wide block (FusedWideKernel) rather
+// than a cluster of blocks (FusedKernel); 0 keeps the clusters (A/B builds).
+// Up to 4 ranks: at 64 registers per thread the 8-rank pull spills ~370
+// bytes per thread (ptxas -v), the 4-rank one ~50, the 2-rank one none.
+constexpr bool kWideRows = SIFAR_FUSED_WIDE != 0;
+bool Wide(uint32_t row_blocks, int nranks) {
+  return kWideRows && (row_blocks == 2 || row_blocks == 4) && nranks <= 4;
+}
+
 template <typename T, int NR>
 cudaError_t LaunchNR(const FusedArgs& f, int grid, cudaStream_t stream) {
+  if constexpr (NR <= 4) {
+    if (Wide(f.row_blocks, f.a.nranks)) {
+      const dim3 block(kThreads * f.row_blocks);
+      if (f.row_blocks == 2) cuda::FusedWideKernel<T, NR, 2><<<grid, block, 0, stream>>>(f);
+      else cuda::FusedWideKernel<T, NR, 4><<<grid, block, 0, stream>>>(f);
+      return cudaGetLastError();
+    }
+  }
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t cfg = cuda::RowClusterLaunch(grid, f.row_blocks, stream, attr);
   return cudaLaunchKernelEx(&cfg, cuda::FusedKernel<T, NR>, f);
@@ -41,6 +61,10 @@ void LoadRow() {
   SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedKernel<T, 2>));
   SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedKernel<T, 4>));
   SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedKernel<T, 8>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedWideKernel<T, 2, 2>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedWideKernel<T, 2, 4>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedWideKernel<T, 4, 2>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedWideKernel<T, 4, 4>));
 }
 
 }  // namespace
@@ -61,12 +85,15 @@ cudaError_t LaunchRankFused(const RankCall& c, const FusedCall& fused, cudaStrea
   f.prefetch = static_cast<const char*>(fused.prefetch);
   f.prefetch_bytes = fused.prefetch != nullptr ? fused.prefetch_bytes : 0;
   // The plain kernel's grid for this payload: a multiple of the cluster size,
-  // since the payload is whole rows and kMaxBlocks whole clusters.
-  const int grid = BlocksFor(c.nbytes / 8, kThreads);
+  // since the payload is whole rows and kMaxBlocks whole clusters; one block
+  // per row (at most a round's) for the wide kernel.
+  const int plain_grid = BlocksFor(c.nbytes / 8, kThreads);
+  const bool wide = Wide(f.row_blocks, f.a.nranks);
+  const int grid = wide ? plain_grid / static_cast<int>(f.row_blocks) : plain_grid;
   f.ar_blocks = static_cast<uint32_t>(grid);
   // Prefetch blocks: whole clusters after the all-reduce's.
-  const int extra = f.prefetch_bytes == 0 ? 0
-                    : (kPrefetchBlocks + f.row_blocks - 1) / f.row_blocks * f.row_blocks;
+  const int cluster = wide ? 1 : static_cast<int>(f.row_blocks);
+  const int extra = f.prefetch_bytes == 0 ? 0 : (kPrefetchBlocks + cluster - 1) / cluster * cluster;
   switch (c.elem) {
     case Elem::kF32: return Launch<float>(f, grid + extra, stream);
     case Elem::kBf16: return Launch<__nv_bfloat16>(f, grid + extra, stream);

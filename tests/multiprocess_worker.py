@@ -19,6 +19,12 @@ through `python -m sifar_jax.launch` (every process runs this same program).
     oldexec a function compiled (CUDA graph) before shutdown() runs again after
             init with the same slot (pooled memory reused) and with another
             (pooled memory kept), beside new functions, exactly
+    fused   psum_add_rmsnorm over processes: rows in a block, over 2, 4 and 8
+            blocks' lines (GPUs: one wide block per row, a cluster of 8) and
+            over two rounds of blocks; then fused and plain calls of other
+            sizes interleaved on one chain across the tag wrap under skew:
+            new_residual bit-identical to the rank-order reference, normed
+            within test_fused's ulp bounds
 
 Each process checks the rows it holds and prints "OK <scenario> ..." lines; any
 failure exits non-zero (the launcher propagates it).
@@ -452,6 +458,81 @@ def run_absent(args) -> None:
         client.key_value_set("test/absent/done", "1")
 
 
+def run_fused(args) -> None:
+    import test_fused as tf
+
+    mesh = tp_mesh()
+    n = mesh.size
+    sifar_jax.init(mesh, slot_bytes=256 * 1024, timeout_s=args.timeout)
+    dt = tf.DTYPES["bfloat16"]
+    count = tf.UlpCount("the float64 model reference", "bfloat16")
+
+    # Every row layout in one jit.
+    shapes = [(64, 3), (2048, 3), (4096, 1), (4096, 4), (8192, 2), (4096, 20)]
+    k = len(shapes)
+
+    def body(*a):
+        outs = []
+        for x, r, w in zip(a[:k], a[k:2 * k], a[2 * k:]):
+            normed, res = sifar_jax.psum_add_rmsnorm(x[0], r, w, "tp", eps=tf.EPS)
+            outs += [normed[None], res[None]]
+        return tuple(outs)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * k + (P(),) * (2 * k),
+                              out_specs=(P("tp"),) * (2 * k)))
+    rng = tf.rng_for("multiprocess-fused", n)
+    data = [tf.make_data(rng, "normal", n, t, h, dt) for h, t in shapes]
+    got = f(*([global_array(mesh, P("tp"), d[0]) for d in data]
+              + [global_array(mesh, P(), d[1]) for d in data]
+              + [global_array(mesh, P(), d[2]) for d in data]))
+    sifar_jax.check()
+    for i, ((h, t), (x, r, w)) in enumerate(zip(shapes, data)):
+        want_norm, want_res = tf.model_reference(x, r, w)
+        for row, value in local_rows(got[2 * i + 1]).items():
+            assert tf.same_bits(value[0], want_res), f"process {ME}: hidden={h} tokens={t} rank {row}"
+        for row, value in local_rows(got[2 * i]).items():
+            count.add(value[0], want_norm)
+    say(f"OK fused shapes n={n}")
+
+    # Fused and plain calls on one chain: the plain calls' sizes move the
+    # first blocks' epochs ahead of the rest of a row, so a row's blocks wrap
+    # at different calls (4 epoch bits: a wrap every 14 calls).
+    hidden, tokens, steps = 4096, 2, 6
+
+    def chain(xs, zs, r0, w):
+        xs, zs = xs[0], zs[0]
+        r, outs = r0, []
+        for s in range(steps):
+            normed, r = sifar_jax.psum_add_rmsnorm(xs[s], r, w, "tp", eps=tf.EPS)
+            outs += [normed, r, sifar_jax.sifar_psum(zs[s], "tp"),
+                     sifar_jax.sifar_psum(zs[s][:, :64], "tp")]
+        return tuple(v[None] for v in outs)
+
+    g = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(P("tp"), P("tp"), P(), P()),
+                              out_specs=(P("tp"),) * (4 * steps)))
+    with sifar_jax.testing.epoch_bits("tp", 4), sifar_jax.testing.inject_skew(200, seed=13):
+        for it in range(3):
+            rng = tf.rng_for("multiprocess-interleave", it)
+            xs = rng.standard_normal((n, steps, tokens, hidden)).astype(dt)
+            zs = rng.standard_normal((n, steps, tokens, hidden)).astype(dt)
+            r0 = (2 * rng.standard_normal((tokens, hidden))).astype(dt)
+            w = (1 + 0.1 * rng.standard_normal(hidden)).astype(dt)
+            out = g(global_array(mesh, P("tp"), xs), global_array(mesh, P("tp"), zs),
+                    global_array(mesh, P(), r0), global_array(mesh, P(), w))
+            for s, (normed, res, plain) in enumerate(tf.chain_reference(xs, zs, r0, w)):
+                for row, value in local_rows(out[4 * s + 1]).items():
+                    assert tf.same_bits(value[0], res), f"process {ME}: run {it} step {s} rank {row}"
+                for row, value in local_rows(out[4 * s + 2]).items():
+                    assert tf.same_bits(value[0], plain), f"process {ME}: plain, step {s}"
+                for row, value in local_rows(out[4 * s + 3]).items():
+                    assert tf.same_bits(value[0], plain[:, :64]), f"process {ME}: small, step {s}"
+                for row, value in local_rows(out[4 * s]).items():
+                    count.add(value[0], normed)
+    sifar_jax.check()
+    count.check()
+    say(f"OK fused interleave n={n}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("scenarios", nargs="+", choices=tuple(SCENARIOS))
@@ -473,7 +554,7 @@ def main() -> None:
 
 SCENARIOS = {"exact": run_exact, "mesh2d": run_mesh2d, "kill": run_kill, "hosts": run_hosts,
              "hosts2d": run_hosts2d, "absent": run_absent, "pool": run_pool,
-             "oldexec": run_oldexec}
+             "oldexec": run_oldexec, "fused": run_fused}
 
 if __name__ == "__main__":
     main()

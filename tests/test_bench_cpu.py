@@ -443,6 +443,19 @@ def test_l2_reuse_probe_runs_on_the_cpu(capsys):
     assert "tiny:" in out
 
 
+def test_poll_depth_probe_runs_on_the_cpu(tmp_path):
+    """bench.probes.poll_depth times each (algorithm, depth, gap), restores the default
+    polling and writes one record per setting."""
+    from bench.probes import poll_depth
+
+    out = tmp_path / "poll.json"
+    poll_depth.main(["--quick", "--algorithms", "sifar_push", "--settings", "1:0,2:40",
+                     "--out", str(out)])
+    recs = json.loads(out.read_text())["records"]
+    assert [(r["depth"], r["gap_ns"]) for r in recs] == [(1, 0), (2, 40)]
+    assert all(np.isfinite(r["us_median"]) and r["algorithm"] == "sifar_push" for r in recs)
+
+
 def test_tail_matmul_probe_runs_on_the_cpu(tmp_path, capsys):
     """bench.probes.tail_matmul times every variant's chain (CPU: small shapes) and writes
     its JSON, one entry per variant."""

@@ -9,9 +9,10 @@ fixture of test_ordering runs every test on both.
   reference of the model's rounding points and of the unfused JAX norm of the
   rounded sum, in at most 0.1% of the elements (float32: within a few ulp,
   counted).
-- Hidden sizes 64 and 128 (rows inside one block), 4096 and 8192 (rows over
-  clusters of 4 and 8 blocks on GPUs), 1-4 tokens, TP 2/4/8, three dtypes;
-  payloads over more than one round of blocks.
+- Hidden sizes 64 and 128 (rows inside one block), rows of 2 and 4 blocks'
+  lines (one wide block per row on GPUs at TP <= 4, a cluster at TP 8) and of
+  8 (a cluster of 8 blocks), 1-4 tokens, TP 2/4/8, three dtypes; payloads
+  over more than one round of blocks.
 - Fused and plain calls interleaved on one communicator (one chain, a scan
   body's chain, across the tag wrap, under skew) stay exact; a timed-out call
   fails both outputs; fallbacks warn once and keep the semantics; the result
@@ -127,11 +128,14 @@ def make_data(rng, kind: str, n: int, tokens: int, hidden: int, dtype):
 
 def cases(dtype) -> list[tuple[int, int]]:
     """(hidden, tokens): rows inside a block (64, 128: segments of 16 and 32
-    lines in 16-bit types) and over clusters of 4 and 8 blocks (4096, 8192),
-    every token count 1-4 twice (one compile per dtype and mesh: keep it small)."""
+    lines in 16-bit types) and over 2, 4 and 8 blocks' lines (16-bit: 2048,
+    4096, 8192; float32: 1024, 2048, 4096), every token count 1-4 at least
+    once (one compile per dtype and mesh: keep it small)."""
     if np.dtype(dtype).itemsize == 2:
-        return [(64, 1), (64, 3), (128, 2), (128, 4), (4096, 1), (4096, 4), (8192, 3), (8192, 2)]
-    return [(64, 1), (64, 3), (128, 2), (128, 4), (4096, 1), (4096, 4)]  # 8192: a fallback
+        return [(64, 1), (64, 3), (128, 2), (128, 4), (2048, 3), (4096, 1), (4096, 4),
+                (8192, 3), (8192, 2)]
+    return [(64, 1), (64, 3), (128, 2), (128, 4), (1024, 2), (2048, 1), (4096, 1),
+            (4096, 4)]  # 8192: a fallback
 
 
 def fused_and_references(mesh, shapes):
@@ -299,8 +303,9 @@ def test_fused_and_plain_calls_interleave_on_one_communicator(cpu_mesh, n):
 @pytest.mark.parametrize("hidden,tokens,from_block", [(4096, 2, 1), (4096, 2, 4), (64, 3, 0)])
 def test_a_timed_out_fused_call_fails_both_outputs(cpu_mesh, hidden, tokens, from_block):
     """Rank 1's blocks from `from_block` on never arrive. On GPUs every element
-    of both of rank 0's outputs must be NaN, also where a whole cluster (a
-    row) succeeded (from_block 4: the first row's cluster); the CPU backend
+    of both of rank 0's outputs must be NaN, also where a whole row succeeded
+    (from_block 4: the first row's four blocks; from_block 1: part of one
+    wide block's groups); the CPU backend
     raises. Either way check() then reports the timeout."""
     n = 2
     mesh = cpu_mesh(n, slot_bytes=SLOT)

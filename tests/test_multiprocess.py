@@ -118,6 +118,16 @@ def test_four_processes_every_algorithm_exact():
     assert_no_leftovers(text)
 
 
+def test_fused_call_over_processes():
+    """psum_add_rmsnorm with one process per rank: every row layout, and fused
+    and plain calls interleaved across the tag wrap under skew, exact."""
+    rc, text, _ = launch(2, "fused")
+    assert rc == 0, _tail(text)
+    for p in range(2):
+        assert lines_of(text, p, "OK fused shapes n=2"), _tail(text)
+        assert lines_of(text, p, "OK fused interleave n=2"), _tail(text)
+
+
 def test_local_and_remote_ranks_in_one_group():
     """2 processes x 2 devices: the 4-rank axis mixes local and mapped
     workspaces; a ("proc", "dev") mesh has one in-process and one
@@ -247,6 +257,19 @@ def test_gpu_two_processes_every_algorithm_exact(gpus, share_gpu):
                          share_gpu=share_gpu)
     assert rc == 0, _tail(text)
     assert_exact(text, 2, 2)
+
+
+@pytest.mark.parametrize("share_gpu", [False, True], ids=["gpu-per-process", "shared-gpu"])
+def test_gpu_fused_call_over_processes(gpus, share_gpu):
+    """test_fused_call_over_processes on GPUs (the shared-GPU variant runs on one: two ranks
+    time-slice one GPU, so it checks results, not speed)."""
+    if not share_gpu and gpus < 2:
+        pytest.skip("needs 2 GPUs (the shared-GPU variant runs on one)")
+    rc, text, _ = launch(2, "fused", platform="gpu", share_gpu=share_gpu)
+    assert rc == 0, _tail(text)
+    for p in range(2):
+        assert lines_of(text, p, "OK fused shapes n=2"), _tail(text)
+        assert lines_of(text, p, "OK fused interleave n=2"), _tail(text)
 
 
 def test_gpu_old_executable_after_reinit_in_two_processes(gpus):
