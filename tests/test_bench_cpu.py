@@ -444,15 +444,17 @@ def test_l2_reuse_probe_runs_on_the_cpu(capsys):
 
 
 def test_poll_depth_probe_runs_on_the_cpu(tmp_path):
-    """bench.probes.poll_depth times each (algorithm, depth, gap), restores the default
-    polling and writes one record per setting."""
+    """bench.probes.poll_depth times each (algorithm, depth, gap) at every level, restores
+    the default polling and writes one record per setting and level."""
     from bench.probes import poll_depth
 
     out = tmp_path / "poll.json"
     poll_depth.main(["--quick", "--algorithms", "sifar_push", "--settings", "1:0,2:40",
                      "--out", str(out)])
     recs = json.loads(out.read_text())["records"]
-    assert [(r["depth"], r["gap_ns"]) for r in recs] == [(1, 0), (2, 40)]
+    levels = sorted({r["level"] for r in recs})
+    assert levels in (["jit", "jit_device", "kernel"], ["jit", "kernel"])  # jit_device: with a trace
+    assert [(r["depth"], r["gap_ns"]) for r in recs] == [(1, 0)] * len(levels) + [(2, 40)] * len(levels)
     assert all(np.isfinite(r["us_median"]) and r["algorithm"] == "sifar_push" for r in recs)
 
 
