@@ -2,8 +2,9 @@
 
 A tensor-parallel decoder layer ends with `residual + psum(partial)` followed by
 the next RMSNorm. Fused, the all-reduce's epilogue adds the residual and
-normalises while the row is still in registers (on GPUs, a row spread over a
-thread-block cluster), so the two elementwise kernels after every all-reduce
+normalises while the row is still in registers (on GPUs, a row of up to 1024
+threads' lines in one block, a longer one over a thread-block cluster), so the
+two elementwise kernels after every all-reduce
 disappear. It is an all-reduce call of the same communicator as `sifar_psum`
 (the same epochs, slots, chain tags and ordering), only with another epilogue.
 """
