@@ -27,8 +27,9 @@ constexpr int kPrefetchBlocks = SIFAR_PREFETCH_BLOCKS;
 #endif
 // Rows of 2 or 4 blocks' lines in one wide block (FusedWideKernel) rather
 // than a cluster of blocks (FusedKernel); 0 keeps the clusters (A/B builds).
-// Up to 4 ranks: at 64 registers per thread the 8-rank pull spills ~370
-// bytes per thread (ptxas -v), the 4-rank one ~50, the 2-rank one none.
+// Up to 4 ranks: a 1024-thread block has 64 registers per thread, where the
+// 8-rank pull spills ~370 bytes per thread (ptxas -v), the 4-rank one ~170,
+// the 2-rank one ~40 (outside the pull's loop).
 constexpr bool kWideRows = SIFAR_FUSED_WIDE != 0;
 bool Wide(uint32_t row_blocks, int nranks) {
   return kWideRows && (row_blocks == 2 || row_blocks == 4) && nranks <= 4;

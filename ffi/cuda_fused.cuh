@@ -308,7 +308,7 @@ __device__ __forceinline__ bool FusedBlock(const FusedArgs& f) {
 // ------------------------------------------------- one block per row ----
 // Rows of G = 2 or 4 blocks' lines (H = 4096 in 16-bit types: G = 4) run in
 // one block of G * kThreads threads, one line each (polled one load deep:
-// 64 registers per thread): the row's sum of squares
+// registers): the row's sum of squares
 // is a block reduction, with no cluster launch and no exchange through
 // distributed shared memory (which cost ~1.3 us of the ~3.4 us that the
 // cluster kernel adds over a plain norm, bench/NOTES.md).  The line -> block
@@ -394,12 +394,18 @@ __device__ __forceinline__ void FusedWideBlock(const FusedArgs& f) {
 #pragma unroll
       for (int k = 0; k < G; ++k) {
         if (!((wraps >> k) & 1u)) continue;
+        // One timeout per call, as in the other kernels: the deadline (set
+        // at the first wait) carries over between the wraps and the pull.
         CallState c = s;
         c.epoch = ep[k];
         c.failed_peer = -1;
-        c.deadline = 0;
-        if (!ClearTaggedAtWrap<G * kThreads>(w, c, blockIdx.x * G + k)) {  // block-wide
-          if (c.failed_peer >= 0) RecordFailure(w, kSifar, c);
+        const bool cleared = ClearTaggedAtWrap<G * kThreads>(w, c, blockIdx.x * G + k);  // block-wide
+        s.deadline = c.deadline;
+        if (!cleared) {
+          if (c.failed_peer >= 0) {
+            RecordFailure(w, kSifar, c, blockIdx.x * G + k);
+            s.failed_peer = c.failed_peer;  // counted by EndCall
+          }
           ok = false;  // the row fails
         }
       }
@@ -409,7 +415,7 @@ __device__ __forceinline__ void FusedWideBlock(const FusedArgs& f) {
       uint2 sum = in.x;
       if (ok && !dropped) {
         const bool pulled = PullLine<T, NR, false, 1>(w, s, line, in.x, 1u, 0u, sum);
-        if (!pulled && s.failed_peer >= 0) RecordFailure(w, kSifar, s);
+        if (!pulled && s.failed_peer >= 0) RecordFailure(w, kSifar, s, owner);
         ok = pulled;
       }
       float v[K], r[K];
@@ -448,7 +454,7 @@ __device__ __forceinline__ void FusedWideBlock(const FusedArgs& f) {
 }
 
 template <typename T, int NR, int G>
-__global__ void __launch_bounds__(kThreads * 4) FusedWideKernel(FusedArgs f) {
+__global__ void __launch_bounds__(kThreads * G) FusedWideKernel(FusedArgs f) {
   if (blockIdx.x >= f.ar_blocks) {
     PrefetchShare(f);
     return;

@@ -256,14 +256,16 @@ __device__ __forceinline__ bool Expired(const Ws& w, CallState& s, int peer, uin
 
 // The first thread of this rank to time out describes the failure; every rank
 // of the group is told to fail fast.
-__device__ inline void RecordFailure(const Ws& w, int algorithm, const CallState& s) {
+// `block`: the owner block whose lines or barrier timed out.
+__device__ inline void RecordFailure(const Ws& w, int algorithm, const CallState& s,
+                                     uint32_t block = blockIdx.x) {
   if (atomicCAS(&w.ctl(w.a.rank)->error_claimed, 0u, 1u) == 0u) {
     ErrorRecord* e = w.a.err;
     e->algorithm = algorithm;
     e->rank = w.a.rank;
     e->peer = s.failed_peer;
     e->epoch = s.epoch;
-    e->block = blockIdx.x;
+    e->block = block;
     e->chain = w.a.chain;
     __threadfence_system();
     StoreStrong(&e->failed, 1u);
