@@ -61,6 +61,40 @@ __device__ __forceinline__ FusedIn LoadFusedIn(const FusedArgs& f, size_t line) 
           static_cast<const uint2*>(f.weight)[line & (f.row_lines - 1)]};
 }
 
+// The epilogue of one line at the model's rounding points (cuda_fused.cuh's
+// header): the new residual, returned; in v its rounded elements, which the
+// norm sees; in ss the fp32 sum of their squares, in element order.
+template <typename T>
+__device__ __forceinline__ uint2 AddResidual(uint2 sum, uint2 residual, float* v, float& ss) {
+  constexpr int K = kLineElems<T>;
+  float r[K];
+  Unpack<T>(sum, v);
+  Unpack<T>(residual, r);
+#pragma unroll
+  for (int k = 0; k < K; ++k) v[k] = __fadd_rn(v[k], r[k]);
+  const uint2 new_residual = Pack<T>(v);
+  Unpack<T>(new_residual, v);
+  ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) ss = __fadd_rn(ss, __fmul_rn(v[k], v[k]));
+  return new_residual;
+}
+// The normed line from v (AddResidual's) and the row's sum of squares.
+template <typename T>
+__device__ __forceinline__ uint2 NormLine(const FusedArgs& f, float* v, float total, uint2 weight) {
+  constexpr int K = kLineElems<T>;
+  const float mean = __fdiv_rn(total, static_cast<float>(f.hidden));
+  const float scale = rsqrtf(__fadd_rn(mean, f.eps));
+  float g[K];
+  Unpack<T>(weight, g);
+#pragma unroll
+  for (int k = 0; k < K; ++k) v[k] = __fmul_rn(v[k], scale);
+  Unpack<T>(Pack<T>(v), v);  // y rounded to the payload type, as the model does
+#pragma unroll
+  for (int k = 0; k < K; ++k) v[k] = __fmul_rn(g[k], v[k]);
+  return Pack<T>(v);
+}
+
 // ----------------------------------------------------------- prefetch ----
 // While the all-reduce waits for its peers the GPU's memory is idle, and the
 // operation after it (the next matmul) is bound by reading its weight.  Extra
@@ -256,18 +290,9 @@ __device__ __forceinline__ bool FusedBlock(const FusedArgs& f) {
         ok = pulled;
       }
       // The new residual and this line's squares.
-      float v[K], r[K];
-      Unpack<T>(sum, v);
-      Unpack<T>(in.residual, r);
-#pragma unroll
-      for (int k = 0; k < K; ++k) v[k] = __fadd_rn(v[k], r[k]);
-      const uint2 new_residual = Pack<T>(v);
-      Unpack<T>(new_residual, v);  // the rounded value is what the norm sees
-      float ss = 0.f;
-      if (mine) {
-#pragma unroll
-        for (int k = 0; k < K; ++k) ss = __fadd_rn(ss, __fmul_rn(v[k], v[k]));
-      }
+      float v[K], ss;
+      const uint2 new_residual = AddResidual<T>(sum, in.residual, v, ss);
+      if (!mine) ss = 0.f;
       const uint32_t parity = exchange++ & 1u;
       float total = BlockRowSum(ss, f.row_lines, sh.warp_sums[parity], ok);
       if (cluster) {
@@ -280,17 +305,8 @@ __device__ __forceinline__ bool FusedBlock(const FusedArgs& f) {
       go = ok;
       if (!go) break;
       if (mine) {
-        const float mean = __fdiv_rn(total, static_cast<float>(f.hidden));
-        const float scale = rsqrtf(__fadd_rn(mean, f.eps));
-        float g[K];
-        Unpack<T>(in.weight, g);
-#pragma unroll
-        for (int k = 0; k < K; ++k) v[k] = __fmul_rn(v[k], scale);
-        Unpack<T>(Pack<T>(v), v);  // y rounded to the payload type, as the model does
-#pragma unroll
-        for (int k = 0; k < K; ++k) v[k] = __fmul_rn(g[k], v[k]);
         static_cast<uint2*>(a.out)[line] = new_residual;
-        static_cast<uint2*>(f.normed)[line] = Pack<T>(v);
+        static_cast<uint2*>(f.normed)[line] = NormLine<T>(f, v, total, in.weight);
       }
     }
     if (!dropped) warp0_retried |= EndCall(w, kSifar, s);
@@ -418,30 +434,13 @@ __device__ __forceinline__ void FusedWideBlock(const FusedArgs& f) {
         if (!pulled && s.failed_peer >= 0) RecordFailure(w, kSifar, s, owner);
         ok = pulled;
       }
-      float v[K], r[K];
-      Unpack<T>(sum, v);
-      Unpack<T>(in.residual, r);
-#pragma unroll
-      for (int k = 0; k < K; ++k) v[k] = __fadd_rn(v[k], r[k]);
-      const uint2 new_residual = Pack<T>(v);
-      Unpack<T>(new_residual, v);
-      float ss = 0.f;
-#pragma unroll
-      for (int k = 0; k < K; ++k) ss = __fadd_rn(ss, __fmul_rn(v[k], v[k]));
+      float v[K], ss;
+      const uint2 new_residual = AddResidual<T>(sum, in.residual, v, ss);
       const float total = WideRowSum<G>(ss, warp_sums[exchange++ & 1u], ok);
       go = ok;
       if (!go) break;
-      const float mean = __fdiv_rn(total, static_cast<float>(f.hidden));
-      const float scale = rsqrtf(__fadd_rn(mean, f.eps));
-      float gw[K];
-      Unpack<T>(in.weight, gw);
-#pragma unroll
-      for (int k = 0; k < K; ++k) v[k] = __fmul_rn(v[k], scale);
-      Unpack<T>(Pack<T>(v), v);
-#pragma unroll
-      for (int k = 0; k < K; ++k) v[k] = __fmul_rn(gw[k], v[k]);
       static_cast<uint2*>(a.out)[line] = new_residual;
-      static_cast<uint2*>(f.normed)[line] = Pack<T>(v);
+      static_cast<uint2*>(f.normed)[line] = NormLine<T>(f, v, total, in.weight);
     }
     if (!dropped) warp0_retried |= EndCall(w, kSifar, s);
   }
