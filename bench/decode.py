@@ -120,10 +120,6 @@ def parse_args(argv=None):
                    help="one more row 'sifar+fused+mm': the fused call and the projection after "
                         "it in one launch at batch 1 (Decoder(fused='matmul'); auto: when "
                         "sifar_jax.psum_add_rmsnorm_matmul exists and the fused row runs)")
-    p.add_argument("--fused-rows", choices=("auto", "wide", "cluster", "both"), default="auto",
-                   help="the fused call's row kernel on GPUs (hidden 4096: one wide block per row "
-                        "or a cluster of 4 blocks); both: two fused rows, 'sifar+fused:wide' and "
-                        "'sifar+fused:cluster' (auto: the build's default)")
     p.add_argument("--fused-sweep", action="store_true",
                    help="time the fused variant at every sweep point too (default: only at the "
                         "loops' point)")
@@ -193,11 +189,7 @@ def parse_variants(args) -> list[tuple]:
         raise SystemExit(f"--fused on: {missing}")
     if args.fused != "off" and not missing and any(v[0] == "sifar" for v in out):
         at = next(i for i, v in enumerate(out) if v[0] == "sifar")
-        rows = {"auto": [""], "wide": [":wide"], "cluster": [":cluster"],
-                "both": [":wide", ":cluster"]}[args.fused_rows]
-        for k, suffix in enumerate(rows):
-            out.insert(at + 1 + k, (f"sifar+fused{suffix}", "sifar", "auto", True))
-        at += len(rows) - 1
+        out.insert(at + 1, ("sifar+fused", "sifar", "auto", True))
         for k, mib in enumerate(args.prefetch_mib or []):
             out.insert(at + 2 + k, (f"sifar+fused:pf{mib:g}", "sifar", "auto", True,
                                     int(mib * (1 << 20)) // 16 * 16))
@@ -213,12 +205,6 @@ def parse_variants(args) -> list[tuple]:
         raise SystemExit("--prefetch-mib: needs the fused variant (sifar in --allreduce, "
                          "--fused not off)")
     return out
-
-
-def rows_of(variant) -> str:
-    """The fused call's row kernel of a variant (sifar_jax.benchmarking.fused_rows)."""
-    suffix = variant[0].rpartition(":")[2]
-    return suffix if variant[3] and suffix in ("wide", "cluster") else "auto"
 
 
 def prefetch_of(variant) -> int | None:
@@ -476,7 +462,6 @@ def make_record(variant, loop: str, tp: int, batch: int, context: int, s, second
         "fused": bool(fused),
         "fused_matmul": fused == "matmul",
         "prefetch_bytes": _prefetch_bytes(variant),
-        "fused_rows": rows_of(variant) if fused else None,
         "batch": batch,
         "context": context,
         "tpot_ms_median": round(med, 4),
@@ -517,16 +502,6 @@ def sifar_fields(before) -> dict:
 
 def run_variant(config, mesh, params, case, s, bar) -> list[dict]:
     """Set up one variant at one (batch, context), time each of its loops, one record each."""
-    variant = case[3]
-    if rows_of(variant) != "auto":  # every trace of this variant carries its row kernel
-        from sifar_jax import benchmarking
-
-        with benchmarking.fused_rows(rows_of(variant)):
-            return _run_variant(config, mesh, params, case, s, bar)
-    return _run_variant(config, mesh, params, case, s, bar)
-
-
-def _run_variant(config, mesh, params, case, s, bar) -> list[dict]:
     tp, batch, context, variant, loops = case
     label, kind = variant[0], variant[1]
     where = f"TP={tp} b={batch} ctx={context} {label}"

@@ -127,12 +127,12 @@ ffi::Error CpuPsumAddRmsNormImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuff
                                  ffi::Result<ffi::AnyBuffer> normed,
                                  ffi::Result<ffi::AnyBuffer> new_residual, int32_t axis_key,
                                  int32_t nranks, int32_t algorithm, int32_t repeat, int32_t chain,
-                                 float eps, int64_t prefetch_bytes, int32_t rows) {
+                                 float eps, int64_t prefetch_bytes) {
   RankCall call;
   FusedCall fused;
   ffi::Error err = PlanFusedCall(ordinal, x, residual, weight, rest, *normed, *new_residual,
                                  axis_key, nranks, algorithm, repeat, chain, eps, prefetch_bytes,
-                                 &call, &fused, rows);
+                                 &call, &fused);
   if (err.failure()) return err;
   if (call.nbytes == 0) return ffi::Error::Success();
   err = RunCpuAllReduce(call);  // into new_residual
@@ -197,7 +197,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuPsumAddRmsNorm, CpuPsumAddRmsNormImpl,
                                   .Ret<ffi::AnyBuffer>()  // normed
                                   .Ret<ffi::AnyBuffer>())  // new residual
                                   .Attr<float>("eps")
-                                  .Attr<int64_t>("prefetch_bytes")
-                                  .Attr<int32_t>("rows"));  // checked; one kernel on the CPU
+                                  .Attr<int64_t>("prefetch_bytes"));
 
 }  // namespace sifar

@@ -160,12 +160,12 @@ ffi::Error CudaPsumAddRmsNormImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
                                   ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> normed,
                                   ffi::Result<ffi::AnyBuffer> new_residual, int32_t axis_key,
                                   int32_t nranks, int32_t algorithm, int32_t repeat, int32_t chain,
-                                  float eps, int64_t prefetch_bytes, int32_t rows) {
+                                  float eps, int64_t prefetch_bytes) {
   RankCall call;
   FusedCall fused;
   ffi::Error err = PlanFusedCall(ordinal, x, residual, weight, rest, *normed, *new_residual,
                                  axis_key, nranks, algorithm, repeat, chain, eps, prefetch_bytes,
-                                 &call, &fused, rows);
+                                 &call, &fused);
   if (err.failure()) return err;
   if (call.nbytes == 0) return ffi::Error::Success();
   err = UseDevice(ordinal);
@@ -255,8 +255,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaPsumAddRmsNorm, CudaPsumAddRmsNormImpl,
                                   .Ret<ffi::AnyBuffer>()  // normed
                                   .Ret<ffi::AnyBuffer>())  // new residual
                                   .Attr<float>("eps")
-                                  .Attr<int64_t>("prefetch_bytes")
-                                  .Attr<int32_t>("rows"),
+                                  .Attr<int64_t>("prefetch_bytes"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaPsumAddRmsNormMatmul, CudaPsumAddRmsNormMatmulImpl,

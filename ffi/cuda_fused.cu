@@ -22,40 +22,17 @@ using cuda::kThreads;
 // call 5 -> 7.7 us, a loss.
 constexpr int kPrefetchBlocks = SIFAR_PREFETCH_BLOCKS;
 
-#ifndef SIFAR_FUSED_WIDE
-#define SIFAR_FUSED_WIDE 1
-#endif
-// Rows of 2 or 4 blocks' lines in one wide block (FusedWideKernel) rather
-// than a cluster of blocks (FusedKernel): the default where the call leaves
-// it to the build (FusedCall::rows); 0 makes clusters the default.
-// Up to 4 ranks: a 1024-thread block has 64 registers per thread, where the
-// 8-rank pull spills ~370 bytes per thread (ptxas -v), the 4-rank one ~170,
-// the 2-rank one ~40 (outside the pull's loop).
-constexpr bool kWideRows = SIFAR_FUSED_WIDE != 0;
-bool Wide(int rows, uint32_t row_blocks, int nranks) {
-  const bool want = rows == kRowsWide || (rows == kRowsAuto && kWideRows);
-  return want && (row_blocks == 2 || row_blocks == 4) && nranks <= 4;
-}
-
 template <typename T, int NR>
-cudaError_t LaunchNR(const FusedArgs& f, bool wide, int grid, cudaStream_t stream) {
-  if constexpr (NR <= 4) {
-    if (wide) {
-      const dim3 block(kThreads * f.row_blocks);
-      if (f.row_blocks == 2) cuda::FusedWideKernel<T, NR, 2><<<grid, block, 0, stream>>>(f);
-      else cuda::FusedWideKernel<T, NR, 4><<<grid, block, 0, stream>>>(f);
-      return cudaGetLastError();
-    }
-  }
+cudaError_t LaunchNR(const FusedArgs& f, int grid, cudaStream_t stream) {
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t cfg = cuda::RowClusterLaunch(grid, f.row_blocks, stream, attr);
   return cudaLaunchKernelEx(&cfg, cuda::FusedKernel<T, NR>, f);
 }
 template <typename T>
-cudaError_t Launch(const FusedArgs& f, bool wide, int grid, cudaStream_t stream) {
-  if (f.a.nranks <= 2) return LaunchNR<T, 2>(f, wide, grid, stream);
-  if (f.a.nranks <= 4) return LaunchNR<T, 4>(f, wide, grid, stream);
-  return LaunchNR<T, 8>(f, wide, grid, stream);
+cudaError_t Launch(const FusedArgs& f, int grid, cudaStream_t stream) {
+  if (f.a.nranks <= 2) return LaunchNR<T, 2>(f, grid, stream);
+  if (f.a.nranks <= 4) return LaunchNR<T, 4>(f, grid, stream);
+  return LaunchNR<T, 8>(f, grid, stream);
 }
 
 template <typename T>
@@ -64,10 +41,6 @@ void LoadRow() {
   SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedKernel<T, 2>));
   SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedKernel<T, 4>));
   SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedKernel<T, 8>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedWideKernel<T, 2, 2>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedWideKernel<T, 2, 4>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedWideKernel<T, 4, 2>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedWideKernel<T, 4, 4>));
 }
 
 }  // namespace
@@ -88,19 +61,16 @@ cudaError_t LaunchRankFused(const RankCall& c, const FusedCall& fused, cudaStrea
   f.prefetch = static_cast<const char*>(fused.prefetch);
   f.prefetch_bytes = fused.prefetch != nullptr ? fused.prefetch_bytes : 0;
   // The plain kernel's grid for this payload: a multiple of the cluster size,
-  // since the payload is whole rows and kMaxBlocks whole clusters; one block
-  // per row (at most a round's) for the wide kernel.
-  const int plain_grid = BlocksFor(c.nbytes / 8, kThreads);
-  const bool wide = Wide(fused.rows, f.row_blocks, f.a.nranks);
-  const int grid = wide ? plain_grid / static_cast<int>(f.row_blocks) : plain_grid;
+  // since the payload is whole rows and kMaxBlocks whole clusters.
+  const int grid = BlocksFor(c.nbytes / 8, kThreads);
   f.ar_blocks = static_cast<uint32_t>(grid);
   // Prefetch blocks: whole clusters after the all-reduce's.
-  const int cluster = wide ? 1 : static_cast<int>(f.row_blocks);
-  const int extra = f.prefetch_bytes == 0 ? 0 : (kPrefetchBlocks + cluster - 1) / cluster * cluster;
+  const int extra = f.prefetch_bytes == 0 ? 0
+                    : (kPrefetchBlocks + f.row_blocks - 1) / f.row_blocks * f.row_blocks;
   switch (c.elem) {
-    case Elem::kF32: return Launch<float>(f, wide, grid + extra, stream);
-    case Elem::kBf16: return Launch<__nv_bfloat16>(f, wide, grid + extra, stream);
-    case Elem::kF16: return Launch<__half>(f, wide, grid + extra, stream);
+    case Elem::kF32: return Launch<float>(f, grid + extra, stream);
+    case Elem::kBf16: return Launch<__nv_bfloat16>(f, grid + extra, stream);
+    case Elem::kF16: return Launch<__half>(f, grid + extra, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -61,40 +61,6 @@ __device__ __forceinline__ FusedIn LoadFusedIn(const FusedArgs& f, size_t line) 
           static_cast<const uint2*>(f.weight)[line & (f.row_lines - 1)]};
 }
 
-// The epilogue of one line at the model's rounding points (cuda_fused.cuh's
-// header): the new residual, returned; in v its rounded elements, which the
-// norm sees; in ss the fp32 sum of their squares, in element order.
-template <typename T>
-__device__ __forceinline__ uint2 AddResidual(uint2 sum, uint2 residual, float* v, float& ss) {
-  constexpr int K = kLineElems<T>;
-  float r[K];
-  Unpack<T>(sum, v);
-  Unpack<T>(residual, r);
-#pragma unroll
-  for (int k = 0; k < K; ++k) v[k] = __fadd_rn(v[k], r[k]);
-  const uint2 new_residual = Pack<T>(v);
-  Unpack<T>(new_residual, v);
-  ss = 0.f;
-#pragma unroll
-  for (int k = 0; k < K; ++k) ss = __fadd_rn(ss, __fmul_rn(v[k], v[k]));
-  return new_residual;
-}
-// The normed line from v (AddResidual's) and the row's sum of squares.
-template <typename T>
-__device__ __forceinline__ uint2 NormLine(const FusedArgs& f, float* v, float total, uint2 weight) {
-  constexpr int K = kLineElems<T>;
-  const float mean = __fdiv_rn(total, static_cast<float>(f.hidden));
-  const float scale = rsqrtf(__fadd_rn(mean, f.eps));
-  float g[K];
-  Unpack<T>(weight, g);
-#pragma unroll
-  for (int k = 0; k < K; ++k) v[k] = __fmul_rn(v[k], scale);
-  Unpack<T>(Pack<T>(v), v);  // y rounded to the payload type, as the model does
-#pragma unroll
-  for (int k = 0; k < K; ++k) v[k] = __fmul_rn(g[k], v[k]);
-  return Pack<T>(v);
-}
-
 // ----------------------------------------------------------- prefetch ----
 // While the all-reduce waits for its peers the GPU's memory is idle, and the
 // operation after it (the next matmul) is bound by reading its weight.  Extra
@@ -273,7 +239,7 @@ __device__ __forceinline__ bool FusedBlock(const FusedArgs& f) {
     if (ok && !dropped) {
       const bool wraps = NextCall(w, st, epoch, s);
       InjectSkew(w, st, epoch);
-      if (wraps) ok = ClearTaggedAtWrap(w, s, blockIdx.x);  // block-wide
+      if (wraps) ok = ClearTaggedAtWrap(w, s);  // block-wide
       if (!ok && s.failed_peer >= 0) RecordFailure(w, kSifar, s);
     }
     // Rounds of kRoundLines: the same count for every block of a cluster (the
@@ -290,9 +256,18 @@ __device__ __forceinline__ bool FusedBlock(const FusedArgs& f) {
         ok = pulled;
       }
       // The new residual and this line's squares.
-      float v[K], ss;
-      const uint2 new_residual = AddResidual<T>(sum, in.residual, v, ss);
-      if (!mine) ss = 0.f;
+      float v[K], r[K];
+      Unpack<T>(sum, v);
+      Unpack<T>(in.residual, r);
+#pragma unroll
+      for (int k = 0; k < K; ++k) v[k] = __fadd_rn(v[k], r[k]);
+      const uint2 new_residual = Pack<T>(v);
+      Unpack<T>(new_residual, v);  // the rounded value is what the norm sees
+      float ss = 0.f;
+      if (mine) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) ss = __fadd_rn(ss, __fmul_rn(v[k], v[k]));
+      }
       const uint32_t parity = exchange++ & 1u;
       float total = BlockRowSum(ss, f.row_lines, sh.warp_sums[parity], ok);
       if (cluster) {
@@ -305,8 +280,17 @@ __device__ __forceinline__ bool FusedBlock(const FusedArgs& f) {
       go = ok;
       if (!go) break;
       if (mine) {
+        const float mean = __fdiv_rn(total, static_cast<float>(f.hidden));
+        const float scale = rsqrtf(__fadd_rn(mean, f.eps));
+        float g[K];
+        Unpack<T>(in.weight, g);
+#pragma unroll
+        for (int k = 0; k < K; ++k) v[k] = __fmul_rn(v[k], scale);
+        Unpack<T>(Pack<T>(v), v);  // y rounded to the payload type, as the model does
+#pragma unroll
+        for (int k = 0; k < K; ++k) v[k] = __fmul_rn(g[k], v[k]);
         static_cast<uint2*>(a.out)[line] = new_residual;
-        static_cast<uint2*>(f.normed)[line] = NormLine<T>(f, v, total, in.weight);
+        static_cast<uint2*>(f.normed)[line] = Pack<T>(v);
       }
     }
     if (!dropped) warp0_retried |= EndCall(w, kSifar, s);
@@ -319,146 +303,6 @@ __device__ __forceinline__ bool FusedBlock(const FusedArgs& f) {
   }
   if (started_pending) ClusterWait();  // every arrive is waited for
   return go;
-}
-
-// ------------------------------------------------- one block per row ----
-// Rows of G = 2 or 4 blocks' lines (H = 4096 in 16-bit types: G = 4) run in
-// one block of G * kThreads threads, one line each (polled one load deep:
-// registers): the row's sum of squares
-// is a block reduction, with no cluster launch and no exchange through
-// distributed shared memory (which cost ~1.3 us of the ~3.4 us that the
-// cluster kernel adds over a plain norm, bench/NOTES.md).  The line -> block
-// ownership stays BlockOfLine's: the threads of group j (kThreads of them) of
-// block b act for owner block b * G + j (its epoch, its commit), so these
-// calls interleave with every other call of the chain.  One remote
-// line per thread, as in the plain kernel (more lines per thread cost round
-// trips: the fourth session's row-pull kernel).
-
-// The row's sum of v over the block, in FusedKernel's order: the butterfly
-// within each warp, the warps of each group (owner block) in order, then the
-// groups in order.  `ok` becomes the block's AND, in the same barrier.
-template <int G>
-__device__ __forceinline__ float WideRowSum(float v, float* warp_sums, bool& ok) {
-  for (uint32_t o = 1; o < 32; o <<= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
-  if ((threadIdx.x & 31u) == 0) warp_sums[threadIdx.x / 32] = v;
-  ok = __syncthreads_and(ok) != 0;
-  constexpr int kWarps = kThreads / 32;
-  float total = 0.f;
-#pragma unroll
-  for (int j = 0; j < G; ++j) {
-    float part = warp_sums[j * kWarps];
-#pragma unroll
-    for (int k = 1; k < kWarps; ++k) part = __fadd_rn(part, warp_sums[j * kWarps + k]);
-    total = j == 0 ? part : __fadd_rn(total, part);
-  }
-  return total;
-}
-
-template <typename T, int NR, int G>
-__device__ __forceinline__ void FusedWideBlock(const FusedArgs& f) {
-  constexpr int K = kLineElems<T>;
-  constexpr uint32_t kRowLines = G * kThreads;
-  const KernelArgs& a = f.a;
-  const Ws w{a};
-  __shared__ BlockStart b0[G];
-  __shared__ float warp_sums[2][G * kThreads / 32];  // by exchange parity: no second barrier
-  const uint32_t j = threadIdx.x / kThreads;  // this thread's group
-  const uint32_t owner = blockIdx.x * G + j;
-  const bool leader = threadIdx.x % kThreads == 0;
-  const size_t nlines = a.nbytes / 8;  // whole rows
-  const size_t line0 = static_cast<size_t>(blockIdx.x) * kRowLines + threadIdx.x;
-  const FusedIn first = LoadFusedIn(f, line0);  // the grid holds no block without a row
-  if (leader) ReadBlockStart(w, kSifar, b0[j], owner);
-  __syncthreads();
-  const BlockStart& st = b0[j];  // read where used: registers are few here
-  // As in FusedBlock: a dropped group takes its own partial, a failed
-  // communicator fails the row; every group meets every row barrier.
-  const bool dropped = st.dropped(owner);
-  bool ok = dropped || !st.failed();  // group-uniform; block-uniform after each row sum
-  bool go = true;                     // block-uniform: every row so far was ok
-  uint32_t epoch = st.epoch;
-  CallState s{};
-  s.timeout_ns = st.timeout_ns;
-  s.failed_peer = -1;
-  bool warp0_retried = false;
-  uint32_t exchange = 0;
-  // Every thread follows every group's epoch, so that the (rare) tag wraps
-  // are block-uniform: the whole block clears one owner's lines at a time,
-  // with block barriers only (no named barriers, whose use by one group
-  // while the others wait at a row barrier is hard to check).
-  uint32_t ep[G];
-  uint32_t live = 0;  // bit k: group k takes part in calls
-#pragma unroll
-  for (int k = 0; k < G; ++k) {
-    ep[k] = b0[k].epoch;
-    if (!b0[k].dropped(blockIdx.x * G + k) && !b0[k].failed()) live |= 1u << k;
-  }
-  for (int i = 0; i < a.repeat && go; ++i) {
-    uint32_t wraps = 0;
-#pragma unroll
-    for (int k = 0; k < G; ++k) {
-      const uint32_t prev = ep[k];
-      ep[k] = NextEpoch(prev, b0[k].mask());
-      if (WrapsAt(prev, ep[k])) wraps |= 1u << k;
-    }
-    if (ok && !dropped) {
-      NextCall(w, st, epoch, s);  // epoch == ep[j]
-      InjectSkew(w, st, epoch);
-    }
-    wraps &= live;
-    if (wraps) {
-#pragma unroll
-      for (int k = 0; k < G; ++k) {
-        if (!((wraps >> k) & 1u)) continue;
-        // One timeout per call, as in the other kernels: the deadline (set
-        // at the first wait) carries over between the wraps and the pull.
-        CallState c = s;
-        c.epoch = ep[k];
-        c.failed_peer = -1;
-        const bool cleared = ClearTaggedAtWrap<G * kThreads>(w, c, blockIdx.x * G + k);  // block-wide
-        s.deadline = c.deadline;
-        if (!cleared) {
-          if (c.failed_peer >= 0) {
-            RecordFailure(w, kSifar, c, blockIdx.x * G + k);
-            s.failed_peer = c.failed_peer;  // counted by EndCall
-          }
-          ok = false;  // the row fails
-        }
-      }
-    }
-    for (size_t line = line0; line < nlines; line += kRoundLines) {
-      const FusedIn in = line == line0 ? first : LoadFusedIn(f, line);
-      uint2 sum = in.x;
-      if (ok && !dropped) {
-        const bool pulled = PullLine<T, NR, false, 1>(w, s, line, in.x, 1u, 0u, sum);
-        if (!pulled && s.failed_peer >= 0) RecordFailure(w, kSifar, s, owner);
-        ok = pulled;
-      }
-      float v[K], ss;
-      const uint2 new_residual = AddResidual<T>(sum, in.residual, v, ss);
-      const float total = WideRowSum<G>(ss, warp_sums[exchange++ & 1u], ok);
-      go = ok;
-      if (!go) break;
-      static_cast<uint2*>(a.out)[line] = new_residual;
-      static_cast<uint2*>(f.normed)[line] = NormLine<T>(f, v, total, in.weight);
-    }
-    if (!dropped) warp0_retried |= EndCall(w, kSifar, s);
-  }
-  if (!go) {  // the row failed: both outputs NaN, every line
-    FillNaN<T>(a.out, a.nbytes, threadIdx.x, blockDim.x);
-    FillNaN<T>(f.normed, a.nbytes, threadIdx.x, blockDim.x);
-  } else if (!dropped) {
-    CommitBlock(w, kSifar, st, epoch, warp0_retried, owner, leader);
-  }
-}
-
-template <typename T, int NR, int G>
-__global__ void __launch_bounds__(kThreads * G) FusedWideKernel(FusedArgs f) {
-  if (blockIdx.x >= f.ar_blocks) {
-    PrefetchShare(f);
-    return;
-  }
-  FusedWideBlock<T, NR, G>(f);
 }
 
 template <typename T, int NR>

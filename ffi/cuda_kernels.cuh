@@ -256,16 +256,14 @@ __device__ __forceinline__ bool Expired(const Ws& w, CallState& s, int peer, uin
 
 // The first thread of this rank to time out describes the failure; every rank
 // of the group is told to fail fast.
-// `block`: the owner block whose lines or barrier timed out.
-__device__ inline void RecordFailure(const Ws& w, int algorithm, const CallState& s,
-                                     uint32_t block = blockIdx.x) {
+__device__ inline void RecordFailure(const Ws& w, int algorithm, const CallState& s) {
   if (atomicCAS(&w.ctl(w.a.rank)->error_claimed, 0u, 1u) == 0u) {
     ErrorRecord* e = w.a.err;
     e->algorithm = algorithm;
     e->rank = w.a.rank;
     e->peer = s.failed_peer;
     e->epoch = s.epoch;
-    e->block = block;
+    e->block = blockIdx.x;
     e->chain = w.a.chain;
     __threadfence_system();
     StoreStrong(&e->failed, 1u);
@@ -293,20 +291,17 @@ __device__ void FillNaN(void* out, size_t nbytes, uint32_t first = threadIdx.x &
 }
 
 // ---------------------------------------------------------- barriers ----
-// Every rank's block `owner` has written `value` (of this chain), and this
-// block's earlier writes to its own workspace are visible to them.
-// Block-wide.  `owner` is the block whose barrier words these are: this
-// block, or one of the owner blocks a wide fused block acts for
-// (cuda_fused.cuh).
-__device__ inline bool AllRanksReachedValue(const Ws& w, CallState& s, uint32_t value,
-                                            uint32_t owner) {
+// Every rank's block `blockIdx.x` has written `value` (of this chain), and
+// this block's earlier writes to its own workspace are visible to them.
+// Block-wide.
+__device__ inline bool AllRanksReachedValue(const Ws& w, CallState& s, uint32_t value) {
   __syncthreads();
   const int t = threadIdx.x;
   bool ok = true;
   if (t < w.a.nranks && t != w.a.rank) {
     const uint32_t chain = ChainTag(w.a.chain);
-    StoreReleaseSys64(w.barrier(t) + owner * kMaxRanks + w.a.rank, BarrierWord(chain, value));
-    const uint64_t* f = w.barrier(w.a.rank) + owner * kMaxRanks + t;
+    StoreReleaseSys64(w.barrier(t) + blockIdx.x * kMaxRanks + w.a.rank, BarrierWord(chain, value));
+    const uint64_t* f = w.barrier(w.a.rank) + blockIdx.x * kMaxRanks + t;
     for (uint32_t spins = 0; !BarrierReached(LoadAcquireSys64(f), chain, value); ++spins)
       if (Expired(w, s, t, spins)) {
         ok = false;
@@ -316,34 +311,28 @@ __device__ inline bool AllRanksReachedValue(const Ws& w, CallState& s, uint32_t 
   return __syncthreads_and(ok) != 0;
 }
 __device__ inline bool AllRanksReached(const Ws& w, CallState& s, uint32_t phase) {
-  return AllRanksReachedValue(w, s, BarrierValue(s.epoch, phase), blockIdx.x);
+  return AllRanksReachedValue(w, s, BarrierValue(s.epoch, phase));
 }
 
 // The tag wrap (docs/design.md, "Epochs and wrap"): between two barriers that
 // use the two skipped epochs' values, every rank zeroes the tagged words and
-// flags of the owner's lines in both slots of its own workspace, over the
+// flags of this block's lines in both slots of its own workspace, over the
 // whole slot (a rare large payload may have left old words past today's size).
-// Block-wide; a block of BLOCK = k * kThreads threads clears k rounds at a time.
-template <int BLOCK = kThreads>
-__device__ inline bool ClearTaggedAtWrap(const Ws& w, CallState& s, uint32_t owner) {
-  static_assert(BLOCK % kThreads == 0, "whole rounds");
-  if (!AllRanksReachedValue(w, s, BarrierValue(s.epoch - 2, kTop), owner)) return false;
+__device__ inline bool ClearTaggedAtWrap(const Ws& w, CallState& s) {
+  if (!AllRanksReachedValue(w, s, BarrierValue(s.epoch - 2, kTop))) return false;
   const KernelArgs& a = w.a;
   const size_t lines = a.lay.slot.slot_bytes / 8;  // LL lines of one source region
-  const size_t first = static_cast<size_t>(owner) * kThreads + threadIdx.x % kThreads +
-                       threadIdx.x / kThreads * kRoundLines;
-  constexpr size_t stride = BLOCK / kThreads * kRoundLines;
   for (uint32_t parity = 0; parity < 2; ++parity) {
     for (int src = 0; src < a.nranks; ++src) {
       uint64_t* region = w.ll_of(a.rank, src, parity);
-      for (size_t line = first; line < lines; line += stride) StoreLL(region + 2 * line, 0, 0);
+      SIFAR_FOR_EACH_LINE(line, lines) { StoreLL(region + 2 * line, 0, 0); }
     }
     if (threadIdx.x == 0)
       StoreStrong(reinterpret_cast<uint32_t*>(w.slot_of(a.rank, parity) + a.lay.slot.flags) +
-                      owner, 0u);
+                      blockIdx.x, 0u);
   }
   __threadfence_system();
-  return AllRanksReachedValue(w, s, BarrierValue(s.epoch - 1, kTop), owner);
+  return AllRanksReachedValue(w, s, BarrierValue(s.epoch - 1, kTop));
 }
 
 // ------------------------------------------------------------- bodies ----
@@ -461,13 +450,12 @@ __device__ bool SifarFlag(const Ws& w, CallState& s) {
 // One LL line: publishes `mine` (this rank's 8 payload bytes of the line) and
 // returns in `sum` the rank-order sum of every rank's, rounded once.  False:
 // this thread timed out (s.failed_peer) or saw the communicator fail.
-// D bounds `depth` at compile time (registers: the one-block-per-row fused
-// kernel has 64 per thread and polls one load deep).
-template <typename T, int NR, bool PUSH, int D = kMaxPollDepth>
+template <typename T, int NR, bool PUSH>
 __device__ __forceinline__ bool PullLine(const Ws& w, CallState& s, size_t line, uint2 mine,
                                          uint32_t depth, uint32_t gap_ns, uint2& sum) {
   const KernelArgs& a = w.a;
   const uint32_t e = s.epoch, tag = s.tag;
+  constexpr int D = kMaxPollDepth;
   const uint64_t lo = PackLL(mine.x, tag), hi = PackLL(mine.y, tag);
   if (PUSH) {
 #pragma unroll
@@ -554,22 +542,21 @@ struct BlockStart {
   uint64_t calls;  // block 0: this lane's count for the algorithm
   uint64_t start_ns;
   __device__ bool failed() const { return c0.x != 0; }
-  // testing.drop_rank: this block (the owner's lines) never arrives.
-  __device__ bool dropped(uint32_t owner = blockIdx.x) const { return c0.w != 0 && owner + 1 >= c0.w; }
+  // testing.drop_rank: this block never arrives.
+  __device__ bool dropped() const { return c0.w != 0 && blockIdx.x + 1 >= c0.w; }
   __device__ uint32_t mask() const { return EpochMask(c1.w); }
 };
 
-// Thread 0 (of the threads acting for `owner`): the loads issued together into registers
-// (one memory latency: the "memory" clobbers keep each shared store after
-// every load), while the other threads already load their input.
-__device__ __forceinline__ void ReadBlockStart(const Ws& w, int alg, BlockStart& b,
-                                               uint32_t owner = blockIdx.x) {
+// Thread 0: the loads issued together into registers (one memory latency:
+// the "memory" clobbers keep each shared store after every load), while the
+// other threads already load their input.
+__device__ __forceinline__ void ReadBlockStart(const Ws& w, int alg, BlockStart& b) {
   const Control* ctl = w.ctl(w.a.rank);
   const uint4 c0 = LoadStrong16(ctl);
   const uint4 c1 = LoadStrong16(&ctl->poll_depth);
   const uint64_t timeout_ns = LoadLLWord(&ctl->timeout_ns);
-  const uint32_t epoch = LoadStrong(w.epochs() + owner);
-  const uint64_t calls = owner == 0 ? LoadLLWord(w.calls(alg)) : 0;
+  const uint32_t epoch = LoadStrong(w.epochs() + blockIdx.x);
+  const uint64_t calls = blockIdx.x == 0 ? LoadLLWord(w.calls(alg)) : 0;
   b.c0 = c0;
   b.c1 = c1;
   b.timeout_ns = timeout_ns;
@@ -615,17 +602,14 @@ __device__ __forceinline__ bool EndCall(const Ws& w, int alg, const CallState& s
   return warp_retried;
 }
 
-// Thread 0 of a block whose calls all completed (or of the threads acting for
-// `owner` in a wide fused block): the owner's epoch, and for owner 0 the
-// lane's call count (a plain store beside the epoch's: no atomic on the fast
-// path) and the call trace.
+// Thread 0 of a block whose calls all completed: the block's epoch, and on
+// block 0 the lane's call count (a plain store beside the epoch's: no atomic
+// on the fast path) and the call trace.
 __device__ __forceinline__ void CommitBlock(const Ws& w, int alg, const BlockStart& st,
-                                            uint32_t epoch, bool retried,
-                                            uint32_t owner = blockIdx.x,
-                                            bool first_thread = threadIdx.x == 0) {
-  if (!first_thread) return;
-  w.epochs()[owner] = epoch;
-  if (owner != 0) return;
+                                            uint32_t epoch, bool retried) {
+  if (threadIdx.x != 0) return;
+  w.epochs()[blockIdx.x] = epoch;
+  if (blockIdx.x != 0) return;
   *w.calls(alg) = st.calls + static_cast<uint64_t>(w.a.repeat);
   if (st.c1.z) {  // the call trace (testing / benchmarks)
     TraceRing* ring = w.trace();
@@ -683,7 +667,7 @@ __global__ void __launch_bounds__(kThreads) AllReduceKernel(KernelArgs a) {
     if (!TaggedAlgorithm(ALG) || wraps) ok = __syncthreads_and(ok) != 0;
     if (!ok) continue;
     InjectSkew(w, st, epoch);
-    if (wraps) ok = ClearTaggedAtWrap(w, s, blockIdx.x);
+    if (wraps) ok = ClearTaggedAtWrap(w, s);
     if (ok) {
       if (ALG == kOneshot) ok = Oneshot<T>(w, s, true);
       if (ALG == kOneshotDB) ok = Oneshot<T>(w, s, false);

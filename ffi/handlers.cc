@@ -140,8 +140,7 @@ ffi::Error PlanFusedCall(int ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual,
                          ffi::AnyBuffer weight, const ffi::RemainingArgs& rest,
                          ffi::AnyBuffer normed, ffi::AnyBuffer new_residual, int32_t axis_key,
                          int32_t nranks, int32_t algorithm, int32_t repeat, int32_t chain,
-                         float eps, int64_t prefetch_bytes, RankCall* call, FusedCall* fused,
-                         int32_t rows) {
+                         float eps, int64_t prefetch_bytes, RankCall* call, FusedCall* fused) {
   const ffi::DataType t = x.element_type();
   if (t != ffi::DataType::F32 && t != ffi::DataType::BF16 && t != ffi::DataType::F16)
     return Invalid("psum_add_rmsnorm supports float32, bfloat16 and float16");
@@ -166,9 +165,6 @@ ffi::Error PlanFusedCall(int ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual,
   fused->weight = weight.untyped_data();
   fused->normed = normed.untyped_data();
   fused->eps = eps;
-  if (rows != kRowsAuto && rows != kRowsWide && rows != kRowsCluster)
-    return Invalid("psum_add_rmsnorm: rows must be 0 (auto), 1 (wide) or 2 (cluster)");
-  fused->rows = rows;
   if (prefetch_bytes < 0 || prefetch_bytes % 16 != 0)
     return Invalid("psum_add_rmsnorm: prefetch_bytes must be a non-negative multiple of 16");
   if (prefetch_bytes > 0) {

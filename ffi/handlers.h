@@ -94,12 +94,7 @@ struct FusedCall {
   // peers. Never read by the kernel; no effect on the results.
   const void* prefetch = nullptr;
   size_t prefetch_bytes = 0;
-  // Rows of 2-4 blocks' lines on GPUs: the build's default (kRowsAuto), one
-  // wide block (kRowsWide) or a thread-block cluster (kRowsCluster); the same
-  // results either way (benchmarks compare them).  Ignored on the CPU.
-  int rows = 0;
 };
-enum FusedRows : int32_t { kRowsAuto = 0, kRowsWide = 1, kRowsCluster = 2 };
 
 // PlanCall's checks plus the fused ones: float types, one dtype and size for
 // x, residual and both outputs, weight one row, a row layout the kernel
@@ -111,7 +106,7 @@ xla::ffi::Error PlanFusedCall(int ordinal, xla::ffi::AnyBuffer x, xla::ffi::AnyB
                               xla::ffi::AnyBuffer normed, xla::ffi::AnyBuffer new_residual,
                               int32_t axis_key, int32_t nranks, int32_t algorithm, int32_t repeat,
                               int32_t chain, float eps, int64_t prefetch_bytes, RankCall* call,
-                              FusedCall* fused, int32_t rows = kRowsAuto);
+                              FusedCall* fused);
 
 // psum_add_rmsnorm_matmul's matmul: y[cols] = normed[hidden] @ matrix[hidden][cols].
 struct MatmulCall {

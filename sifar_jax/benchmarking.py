@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import jax.numpy as jnp
 
-from . import algorithms, fused, psum
+from . import algorithms, psum
 
 
 def psum_repeated(x, axis_name, repeat: int, *, algorithm: str = algorithms.AUTO):
@@ -28,22 +26,3 @@ def psum_repeated(x, axis_name, repeat: int, *, algorithm: str = algorithms.AUTO
         return psum.sifar_psum(x, axis_name, algorithm=algorithm)
     out = psum._allreduce(psum._flat(x, plan), plan, int(repeat))
     return psum._unflat(out, x, plan)
-
-
-@contextlib.contextmanager
-def fused_rows(kernel: str):
-    """Inside the block, `psum_add_rmsnorm` calls traced from now on run their
-    rows of 2 or 4 blocks' lines (hidden 2048-4096 in 16-bit types) on GPUs in
-    `kernel`: "wide" (one block of 512-1024 threads per row), "cluster" (a
-    thread-block cluster of 256-thread blocks exchanging the row's sum) or
-    "auto" (the build's default). Results are identical; the speed is what
-    benchmarks compare. jax.jit caches traces: functions traced before the
-    block keep their kernel."""
-    if kernel not in fused.ROW_KERNELS:
-        raise ValueError(f"sifar_jax.benchmarking.fused_rows: kernel must be one of "
-                         f"{sorted(fused.ROW_KERNELS)}, got {kernel!r}")
-    before, fused._rows = fused._rows, kernel
-    try:
-        yield
-    finally:
-        fused._rows = before

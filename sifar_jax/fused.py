@@ -2,9 +2,8 @@
 
 A tensor-parallel decoder layer ends with `residual + psum(partial)` followed by
 the next RMSNorm. Fused, the all-reduce's epilogue adds the residual and
-normalises while the row is still in registers (on GPUs, a row of up to 1024
-threads' lines in one block, a longer one over a thread-block cluster), so the
-two elementwise kernels after every all-reduce
+normalises while the row is still in registers (on GPUs, a row spread over a
+thread-block cluster), so the two elementwise kernels after every all-reduce
 disappear. It is an all-reduce call of the same communicator as `sifar_psum`
 (the same epochs, slots, chain tags and ordering), only with another epilogue.
 """
@@ -21,13 +20,6 @@ import numpy as np
 from . import _ext, _jax_compat, algorithms, ordering, psum
 
 FLOAT_DTYPES = tuple(jnp.dtype(n) for n in ("float32", "bfloat16", "float16"))
-
-# On GPUs, rows of 2 or 4 blocks' lines (hidden 2048-4096 in 16-bit types) run
-# in one wide block or in a thread-block cluster: the same results, another
-# speed. "auto" leaves it to the build; benchmarking.fused_rows chooses, for
-# the calls traced inside it (the choice is an attribute of each call).
-ROW_KERNELS = {"auto": 0, "wide": 1, "cluster": 2}
-_rows = "auto"
 # How much of `prefetch` goes to L2 by default: about what the GPU's memory
 # moves while a fused call waits for its peers (a few microseconds), well
 # under an H100/H200's 50 MB L2. bench/NOTES.md has the sweep behind it.
@@ -228,6 +220,6 @@ def psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float,
     target, nbytes = _prefetch_operand(prefetch, prefetch_bytes, flat)
     operands = [flat, res, weight, *target, *after]
     normed, new_residual = call(*operands, **plan.attrs(), eps=np.float32(eps),
-                                prefetch_bytes=np.int64(nbytes), rows=np.int32(ROW_KERNELS[_rows]))
+                                prefetch_bytes=np.int64(nbytes))
     ordering.remember(flat, new_residual)
     return normed.reshape(x.shape), new_residual.reshape(x.shape)

@@ -470,18 +470,6 @@ def test_tail_matmul_probe_runs_on_the_cpu(tmp_path, capsys):
     assert "over no all-reduce" in capsys.readouterr().out
 
 
-def test_decode_fused_rows_variants():
-    """bench.decode --fused-rows both: two fused rows, each tracing its calls with its row
-    kernel (rows_of), the others left to the build."""
-    from bench import decode as bd
-
-    args = bd.parse_args(["--quick", "--allreduce", "psum,sifar", "--fused-rows", "both",
-                          "--fused-matmul", "off"])
-    variants = bd.parse_variants(args)
-    assert [v[0] for v in variants] == ["psum", "sifar", "sifar+fused:wide", "sifar+fused:cluster"]
-    assert [bd.rows_of(v) for v in variants] == ["auto", "auto", "wide", "cluster"]
-
-
 def test_decode_prefetch_rows_and_records(tmp_path):
     """bench.decode --prefetch-mib: one fused row per size after the default fused row; each
     record says what the fused call prefetched (None unfused, the library default for the plain

@@ -9,10 +9,9 @@ fixture of test_ordering runs every test on both.
   reference of the model's rounding points and of the unfused JAX norm of the
   rounded sum, in at most 0.1% of the elements (float32: within a few ulp,
   counted).
-- Hidden sizes 64 and 128 (rows inside one block), rows of 2 and 4 blocks'
-  lines (one wide block per row on GPUs at TP <= 4, a cluster at TP 8) and of
-  8 (a cluster of 8 blocks), 1-4 tokens, TP 2/4/8, three dtypes; payloads
-  over more than one round of blocks.
+- Hidden sizes 64 and 128 (rows inside one block), rows of 2, 4 and 8
+  blocks' lines (clusters of 2, 4 and 8 blocks on GPUs), 1-4 tokens, TP
+  2/4/8, three dtypes; payloads over more than one round of blocks.
 - Fused and plain calls interleaved on one communicator (one chain, a scan
   body's chain, across the tag wrap, under skew) stay exact; a timed-out call
   fails both outputs; fallbacks warn once and keep the semantics; the result
@@ -35,7 +34,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import sifar_jax
-from sifar_jax import benchmarking, fused, testing
+from sifar_jax import fused, testing
 from sifar_jax.fused import rms_norm
 from test_ordering import cpu_mesh, rng_for  # noqa: F401 - the cpu/gpu mesh fixture
 
@@ -299,84 +298,12 @@ def test_fused_and_plain_calls_interleave_on_one_communicator(cpu_mesh, n):
         assert calls >= runs * n * 4 * steps, calls
 
 
-# ------------------------------------------------------------- row kernels --
-def test_wide_and_cluster_rows_give_the_same_bits(cpu_mesh):
-    """On GPUs a row of 2 or 4 blocks' lines runs in one wide block or in a
-    thread-block cluster (benchmarking.fused_rows): both give the same bits, on
-    their own and alternating on one chain across the tag wrap under skew (the
-    two kernels share the owner blocks' epochs). The CPU has one kernel: there
-    this checks the plumbing and the references."""
-    n = 2
-    mesh = cpu_mesh(n, slot_bytes=256 * 1024)
-    dt = DTYPES["bfloat16"]
-    shapes = [(2048, 3), (4096, 2), (4096, 20)]  # 20 rows: two rounds of wide blocks
-    k = len(shapes)
-
-    def body(*a):
-        return tuple(v[None] for x, r, w in zip(a[:k], a[k:2 * k], a[2 * k:])
-                     for v in sifar_jax.psum_add_rmsnorm(x[0], r, w, "tp", eps=EPS))
-
-    specs = dict(mesh=mesh, in_specs=(P("tp"),) * k + (P(),) * (2 * k), out_specs=(P("tp"),) * (2 * k))
-    rng = rng_for("row-kernels")
-    data = [make_data(rng, "normal", n, t, h, dt) for h, t in shapes]
-    args = [d[0] for d in data] + [d[1] for d in data] + [d[2] for d in data]
-    outs = {}
-    for kernel in ("wide", "cluster"):
-        with benchmarking.fused_rows(kernel):  # traced inside: the call carries the choice
-            outs[kernel] = jax.device_get(jax.jit(jax.shard_map(body, **specs))(*args))
-    count = UlpCount("the float64 model reference", "bfloat16")
-    for i, (x, r, w) in enumerate(data):
-        want_norm, want_res = model_reference(x, r, w)
-        for kernel, got in outs.items():
-            assert same_bits(got[2 * i + 1][0], want_res), f"{kernel}: new_residual, shape {i}"
-            count.add(got[2 * i][0], want_norm)
-        assert same_bits(outs["wide"][2 * i], outs["cluster"][2 * i]), f"normed differs, shape {i}"
-
-    hidden, tokens, steps = 4096, 2, 6
-
-    def chain(xs, zs, r0, w):
-        xs, zs = xs[0], zs[0]
-        r, got = r0, []
-        for s_ in range(steps):
-            with benchmarking.fused_rows("wide" if s_ % 2 else "cluster"):
-                normed, r = sifar_jax.psum_add_rmsnorm(xs[s_], r, w, "tp", eps=EPS)
-            got += [normed, r, sifar_jax.sifar_psum(zs[s_][:, :64], "tp")]
-        return tuple(v[None] for v in got)
-
-    g = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(P("tp"), P("tp"), P(), P()),
-                              out_specs=(P("tp"),) * (3 * steps)))
-    with testing.epoch_bits("tp", 4), testing.inject_skew(200, seed=5):
-        for it in range(3):
-            rng = rng_for("row-kernels-chain", it)
-            xs = rng.standard_normal((n, steps, tokens, hidden)).astype(dt)
-            zs = rng.standard_normal((n, steps, tokens, hidden)).astype(dt)
-            r0 = (2 * rng.standard_normal((tokens, hidden))).astype(dt)
-            w = (1 + 0.1 * rng.standard_normal(hidden)).astype(dt)
-            got = jax.device_get(g(xs, zs, r0, w))
-            for s_, (normed, res, plain) in enumerate(chain_reference(xs, zs, r0, w)):
-                assert same_bits(got[3 * s_ + 1][0], res), f"run {it} step {s_}: new_residual"
-                assert same_bits(got[3 * s_ + 2][0], plain[:, :64]), f"run {it} step {s_}: plain"
-                count.add(got[3 * s_][0], normed)
-                for v in got[3 * s_:3 * s_ + 3]:
-                    assert all(same_bits(v[q], v[0]) for q in range(n)), "ranks differ"
-    sifar_jax.check()
-    count.check()
-
-
-def test_fused_rows_names_its_choices():
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        with benchmarking.fused_rows("blocks"):
-            pass
-    assert fused._rows == "auto"
-
-
 # -------------------------------------------------------------------- failure --
 @pytest.mark.parametrize("hidden,tokens,from_block", [(4096, 2, 1), (4096, 2, 4), (64, 3, 0)])
 def test_a_timed_out_fused_call_fails_both_outputs(cpu_mesh, hidden, tokens, from_block):
     """Rank 1's blocks from `from_block` on never arrive. On GPUs every element
-    of both of rank 0's outputs must be NaN, also where a whole row succeeded
-    (from_block 4: the first row's four blocks; from_block 1: part of one
-    wide block's groups); the CPU backend
+    of both of rank 0's outputs must be NaN, also where a whole cluster (a
+    row) succeeded (from_block 4: the first row's cluster); the CPU backend
     raises. Either way check() then reports the timeout."""
     n = 2
     mesh = cpu_mesh(n, slot_bytes=SLOT)

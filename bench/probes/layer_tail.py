@@ -4,8 +4,7 @@ A decode step at batch 1 runs 64 layer tails (Llama-3.1-8B, hidden 4096). This t
 of R dependent tails in one jitted shard_map (each tail's normed output is the next one's
 all-reduce input, XLA kept from fusing across tails), per tail (t(R2) - t(R1)) / (R2 - R1) as
 bench.allreduce's jit level does, for: the norm alone (`norm`: what the decoder without
-all-reduce runs), lax.psum + norm, sifar_psum + norm, and the fused `psum_add_rmsnorm`
-(`fused`; `fused:wide` and `fused:cluster` choose its row kernel on GPUs).
+all-reduce runs), lax.psum + norm, sifar_psum + norm, and the fused `psum_add_rmsnorm`.
 `fused - norm` is what one fused call costs over no all-reduce at all: the gap recovered of
 issue 10 per layer tail.
 
@@ -31,7 +30,6 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import sifar_jax  # noqa: E402
 from models.llama import rms_norm  # noqa: E402
-from sifar_jax import benchmarking  # noqa: E402
 
 EPS = 1e-5
 
@@ -48,15 +46,9 @@ def tail(variant: str):
             return rms_norm(r, w, EPS), r
         return f
 
-    def fused(kernel):  # the row kernel on GPUs (benchmarking.fused_rows); "auto": the build's
-        def f(x, r, w):
-            with benchmarking.fused_rows(kernel):
-                return sifar_jax.psum_add_rmsnorm(x, r, w, "tp", eps=EPS)
-        return f
-
     return {"norm": norm_only, "psum+norm": composed(jax.lax.psum),
-            "sifar+norm": composed(sifar_jax.sifar_psum), "fused": fused("auto"),
-            "fused:wide": fused("wide"), "fused:cluster": fused("cluster")}[variant]
+            "sifar+norm": composed(sifar_jax.sifar_psum),
+            "fused": lambda x, r, w: sifar_jax.psum_add_rmsnorm(x, r, w, "tp", eps=EPS)}[variant]
 
 
 def chain(mesh, variant: str, n: int):
@@ -115,13 +107,13 @@ def main(argv=None) -> int:
         results["us_per_tail"][variant] = {"median": round(med, 3),
                                            "p10": round(common.percentile(us, 10), 3),
                                            "p90": round(common.percentile(us, 90), 3)}
-        print(f"{variant:13s} {med:7.2f} us per tail (p10 {common.percentile(us, 10):.2f}, "
+        print(f"{variant:11s} {med:7.2f} us per tail (p10 {common.percentile(us, 10):.2f}, "
               f"p90 {common.percentile(us, 90):.2f})", flush=True)
     base = results["us_per_tail"].get("norm", {}).get("median")
     if base:
         for v, d in results["us_per_tail"].items():
             if v != "norm":
-                print(f"{v:13s} {d['median'] - base:+7.2f} us over the norm alone", flush=True)
+                print(f"{v:11s} {d['median'] - base:+7.2f} us over the norm alone", flush=True)
     sifar_jax.check()
     if args.out:
         print(f"wrote {common.write_json(Path(args.out), results)}", flush=True)

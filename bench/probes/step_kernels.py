@@ -30,7 +30,6 @@ import jax
 from bench import common
 from bench import decode as bd
 from models import make_mesh, random_params
-from sifar_jax import benchmarking
 
 VARIANTS = {"psum": ("psum", "psum", "auto", False), "sifar": ("sifar", "sifar", "auto", False),
             "sifar+fused": ("sifar+fused", "sifar", "auto", True),
@@ -38,9 +37,6 @@ VARIANTS = {"psum": ("psum", "psum", "auto", False), "sifar": ("sifar", "sifar",
             "sifar+fused:pf0": ("sifar+fused:pf0", "sifar", "auto", True, 0),
             # the fused call and the projection after it in one launch
             "sifar+fused+mm": ("sifar+fused+mm", "sifar", "auto", "matmul"),
-            # its row kernel chosen on GPUs (sifar_jax.benchmarking.fused_rows)
-            "sifar+fused:wide": ("sifar+fused:wide", "sifar", "auto", True),
-            "sifar+fused:cluster": ("sifar+fused:cluster", "sifar", "auto", True),
             "identity": ("identity", "identity", "auto", False)}
 
 
@@ -135,12 +131,11 @@ def main(argv=None) -> int:
                "steps": args.steps, "context": args.context, "variants": {}}
     for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
         variant = VARIANTS[name]
-        with benchmarking.fused_rows(bd.rows_of(variant)):  # traced inside: the row kernel
-            dec = bd.make_decoder(config, mesh, params, variant, 1, args.context, 0)
-            dec.seek(args.context - args.steps - 8, bd.start_tokens(config, 1, 0))
-            dec.advance(3)  # compiled and warm
-            dec.token()
-            kernels = profile_steps(dec, args.steps)
+        dec = bd.make_decoder(config, mesh, params, variant, 1, args.context, 0)
+        dec.seek(args.context - args.steps - 8, bd.start_tokens(config, 1, 0))
+        dec.advance(3)  # compiled and warm
+        dec.token()
+        kernels = profile_steps(dec, args.steps)
         del dec
         if not kernels:
             results["variants"][name] = {"note": "no GPU kernels in the profile (not a GPU host)"}
