@@ -86,6 +86,14 @@ def assert_exact(text: str, n_processes: int, ranks: int, algorithms=PORTABLE) -
         assert lines_of(text, p, "DONE"), _tail(text)
 
 
+def assert_fused(rc: int, text: str) -> None:
+    """The worker's fused scenario passed in both processes."""
+    assert rc == 0, _tail(text)
+    for p in range(2):
+        assert lines_of(text, p, "OK fused shapes n=2"), _tail(text)
+        assert lines_of(text, p, "OK fused interleave n=2"), _tail(text)
+
+
 @pytest.fixture
 def stale_shared_memory():
     """A shared-memory object named as if a dead process of this user made it."""
@@ -121,11 +129,7 @@ def test_four_processes_every_algorithm_exact():
 def test_fused_call_over_processes():
     """psum_add_rmsnorm with one process per rank: every row layout, and fused
     and plain calls interleaved across the tag wrap under skew, exact."""
-    rc, text, _ = launch(2, "fused")
-    assert rc == 0, _tail(text)
-    for p in range(2):
-        assert lines_of(text, p, "OK fused shapes n=2"), _tail(text)
-        assert lines_of(text, p, "OK fused interleave n=2"), _tail(text)
+    assert_fused(*launch(2, "fused")[:2])
 
 
 def test_local_and_remote_ranks_in_one_group():
@@ -265,11 +269,7 @@ def test_gpu_fused_call_over_processes(gpus, share_gpu):
     time-slice one GPU, so it checks results, not speed)."""
     if not share_gpu and gpus < 2:
         pytest.skip("needs 2 GPUs (the shared-GPU variant runs on one)")
-    rc, text, _ = launch(2, "fused", platform="gpu", share_gpu=share_gpu)
-    assert rc == 0, _tail(text)
-    for p in range(2):
-        assert lines_of(text, p, "OK fused shapes n=2"), _tail(text)
-        assert lines_of(text, p, "OK fused interleave n=2"), _tail(text)
+    assert_fused(*launch(2, "fused", platform="gpu", share_gpu=share_gpu)[:2])
 
 
 def test_gpu_old_executable_after_reinit_in_two_processes(gpus):
