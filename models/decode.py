@@ -122,8 +122,7 @@ class Decoder:
     (no all-reduce: wrong numbers, the timing upper bound). fused=True (sifar only): all-reduce,
     residual add and RMSNorm as one sifar_jax.psum_add_rmsnorm call, prefetching the first
     prefetch_bytes of the next matmul's weight into L2 while it waits (None: sifar_jax's default,
-    0: none). fused="matmul": at batch 1 the projection after each all-reduce joins that call
-    (sifar_jax.psum_add_rmsnorm_matmul: its weight is read while the all-reduce waits).
+    0: none).
 
     The KV cache holds max_seq_len positions when given; otherwise it is sized to the request
     (prompt + max_new_tokens, rounded up to a power of two), grown when a sequence outgrows it,
@@ -165,8 +164,6 @@ class Decoder:
         self.layout = llama.tp_layout(config, self.tp)  # raises if tp does not split the model
         if fused not in llama.FUSED_MODES:
             raise ValueError(f"fused must be one of {llama.FUSED_MODES}, got {fused!r}")
-        if fused == "matmul":
-            llama.make_fused_add_norm_matmul(allreduce, algorithm)
         if fused:  # a clear error now, not at trace
             llama.make_fused_add_norm(allreduce, algorithm, prefetch_bytes)
         elif prefetch_bytes:

@@ -1,7 +1,7 @@
 """Generation from the command line: tokens printed as they come, then the time per output token.
 
     python -m models.generate --preset tiny --tp 2 --tokens 32
-        [--allreduce psum|sifar|sifar_buffers|identity] [--algorithm auto] [--fused [norm|matmul]]
+        [--allreduce psum|sifar|sifar_buffers|identity] [--algorithm auto] [--fused]
         [--slot-bytes N] [--loop stream|sync|pipelined|on_device] [--eos ID]
         [--temperature T --top-p P --seed S] [--checkpoint DIR]
 
@@ -30,9 +30,8 @@ def _parse(argv):
     p.add_argument("--allreduce", default="psum",
                    choices=["psum", "sifar", "sifar_buffers", "identity"])
     p.add_argument("--algorithm", default="auto", help="sifar algorithm (with --allreduce sifar)")
-    p.add_argument("--fused", nargs="?", const="norm", choices=("norm", "matmul"), default=None,
-                   help="fused all-reduce + residual add + RMSNorm (with --allreduce sifar); "
-                        "'matmul': also the projection after it, in one launch at batch 1")
+    p.add_argument("--fused", action="store_true",
+                   help="fused all-reduce + residual add + RMSNorm (with --allreduce sifar)")
     p.add_argument("--slot-bytes", type=int, help="sifar's slot size (largest payload served)")
     p.add_argument("--loop", default="stream", choices=["stream", "sync", "pipelined", "on_device"])
     p.add_argument("--eos", type=int, help="stop token id")
@@ -88,7 +87,7 @@ def main(argv=None) -> int:
 
     try:
         dec = Decoder(config, mesh, params, allreduce=args.allreduce, algorithm=args.algorithm,
-                      fused={None: False, "norm": True, "matmul": "matmul"}[args.fused],
+                      fused=args.fused,
                       slot_bytes=args.slot_bytes, max_seq_len=args.max_seq_len)
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -102,7 +101,7 @@ def main(argv=None) -> int:
     print(f"device: {jax.devices()[0].device_kind} x{args.tp} ({jax.default_backend()}), "
           f"layers={config.num_layers} hidden={config.hidden_size} dtype={config.dtype}, "
           f"allreduce={args.allreduce}" + (f"/{args.algorithm}" if "sifar" in args.allreduce else "")
-          + (f" fused={args.fused}" if args.fused else "") + f", loop={args.loop}")
+          + (" fused" if args.fused else "") + f", loop={args.loop}")
     print("prompt:", " ".join(map(str, prompt)))
     print("stream:", end=" ", flush=True)
     tokens, stamps = [], []

@@ -127,18 +127,7 @@ def make_fused_add_norm(allreduce: str, algorithm: str = "auto",
                              prefetch_bytes=prefetch_bytes)
 
 
-def make_fused_add_norm_matmul(allreduce: str, algorithm: str = "auto"):
-    """f(x, residual, weight, matrix, axis_name, *, eps) -> (normed @ matrix, new_residual): the
-    fused call and the matmul after it in one launch (sifar_jax.psum_add_rmsnorm_matmul)."""
-    make_fused_add_norm(allreduce, algorithm)  # the same preconditions, the same errors
-    import sifar_jax
-
-    if not hasattr(sifar_jax, "psum_add_rmsnorm_matmul"):
-        raise NotImplementedError("fused='matmul': sifar_jax has no psum_add_rmsnorm_matmul")
-    return functools.partial(sifar_jax.psum_add_rmsnorm_matmul, algorithm=algorithm)
-
-
-FUSED_MODES = (False, True, "matmul")
+FUSED_MODES = (False, True)
 
 
 class TPContext:
@@ -150,20 +139,14 @@ class TPContext:
     """
 
     def __init__(self, axis_name: str, size: int, allreduce: AllReduceFn, buffers: Any = None,
-                 allreduce_into=None, fused_add_norm=None, fused_add_norm_matmul=None):
+                 allreduce_into=None, fused_add_norm=None):
         self.axis_name = axis_name
         self.size = size
         self._allreduce = allreduce
         self._allreduce_into = allreduce_into
         self._fused_add_norm = fused_add_norm
-        self._fused_add_norm_matmul = fused_add_norm_matmul
         self.buffers = {} if buffers is None else dict(buffers)
         self.count = 0  # all-reduces issued so far in this trace
-
-    @property
-    def projects(self) -> bool:
-        """Whether add_norm_project fuses the projection (fused="matmul")."""
-        return self._fused_add_norm_matmul is not None
 
     def rank(self) -> jax.Array:
         return jax.lax.axis_index(self.axis_name)
@@ -194,18 +177,6 @@ class TPContext:
                                         prefetch=next_weight)
         return unfused_psum_add_rmsnorm(x, residual, weight, self.axis_name, eps=norm.eps,
                                         allreduce=lambda v, _: self.all_reduce(v))
-
-    def add_norm_project(self, x, residual, norm: "RMSNorm", matrix: jax.Array, equation: str):
-        """add_norm, then the next projection einsum(equation, normed, matrix):
-        (projection, new_residual). With fused="matmul" and one row (batch-1 decoding) one
-        sifar_jax.psum_add_rmsnorm_matmul call, whose matmul blocks read the weight while the
-        all-reduce waits; otherwise add_norm (prefetching the matrix) and XLA's einsum."""
-        if self._fused_add_norm_matmul is not None and x.size == x.shape[-1]:
-            self.count += 1
-            return self._fused_add_norm_matmul(x, residual, norm.weight[...], matrix,
-                                               self.axis_name, eps=norm.eps)
-        h, residual = self.add_norm(x, residual, norm, matrix)
-        return jnp.einsum(equation, h, matrix), residual
 
 
 def check_tp(config: LlamaConfig, tp: int) -> None:
@@ -322,19 +293,15 @@ class Attention(nnx.Module):
         self.o = nnx.Param(_normal(rngs, (c.num_heads, c.head_dim, c.hidden_size),
                                    (c.num_heads * c.head_dim) ** -0.5, dt))
 
-    QKV = "bth,hkgd->btkgd"  # the input projection (TPContext.add_norm_project's equation)
-
     def __call__(self, x, cos, sin, kv_cache, positions, attend_len: Optional[int] = None,
-                 kv_layout: str = "bshd", qkv: Optional[jax.Array] = None):
+                 kv_layout: str = "bshd"):
         """x [B, T, hidden]; kv_cache {"k","v"}: [B, S, local_kv_heads, head_dim] ("bshd") or
         [B, local_kv_heads, S, head_dim] ("bhsd"), see KV_LAYOUTS.
         Returns (this rank's partial sum of the output projection, new cache): the caller
         all-reduces it. Attention runs over the first `attend_len` cache positions (all S if
-        None): the caller guarantees positions[-1] < attend_len. qkv: the input projection,
-        already computed (then x is not read)."""
+        None): the caller guarantees positions[-1] < attend_len."""
         g, d = self.group, self.head_dim
-        if qkv is None:
-            qkv = jnp.einsum(self.QKV, x, self.qkv[...])  # k: local kv heads
+        qkv = jnp.einsum("bth,hkgd->btkgd", x, self.qkv[...])  # k: local kv heads
         q, k, v = qkv[..., :g, :], qkv[..., g, :], qkv[..., g + 1, :]
         q = apply_rope(q, cos[None, :, None, None, :], sin[None, :, None, None, :])
         k = apply_rope(k, cos[None, :, None, :], sin[None, :, None, :])
@@ -358,7 +325,7 @@ class Attention(nnx.Module):
         scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(va.dtype)
         out = jnp.einsum(f"bkgts,{dims}->btkgd", probs, va, preferred_element_type=jnp.float32)
-        out = out.astype(qkv.dtype).reshape(*qkv.shape[:2], -1, d)  # heads in (kv group, group) order
+        out = out.astype(x.dtype).reshape(*x.shape[:2], -1, d)  # heads in (kv group, group) order
         partial = jnp.einsum("bthd,hdm->btm", out, self.o[...])  # row-parallel: partial sum
         return partial, {"k": kc, "v": vc}
 
@@ -372,12 +339,9 @@ class MLP(nnx.Module):
         self.down = nnx.Param(_normal(rngs, (c.intermediate_size, c.hidden_size),
                                       c.intermediate_size ** -0.5, dt))
 
-    GATE_UP = "bth,hcf->btcf"  # the input projection
-
-    def __call__(self, x, gate_up: Optional[jax.Array] = None):
-        """This rank's partial sum of the down projection (the caller all-reduces it).
-        gate_up: the input projection, already computed (then x is not read)."""
-        h = jnp.einsum(self.GATE_UP, x, self.gate_up[...]) if gate_up is None else gate_up
+    def __call__(self, x):
+        """This rank's partial sum of the down projection (the caller all-reduces it)."""
+        h = jnp.einsum("bth,hcf->btcf", x, self.gate_up[...])
         a = jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
         return a @ self.down[...]  # row-parallel: partial sum
 
@@ -392,21 +356,14 @@ class Block(nnx.Module):
 
     def __call__(self, h, x, cos, sin, kv_cache, positions, tp: TPContext, next_norm: RMSNorm,
                  attend_len: Optional[int] = None, kv_layout: str = "bshd",
-                 next_weight: Optional[jax.Array] = None, qkv: Optional[jax.Array] = None,
-                 project_next: bool = False):
-        """h = input_norm(x), already computed by the previous all-reduce (or, given, qkv: its
-        projection); x the residual stream. Returns (next_norm(new x), new x, new cache): each
-        all-reduce is followed by the residual add and the norm after it, fused or not
-        (TPContext.add_norm). next_weight: the first weight read after this block (the next
-        layer's qkv, or the LM head). project_next: return next_weight's projection (the next
-        layer's qkv, TPContext.add_norm_project) in place of the norm."""
-        a, kv_cache = self.attn(h, cos, sin, kv_cache, positions, attend_len, kv_layout, qkv=qkv)
-        gate_up, x = tp.add_norm_project(a, x, self.post_norm, self.mlp.gate_up[...],
-                                         MLP.GATE_UP)
-        m = self.mlp(None, gate_up=gate_up)
-        if project_next:
-            return tp.add_norm_project(m, x, next_norm, next_weight, Attention.QKV) + (kv_cache,)
-        h, x = tp.add_norm(m, x, next_norm, next_weight)
+                 next_weight: Optional[jax.Array] = None):
+        """h = input_norm(x), already computed by the previous all-reduce; x the residual
+        stream. Returns (next_norm(new x), new x, new cache): each all-reduce is followed by the
+        residual add and the norm after it, fused or not (TPContext.add_norm). next_weight: the
+        first weight read after this block (the next layer's qkv, or the LM head)."""
+        a, kv_cache = self.attn(h, cos, sin, kv_cache, positions, attend_len, kv_layout)
+        h, x = tp.add_norm(a, x, self.post_norm, self.mlp.gate_up[...])
+        h, x = tp.add_norm(self.mlp(h), x, next_norm, next_weight)
         return h, x, kv_cache
 
 
@@ -436,13 +393,9 @@ class Llama(nnx.Module):
         next_weights = [layer.attn.qkv[...] for layer in layers[1:]] + [head]
         h = layers[0].input_norm(x)  # the only norm not preceded by an all-reduce
         new_cache = []
-        qkv = None  # the next layer's input projection, when the last all-reduce computed it
-        for i, (layer, kv, next_norm, next_weight) in enumerate(zip(layers, cache, next_norms,
-                                                                    next_weights)):
-            project = tp.projects and i + 1 < len(layers)
-            out, x, kv = layer(h, x, cos, sin, kv, positions, tp, next_norm, attend_len,
-                               kv_layout, next_weight, qkv=qkv, project_next=project)
-            h, qkv = (None, out) if project else (out, None)
+        for layer, kv, next_norm, next_weight in zip(layers, cache, next_norms, next_weights):
+            h, x, kv = layer(h, x, cos, sin, kv, positions, tp, next_norm, attend_len, kv_layout,
+                             next_weight)
             new_cache.append(kv)
         x = h  # self.norm(residual), from the last layer's MLP all-reduce
         if last_only:
@@ -535,10 +488,7 @@ def make_forward(config: LlamaConfig, mesh: Mesh, *, allreduce: str = "psum",
     (see Attention); kv_layout: the cache's (KV_LAYOUTS). fused=True (allreduce="sifar"):
     all-reduce + residual add + RMSNorm as one sifar_jax.psum_add_rmsnorm call, which brings the
     first prefetch_bytes of the next matmul's weight into L2 while it waits (None: sifar_jax's
-    default; 0: no prefetch). fused="matmul": also the projection after each all-reduce (the MLP's
-    gate/up, the next layer's QKV) in the same launch at batch-1 decode steps
-    (sifar_jax.psum_add_rmsnorm_matmul; prefill and larger batches keep fused=True's path).
-    Works for a 1-device mesh (tp=1) too.
+    default; 0: no prefetch). Works for a 1-device mesh (tp=1) too.
     """
     tp = mesh.shape[axis_name]
     config = tp_layout(config, tp)
@@ -553,12 +503,10 @@ def make_forward(config: LlamaConfig, mesh: Mesh, *, allreduce: str = "psum",
     if fused not in FUSED_MODES:
         raise ValueError(f"fused must be one of {FUSED_MODES}, got {fused!r}")
     fused_fn = make_fused_add_norm(allreduce, algorithm, prefetch_bytes) if fused else None
-    matmul_fn = make_fused_add_norm_matmul(allreduce, algorithm) if fused == "matmul" else None
 
     def per_rank(params, cache, tokens, positions, ar):
         model = nnx.merge(graphdef, params)
-        ctx = TPContext(axis_name, tp, reduce_fn, ar, make_allreduce_into(algorithm), fused_fn,
-                        matmul_fn)
+        ctx = TPContext(axis_name, tp, reduce_fn, ar, make_allreduce_into(algorithm), fused_fn)
         logits, cache = model(tokens, positions, cache, ctx, last_only=last_only,
                               attend_len=attend_len, kv_layout=kv_layout)
         if ctx.buffers and ctx.count % 2:

@@ -345,6 +345,9 @@ def test_fused_option_calls_psum_add_rmsnorm_after_every_all_reduce(monkeypatch,
     assert prefetched == one_trace * 2, prefetched
     with pytest.raises(ValueError, match="allreduce='sifar'"):
         _decoder(2, "psum", fused=True)
+    for bad in ("yes", "matmul"):  # fused="matmul" (the fused call + matmul) was retired
+        with pytest.raises(ValueError, match="fused must be one of"):
+            _decoder(2, "sifar", fused=bad)
 
 
 @pytest.mark.skipif(llama.fused_add_norm_available() is not None,
@@ -366,55 +369,14 @@ def test_fused_decoder_gives_the_unfused_tokens(tp, sifar_clean):
     sifar_jax.check()
 
 
-def test_fused_matmul_option_joins_each_projection_at_batch_1(monkeypatch, sifar_clean):
-    """fused="matmul": in the batch-1 step every all-reduce but the last (before the LM head)
-    is one psum_add_rmsnorm_matmul call with the next projection's weight shard (the MLP's
-    gate_up, the next layer's qkv); the prefill (several rows) keeps psum_add_rmsnorm. A
-    stand-in for the kernel; the tokens of the unfused decoder."""
-    fused_calls, matmul_calls = [], []
-    monkeypatch.setattr(sifar_jax, "psum_add_rmsnorm", _stub_fused(fused_calls), raising=False)
-
-    def stub_matmul(x, residual, weight, matrix, axis_name, *, eps, algorithm="auto"):
-        matmul_calls.append((x.shape, matrix.shape))
-        h, r = sifar_jax.psum_add_rmsnorm(x, residual, weight, axis_name, eps=eps)
-        return jnp.einsum("bth,h...->bt...", h, matrix), r
-
-    monkeypatch.setattr(sifar_jax, "psum_add_rmsnorm_matmul", stub_matmul, raising=False)
-    want = _decoder(2).generate(PROMPT, NEW, loop="sync")
-    dec = _decoder(2, "sifar", fused="matmul")
-    np.testing.assert_array_equal(dec.generate(PROMPT, NEW, loop="sync"), want)
-    c = LlamaConfig.tiny()
-    layers = c.num_layers
-    gate_up = (c.hidden_size, 2, c.intermediate_size // 2)
-    qkv = (c.hidden_size, c.num_kv_heads // 2, c.num_heads // c.num_kv_heads + 2, c.head_dim)
-    one_row = (1, 1, c.hidden_size)
-    assert matmul_calls == [(one_row, gate_up), (one_row, qkv)] * (layers - 1) + \
-        [(one_row, gate_up)], matmul_calls
-    # The prefill's 2 per layer, then the step's: the matmul calls' own (stand-in) and the last.
-    assert len(fused_calls) == 2 * layers + (2 * layers - 1) + 1
-    with pytest.raises(ValueError, match="fused must be one of"):
-        _decoder(2, "sifar", fused="yes")
-
-
-@pytest.mark.skipif(llama.fused_add_norm_available() is not None,
-                    reason=str(llama.fused_add_norm_available()))
-def test_fused_matmul_decoder_gives_the_unfused_tokens(sifar_clean):
-    unfused = _decoder(2, "sifar")
-    want = _every_loop(unfused, PROMPT, NEW)["sync"]
-    fused = _decoder(2, "sifar", fused="matmul")
-    for loop, tokens in _every_loop(fused, PROMPT, NEW).items():
-        np.testing.assert_array_equal(tokens, want, err_msg=f"fused='matmul', loop {loop}")
-    sifar_jax.check()
-
-
 def test_fused_needs_the_kernel_or_says_so(monkeypatch, sifar_clean):
     monkeypatch.delattr(sifar_jax, "psum_add_rmsnorm", raising=False)
     with pytest.raises(NotImplementedError, match="psum_add_rmsnorm"):
         _decoder(2, "sifar", fused=True)
 
 
-@pytest.mark.parametrize("extra", [[], ["--allreduce", "sifar", "--fused", "matmul"]],
-                         ids=["psum", "sifar-fused-matmul"])
+@pytest.mark.parametrize("extra", [[], ["--allreduce", "sifar", "--fused"]],
+                         ids=["psum", "sifar-fused"])
 def test_generate_cli_streams_tokens(capsys, extra, sifar_clean):
     from models import generate
 
