@@ -59,6 +59,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from models import hlo, llama  # noqa: E402
+from models.sharding import KV_LAYOUTS  # noqa: E402
+from models.tp import ALLREDUCE_KINDS, fused_add_norm_available  # noqa: E402
 from models.config import LlamaConfig  # noqa: E402
 from models.decode import LOOPS, SIFAR_KINDS, Decoder, make_mesh  # noqa: E402
 from models.weights import random_params  # noqa: E402
@@ -143,8 +145,8 @@ def parse_args(argv=None):
     p.add_argument("--chunk", type=int, default=16, help="on_device tokens per dispatch")
     p.add_argument("--in-flight", type=int, default=2, help="stream: steps dispatched ahead")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-layout", choices=("auto", *sorted(llama.KV_LAYOUTS)), default="auto",
-                   help="KV cache layout (auto: llama.default_kv_layout, bhsd on GPUs)")
+    p.add_argument("--kv-layout", choices=("auto", *sorted(KV_LAYOUTS)), default="auto",
+                   help="KV cache layout (auto: sharding.default_kv_layout, bhsd on GPUs)")
     p.add_argument("--min-rows", type=int, default=1,
                    help="Decoder(min_rows=): at least this many rows on the device, the extra "
                         "ones copies never returned (tokens/s counts the batch only)")
@@ -169,8 +171,8 @@ def parse_variants(args) -> list[tuple]:
     for item in items:
         kind, _, alg = item.partition(":")
         alg = alg or "auto"
-        if kind not in llama.ALLREDUCE_KINDS:
-            raise SystemExit(f"unknown all-reduce {kind!r}; choose from {llama.ALLREDUCE_KINDS}")
+        if kind not in ALLREDUCE_KINDS:
+            raise SystemExit(f"unknown all-reduce {kind!r}; choose from {ALLREDUCE_KINDS}")
         if kind not in SIFAR_KINDS and alg != "auto":
             raise SystemExit(f"{item!r}: only {' and '.join(SIFAR_KINDS)} take an algorithm")
         if kind in SIFAR_KINDS:
@@ -184,7 +186,7 @@ def parse_variants(args) -> list[tuple]:
         if label not in seen:
             seen.add(label)
             out.append((label, kind, alg, False))
-    missing = llama.fused_add_norm_available()
+    missing = fused_add_norm_available()
     if args.fused == "on" and missing:
         raise SystemExit(f"--fused on: {missing}")
     if args.fused != "off" and not missing and any(v[0] == "sifar" for v in out):

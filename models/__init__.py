@@ -6,7 +6,7 @@ XLA_FLAGS before jax starts. Public names are loaded on first access.
 
 _EXPORTS = {
     "LlamaConfig": "config", "RopeScaling": "config",
-    "Llama": "llama", "make_allreduce": "llama", "make_forward": "llama", "check_tp": "llama",
+    "Llama": "llama", "make_allreduce": "tp", "make_forward": "llama", "check_tp": "llama",
     "param_specs": "llama", "param_shardings": "llama", "init_cache": "llama",
     "load_hf_checkpoint": "weights", "save_hf_checkpoint": "weights", "random_params": "weights",
     "to_hf_tensors": "weights",

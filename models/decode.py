@@ -44,6 +44,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import llama
 from .config import LlamaConfig
+from .sharding import KV_LAYOUTS, cache_spec, check_kv_layout, default_kv_layout
+from .tp import ALLREDUCE_KINDS, FUSED_MODES, make_fused_add_norm
 from .sampling import Sampling, key_data, next_token
 
 MIN_BUCKET = 64  # smallest attention bucket and smallest cache (positions)
@@ -129,8 +131,8 @@ class Decoder:
     never beyond config.max_seq_len. A prefill's all-reduce payload is batch x prompt x hidden:
     past sifar's slot it falls back to lax.psum with algorithm="auto" (and raises with a named
     algorithm); raise slot_bytes to keep it on sifar. kv_layout: "bshd" or "bhsd"
-    (llama.KV_LAYOUTS), by default the one the platform updates in place
-    (llama.default_kv_layout). min_rows: run at least this many rows (sequences) on the device,
+    (sharding.KV_LAYOUTS), by default the one the platform updates in place
+    (sharding.default_kv_layout). min_rows: run at least this many rows (sequences) on the device,
     the extra ones copies of the last real one, never returned: on an H200, XLA:GPU ran a
     batch-1 step at TP=2's per-rank shapes 20% slower than a batch-2 step (its matmuls for one
     row; bench/NOTES.md): min_rows=2 made batch-1 decoding 17% faster there. XLA may then pick
@@ -144,8 +146,8 @@ class Decoder:
                  axis_name: str = "tp", batch_size: int = 1, max_seq_len: Optional[int] = None,
                  kv_layout: Optional[str] = None, min_rows: int = 1,
                  prefetch_bytes: Optional[int] = None):
-        if allreduce not in llama.ALLREDUCE_KINDS:
-            raise ValueError(f"allreduce must be one of {llama.ALLREDUCE_KINDS}, got {allreduce!r}")
+        if allreduce not in ALLREDUCE_KINDS:
+            raise ValueError(f"allreduce must be one of {ALLREDUCE_KINDS}, got {allreduce!r}")
         if slot_bytes is not None and allreduce not in SIFAR_KINDS:
             raise ValueError(f"slot_bytes is sifar's slot size; allreduce={allreduce!r} has none")
         self.config = config
@@ -157,15 +159,13 @@ class Decoder:
         self.rows = max(batch_size, min_rows)  # rows on the device: batch_size real, then copies
         self.max_seq_len = max_seq_len  # None: sized per request
         self.tp = mesh.shape[axis_name]
-        self.kv_layout = kv_layout or llama.default_kv_layout(mesh)
-        if self.kv_layout not in llama.KV_LAYOUTS:
-            raise ValueError(f"kv_layout must be one of {sorted(llama.KV_LAYOUTS)}, "
-                             f"got {kv_layout!r}")
+        self.kv_layout = kv_layout or default_kv_layout(mesh)
+        check_kv_layout(self.kv_layout)
         self.layout = llama.tp_layout(config, self.tp)  # raises if tp does not split the model
-        if fused not in llama.FUSED_MODES:
-            raise ValueError(f"fused must be one of {llama.FUSED_MODES}, got {fused!r}")
+        if fused not in FUSED_MODES:
+            raise ValueError(f"fused must be one of {FUSED_MODES}, got {fused!r}")
         if fused:  # a clear error now, not at trace
-            llama.make_fused_add_norm(allreduce, algorithm, prefetch_bytes)
+            make_fused_add_norm(allreduce, algorithm, prefetch_bytes)
         elif prefetch_bytes:
             raise ValueError("prefetch_bytes is the fused call's (fused=True)")
         self._buffers = None
@@ -184,7 +184,7 @@ class Decoder:
         # flattened once: every call passes this list (no per-call flattening of a nested dict)
         self._leaves, self._treedef = jax.tree.flatten(self.params)
         self._rep = NamedSharding(mesh, P())
-        self._cache_sharding = NamedSharding(mesh, llama.cache_spec(axis_name, self.kv_layout))
+        self._cache_sharding = NamedSharding(mesh, cache_spec(axis_name, self.kv_layout))
         self._forwards: dict = {}
         self._executables: dict = {}
         self.sampling = Sampling()
@@ -230,7 +230,7 @@ class Decoder:
         old = self._capacity
         grow = jax.jit(lambda c: jax.tree.map(
             lambda a: jnp.pad(a, [(0, new - old if d == "s" else 0)
-                                  for d in llama.KV_LAYOUTS[self.kv_layout]]), c),
+                                  for d in KV_LAYOUTS[self.kv_layout]]), c),
             out_shardings=self._cache_sharding)  # (a larger output cannot reuse the input)
         cache, self.state["cache"] = self.state["cache"], None
         self.state["cache"] = grow(cache)

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from . import llama
+from . import llama, sharding
 from .config import LlamaConfig
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -134,7 +134,7 @@ def load_hf_checkpoint(path: str, mesh: Mesh, *, axis_name: str = "tp",
 
     with contextlib.ExitStack() as stack:
         ck = _Checkpoint(path, stack)
-        builders = _builders(layout, ck, llama.kv_replicas(config, tp))
+        builders = _builders(layout, ck, sharding.kv_replicas(config, tp))
 
         def place(path_, sds, sharding, build: Callable):
             name = str(getattr(path_[-1], "key", path_[-1]))
@@ -248,7 +248,7 @@ def random_params(config: LlamaConfig, mesh: Mesh, seed: int = 0, *, axis_name: 
     8B bf16 is fine. Linear weights have std 1/sqrt(fan_in), the embedding std 1, norm weights
     1 +- 0.1. The values depend on (config, seed) only, not on the mesh (with tp > num_kv_heads
     the KV heads are copied, llama.tp_layout)."""
-    r = llama.kv_replicas(config, mesh.shape[axis_name])
+    r = sharding.kv_replicas(config, mesh.shape[axis_name])
     _, abstract = llama.abstract_model(config)
     shardings = llama.param_shardings(config, mesh, axis_name)
 
@@ -263,7 +263,7 @@ def random_params(config: LlamaConfig, mesh: Mesh, seed: int = 0, *, axis_name: 
             else:  # uniform with the target std
                 w = u * (_init_std(name, sds.shape) * 3 ** 0.5)
             if name == "qkv":
-                w = llama.replicate_kv(w, r)
+                w = sharding.replicate_kv(w, r)
             out.append(w.astype(sds.dtype))
         return jax.tree_util.tree_unflatten(treedef, out)
 

@@ -13,6 +13,8 @@ import pytest
 import sifar_jax
 from models import Decoder, LlamaConfig, hlo, llama, make_mesh, random_params
 from models.decode import LOOPS, attention_buckets, bucket_up
+from models.sharding import KV_LAYOUTS
+from models.tp import fused_add_norm_available, unfused_psum_add_rmsnorm
 from models.sampling import Sampling, key_data, next_token
 
 PROMPT = np.array([5, 17, 3, 250, 99, 7, 42, 128], np.int32)
@@ -172,7 +174,7 @@ def _cache_shape(dec):
 
 @pytest.mark.parametrize("allreduce,batch", [("psum", 1), ("psum", 4), ("sifar_buffers", 1)])
 def test_no_copy_of_the_cache_per_step_or_per_loop_iteration(allreduce, batch, sifar_clean):
-    """With the platform's default cache layout (llama.default_kv_layout); batch > 1 matters:
+    """With the platform's default cache layout (sharding.default_kv_layout); batch > 1 matters:
     XLA:GPU copied a [B, S, heads, D] cache at B > 1 only."""
     dec = _decoder(2, allreduce, batch_size=batch)
     dec.start(np.tile(PROMPT, (batch, 1)), reserve=2 * CHUNK)
@@ -192,7 +194,7 @@ def test_both_kv_layouts_give_the_same_tokens_and_logits():
     _need(2)
     prompts = np.stack([PROMPT, PROMPT[::-1]])
     got = {}
-    for layout in sorted(llama.KV_LAYOUTS):
+    for layout in sorted(KV_LAYOUTS):
         dec = _decoder(2, batch_size=2, kv_layout=layout)
         assert dec.kv_layout == layout
         got[layout] = (_every_loop(dec, prompts, NEW), dec.teacher_forced_logits(prompts))
@@ -316,7 +318,7 @@ def _stub_fused(calls, prefetched=None):
         calls.append(x.shape)
         if prefetched is not None:
             prefetched.append((None if prefetch is None else prefetch.shape, prefetch_bytes))
-        return llama.unfused_psum_add_rmsnorm(
+        return unfused_psum_add_rmsnorm(
             x, residual, weight, axis_name, eps=eps,
             allreduce=lambda v, a: sifar_jax.sifar_psum(v, a, algorithm=algorithm))
     return psum_add_rmsnorm
@@ -350,8 +352,8 @@ def test_fused_option_calls_psum_add_rmsnorm_after_every_all_reduce(monkeypatch,
             _decoder(2, "sifar", fused=bad)
 
 
-@pytest.mark.skipif(llama.fused_add_norm_available() is not None,
-                    reason=str(llama.fused_add_norm_available()))
+@pytest.mark.skipif(fused_add_norm_available() is not None,
+                    reason=str(fused_add_norm_available()))
 @pytest.mark.parametrize("tp", [2, 4])
 def test_fused_decoder_gives_the_unfused_tokens(tp, sifar_clean):
     unfused = _decoder(tp, "sifar")
@@ -380,8 +382,8 @@ def test_fused_needs_the_kernel_or_says_so(monkeypatch, sifar_clean):
 def test_generate_cli_streams_tokens(capsys, extra, sifar_clean):
     from models import generate
 
-    if extra and llama.fused_add_norm_available() is not None:
-        pytest.skip(llama.fused_add_norm_available())
+    if extra and fused_add_norm_available() is not None:
+        pytest.skip(fused_add_norm_available())
     assert generate.main(["--tp", "2", "--tokens", "12", "--prompt", *map(str, PROMPT),
                           "--seed", "11", *extra]) == 0
     out = capsys.readouterr().out

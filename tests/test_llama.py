@@ -5,12 +5,17 @@ import json
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import save_file
 
 from models import Decoder, LlamaConfig, load_hf_checkpoint, make_mesh
 from models import llama
+from models.attention import Attention, Step, rope_inv_freq
+from models.sharding import kv_replicas
+from models.tp import make_allreduce
 from models.weights import to_hf_tensors as weights_to_hf
 
 # The tiny preset as a Hugging Face config.json, written out by hand so the parser is tested too.
@@ -197,7 +202,7 @@ def test_hf_config_is_tiny_preset():
 def test_rope_frequencies_match_reference():
     for cfg in (HF_CONFIG, LlamaConfig.llama3_8b().to_hf_config()):
         config = LlamaConfig.from_hf_config(cfg)
-        np.testing.assert_allclose(llama.rope_inv_freq(config), ref_inv_freq(cfg), rtol=1e-6)
+        np.testing.assert_allclose(rope_inv_freq(config), ref_inv_freq(cfg), rtol=1e-6)
     # the tiny preset exercises all three regimes of the Llama 3 scaling
     inv, base = ref_inv_freq(HF_CONFIG), ref_inv_freq({**HF_CONFIG, "rope_scaling": None})
     ratio = base / inv
@@ -312,7 +317,7 @@ def test_kv_heads_replicated_when_tp_exceeds_them(loaded, hf):
     """tp=8 > num_kv_heads=4: the layout of an 8-KV-head model, each head copied to 2 ranks,
     and the checkpoint is read back unchanged."""
     mesh, config, params = loaded(8)
-    assert llama.kv_replicas(config, 8) == 2
+    assert kv_replicas(config, 8) == 2
     assert params["layers"][0]["attn"]["qkv"].shape == (128, 8, 1 + 2, 16)
     tensors = weights_to_hf(params, config)
     for name, want in hf[1].items():
@@ -340,7 +345,7 @@ def test_errors(loaded):
     with pytest.raises(ValueError, match="tp=8 layout"):
         Decoder(config, make_mesh(8), params)  # TP=1 parameters on an 8-way mesh
     with pytest.raises(ValueError, match="allreduce"):
-        llama.make_allreduce("nccl")
+        make_allreduce("nccl")
     with pytest.raises(ValueError, match="slot_bytes"):
         Decoder(config, mesh, params, slot_bytes=1 << 16)  # psum has no slot
     dec = Decoder(config, mesh, params, max_seq_len=8)
@@ -354,3 +359,46 @@ def test_llama3_8b_shapes():
     assert sum(a.size for a in jax.tree.leaves(abstract)) == 8_030_261_248
     for tp in (1, 2, 4, 8):
         llama.check_tp(config, tp)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_attention_matches_numpy_with_and_without_qk_norm(qk_norm):
+    """The shared attention (one rank holding every head) against float64 NumPy: GQA, rotary
+    embeddings, causal mask, and with qk_norm Qwen3's RMSNorm over head_dim on each query and key
+    head before the rotation."""
+    config = LlamaConfig.tiny()
+    H, d, g, kv, T = config.hidden_size, config.head_dim, config.group_size, config.num_kv_heads, 6
+    attn = Attention(config, rngs=nnx.Rngs(0), qk_norm=qk_norm)
+    rng = np.random.default_rng(9)
+    wq, wk = (1.0 + 0.3 * rng.standard_normal(d)).astype(np.float32), \
+        (1.0 + 0.3 * rng.standard_normal(d)).astype(np.float32)
+    if qk_norm:
+        attn.q_norm.weight[...] = jnp.asarray(wq)
+        attn.k_norm.weight[...] = jnp.asarray(wk)
+    x = rng.standard_normal((1, T, H)).astype(np.float32)
+    cache = {"k": jnp.zeros((1, 16, kv, d)), "v": jnp.zeros((1, 16, kv, d))}
+    step = Step.at(config, jnp.arange(T, dtype=jnp.int32))
+    got, new_cache = attn(jnp.asarray(x), cache, step)
+
+    def rms(a, w):
+        return w * a / np.sqrt(np.mean(a * a, axis=-1, keepdims=True) + config.rms_norm_eps)
+
+    def rope(a):  # a [T, ..., d]
+        ang = np.arange(T)[:, None] * ref_inv_freq(HF_CONFIG)[None, :]
+        ang = np.concatenate([ang, ang], -1).reshape(T, *([1] * (a.ndim - 2)), d)
+        return a * np.cos(ang) + np.concatenate([-a[..., d // 2:], a[..., :d // 2]], -1) * np.sin(ang)
+
+    qkv = np.einsum("th,hkgd->tkgd", x[0].astype(np.float64), np.asarray(attn.qkv[...], np.float64))
+    q, k, v = qkv[:, :, :g], qkv[:, :, g], qkv[:, :, g + 1]
+    if qk_norm:
+        q, k = rms(q, wq), rms(k, wk)
+    q, k = rope(q), rope(k)
+    s = np.einsum("tkgd,skd->kgts", q, k) / np.sqrt(d)
+    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.einsum("kgts,skd->tkgd", p, v).reshape(T, -1, d)
+    want = np.einsum("thd,hdm->tm", out, np.asarray(attn.o[...], np.float64))
+    assert_close_ref(np.asarray(got)[0], want)
+    np.testing.assert_allclose(np.asarray(new_cache["k"])[0, :T], k, rtol=1e-4, atol=1e-4)
+    assert ("q_norm" in nnx.to_pure_dict(nnx.state(attn))) == qk_norm

@@ -11,6 +11,7 @@ from safetensors.numpy import load_file
 
 from models import LlamaConfig, load_hf_checkpoint, make_mesh, random_params, save_hf_checkpoint
 from models import llama
+from models.sharding import replicate_kv
 from models.config import RopeScaling
 
 
@@ -121,7 +122,7 @@ def test_replicated_kv_heads_load_save_and_random_init(tmp_path, tiny_tp2):
             head, half = divmod(j, 2)
             np.testing.assert_array_equal(qkv8[:, j, :g // 2], qkv2[:, head, half * g // 2:(half + 1) * g // 2])
             np.testing.assert_array_equal(qkv8[:, j, g // 2:], qkv2[:, head, g:])
-        np.testing.assert_array_equal(qkv8, llama.replicate_kv(qkv2, 2))
+        np.testing.assert_array_equal(qkv8, replicate_kv(qkv2, 2))
     _assert_same_params(random_params(config, mesh8, seed=3), loaded)  # same values at every tp
     save_hf_checkpoint(loaded, config, str(tmp_path / "from8"))  # each KV head written once
     _, back = load_hf_checkpoint(str(tmp_path / "from8"), tiny_tp2[1])

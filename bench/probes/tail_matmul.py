@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import sifar_jax  # noqa: E402
-from models.llama import rms_norm  # noqa: E402
+from models.tp import rms_norm  # noqa: E402
 
 EPS = 1e-5
 VARIANTS = ("norm+dot", "psum+norm+dot", "fused+dot", "fused_matmul")

@@ -1,0 +1,150 @@
+"""The attention every model family shares: GQA with rotary embeddings, the KV cache written in
+place, attention over a static prefix of the cache (a bucket), and optional q/k RMSNorm (Qwen3).
+
+One rank's computation (see tp.py). Tensor-parallel layout (Megatron style):
+  attn.qkv   [hidden, kv_heads, group+2, head_dim]  split over kv heads (dim 1). Each KV group
+             holds its `group` query heads, then k, then v, so a contiguous split hands a rank
+             whole GQA groups and the layout does not depend on tp. One matmul for q, k and v.
+  attn.o     [heads, head_dim, hidden]              split over heads (dim 0), row-parallel: the
+                                                    caller all-reduces its output
+  attn.q_norm, attn.k_norm  [head_dim]              (qk_norm only) replicated
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .sharding import KV_LAYOUTS
+from .tp import RMSNorm, normal
+
+# Which dimension of each attention parameter is split over the tp axis (a family's tp_dims
+# table includes it).
+TP_DIM = {"qkv": 1, "o": 0}
+
+
+# ---- rotary embeddings ----------------------------------------------------------------------------
+
+def rope_inv_freq(config: Any) -> np.ndarray:
+    """Inverse frequencies [head_dim/2] from config.head_dim and rope_theta, with Llama 3 scaling
+    when config.rope_scaling is set (as transformers' `llama3` rope)."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq.astype(np.float32)
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [T, head_dim] (the half-frequencies repeated twice: HF's rotate_half layout)."""
+    ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    ang = jnp.concatenate([ang, ang], axis=-1)
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [..., T, heads..., head_dim]; cos/sin already broadcastable to x."""
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+# ---- what every layer of one forward call shares ---------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """The positions one forward call fills and how its layers read the cache (trace-time only).
+
+    positions [T] int32, contiguous, shared by the batch (the cache is written at positions[0]);
+    cos/sin [T, head_dim] their rotary factors; attend_len: attention over that many cache
+    positions (all of them if None; the caller guarantees positions[-1] < attend_len);
+    kv_layout: the cache's KV_LAYOUTS key."""
+
+    positions: jax.Array
+    cos: jax.Array
+    sin: jax.Array
+    attend_len: Optional[int] = None
+    kv_layout: str = "bshd"
+
+    @classmethod
+    def at(cls, config: Any, positions: jax.Array, attend_len: Optional[int] = None,
+           kv_layout: str = "bshd") -> "Step":
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(config))
+        return cls(positions, cos, sin, attend_len, kv_layout)
+
+
+def _to_cache(x, dims: str, dtype):
+    """[B, T, kv heads, D] keys or values in the cache's layout (`dims`) and dtype."""
+    return (x if dims == "bskd" else jnp.swapaxes(x, 1, 2)).astype(dtype)
+
+
+class Attention(nnx.Module):
+    """GQA self-attention of one rank. config: hidden_size, num_heads, num_kv_heads, head_dim,
+    group_size, dtype (and rms_norm_eps with qk_norm). qk_norm: RMSNorm over head_dim on each
+    query and key head before the rotary embedding (Qwen3)."""
+
+    def __init__(self, config: Any, *, rngs: nnx.Rngs, qk_norm: bool = False):
+        c = config
+        dt = jnp.dtype(c.dtype)
+        self.group = c.group_size
+        self.head_dim = c.head_dim
+        self.qkv = nnx.Param(normal(rngs, (c.hidden_size, c.num_kv_heads, c.group_size + 2,
+                                           c.head_dim), c.hidden_size ** -0.5, dt))
+        self.o = nnx.Param(normal(rngs, (c.num_heads, c.head_dim, c.hidden_size),
+                                  (c.num_heads * c.head_dim) ** -0.5, dt))
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt)
+
+    def __call__(self, x: jax.Array, kv_cache: dict, step: Step):
+        """x [B, T, hidden]; kv_cache {"k","v"}: [B, S, local_kv_heads, head_dim] ("bshd") or
+        [B, local_kv_heads, S, head_dim] ("bhsd"), see KV_LAYOUTS.
+        Returns (this rank's partial sum of the output projection, new cache): the caller
+        all-reduces it."""
+        g, d = self.group, self.head_dim
+        qkv = jnp.einsum("bth,hkgd->btkgd", x, self.qkv[...])  # k: local kv heads
+        q, k, v = qkv[..., :g, :], qkv[..., g, :], qkv[..., g + 1, :]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = step.cos, step.sin
+        q = apply_rope(q, cos[None, :, None, None, :], sin[None, :, None, None, :])
+        k = apply_rope(k, cos[None, :, None, :], sin[None, :, None, :])
+
+        # write this step's keys/values in place (the cache is donated), then attend over a
+        # static prefix of the cache with a position mask: one compiled step per length bucket,
+        # whose cost is that of the bucket, not of the whole cache.
+        dims = KV_LAYOUTS[step.kv_layout]
+        s_axis = dims.index("s")
+        at = [0, 0, 0, 0]
+        at[s_axis] = step.positions[0]
+        kc = jax.lax.dynamic_update_slice(kv_cache["k"], _to_cache(k, dims, kv_cache["k"].dtype), at)
+        vc = jax.lax.dynamic_update_slice(kv_cache["v"], _to_cache(v, dims, kv_cache["v"].dtype), at)
+        n = kc.shape[s_axis] if step.attend_len is None else step.attend_len
+        ka = jax.lax.slice_in_dim(kc, 0, n, axis=s_axis)
+        va = jax.lax.slice_in_dim(vc, 0, n, axis=s_axis)
+
+        scores = jnp.einsum(f"btkgd,{dims}->bkgts", q, ka, preferred_element_type=jnp.float32)
+        scores = scores * (d ** -0.5)
+        visible = step.positions[:, None] >= jnp.arange(n)[None, :]  # [T, n]
+        scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(va.dtype)
+        out = jnp.einsum(f"bkgts,{dims}->btkgd", probs, va, preferred_element_type=jnp.float32)
+        out = out.astype(x.dtype).reshape(*x.shape[:2], -1, d)  # heads in (kv group, group) order
+        partial = jnp.einsum("bthd,hdm->btm", out, self.o[...])  # row-parallel: partial sum
+        return partial, {"k": kc, "v": vc}

@@ -1,0 +1,137 @@
+"""How a model family's parameters and KV cache are laid out over the tp mesh axis.
+
+Generic over families: a family declares which dimension of each parameter is split (its
+`tp_dims` table: parameter name -> dimension; a name not in it is replicated) and its KV geometry
+through its config (num_layers, num_heads, num_kv_heads, head_dim, dtype, and `replace`).
+
+KV heads are replicated when tp > num_kv_heads (tp a multiple of it): the layout is then that of
+an equivalent model with tp KV heads, each original head copied to tp/num_kv_heads ranks, each copy
+with its share of the group's query heads (`tp_layout`, `replicate_kv`). Parameter values do not
+depend on tp.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+# KV cache layouts, by the einsum letters of a cache tensor: b batch, s positions, k kv heads,
+# d head dim. Which one a platform reads in place: default_kv_layout.
+KV_LAYOUTS = {"bshd": "bskd", "bhsd": "bksd"}
+
+
+# ---- tensor parallelism of the attention, and what else a family splits ---------------------------
+
+def check_tp(config: Any, tp: int, splits: Sequence[tuple[str, int, str]] = ()) -> None:
+    """Raise a clear error unless tp splits the attention (whole KV heads per rank, or one
+    replicated head; whole query heads) and every size of `splits`: (name, size, why) triples,
+    `why` said in the message when not empty."""
+    if tp < 1:
+        raise ValueError(f"tensor parallelism tp={tp} must be >= 1")
+    problems = []
+    if config.num_kv_heads % tp and tp % config.num_kv_heads:
+        problems.append(f"num_kv_heads={config.num_kv_heads} or be a multiple of it (each rank "
+                        f"holds whole KV heads, or one replicated head)")
+    if config.num_heads % tp:
+        problems.append(f"num_heads={config.num_heads}")
+    for name, size, why in splits:
+        if size % tp:
+            problems.append(f"{name}={size}" + (f" ({why})" if why else ""))
+    if problems:
+        raise ValueError(f"tensor parallelism tp={tp} must divide " + ", ".join(problems))
+
+
+def kv_replicas(config: Any, tp: int) -> int:
+    """How many ranks hold a copy of each KV head (1 unless tp > num_kv_heads)."""
+    return max(1, tp // config.num_kv_heads)
+
+
+def tp_layout(config: Any, tp: int) -> Any:
+    """The config whose shapes the tp-way layout uses: `config` itself, or, when tp > num_kv_heads,
+    the equivalent model with tp KV heads (each head copied kv_replicas times, the group's query
+    heads split among the copies; query head order unchanged). The family checks tp first."""
+    r = kv_replicas(config, tp)
+    return config if r == 1 else config.replace(num_kv_heads=config.num_kv_heads * r)
+
+
+def replicate_kv(qkv, r: int):
+    """[hidden, kv, g+2, d] -> [hidden, kv*r, g/r+2, d]: copy j of KV head i holds query heads
+    j*g/r .. (j+1)*g/r - 1 of group i, then k and v of head i (works on numpy and jax arrays)."""
+    if r == 1:
+        return qkv
+    xp = jnp if isinstance(qkv, jax.Array) else np
+    h, kv, g2, d = qkv.shape
+    g = g2 - 2
+    q = qkv[:, :, :g].reshape(h, kv, r, g // r, d)
+    k = xp.broadcast_to(qkv[:, :, None, g:], (h, kv, r, 2, d))
+    return xp.concatenate([q, k], axis=3).reshape(h, kv * r, g // r + 2, d)
+
+
+# ---- parameters ----------------------------------------------------------------------------------
+
+def leaf_name(path) -> str:
+    """The parameter name of a pytree path: its last key ("qkv", "weight", ...)."""
+    return str(getattr(path[-1], "key", path[-1]))
+
+
+def spec_for(name: str, ndim: int, tp_dims: Mapping[str, int], axis_name: str = "tp") -> P:
+    """Split over axis_name along tp_dims[name]; replicated if the name is not in the table."""
+    dim = tp_dims.get(name)
+    if dim is None:
+        return P()
+    return P(*[axis_name if i == dim else None for i in range(ndim)])
+
+
+def param_specs(params: dict, tp_dims: Mapping[str, int], axis_name: str = "tp") -> dict:
+    """PartitionSpec pytree for a parameter pytree (arrays or ShapeDtypeStructs)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: spec_for(leaf_name(path), len(leaf.shape), tp_dims, axis_name), params)
+
+
+def param_shardings(abstract: dict, mesh: Mesh, tp_dims: Mapping[str, int],
+                    axis_name: str = "tp") -> dict:
+    """NamedSharding pytree for a parameter pytree laid out for `mesh` (see tp_layout)."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(abstract, tp_dims, axis_name))
+
+
+# ---- the KV cache ----------------------------------------------------------------------------------
+
+def default_kv_layout(mesh: Mesh) -> str:
+    """The KV cache layout whose attention matmuls read it in place on `mesh`'s platform:
+    "bhsd" on GPUs (the matmuls batch over (B, kv heads), which XLA:GPU wants major: with "bshd"
+    it copied every cache tensor in and out of each step at batch > 1, bench/NOTES.md); "bshd"
+    elsewhere (XLA:CPU updates it in place and copies "bhsd", tests/test_decode_loops.py)."""
+    return "bhsd" if mesh.devices.flat[0].platform == "gpu" else "bshd"
+
+
+def check_kv_layout(kv_layout: str) -> None:
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {sorted(KV_LAYOUTS)}, got {kv_layout!r}")
+
+
+def cache_spec(axis_name: str = "tp", kv_layout: str = "bshd") -> P:
+    """Split over kv heads, whichever axis holds them."""
+    return P(*(axis_name if d == "k" else None for d in KV_LAYOUTS[kv_layout]))
+
+
+def cache_specs(layout: Any, axis_name: str = "tp", kv_layout: str = "bshd") -> list:
+    """The cache pytree's specs: per layer {"k", "v"}."""
+    spec = cache_spec(axis_name, kv_layout)
+    return [{"k": spec, "v": spec}] * layout.num_layers
+
+
+def init_cache(layout: Any, mesh: Mesh, batch_size: int, max_seq_len: int,
+               axis_name: str = "tp", kv_layout: str = "bshd") -> list:
+    """Zero KV cache of a tp layout's config (tp_layout: with tp > num_kv_heads each rank holds
+    its copy of one KV head), created directly sharded (no host copy)."""
+    sizes = {"b": batch_size, "s": max_seq_len, "k": layout.num_kv_heads, "d": layout.head_dim}
+    shape = tuple(sizes[d] for d in KV_LAYOUTS[kv_layout])
+    sharding = NamedSharding(mesh, cache_spec(axis_name, kv_layout))
+    make = jax.jit(lambda: [{"k": jnp.zeros(shape, layout.dtype), "v": jnp.zeros(shape, layout.dtype)}
+                            for _ in range(layout.num_layers)],
+                   out_shardings=sharding)
+    return make()
