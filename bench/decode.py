@@ -332,7 +332,7 @@ def streamed_bytes_per_rank(config: LlamaConfig, params, tp: int) -> int:
 def kv_cache_bytes_per_rank(config: LlamaConfig, context: int, tp: int, batch: int = 1) -> int:
     """K and V of every layer over `context` positions: what attention reads per step."""
     itemsize = np.dtype(jax.numpy.dtype(config.dtype)).itemsize
-    heads = llama.tp_layout(config, tp).num_kv_heads // tp
+    heads = llama.LLAMA.layout(config, tp).num_kv_heads // tp
     return 2 * config.num_layers * batch * context * heads * config.head_dim * itemsize
 
 

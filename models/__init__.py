@@ -1,4 +1,6 @@
-"""Flax NNX Llama 3.x decoder with tensor parallelism over a shard_map axis.
+"""Flax NNX decoders with tensor parallelism over a shard_map axis, one module per model family
+(Llama 3.x: llama.py, families.py lists them) on shared attention, sharding and tensor-parallel
+helpers.
 
 Submodules import jax; this package file does not, so `python -m models.generate` can still set
 XLA_FLAGS before jax starts. Public names are loaded on first access.
@@ -6,8 +8,9 @@ XLA_FLAGS before jax starts. Public names are loaded on first access.
 
 _EXPORTS = {
     "LlamaConfig": "config", "RopeScaling": "config",
-    "Llama": "llama", "make_allreduce": "tp", "make_forward": "llama", "check_tp": "llama",
-    "param_specs": "llama", "param_shardings": "llama", "init_cache": "llama",
+    "Llama": "llama", "LLAMA": "llama", "check_tp": "llama",
+    "ModelFamily": "family", "FAMILIES": "families", "family_of": "families",
+    "make_allreduce": "tp",
     "load_hf_checkpoint": "weights", "save_hf_checkpoint": "weights", "random_params": "weights",
     "to_hf_tensors": "weights",
     "Decoder": "decode", "make_mesh": "decode", "LOOPS": "decode", "Sampling": "sampling",

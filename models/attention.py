@@ -23,9 +23,11 @@ from flax import nnx
 from .sharding import KV_LAYOUTS
 from .tp import RMSNorm, normal
 
-# Which dimension of each attention parameter is split over the tp axis (a family's tp_dims
-# table includes it).
+# Which dimension of each attention parameter is split over the tp axis, and each one's fan-in
+# from its shape (random init); a family's tables include these.
 TP_DIM = {"qkv": 1, "o": 0}
+FAN_IN = {"qkv": lambda shape: shape[0], "o": lambda shape: shape[0] * shape[1]}
+KV_PARAM = "qkv"  # the parameter holding the KV heads (sharding.replicate_kv's layout)
 
 
 # ---- rotary embeddings ----------------------------------------------------------------------------

@@ -42,8 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from . import llama
-from .config import LlamaConfig
+from .family import ModelConfig, ModelFamily
+from .families import family_of
+from .random_weights import hash_uniform, mix32
 from .sharding import KV_LAYOUTS, cache_spec, check_kv_layout, default_kv_layout
 from .tp import ALLREDUCE_KINDS, FUSED_MODES, make_fused_add_norm
 from .sampling import Sampling, key_data, next_token
@@ -95,8 +96,6 @@ def _peek(tok):
 def _random_like(leaves, seed: int, sharding):
     """Arrays like `leaves`, uniform in (-1, 1), laid out as `sharding` (cache-sized: cheap to
     compile, and each device computes its own shard)."""
-    from .weights import hash_uniform, mix32
-
     return [jax.lax.with_sharding_constraint(
         hash_uniform(a.shape, mix32(seed * 7919 + i)).astype(a.dtype), sharding)
         for i, a in enumerate(leaves)]
@@ -117,7 +116,8 @@ class _StopAt:
 
 
 class Decoder:
-    """Prefill and decode for one batch of equal-length sequences.
+    """Prefill and decode for one batch of equal-length sequences of a model of `family`
+    (models.families.family_of(config) by default: the family whose config type it is).
 
     allreduce: "psum", "sifar" (calls sifar_jax.init(mesh, slot_bytes=slot_bytes)),
     "sifar_buffers" (sifar with explicit dual buffers carried in the decode state) or "identity"
@@ -141,7 +141,8 @@ class Decoder:
     draws are per row).
     """
 
-    def __init__(self, config: LlamaConfig, mesh: Mesh, params, *, allreduce: str = "psum",
+    def __init__(self, config: ModelConfig, mesh: Mesh, params, *,
+                 family: Optional[ModelFamily] = None, allreduce: str = "psum",
                  algorithm: str = "auto", fused=False, slot_bytes: Optional[int] = None,
                  axis_name: str = "tp", batch_size: int = 1, max_seq_len: Optional[int] = None,
                  kv_layout: Optional[str] = None, min_rows: int = 1,
@@ -151,6 +152,7 @@ class Decoder:
         if slot_bytes is not None and allreduce not in SIFAR_KINDS:
             raise ValueError(f"slot_bytes is sifar's slot size; allreduce={allreduce!r} has none")
         self.config = config
+        self.family = family_of(config) if family is None else family
         self.mesh = mesh
         self.axis_name = axis_name
         self.batch_size = batch_size
@@ -161,7 +163,7 @@ class Decoder:
         self.tp = mesh.shape[axis_name]
         self.kv_layout = kv_layout or default_kv_layout(mesh)
         check_kv_layout(self.kv_layout)
-        self.layout = llama.tp_layout(config, self.tp)  # raises if tp does not split the model
+        self.layout = self.family.layout(config, self.tp)  # raises if tp does not split the model
         if fused not in FUSED_MODES:
             raise ValueError(f"fused must be one of {FUSED_MODES}, got {fused!r}")
         if fused:  # a clear error now, not at trace
@@ -179,7 +181,8 @@ class Decoder:
                 spec = sifar_jax.buffer_spec(mesh)
                 ar_specs = {"a": spec, "b": spec}
         self._fwd_kw = dict(allreduce=allreduce, algorithm=algorithm, fused=fused,
-                            prefetch_bytes=prefetch_bytes, axis_name=axis_name, ar_specs=ar_specs, kv_layout=self.kv_layout)
+                            prefetch_bytes=prefetch_bytes, axis_name=axis_name, ar_specs=ar_specs,
+                            kv_layout=self.kv_layout)
         self.params = self._place(params)
         # flattened once: every call passes this list (no per-call flattening of a nested dict)
         self._leaves, self._treedef = jax.tree.flatten(self.params)
@@ -194,15 +197,16 @@ class Decoder:
         self._step = (0, None)  # (bucket limit, executable) of the current step
 
     def _place(self, params):
-        _, abstract = llama.abstract_model(self.layout)
+        _, abstract = self.family.abstract_model(self.layout)
         got = jax.tree.map(lambda a: tuple(a.shape), params)
         want = jax.tree.map(lambda a: tuple(a.shape), abstract)
         if got != want:
             raise ValueError(f"params do not have the shapes of the tp={self.tp} layout (KV heads "
                              f"replicated when tp > num_kv_heads): make them for this mesh with "
-                             f"random_params or load_hf_checkpoint")
+                             f"the family's random_params or load_hf_checkpoint")
         # a no-op for arrays already placed as the layout says
-        return jax.device_put(params, llama.param_shardings(self.config, self.mesh, self.axis_name))
+        return jax.device_put(params, self.family.param_shardings(self.config, self.mesh,
+                                                                  self.axis_name))
 
     # ---- state -----------------------------------------------------------------------------
 
@@ -249,8 +253,8 @@ class Decoder:
                 self.state = None  # free the old cache before allocating the new one
             elif self._buffers is not None:
                 ar, self._buffers = dict(self._buffers._asdict()), None  # the state owns them
-            cache = llama.init_cache(self.config, self.mesh, self.rows, size, self.axis_name,
-                                     self.kv_layout)
+            cache = self.family.init_cache(self.config, self.mesh, self.rows, size,
+                                           self.axis_name, self.kv_layout)
             self.state = {"cache": cache, "ar": ar}
             self._capacity = size
         b = self.rows
@@ -295,8 +299,8 @@ class Decoder:
     def _forward(self, attend_len: int, last_only: bool):
         key = (attend_len, last_only)
         if key not in self._forwards:
-            self._forwards[key] = llama.make_forward(self.config, self.mesh, last_only=last_only,
-                                                     attend_len=attend_len, **self._fwd_kw)
+            self._forwards[key] = self.family.make_forward(
+                self.config, self.mesh, last_only=last_only, attend_len=attend_len, **self._fwd_kw)
         return self._forwards[key]
 
     def _bucket(self, end: int) -> int:

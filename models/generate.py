@@ -20,9 +20,11 @@ import time
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m models.generate", description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="tiny", choices=["tiny", "llama3_8b"])
-    p.add_argument("--checkpoint", help="Hugging Face checkpoint dir (config.json + safetensors); "
-                                        "overrides --preset")
+    # (the names are checked after jax is imported: every family's presets, models.families)
+    p.add_argument("--preset", default="tiny",
+                   help="model shapes, random weights (tiny, llama3_8b, ...)")
+    p.add_argument("--checkpoint", help="Hugging Face checkpoint dir (config.json + safetensors; "
+                                        "its model_type picks the family); overrides --preset")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--tokens", type=int, default=32, help="tokens to generate")
     p.add_argument("--prompt-len", type=int, default=8, help="random prompt length")
@@ -60,9 +62,8 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from .config import LlamaConfig
     from .decode import Decoder, make_mesh
-    from .weights import load_hf_checkpoint, random_params
+    from .families import family_for_checkpoint, preset, presets
 
     if len(jax.devices()) < args.tp:
         print(f"error: --tp {args.tp} but only {len(jax.devices())} {jax.default_backend()} "
@@ -72,12 +73,18 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     prompt_len = len(args.prompt) if args.prompt else args.prompt_len
     if args.checkpoint:
-        config, params = load_hf_checkpoint(args.checkpoint, mesh, dtype=args.dtype)
+        family = family_for_checkpoint(args.checkpoint)
+        config, params = family.load_hf_checkpoint(args.checkpoint, mesh, dtype=args.dtype)
     else:
-        config = getattr(LlamaConfig, args.preset)()
+        if args.preset not in presets():
+            print(f"error: unknown --preset {args.preset!r}; choose from {sorted(presets())}",
+                  file=sys.stderr)
+            return 2
+        family = presets()[args.preset]
+        config = preset(args.preset)
         if args.dtype:
             config = config.replace(dtype=args.dtype)
-        params = random_params(config, mesh, seed=args.seed)
+        params = family.random_params(config, mesh, seed=args.seed)
     # The decoder sizes the KV cache to each request (rounded up to a power of two); let the
     # limit admit this one (+ the on-device loop's last chunk).
     need = max(prompt_len + args.tokens + 16, args.max_seq_len or 0)
@@ -86,7 +93,7 @@ def main(argv=None) -> int:
               else rng.integers(0, config.vocab_size, prompt_len, dtype=np.int32))
 
     try:
-        dec = Decoder(config, mesh, params, allreduce=args.allreduce, algorithm=args.algorithm,
+        dec = Decoder(config, mesh, params, family=family, allreduce=args.allreduce, algorithm=args.algorithm,
                       fused=args.fused,
                       slot_bytes=args.slot_bytes, max_seq_len=args.max_seq_len)
     except (ValueError, NotImplementedError) as e:
@@ -99,7 +106,7 @@ def main(argv=None) -> int:
     compile_s = time.perf_counter() - t0
 
     print(f"device: {jax.devices()[0].device_kind} x{args.tp} ({jax.default_backend()}), "
-          f"layers={config.num_layers} hidden={config.hidden_size} dtype={config.dtype}, "
+          f"{family.name}: layers={config.num_layers} hidden={config.hidden_size} dtype={config.dtype}, "
           f"allreduce={args.allreduce}" + (f"/{args.algorithm}" if "sifar" in args.allreduce else "")
           + (" fused" if args.fused else "") + f", loop={args.loop}")
     print("prompt:", " ".join(map(str, prompt)))

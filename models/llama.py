@@ -1,5 +1,6 @@
 """The Llama 3.x family: its MLP and block on the shared attention and decoder stack, its
-tensor-parallel split, and its parameter layout.
+tensor-parallel split, and LLAMA, the family object the decoder, loader and CLI use (its
+config: config.py, its Hugging Face loader: weights.py).
 
 Tensor-parallel layout (Megatron style; tp = size of the mesh axis), beside the attention's
 (attention.py) and the stack's (transformer.py):
@@ -14,22 +15,23 @@ fused=True) or unfused (the default).
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
 
 from . import attention, sharding, transformer
 from .attention import Attention, Step
 from .config import LlamaConfig
-from .tp import (FUSED_MODES, RMSNorm, TPContext, make_allreduce, make_allreduce_into,
-                 make_fused_add_norm, normal)
+from .family import ModelFamily
+from .tp import RMSNorm, TPContext, normal
 
-# Which dimension of each (global) parameter is split over the tp axis; others are replicated.
+# Which dimension of each (global) parameter is split over the tp axis (others are replicated),
+# and each linear weight's fan-in from its shape (random init).
 TP_DIM = {**attention.TP_DIM, "gate_up": 2, "down": 0, **transformer.TP_DIM}
+FAN_IN = {**attention.FAN_IN, "gate_up": lambda shape: shape[0], "down": lambda shape: shape[0],
+          **transformer.FAN_IN}
 
 
 class MLP(nnx.Module):
@@ -79,84 +81,8 @@ def check_tp(config: LlamaConfig, tp: int) -> None:
                                    ("vocab_size", config.vocab_size, "lm_head is split over vocab")])
 
 
-def tp_layout(config: LlamaConfig, tp: int) -> LlamaConfig:
-    """The config whose shapes the tp-way layout uses (sharding.tp_layout), after check_tp."""
-    check_tp(config, tp)
-    return sharding.tp_layout(config, tp)
-
-
-# ---- global pytrees: shapes, shardings, the shard_map'd forward ------------------------------------
-
-@functools.lru_cache(maxsize=None)
-def abstract_model(config: LlamaConfig) -> tuple[nnx.GraphDef, dict]:
-    """(graphdef, pure-dict pytree of ShapeDtypeStruct) without allocating anything."""
-    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(model)
-    return graphdef, nnx.to_pure_dict(state)
-
-
-def param_specs(params: dict, axis_name: str = "tp") -> dict:
-    """PartitionSpec pytree for a parameter pytree (arrays or ShapeDtypeStructs)."""
-    return sharding.param_specs(params, TP_DIM, axis_name)
-
-
-def param_shardings(config: LlamaConfig, mesh: Mesh, axis_name: str = "tp") -> dict:
-    """NamedSharding pytree of the parameters laid out for `mesh` (see tp_layout)."""
-    _, abstract = abstract_model(tp_layout(config, mesh.shape[axis_name]))
-    return sharding.param_shardings(abstract, mesh, TP_DIM, axis_name)
-
-
-def init_cache(config: LlamaConfig, mesh: Mesh, batch_size: int, max_seq_len: int,
-               axis_name: str = "tp", kv_layout: str = "bshd") -> list:
-    """Zero KV cache, created directly sharded (no host copy). With tp > num_kv_heads each rank
-    holds its copy of one KV head."""
-    return sharding.init_cache(tp_layout(config, mesh.shape[axis_name]), mesh, batch_size,
-                               max_seq_len, axis_name, kv_layout)
-
-
-def make_forward(config: LlamaConfig, mesh: Mesh, *, allreduce: str = "psum",
-                 algorithm: str = "auto", fused=False, axis_name: str = "tp",
-                 last_only: bool = False, attend_len: Optional[int] = None, ar_specs: Any = None,
-                 kv_layout: str = "bshd", prefetch_bytes: Optional[int] = None):
-    """The TP forward as a pure function, ready for jax.jit:
-
-        forward(params, cache, tokens, positions, ar) -> (logits, cache, ar)
-
-    params/cache are global arrays sharded as param_shardings/cache_spec (laid out by tp_layout);
-    tokens [B, T] and positions [T] are replicated; logits [B, T (1 if last_only), vocab] come out
-    split over vocab; `ar` is the all-reduce buffer pytree of the decode state ({} unless
-    sifar_buffers; `ar_specs` its specs). attend_len: attention over that many cache positions
-    (see attention.Step); kv_layout: the cache's (KV_LAYOUTS). fused=True (allreduce="sifar"):
-    all-reduce + residual add + RMSNorm as one sifar_jax.psum_add_rmsnorm call, which brings the
-    first prefetch_bytes of the next matmul's weight into L2 while it waits (None: sifar_jax's
-    default; 0: no prefetch). Works for a 1-device mesh (tp=1) too.
-    """
-    tp = mesh.shape[axis_name]
-    config = tp_layout(config, tp)
-    graphdef, abstract = abstract_model(config)
-    pspecs = param_specs(abstract, axis_name)
-    sharding.check_kv_layout(kv_layout)
-    cspec = sharding.cache_specs(config, axis_name, kv_layout)
-    aspecs = {} if ar_specs is None else ar_specs
-    reduce_fn = make_allreduce(allreduce, algorithm)
-    if fused not in FUSED_MODES:
-        raise ValueError(f"fused must be one of {FUSED_MODES}, got {fused!r}")
-    fused_fn = make_fused_add_norm(allreduce, algorithm, prefetch_bytes) if fused else None
-
-    def per_rank(params, cache, tokens, positions, ar):
-        model = nnx.merge(graphdef, params)
-        ctx = TPContext(axis_name, tp, reduce_fn, ar, make_allreduce_into(algorithm), fused_fn)
-        logits, cache = model(tokens, positions, cache, ctx, last_only=last_only,
-                              attend_len=attend_len, kv_layout=kv_layout)
-        if ctx.buffers and ctx.count % 2:
-            # The next step starts with buffer "a" again: an odd count would reuse the buffer
-            # the last all-reduce wrote, which dual buffering forbids.
-            raise ValueError(f"explicit dual buffers need an even number of all-reduces per step, "
-                             f"got {ctx.count}")
-        return logits, cache, ctx.buffers
-
-    return jax.shard_map(
-        per_rank, mesh=mesh,
-        in_specs=(pspecs, cspec, P(), P(), aspecs),
-        out_specs=(P(None, None, axis_name), cspec, aspecs),
-        check_vma=True)
+LLAMA = ModelFamily(
+    name="llama", config_type=LlamaConfig,
+    presets={"tiny": LlamaConfig.tiny, "llama3_8b": LlamaConfig.llama3_8b},
+    model=Llama, tp_dims=TP_DIM, check_tp=check_tp, fan_in=FAN_IN,
+    loader=f"{__package__}.weights", hf_model_types=("llama",))

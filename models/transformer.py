@@ -32,7 +32,9 @@ from flax import nnx
 from .attention import Step
 from .tp import RMSNorm, TPContext, normal
 
-TP_DIM = {"lm_head": 1}  # the stack's split parameters (a family's tp_dims table includes it)
+# The stack's split parameters and fan-ins (a family's tables include them).
+TP_DIM = {"lm_head": 1}
+FAN_IN = {"lm_head": lambda shape: shape[0]}
 
 
 class CausalLM(nnx.Module):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import sifar_jax
-from models import Decoder, LlamaConfig, hlo, llama, make_mesh, random_params
+from models import LLAMA, Decoder, LlamaConfig, hlo, make_mesh, random_params
 from models.decode import LOOPS, attention_buckets, bucket_up
 from models.sharding import KV_LAYOUTS
 from models.tp import fused_add_norm_available, unfused_psum_add_rmsnorm
@@ -262,7 +262,7 @@ def test_bucketed_attention_equals_attention_over_the_whole_cache():
     tokens, positions = np.array([[9]], np.int32), np.array([40], np.int32)
     out = {}
     for attend in (64, None):
-        fwd = jax.jit(llama.make_forward(config, mesh, attend_len=attend,
+        fwd = jax.jit(LLAMA.make_forward(config, mesh, attend_len=attend,
                                          kv_layout=dec.kv_layout))
         logits, new_cache, _ = fwd(params, cache, tokens, positions, {})
         out[attend] = np.asarray(logits), [np.asarray(c["k"]) for c in new_cache]

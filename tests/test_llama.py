@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from models import Decoder, LlamaConfig, load_hf_checkpoint, make_mesh
+from models import LLAMA, Decoder, LlamaConfig, load_hf_checkpoint, make_mesh
 from models import llama
 from models.attention import Attention, Step, rope_inv_freq
 from models.sharding import kv_replicas
@@ -327,8 +327,8 @@ def test_kv_heads_replicated_when_tp_exceeds_them(loaded, hf):
 def test_shard_map_checks_varying_axes(loaded):
     """check_vma=True: shard_map checks every out_spec against the values' varying axes."""
     mesh, config, params = loaded(2)
-    fwd = llama.make_forward(config, mesh)
-    cache = llama.init_cache(config, mesh, 1, 64)
+    fwd = LLAMA.make_forward(config, mesh)
+    cache = LLAMA.init_cache(config, mesh, 1, 64)
     jaxpr = jax.make_jaxpr(fwd)(params, cache, np.zeros((1, 1), np.int32),
                                 np.zeros(1, np.int32), {})
     maps = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
@@ -355,7 +355,7 @@ def test_errors(loaded):
 
 def test_llama3_8b_shapes():
     config = LlamaConfig.llama3_8b()
-    _, abstract = llama.abstract_model(config)  # no allocation
+    _, abstract = LLAMA.abstract_model(config)  # no allocation
     assert sum(a.size for a in jax.tree.leaves(abstract)) == 8_030_261_248
     for tp in (1, 2, 4, 8):
         llama.check_tp(config, tp)
@@ -402,3 +402,48 @@ def test_attention_matches_numpy_with_and_without_qk_norm(qk_norm):
     assert_close_ref(np.asarray(got)[0], want)
     np.testing.assert_allclose(np.asarray(new_cache["k"])[0, :T], k, rtol=1e-4, atol=1e-4)
     assert ("q_norm" in nnx.to_pure_dict(nnx.state(attn))) == qk_norm
+
+
+# ---- the family interface ----------------------------------------------------------------------------
+
+def test_llama_is_found_by_config_preset_and_checkpoint(hf, tmp_path):
+    from models import families
+
+    assert families.family_of(LlamaConfig.tiny()) is LLAMA and families.FAMILIES["llama"] is LLAMA
+    assert families.preset("tiny") == LlamaConfig.tiny()
+    assert families.preset("llama3_8b", max_seq_len=64) == LlamaConfig.llama3_8b(max_seq_len=64)
+    assert families.family_for_checkpoint(hf[0]) is LLAMA
+    with pytest.raises(TypeError, match="no model family"):
+        families.family_of(HF_CONFIG)
+    with pytest.raises(ValueError, match="unknown preset"):
+        families.preset("nope")
+    (tmp_path / "config.json").write_text(json.dumps({**HF_CONFIG, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="'gpt2' is not supported"):
+        families.family_for_checkpoint(str(tmp_path))
+
+
+def test_no_module_of_models_uses_another_ones_private_names():
+    """issue 25: models/ modules talk through public names only (no `weights._x`, no
+    `from .llama import _y`)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "models"
+    modules = {p.stem for p in root.glob("*.py")}
+    found = []
+    for path in sorted(root.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        aliases = set()  # local names bound to sibling modules
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                for a in node.names:
+                    if node.module is None and a.name in modules:
+                        aliases.add(a.asname or a.name)
+                    elif a.name.startswith("_"):
+                        found.append(f"{path.name}: from .{node.module} import {a.name}")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                found.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+    assert len(modules) > 10 and not found, found

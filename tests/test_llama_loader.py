@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from models import LlamaConfig, load_hf_checkpoint, make_mesh, random_params, save_hf_checkpoint
-from models import llama
+from models import LLAMA
 from models.sharding import replicate_kv
 from models.config import RopeScaling
 
@@ -33,7 +33,7 @@ def _assert_same_params(a, b):
 
 
 def _assert_sharded_as_specified(params, config, mesh):
-    want = llama.param_shardings(config, mesh)
+    want = LLAMA.param_shardings(config, mesh)
     for (path, x), (_, s) in zip(_leaves(params), _leaves(want)):
         assert x.sharding.is_equivalent_to(s, x.ndim), jax.tree_util.keystr(path)
         full = np.asarray(x)

@@ -1,0 +1,120 @@
+"""Hugging Face safetensors checkpoints, for any model family: reading the slices each device
+needs, placing them as sharded arrays, writing tensors back in HF's file layout.
+
+Loading reads, for each device, only the rows/columns of each HF tensor that its shard needs
+(safetensors slices are memory-mapped) and places them with jax.make_array_from_callback, so the
+full model is never assembled on the host or on one device. A family's loader says, for each of
+its parameters, how to build a chunk of it from checkpoint tensors (`builders`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any, Callable, Mapping, Optional
+
+import jax
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from .sharding import leaf_name
+
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+
+
+def read_hf_config(path: str) -> dict:
+    """The checkpoint's config.json as a dict."""
+    with open(os.path.join(path, CONFIG_FILE)) as f:
+        return json.load(f)
+
+
+class Checkpoint:
+    """Name -> slice reader over one or several safetensors files (open while `stack` is)."""
+
+    def __init__(self, path: str, stack: contextlib.ExitStack):
+        index = os.path.join(path, INDEX_FILE)
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors in {path}")
+            weight_map = {}
+            for fn in files:
+                with safe_open(os.path.join(path, fn), framework="np") as f:
+                    weight_map.update({k: fn for k in f.keys()})
+        self._files = {fn: stack.enter_context(safe_open(os.path.join(path, fn), framework="np"))
+                       for fn in sorted(set(weight_map.values()))}
+        self._map = weight_map
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._map
+
+    def read(self, name: str, dim: int = 0, lo: Optional[int] = None, hi: Optional[int] = None):
+        """tensor[lo:hi] along dim (all of it if lo is None), as numpy."""
+        if name not in self._map:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        sl = self._files[self._map[name]].get_slice(name)
+        if lo is None:
+            return sl[:]
+        return sl[lo:hi] if dim == 0 else sl[:, lo:hi]
+
+
+def load_sharded(path: str, abstract: dict, shardings: dict, tp_dims: Mapping[str, int],
+                 builders: Callable[[Checkpoint], dict]) -> dict:
+    """The parameter pytree `abstract` (ShapeDtypeStructs of the tp layout) read from the
+    checkpoint at `path` and placed as `shardings`. builders(checkpoint) gives, per parameter
+    path, f(lo, hi) -> its chunk [lo, hi) along its tp_dims dimension (the whole tensor for a
+    replicated one)."""
+    with contextlib.ExitStack() as stack:
+        tree = builders(Checkpoint(path, stack))
+
+        def place(path_, sds, sharding, build: Callable):
+            dim = tp_dims.get(leaf_name(path_))
+            chunks: dict = {}  # a replicated tensor is read once, not once per device
+
+            def callback(index):
+                if dim is None:
+                    lo, hi = 0, sds.shape[0]
+                else:
+                    lo, hi, _ = index[dim].indices(sds.shape[dim])
+                if (lo, hi) not in chunks:
+                    a = np.asarray(build(lo, hi)).astype(sds.dtype)
+                    want = list(sds.shape)
+                    if dim is not None:
+                        want[dim] = hi - lo
+                    if a.shape != tuple(want):
+                        raise ValueError(f"{jax.tree_util.keystr(path_)}: checkpoint gives shape "
+                                         f"{a.shape}, expected {tuple(want)}")
+                    chunks[(lo, hi)] = a
+                return chunks[(lo, hi)]
+
+            return jax.make_array_from_callback(sds.shape, sharding, callback)
+
+        return jax.tree_util.tree_map_with_path(place, abstract, shardings, tree)
+
+
+def save(tensors: dict[str, np.ndarray], hf_config: dict[str, Any], path: str, *,
+         num_shards: int = 1) -> None:
+    """Write config.json and model.safetensors (or num_shards files plus
+    model.safetensors.index.json) in Hugging Face's layout."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, CONFIG_FILE), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    if num_shards == 1:
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    groups = [names[k::num_shards] for k in range(num_shards)]
+    weight_map = {}
+    for k, group in enumerate(groups):
+        fn = f"model-{k + 1:05d}-of-{num_shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in group}, os.path.join(path, fn), metadata={"format": "pt"})
+        weight_map.update({n: fn for n in group})
+    total = sum(a.nbytes for a in tensors.values())
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

@@ -1,0 +1,212 @@
+"""A model family: what the decoder, the loader and the CLI need to know about one architecture.
+
+A family is its config type and presets, its model (a transformer.CausalLM subclass built from
+the shared attention and its own blocks), its tensor-parallel split (tp_dims, check_tp), its
+random-init fan-ins, and its Hugging Face loader module. Everything else is generic and comes from
+ModelFamily's methods: the tp layout, the abstract model, parameter shardings, the KV cache, the
+shard_map'd forward, random parameters, checkpoint loading and saving. Adding a family: one
+module (config + blocks + the ModelFamily), a loader module, presets, tests, and a line in
+families.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from typing import Any, Callable, Mapping, Optional, Protocol
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+from . import checkpoint, random_weights, sharding
+from .tp import (FUSED_MODES, TPContext, make_allreduce, make_allreduce_into,
+                 make_fused_add_norm)
+
+
+class ModelConfig(Protocol):
+    """What the generic code reads from a family's config (a frozen dataclass)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_seq_len: int  # the longest KV cache the decoder may allocate
+    dtype: str
+
+    def replace(self, **kw) -> "ModelConfig": ...
+
+    @classmethod
+    def from_hf_config(cls, d: dict, *, max_seq_len: Optional[int] = None,
+                       dtype: Optional[str] = None) -> "ModelConfig": ...
+
+    def to_hf_config(self) -> dict: ...
+
+
+class HFLoader(Protocol):
+    """A family's loader module: its parameters <-> Hugging Face tensors."""
+
+    def hf_builders(self, layout: Any, ck: checkpoint.Checkpoint, kv_replicas: int) -> dict:
+        """Per parameter path of the tp layout `layout`, f(lo, hi) -> its chunk along its tp
+        dimension, read from `ck` (see checkpoint.load_sharded)."""
+
+    def to_hf_tensors(self, params: dict, config: Any) -> dict:
+        """Global parameters -> HF-named numpy tensors (each replicated KV head once)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _abstract_model(model: Callable[..., nnx.Module], config: Any) -> tuple[nnx.GraphDef, dict]:
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: model(config, rngs=nnx.Rngs(0))))
+    return graphdef, nnx.to_pure_dict(state)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelFamily:
+    name: str
+    config_type: type  # a ModelConfig
+    presets: Mapping[str, Callable[..., Any]]  # preset name -> f(**overrides) -> config
+    model: Callable[..., nnx.Module]  # model(config, rngs=...): global shapes, per-rank __call__
+    tp_dims: Mapping[str, int]  # parameter name -> the dimension split over tp (else replicated)
+    check_tp: Callable[[Any, int], None]  # raises ValueError unless tp splits the model
+    fan_in: Mapping[str, Callable[[tuple], int]]  # linear weights' fan-in, for random init
+    loader: str  # the HFLoader module, imported on first use (it imports the family's module)
+    hf_model_types: tuple[str, ...] = ()  # config.json "model_type" values this family reads
+
+    # ---- configs -------------------------------------------------------------------------------
+
+    def preset(self, name: str, **overrides) -> Any:
+        if name not in self.presets:
+            raise ValueError(f"{self.name} has no preset {name!r}; choose from {sorted(self.presets)}")
+        return self.presets[name](**overrides)
+
+    def layout(self, config: Any, tp: int) -> Any:
+        """The config whose shapes the tp-way layout uses (sharding.tp_layout); raises if tp does
+        not split the model."""
+        self.check_tp(config, tp)
+        return sharding.tp_layout(config, tp)
+
+    # ---- parameters and cache --------------------------------------------------------------------
+
+    def abstract_model(self, config: Any) -> tuple[nnx.GraphDef, dict]:
+        """(graphdef, pure-dict pytree of ShapeDtypeStruct) without allocating anything."""
+        return _abstract_model(self.model, config)
+
+    def param_specs(self, params: dict, axis_name: str = "tp") -> dict:
+        """PartitionSpec pytree for a parameter pytree (arrays or ShapeDtypeStructs)."""
+        return sharding.param_specs(params, self.tp_dims, axis_name)
+
+    def param_shardings(self, config: Any, mesh: Mesh, axis_name: str = "tp") -> dict:
+        """NamedSharding pytree of the parameters laid out for `mesh` (see layout)."""
+        _, abstract = self.abstract_model(self.layout(config, mesh.shape[axis_name]))
+        return sharding.param_shardings(abstract, mesh, self.tp_dims, axis_name)
+
+    def init_cache(self, config: Any, mesh: Mesh, batch_size: int, max_seq_len: int,
+                   axis_name: str = "tp", kv_layout: str = "bshd") -> list:
+        """Zero KV cache, created directly sharded (no host copy). With tp > num_kv_heads each
+        rank holds its copy of one KV head."""
+        return sharding.init_cache(self.layout(config, mesh.shape[axis_name]), mesh, batch_size,
+                                   max_seq_len, axis_name, kv_layout)
+
+    def random_params(self, config: Any, mesh: Mesh, seed: int = 0, *,
+                      axis_name: str = "tp") -> dict:
+        """Random parameters (never zero) created directly sharded on the devices. The values
+        depend on (config, seed) only, not on the mesh (see random_weights.random_params)."""
+        _, abstract = self.abstract_model(config)
+        return random_weights.random_params(
+            abstract, self.param_shardings(config, mesh, axis_name), seed, self.fan_in,
+            sharding.kv_replicas(config, mesh.shape[axis_name]))
+
+    # ---- Hugging Face checkpoints ----------------------------------------------------------------
+
+    def hf_loader(self) -> HFLoader:
+        return importlib.import_module(self.loader)
+
+    def config_from_hf(self, d: dict, *, max_seq_len: Optional[int] = None,
+                       dtype: Optional[str] = None) -> Any:
+        return self.config_type.from_hf_config(d, max_seq_len=max_seq_len, dtype=dtype)
+
+    def load_hf_checkpoint(self, path: str, mesh: Mesh, *, axis_name: str = "tp",
+                           config: Any = None, dtype: Optional[str] = None,
+                           max_seq_len: Optional[int] = None) -> tuple[Any, dict]:
+        """Read `path`/config.json and its safetensors shards; return (config, params) with
+        params sharded onto `mesh` (tp_dims; KV heads replicated when tp > num_kv_heads, see
+        layout). `dtype` overrides the checkpoint's dtype."""
+        if config is None:
+            config = self.config_from_hf(checkpoint.read_hf_config(path), max_seq_len=max_seq_len,
+                                         dtype=dtype)
+        elif dtype is not None:
+            config = config.replace(dtype=dtype)
+        tp = mesh.shape[axis_name]
+        layout = self.layout(config, tp)
+        _, abstract = self.abstract_model(layout)
+        r = sharding.kv_replicas(config, tp)
+        params = checkpoint.load_sharded(
+            path, abstract, self.param_shardings(config, mesh, axis_name), self.tp_dims,
+            lambda ck: self.hf_loader().hf_builders(layout, ck, r))
+        return config, params
+
+    def to_hf_tensors(self, params: dict, config: Any) -> dict:
+        """Our (global) parameters -> HF-named numpy tensors. Gathers to the host: for tests and
+        small models."""
+        return self.hf_loader().to_hf_tensors(params, config)
+
+    def save_hf_checkpoint(self, params: dict, config: Any, path: str, *,
+                           num_shards: int = 1) -> None:
+        """Write config.json and model.safetensors (or num_shards files plus
+        model.safetensors.index.json) in Hugging Face's layout."""
+        checkpoint.save(self.to_hf_tensors(params, config), config.to_hf_config(), path,
+                        num_shards=num_shards)
+
+    # ---- the forward -------------------------------------------------------------------------------
+
+    def make_forward(self, config: Any, mesh: Mesh, *, allreduce: str = "psum",
+                     algorithm: str = "auto", fused=False, axis_name: str = "tp",
+                     last_only: bool = False, attend_len: Optional[int] = None,
+                     ar_specs: Any = None, kv_layout: str = "bshd",
+                     prefetch_bytes: Optional[int] = None):
+        """The TP forward as a pure function, ready for jax.jit:
+
+            forward(params, cache, tokens, positions, ar) -> (logits, cache, ar)
+
+        params/cache are global arrays sharded as param_shardings/init_cache (laid out by
+        layout); tokens [B, T] and positions [T] are replicated; logits [B, T (1 if last_only),
+        vocab] come out split over vocab; `ar` is the all-reduce buffer pytree of the decode
+        state ({} unless sifar_buffers; `ar_specs` its specs). attend_len: attention over that
+        many cache positions (see attention.Step); kv_layout: the cache's
+        (sharding.KV_LAYOUTS). fused=True (allreduce="sifar"): all-reduce + residual add +
+        RMSNorm as one sifar_jax.psum_add_rmsnorm call, which brings the first prefetch_bytes of
+        the next matmul's weight into L2 while it waits (None: sifar_jax's default; 0: no
+        prefetch). Works for a 1-device mesh (tp=1) too.
+        """
+        tp = mesh.shape[axis_name]
+        layout = self.layout(config, tp)
+        graphdef, abstract = self.abstract_model(layout)
+        pspecs = self.param_specs(abstract, axis_name)
+        sharding.check_kv_layout(kv_layout)
+        cspec = sharding.cache_specs(layout, axis_name, kv_layout)
+        aspecs = {} if ar_specs is None else ar_specs
+        reduce_fn = make_allreduce(allreduce, algorithm)
+        if fused not in FUSED_MODES:
+            raise ValueError(f"fused must be one of {FUSED_MODES}, got {fused!r}")
+        fused_fn = make_fused_add_norm(allreduce, algorithm, prefetch_bytes) if fused else None
+
+        def per_rank(params, cache, tokens, positions, ar):
+            model = nnx.merge(graphdef, params)
+            ctx = TPContext(axis_name, tp, reduce_fn, ar, make_allreduce_into(algorithm), fused_fn)
+            logits, cache = model(tokens, positions, cache, ctx, last_only=last_only,
+                                  attend_len=attend_len, kv_layout=kv_layout)
+            if ctx.buffers and ctx.count % 2:
+                # The next step starts with buffer "a" again: an odd count would reuse the buffer
+                # the last all-reduce wrote, which dual buffering forbids.
+                raise ValueError(f"explicit dual buffers need an even number of all-reduces per "
+                                 f"step, got {ctx.count}")
+            return logits, cache, ctx.buffers
+
+        return jax.shard_map(
+            per_rank, mesh=mesh,
+            in_specs=(pspecs, cspec, P(), P(), aspecs),
+            out_specs=(P(None, None, axis_name), cspec, aspecs),
+            check_vma=True)
