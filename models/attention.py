@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from .sharding import KV_LAYOUTS
-from .tp import RMSNorm, normal
+from .tp import RMSNorm, normal, project
 
 # Which dimension of each attention parameter is split over the tp axis, and each one's fan-in
 # from its shape (random init); a family's tables include these.
@@ -75,19 +75,21 @@ class Step:
     positions [T] int32, contiguous, shared by the batch (the cache is written at positions[0]);
     cos/sin [T, head_dim] their rotary factors; attend_len: attention over that many cache
     positions (all of them if None; the caller guarantees positions[-1] < attend_len);
-    kv_layout: the cache's KV_LAYOUTS key."""
+    kv_layout: the cache's KV_LAYOUTS key; gemm_rows: the rows a single-row projection runs
+    with (tp.project)."""
 
     positions: jax.Array
     cos: jax.Array
     sin: jax.Array
     attend_len: Optional[int] = None
     kv_layout: str = "bshd"
+    gemm_rows: int = 1
 
     @classmethod
     def at(cls, config: Any, positions: jax.Array, attend_len: Optional[int] = None,
-           kv_layout: str = "bshd") -> "Step":
+           kv_layout: str = "bshd", gemm_rows: int = 1) -> "Step":
         cos, sin = rope_cos_sin(positions, rope_inv_freq(config))
-        return cls(positions, cos, sin, attend_len, kv_layout)
+        return cls(positions, cos, sin, attend_len, kv_layout, gemm_rows)
 
 
 def _to_cache(x, dims: str, dtype):
@@ -120,7 +122,7 @@ class Attention(nnx.Module):
         Returns (this rank's partial sum of the output projection, new cache): the caller
         all-reduces it."""
         g, d = self.group, self.head_dim
-        qkv = jnp.einsum("bth,hkgd->btkgd", x, self.qkv[...])  # k: local kv heads
+        qkv = project("bth,hkgd->btkgd", x, self.qkv[...], step.gemm_rows)  # k: local kv heads
         q, k, v = qkv[..., :g, :], qkv[..., g, :], qkv[..., g + 1, :]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -148,5 +150,5 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(va.dtype)
         out = jnp.einsum(f"bkgts,{dims}->btkgd", probs, va, preferred_element_type=jnp.float32)
         out = out.astype(x.dtype).reshape(*x.shape[:2], -1, d)  # heads in (kv group, group) order
-        partial = jnp.einsum("bthd,hdm->btm", out, self.o[...])  # row-parallel: partial sum
+        partial = project("bthd,hdm->btm", out, self.o[...], step.gemm_rows)  # row-parallel partial
         return partial, {"k": kc, "v": vc}

@@ -63,6 +63,13 @@ def make_mesh(tp: int, axis_name: str = "tp", devices: Optional[Sequence] = None
     return Mesh(np.array(devices[:tp]), (axis_name,))
 
 
+def default_gemm_rows(mesh: Mesh) -> int:
+    """The rows a batch-1 step's projections run with (tp.project): 2 on GPUs, where XLA:GPU
+    streams a one-row projection's weights ~1.3x slower than a two-row one's (H200, TP=2 per-rank
+    Llama-8B shapes, docs/performance.md); 1 elsewhere."""
+    return 2 if mesh.devices.flat[0].platform == "gpu" else 1
+
+
 def bucket_up(n: int) -> int:
     """The smallest power of two >= n, at least MIN_BUCKET."""
     b = MIN_BUCKET
@@ -138,7 +145,9 @@ class Decoder:
     row; bench/NOTES.md): min_rows=2 made batch-1 decoding 17% faster there. XLA may then pick
     other matmul kernels, whose bf16 rounding can flip a greedy token where two logits nearly
     tie (as any change of batch can); sampled tokens also depend on the row count (the random
-    draws are per row).
+    draws are per row). gemm_rows: the cheaper form of the same gain: only a single row's
+    projections run as that many rows (tp.project), attention and the cache keep one row
+    (None: default_gemm_rows, 2 on GPUs).
     """
 
     def __init__(self, config: ModelConfig, mesh: Mesh, params, *,
@@ -146,7 +155,7 @@ class Decoder:
                  algorithm: str = "auto", fused=False, slot_bytes: Optional[int] = None,
                  axis_name: str = "tp", batch_size: int = 1, max_seq_len: Optional[int] = None,
                  kv_layout: Optional[str] = None, min_rows: int = 1,
-                 prefetch_bytes: Optional[int] = None):
+                 prefetch_bytes: Optional[int] = None, gemm_rows: Optional[int] = None):
         if allreduce not in ALLREDUCE_KINDS:
             raise ValueError(f"allreduce must be one of {ALLREDUCE_KINDS}, got {allreduce!r}")
         if slot_bytes is not None and allreduce not in SIFAR_KINDS:
@@ -158,6 +167,11 @@ class Decoder:
         self.batch_size = batch_size
         if min_rows < 1:
             raise ValueError(f"min_rows must be >= 1, got {min_rows}")
+        if gemm_rows is None:
+            gemm_rows = default_gemm_rows(mesh)
+        if gemm_rows < 1:
+            raise ValueError(f"gemm_rows must be >= 1, got {gemm_rows}")
+        self.gemm_rows = gemm_rows
         self.rows = max(batch_size, min_rows)  # rows on the device: batch_size real, then copies
         self.max_seq_len = max_seq_len  # None: sized per request
         self.tp = mesh.shape[axis_name]
@@ -182,7 +196,7 @@ class Decoder:
                 ar_specs = {"a": spec, "b": spec}
         self._fwd_kw = dict(allreduce=allreduce, algorithm=algorithm, fused=fused,
                             prefetch_bytes=prefetch_bytes, axis_name=axis_name, ar_specs=ar_specs,
-                            kv_layout=self.kv_layout)
+                            kv_layout=self.kv_layout, gemm_rows=gemm_rows)
         self.params = self._place(params)
         # flattened once: every call passes this list (no per-call flattening of a nested dict)
         self._leaves, self._treedef = jax.tree.flatten(self.params)

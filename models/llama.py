@@ -25,7 +25,7 @@ from . import attention, sharding, transformer
 from .attention import Attention, Step
 from .config import LlamaConfig
 from .family import ModelFamily
-from .tp import RMSNorm, TPContext, normal
+from .tp import RMSNorm, TPContext, normal, project
 
 # Which dimension of each (global) parameter is split over the tp axis (others are replicated),
 # and each linear weight's fan-in from its shape (random init).
@@ -43,11 +43,12 @@ class MLP(nnx.Module):
         self.down = nnx.Param(normal(rngs, (c.intermediate_size, c.hidden_size),
                                      c.intermediate_size ** -0.5, dt))
 
-    def __call__(self, x):
-        """This rank's partial sum of the down projection (the caller all-reduces it)."""
-        h = jnp.einsum("bth,hcf->btcf", x, self.gate_up[...])
+    def __call__(self, x, rows: int = 1):
+        """This rank's partial sum of the down projection (the caller all-reduces it); rows:
+        see tp.project."""
+        h = project("bth,hcf->btcf", x, self.gate_up[...], rows)
         a = jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
-        return a @ self.down[...]  # row-parallel: partial sum
+        return project("btf,fh->bth", a, self.down[...], rows)  # row-parallel: partial sum
 
 
 class Block(nnx.Module):
@@ -66,7 +67,7 @@ class Block(nnx.Module):
         first weight read after this block (the next layer's qkv, or the LM head)."""
         a, kv_cache = self.attn(h, kv_cache, step)
         h, x = tp.add_norm(a, x, self.post_norm, self.mlp.gate_up[...])
-        h, x = tp.add_norm(self.mlp(h), x, next_norm, next_weight)
+        h, x = tp.add_norm(self.mlp(h, step.gemm_rows), x, next_norm, next_weight)
         return h, x, kv_cache
 
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .attention import Step
-from .tp import RMSNorm, TPContext, normal
+from .tp import RMSNorm, TPContext, normal, project
 
 # The stack's split parameters and fan-ins (a family's tables include them).
 TP_DIM = {"lm_head": 1}
@@ -57,13 +57,13 @@ class CausalLM(nnx.Module):
         raise NotImplementedError
 
     def __call__(self, tokens, positions, cache, tp: TPContext, last_only: bool = False,
-                 attend_len: Optional[int] = None, kv_layout: str = "bshd"):
+                 attend_len: Optional[int] = None, kv_layout: str = "bshd", gemm_rows: int = 1):
         """tokens [B, T] int32; positions [T] int32, contiguous, shared by the batch (the cache
         is written at positions[0]); cache: list over layers of {"k","v"}; attend_len,
-        kv_layout: see attention.Step. Returns (local logits [B, T or 1, vocab/tp] float32,
+        kv_layout, gemm_rows: see attention.Step. Returns (local logits [B, T or 1, vocab/tp] float32,
         new cache)."""
         x = jnp.take(self.embed[...], tokens, axis=0)
-        step = Step.at(self.config, positions, attend_len, kv_layout)
+        step = Step.at(self.config, positions, attend_len, kv_layout, gemm_rows)
         layers = list(self.layers)
         next_norms = [layer.input_norm for layer in layers[1:]] + [self.norm]
         # The LM head's local shard; the tied embedding's rows are a slice (not prefetched).
@@ -81,8 +81,8 @@ class CausalLM(nnx.Module):
             # this rank's vocab slice of the (replicated) embedding table
             n = self.config.vocab_size // tp.size
             w = jax.lax.dynamic_slice_in_dim(self.embed[...], tp.rank() * n, n, axis=0)
-            logits = jnp.einsum("bth,vh->btv", x, w, preferred_element_type=jnp.float32)
+            logits = project("bth,vh->btv", x, w, gemm_rows, preferred_element_type=jnp.float32)
         else:
-            logits = jnp.einsum("bth,hv->btv", x, self.lm_head[...],
-                                preferred_element_type=jnp.float32)
+            logits = project("bth,hv->btv", x, self.lm_head[...], gemm_rows,
+                             preferred_element_type=jnp.float32)
         return logits, new_cache

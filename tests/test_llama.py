@@ -447,3 +447,25 @@ def test_no_module_of_models_uses_another_ones_private_names():
                     and not node.attr.startswith("__")):
                 found.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
     assert len(modules) > 10 and not found, found
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gemm_rows_pads_single_row_projections_only(loaded, sequence, tp):
+    """gemm_rows=2: a batch-1 step's projections run as two rows (the dots of its HLO say so),
+    prefill is untouched, and the generated tokens and step logits equal gemm_rows=1's."""
+    mesh, config, params = loaded(tp)
+    one = Decoder(config, mesh, params, gemm_rows=1)
+    two = Decoder(config, mesh, params, gemm_rows=2)
+    prompt = sequence[:6]
+    np.testing.assert_array_equal(two.generate(prompt, 10), one.generate(prompt, 10))
+    fwd = LLAMA.make_forward(config, mesh, gemm_rows=2, attend_len=64, last_only=True)
+    cache = LLAMA.init_cache(config, mesh, 1, 64)
+    tok = jax.numpy.zeros((1, 1), jax.numpy.int32)
+    pos = jax.numpy.zeros((1,), jax.numpy.int32)
+    text = jax.jit(fwd).lower(params, cache, tok, pos, {}).as_text()
+    # 4 projections per layer + the LM head, each on a [2, ...] operand
+    assert text.count("stablehlo.dot_general") >= 4 * config.num_layers + 1
+    assert "tensor<2x1x128x" in text, "the projections did not run as two rows"
+    # prefill (8 rows) runs no padded projection; XLA:CPU's own run-to-run float32 noise only
+    np.testing.assert_allclose(two.teacher_forced_logits(sequence[None, :8]),
+                               one.teacher_forced_logits(sequence[None, :8]), rtol=1e-5, atol=1e-5)
