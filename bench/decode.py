@@ -116,10 +116,6 @@ def parse_args(argv=None):
                    help="one more fused row per size 'sifar+fused:pf<MiB>': the fused call "
                         "prefetching that much of the next matmul's weight into L2 (0: none); "
                         "the plain sifar+fused row uses sifar_jax's default")
-    p.add_argument("--fused-matmul", choices=("auto", "on", "off"), default="auto",
-                   help="one more row 'sifar+fused+mm': the fused call and the projection after "
-                        "it in one launch at batch 1 (Decoder(fused='matmul'); auto: when "
-                        "sifar_jax.psum_add_rmsnorm_matmul exists and the fused row runs)")
     p.add_argument("--fused-sweep", action="store_true",
                    help="time the fused variant at every sweep point too (default: only at the "
                         "loops' point)")
@@ -161,8 +157,7 @@ def parse_args(argv=None):
 def parse_variants(args) -> list[tuple]:
     """[(label, kind, algorithm, fused[, prefetch_bytes])]: ("psum", "psum", "auto", False),
     ("sifar:oneshot", "sifar", "oneshot", False), ("sifar+fused", "sifar", "auto", True),
-    ("sifar+fused:pf8", "sifar", "auto", True, 8 << 20), ("sifar+fused+mm", "sifar", "auto",
-    "matmul"). No prefetch_bytes: the default."""
+    ("sifar+fused:pf8", "sifar", "auto", True, 8 << 20). No prefetch_bytes: the default."""
     items = [a.strip() for a in args.allreduce.split(",") if a.strip()]
     items += [f"sifar:{a.strip()}" for a in args.algorithms.split(",") if a.strip()]
     out, seen = [], set()
@@ -193,14 +188,6 @@ def parse_variants(args) -> list[tuple]:
         for k, mib in enumerate(args.prefetch_mib or []):
             out.insert(at + 2 + k, (f"sifar+fused:pf{mib:g}", "sifar", "auto", True,
                                     int(mib * (1 << 20)) // 16 * 16))
-        if args.fused_matmul != "off":
-            import sifar_jax
-
-            if hasattr(sifar_jax, "psum_add_rmsnorm_matmul"):
-                out.insert(at + 2 + len(args.prefetch_mib or []),
-                           ("sifar+fused+mm", "sifar", "auto", "matmul"))
-            elif args.fused_matmul == "on":
-                raise SystemExit("--fused-matmul on: sifar_jax has no psum_add_rmsnorm_matmul")
     elif args.prefetch_mib:
         raise SystemExit("--prefetch-mib: needs the fused variant (sifar in --allreduce, "
                          "--fused not off)")
@@ -460,7 +447,6 @@ def make_record(variant, loop: str, tp: int, batch: int, context: int, s, second
         "tp": tp,
         "loop": loop,
         "fused": bool(fused),
-        "fused_matmul": fused == "matmul",
         "prefetch_bytes": _prefetch_bytes(variant),
         "batch": batch,
         "context": context,
@@ -666,28 +652,26 @@ def paper_rows(records, s) -> tuple[list[str], list[list]]:
     """Batch 1, the loops' context: our tokens/s gains over lax.psum beside the paper's."""
     idx = _index(records)
     headers = ["TP", "loop", "psum tokens/s", "sifar tokens/s", "sifar gain", "paper: SiFAR gain",
-               "fused sifar gain", "fused+matmul gain", "identity gain (no all-reduce)",
-               "paper: no all-reduce gain", "gap recovered (sifar / fused / fused+matmul)"]
+               "fused sifar gain", "identity gain (no all-reduce)",
+               "paper: no all-reduce gain", "gap recovered (sifar / fused)"]
     rows = []
     ctx = s["context"][0]
     for tp in sorted({r["tp"] for r in records if r["tp"] > 1}):
         for loop in LOOPS:
             get = lambda label: idx.get((tp, loop, 1, ctx, label))  # noqa: E731
             ps, sf, fu, ident = get("psum"), get("sifar"), get("sifar+fused"), get("identity")
-            fm = get("sifar+fused+mm")
             if not ps:
                 continue
             t = lambda r: r["tpot_ms_median"] if r else None  # noqa: E731
             gap = "-"
             if ident:
-                gap = " / ".join(_gap(t(ps), t(ident), t(x)) if x else "-" for x in (sf, fu, fm))
+                gap = " / ".join(_gap(t(ps), t(ident), t(x)) if x else "-" for x in (sf, fu))
             paper_na = PAPER_NO_ALLREDUCE_GAIN.get(tp)
             rows.append([tp, loop, f"{ps['tokens_per_s']:.1f}",
                          f"{sf['tokens_per_s']:.1f}" if sf else "-",
                          _gain(t(ps), t(sf)) if sf else "-",
                          f"+{PAPER_SIFAR_GAIN[tp]}%" if tp in PAPER_SIFAR_GAIN else "-",
                          _gain(t(ps), t(fu)) if fu else "-",
-                         _gain(t(ps), t(fm)) if fm else "-",
                          _gain(t(ps), t(ident)) if ident else "-",
                          f"+{paper_na:g}%" if paper_na else "-", gap])
     return headers, rows

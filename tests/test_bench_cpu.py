@@ -458,18 +458,6 @@ def test_poll_depth_probe_runs_on_the_cpu(tmp_path):
     assert all(np.isfinite(r["us_median"]) and r["algorithm"] == "sifar_push" for r in recs)
 
 
-def test_tail_matmul_probe_runs_on_the_cpu(tmp_path, capsys):
-    """bench.probes.tail_matmul times every variant's chain (CPU: small shapes) and writes
-    its JSON, one entry per variant."""
-    from bench.probes import tail_matmul
-
-    out = tmp_path / "tail.json"
-    assert tail_matmul.main(["--quick", "--out", str(out)]) == 0
-    data = json.loads(out.read_text())
-    assert set(data["us_per_tail"]["64"]) == set(tail_matmul.VARIANTS)
-    assert "over no all-reduce" in capsys.readouterr().out
-
-
 def test_decode_prefetch_rows_and_records(tmp_path):
     """bench.decode --prefetch-mib: one fused row per size after the default fused row; each
     record says what the fused call prefetched (None unfused, the library default for the plain
@@ -480,12 +468,8 @@ def test_decode_prefetch_rows_and_records(tmp_path):
     args = bd.parse_args(["--quick", "--allreduce", "psum,sifar", "--prefetch-mib", "0", "1.5"])
     variants = bd.parse_variants(args)
     assert [v[0] for v in variants] == ["psum", "sifar", "sifar+fused", "sifar+fused:pf0",
-                                        "sifar+fused:pf1.5", "sifar+fused+mm"]
+                                        "sifar+fused:pf1.5"]
     assert variants[3][4] == 0 and variants[4][4] == 3 << 19
-    assert variants[5][3] == "matmul"
-    off = bd.parse_variants(bd.parse_args(["--quick", "--allreduce", "psum,sifar",
-                                           "--fused-matmul", "off"]))
-    assert [v[0] for v in off] == ["psum", "sifar", "sifar+fused"]
     with pytest.raises(SystemExit, match="prefetch-mib"):
         bd.parse_variants(bd.parse_args(["--quick", "--allreduce", "psum", "--prefetch-mib", "8"]))
 
@@ -498,8 +482,3 @@ def test_decode_prefetch_rows_and_records(tmp_path):
     assert by_label["sifar+fused"]["prefetch_bytes"] == sifar_jax.fused.DEFAULT_PREFETCH_BYTES
     assert by_label["sifar+fused:pf0"]["prefetch_bytes"] == 0
     assert by_label["sifar+fused"]["generated"] == by_label["sifar+fused:pf0"]["generated"]
-    # The fused-matmul row: its own flag, the same tokens.
-    mm = by_label["sifar+fused+mm"]
-    assert mm["fused"] is True and mm["fused_matmul"] is True
-    assert by_label["sifar+fused"]["fused_matmul"] is False
-    assert mm["generated"] == by_label["sifar+fused"]["generated"]

@@ -35,8 +35,6 @@ VARIANTS = {"psum": ("psum", "psum", "auto", False), "sifar": ("sifar", "sifar",
             "sifar+fused": ("sifar+fused", "sifar", "auto", True),
             # the fused call without its L2 prefetch of the next weight
             "sifar+fused:pf0": ("sifar+fused:pf0", "sifar", "auto", True, 0),
-            # the fused call and the projection after it in one launch
-            "sifar+fused+mm": ("sifar+fused+mm", "sifar", "auto", "matmul"),
             "identity": ("identity", "identity", "auto", False)}
 
 
@@ -91,7 +89,7 @@ def per_step(kernels, steps: int, top: int) -> dict:
                     for k, (c, t) in sorted(by_kind.items())},
         "top": [{"kernel": n[:120], "kind": kind_of(n), "count": round(len(by_name[n]) / steps, 1),
                  "median_us": round(statistics.median(by_name[n]), 2),
-                 # a kernel run at two shapes (the fused matmul's QKV and gate/up) is bimodal
+                 # a kernel run at several shapes (one name, several calls) is multimodal
                  "p25_us": round(common.percentile(by_name[n], 25), 2),
                  "p75_us": round(common.percentile(by_name[n], 75), 2),
                  "us": round(sum(by_name[n]) / steps, 1)} for n in names],
