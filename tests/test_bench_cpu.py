@@ -134,6 +134,8 @@ def test_gpu_host_suite_script_runs_its_steps_on_the_cpu(tmp_path):
     sweep = json.loads(next(tmp_path.glob("decode/decode-*core.json")).read_text())
     assert {(r["batch"], r["context"]) for r in sweep} == {(b, c) for b in (1, 2) for c in (256, 512)}
     assert all(r["batch"] == 1 for r in sweep if r["fused"])  # fused: the loops' point only
+    baseline_rows = [r for r in sweep if r["allreduce"] in ("sifar:oneshot", "sifar:twoshot")]
+    assert baseline_rows and all(r["batch"] == 1 for r in baseline_rows)  # so are the baselines
 
 
 def test_benchmarks_run_without_matplotlib(tmp_path):
@@ -144,7 +146,8 @@ def test_benchmarks_run_without_matplotlib(tmp_path):
     (hidden / "matplotlib" / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
     env = dict(os.environ, PYTHONPATH=str(hidden))
     for cmd, name in ((["bench.decode", "--quick", "--tp", "2", "--no-sweep", "--loops",
-                        "pipelined", "--allreduce", "psum,identity"], "decode"),
+                        "pipelined", "--allreduce", "psum,identity", "--baselines", "none"],
+                       "decode"),
                       (["bench.allreduce", "--quick", "--sizes", "4", "--peers", "none",
                         "--no-trace", "--algorithms", "sifar"], "allreduce")):
         out = tmp_path / name
@@ -307,6 +310,7 @@ def test_multiprocess_decode_quick_run(tmp_path):
     cmd = [sys.executable, "-m", "sifar_jax.launch", "-n", "2", "--", sys.executable, "-m",
            "bench.decode", "--quick", "--no-plot", "--batch", "1", "--context", "256",
            "--loops", "pipelined", "--no-sweep", "--allreduce", "psum,sifar", "--fused", "off",
+           "--baselines", "none",
            "--out", str(tmp_path)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -539,7 +543,8 @@ def test_decode_prefetch_rows_and_records(tmp_path):
     from bench import decode as bd
     import sifar_jax.fused
 
-    args = bd.parse_args(["--quick", "--allreduce", "psum,sifar", "--prefetch-mib", "0", "1.5"])
+    args = bd.parse_args(["--quick", "--allreduce", "psum,sifar", "--baselines", "none",
+                          "--prefetch-mib", "0", "1.5"])
     variants = bd.parse_variants(args)
     assert [v[0] for v in variants] == ["psum", "sifar", "sifar+fused", "sifar+fused:pf0",
                                         "sifar+fused:pf1.5"]
@@ -548,7 +553,7 @@ def test_decode_prefetch_rows_and_records(tmp_path):
         bd.parse_variants(bd.parse_args(["--quick", "--allreduce", "psum", "--prefetch-mib", "8"]))
 
     assert bd.main(["--quick", "--tp", "2", "--no-sweep", "--loops", "sync", "--no-plot",
-                    "--no-trace", "--allreduce", "sifar", "--prefetch-mib", "0",
+                    "--no-trace", "--allreduce", "sifar", "--baselines", "none", "--prefetch-mib", "0",
                     "--out", str(tmp_path)]) == 0
     records = json.loads(next(tmp_path.glob("decode-*.json")).read_text())
     by_label = {r["allreduce"]: r for r in records if r["tp"] == 2}
@@ -556,3 +561,174 @@ def test_decode_prefetch_rows_and_records(tmp_path):
     assert by_label["sifar+fused"]["prefetch_bytes"] == sifar_jax.fused.DEFAULT_PREFETCH_BYTES
     assert by_label["sifar+fused:pf0"]["prefetch_bytes"] == 0
     assert by_label["sifar+fused"]["generated"] == by_label["sifar+fused:pf0"]["generated"]
+
+
+# ------------------------------------------- decode: baseline, floor, breakdown --
+def test_decode_baseline_rows_come_by_default_and_only_at_the_loops_point():
+    from bench import decode as bd
+
+    s = bd.settings(bd.parse_args(["--quick"]), "cpu", 8)
+    labels = [v[0] for v in s["variants"]]
+    assert labels[:3] == ["psum", "sifar:oneshot", "sifar:twoshot"]
+    assert s["baselines"] == ["sifar:oneshot", "sifar:twoshot"]
+    loops_point = (1, s["context"][0])
+    for tp, b, c, v, _ in bd.cases(s):
+        if v[0] in s["baselines"]:
+            assert tp == 2 and (b, c) == loops_point
+    swept = bd.settings(bd.parse_args(["--quick", "--sweep-all-variants"]), "cpu", 8)
+    assert {(b, c) for tp, b, c, v, _ in bd.cases(swept) if v[0] == "sifar:oneshot"} == {
+        (b, c) for b in swept["batch"] for c in swept["context"]}
+    none = bd.settings(bd.parse_args(["--quick", "--baselines", "none"]), "cpu", 8)
+    assert none["baselines"] == [] and "sifar:oneshot" not in [v[0] for v in none["variants"]]
+
+
+def test_decode_names_the_baseline_and_carries_the_floor(tmp_path, capsys):
+    """bench.decode on the CPU: the in-decoder oneshot and twoshot rows run by default, the faster
+    is named "baseline" in every record at its point and in the markdown, every record carries
+    floor_ms (weights + KV cache per rank at HBM_BYTES_PER_S) and floor_ratio, and --breakdown
+    is skipped with a note (no GPU kernels to trace)."""
+    from bench import decode as bd
+
+    assert bd.main(["--quick", "--no-sweep", "--loops", "pipelined", "--no-plot", "--no-trace",
+                    "--breakdown", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "--breakdown: skipped" in out and "memory floor" in out
+    records = json.loads(next(tmp_path.glob("decode-*.json")).read_text())
+    by = {(r["tp"], r["allreduce"]): r for r in records}
+    assert {(2, "sifar:oneshot"), (2, "sifar:twoshot"), (2, "psum"), (1, "psum")} <= set(by)
+    fastest = min(("sifar:oneshot", "sifar:twoshot"), key=lambda a: by[(2, a)]["tpot_ms_median"])
+    for r in records:
+        want = bd.floor_ms(r["weights_bytes_per_rank"], r["kv_bytes_per_rank"])
+        assert r["floor_ms"] == pytest.approx(want, rel=1e-3) and r["floor_ms"] > 0
+        assert r["floor_ratio"] == pytest.approx(r["tpot_ms_median"] / r["floor_ms"], rel=1e-2)
+        assert "breakdown" not in r
+        if r["tp"] == 2:
+            assert r["baseline"] == fastest
+            assert r["vs_baseline"] == pytest.approx(
+                by[(2, fastest)]["tpot_ms_median"] / r["tpot_ms_median"], rel=1e-3)
+        else:
+            assert r["baseline"] is None and r["vs_baseline"] is None  # TP=1: psum alone
+    assert by[(2, fastest)]["vs_baseline"] == 1.0
+    md = next(tmp_path.glob("decode-*.md")).read_text()
+    assert f"{fastest} (baseline)" in md and "x floor" in md and "--breakdown: skipped" in md
+
+
+def _tiny_decoder(cpu_mesh, allreduce="psum"):
+    from bench import decode as bd
+    from models import random_params
+
+    config = bd.PRESETS["tiny"]().replace(max_seq_len=256)
+    mesh = cpu_mesh(2)
+    params = random_params(config, mesh, seed=0)
+    dec = bd.make_decoder(config, mesh, params, (allreduce, allreduce, "auto", False), 1, 256, 0)
+    dec.seek(200, bd.start_tokens(config, 1, 0))
+    return dec
+
+
+def test_step_breakdown_classifies_the_decoder_step_hlo(cpu_mesh):
+    """The kernels of a compiled decode step (XLA:CPU here) by kind: the weight matmuls (one per
+    projection and the LM head), the KV-cache update and attention, the all-reduces, the rest;
+    every kind's microseconds add up to the busy time, idle is span - busy."""
+    from bench.probes import step_kernels as sk
+
+    dec = _tiny_decoder(cpu_mesh)
+    kinds = sk.decoder_kinds(dec)
+    text = dec.compiled_step().as_text()
+    comps, entry, _ = sk._instructions(text)
+    ops = {i[0]: i for instrs in comps.values() for i in instrs}
+    layers = dec.config.num_layers
+    # qkv, o, gate_up, down per layer and the LM head read a weight through a dot
+    weight_dots = [n for n, k in kinds.items() if k == "matmul" and n in ops]
+    assert len(weight_dots) >= 4 * layers + 1, weight_dots
+    assert all(ops[n][2] in ("dot", "fusion", "custom-call") for n in weight_dots)
+    # the cache update writes a cache-shaped value: attention
+    updates = [n for n, i in ops.items() if "dynamic-update-slice" in n and n in kinds]
+    assert updates and all(kinds[n] == "attention" for n in updates)
+    assert sum(k == "all_reduce" for n, k in kinds.items() if n in ops) >= 2 * layers  # psum
+    assert "other" in kinds.values()
+    names = [n for n in kinds if n in ops][:6]
+    kernels = [(n, 1000 * i * 10, 1000 * (i + 1), None) for i, n in enumerate(names)]
+    b = sk.breakdown(kernels, 2, kinds)
+    assert sum(b[f"{k}_us"] for k in sk.BREAKDOWN) == pytest.approx(b["busy_us"], abs=0.2)
+    assert b["busy_us"] == pytest.approx(sum(i + 1 for i in range(6)) / 2, abs=0.1)
+    assert b["idle_us"] == pytest.approx(b["span_us"] - b["busy_us"], abs=0.1)
+    assert b["unmatched"] == 0
+
+
+GPU_LIKE_HLO = """HloModule jit_step, is_scheduled=true
+
+FunctionNames
+1 "Attention.__call__"
+2 "rms_norm"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=10 end_line=10 column=1 end_column=1}
+2 {file_name_id=1 function_name_id=2 line=20 end_line=20 column=1 end_column=1}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=1}
+
+%gemm_computation (p0: bf16[1,64], p1: bf16[64,32]) -> bf16[1,32] {
+  %p0 = bf16[1,64]{1,0} parameter(0)
+  %p1 = bf16[64,32]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[1,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%softmax_computation (p0.1: f32[1,8]) -> f32[1,8] {
+  %p0.1 = f32[1,8]{1,0} parameter(0)
+  ROOT %exponential.1 = f32[1,8]{1,0} exponential(%p0.1), metadata={op_name="x" stack_frame_id=1}
+}
+
+%norm_computation (p0.2: bf16[1,64]) -> bf16[1,64] {
+  %p0.2 = bf16[1,64]{1,0} parameter(0)
+  ROOT %multiply.1 = bf16[1,64]{1,0} multiply(%p0.2, %p0.2), metadata={op_name="y" stack_frame_id=2}
+}
+
+%command_buffer (arg.0: bf16[1,64], arg.1: bf16[64,32], arg.2: f32[1,8]) -> (bf16[1,32], f32[1,8]) {
+  %arg.0 = bf16[1,64]{1,0} parameter(0)
+  %arg.1 = bf16[64,32]{1,0} parameter(1)
+  %arg.2 = f32[1,8]{1,0} parameter(2)
+  %bitcast.3 = bf16[64,32]{1,0} bitcast(%arg.1)
+  %gemm_fusion_dot.7 = bf16[1,32]{1,0} fusion(%arg.0, %bitcast.3), kind=kCustom, calls=%gemm_computation
+  %loop_exponential_fusion = f32[1,8]{1,0} fusion(%arg.2), kind=kLoop, calls=%softmax_computation
+  ROOT %tuple.1 = (bf16[1,32]{1,0}, f32[1,8]{1,0}) tuple(%gemm_fusion_dot.7, %loop_exponential_fusion)
+}
+
+ENTRY %main.9 (param.0: bf16[64,32], param.1: bf16[1,64], param.2: bf16[1,4,16,8]) -> bf16[1,64] {
+  %param.0 = bf16[64,32]{1,0} parameter(0), metadata={op_name="w"}
+  %param.1 = bf16[1,64]{1,0} parameter(1)
+  %param.2 = bf16[1,4,16,8]{3,2,1,0} parameter(2)
+  %custom-call.2 = bf16[1,64]{1,0} custom-call(%param.1), custom_call_target="sifar_psum_add_rmsnorm"
+  %loop_multiply_fusion.4 = bf16[1,64]{1,0} fusion(%custom-call.2), kind=kLoop, calls=%norm_computation
+  %fusion.5 = f32[1,8]{1,0} fusion(%param.2), kind=kLoop, calls=%softmax_computation
+  %call.6 = (bf16[1,32]{1,0}, f32[1,8]{1,0}) call(%loop_multiply_fusion.4, %param.0, %fusion.5), to_apply=%command_buffer
+  %cublas-gemm.8 = bf16[1,32]{1,0} custom-call(%loop_multiply_fusion.4, %param.1), custom_call_target="__cublas$gemm"
+  ROOT %add.9 = bf16[1,64]{1,0} add(%loop_multiply_fusion.4, %loop_multiply_fusion.4)
+}
+"""
+
+
+def test_step_breakdown_follows_weights_through_command_buffers():
+    """GPU-shaped HLO: a Triton GEMM inside a command buffer reads entry parameter 0 (a weight)
+    through the call and a bitcast: matmul; a cuBLAS GEMM reading a non-weight: not matmul;
+    the fused all-reduce's custom call: all_reduce; a fusion from an attention function or
+    reading the KV cache: attention; a norm: other. Kernels match by the profile's hlo_op stat
+    or by the kernel name XLA:GPU derives from the instruction's."""
+    from bench.probes import step_kernels as sk
+
+    kinds = sk.hlo_kinds(GPU_LIKE_HLO, n_weights=1, cache_shapes={"bf16[1,4,16,8]"})
+    assert kinds["gemm_fusion_dot.7"] == "matmul" and kinds["gemm_fusion_dot_7"] == "matmul"
+    assert kinds["custom-call.2"] == "all_reduce"
+    assert kinds["loop_exponential_fusion"] == "attention"  # its source: Attention.__call__
+    assert kinds["fusion.5"] == "attention"  # reads the cache (and the same source)
+    assert kinds["loop_multiply_fusion.4"] == "other"
+    assert kinds["cublas-gemm.8"] == "other"  # a GEMM, but of no weight
+    assert "add.9" in kinds and "call.6" not in kinds and "param.0" not in kinds
+    assert "dot.1" not in kinds  # inside a fusion: no kernel of its own
+    kernels = [("gemm_fusion_dot_7", 0, 10_000), ("void sifar::cuda::FusedKernel<bf16>", 12_000, 5_000),
+               ("sm90_xmma_gemm_bf16", 20_000, 4_000, "cublas-gemm.8"),
+               ("some_library_kernel", 30_000, 1_000)]
+    b = sk.breakdown(kernels, 1, kinds)
+    assert (b["matmul_us"], b["all_reduce_us"], b["other_us"]) == (10.0, 5.0, 5.0)
+    assert b["unmatched"] == 1 and b["idle_us"] == pytest.approx(31.0 - 20.0)
