@@ -791,6 +791,8 @@ def floor_rows(records, s) -> tuple[list[str], list[list]]:
 
 def breakdown_rows(records) -> tuple[list[str], list[list]]:
     """Per TP and variant with a device-trace breakdown: microseconds per step by kind."""
+    if not any(r.get("breakdown") for r in records):
+        return [], []
     from bench.probes import step_kernels
 
     headers = (["TP", "all-reduce"] + [k.replace("_", "-") + " us" for k in step_kernels.BREAKDOWN]

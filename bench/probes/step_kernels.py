@@ -42,8 +42,6 @@ from pathlib import Path
 import jax
 
 from bench import common
-from bench import decode as bd
-from models import make_mesh, random_params
 
 VARIANTS = {"psum": ("psum", "psum", "auto", False), "sifar": ("sifar", "sifar", "auto", False),
             "sifar+fused": ("sifar+fused", "sifar", "auto", True),
@@ -347,6 +345,11 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny model (CPU)")
     p.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = p.parse_args(argv)
+    # Here, not at the top: bench.decode imports this module (--breakdown), and a second copy of
+    # bench.decode, run as __main__, would start jax.distributed again.
+    from bench import decode as bd
+    from models import make_mesh, random_params
+
     platform, devices = common.bench_devices(min_gpus=1)
     gpu = platform == "gpu"
     tp = args.tp or (2 if len(devices) >= 2 else 1)
