@@ -126,6 +126,13 @@ def _instructions(text: str):
     return comps, entry, functions
 
 
+def _is_matmul(instruction) -> bool:
+    """A dot, a convolution, or a library GEMM (cuBLAS through a custom call)."""
+    _, _, opcode, _, attrs = instruction
+    return opcode in ("dot", "convolution") or (opcode == "custom-call" and any(
+        t in attrs.lower() for t in ("gemm", "cublas", "matmul")))
+
+
 def hlo_kinds(text: str, n_weights: int, cache_shapes=()) -> dict[str, str]:
     """{instruction name: kind} for every instruction of an optimised HLO module that runs a
     kernel: "all_reduce", "matmul" (a dot or GEMM with an operand that is one of the first
@@ -178,13 +185,24 @@ def hlo_kinds(text: str, n_weights: int, cache_shapes=()) -> dict[str, str]:
         m = re.search(r"stack_frame_id=(\d+)", attrs)
         return functions.get(m.group(1), "") if m else ""
 
+    # The computations whose instructions launch kernels: the entry and what it runs through
+    # call (command buffers), while, conditional and async wrappers; not a fusion's body (it runs
+    # inside the fusion's kernel) nor a reduction's to_apply.
+    running, todo = set(), [entry]
+    while todo:
+        c = todo.pop()
+        if c is None or c in running or c not in comps:
+            continue
+        running.add(c)
+        for _, _, opcode, _, attrs in comps[c]:
+            if opcode in ("call", "while", "conditional") or opcode.startswith("async"):
+                todo += re.findall(r"(?:to_apply|body|condition|calls|true_computation|"
+                                   r"false_computation)=%?([\w.\-]+)", attrs)
+                for group in re.findall(r"branch_computations=\{([^}]*)\}", attrs):
+                    todo += re.findall(r"%?([\w.\-]+)", group)
     kinds = {}
-    fused = {c for instrs in comps.values() for i in instrs
-             for c in re.findall(r"calls=%?([\w.\-]+)", i[4]) if i[2] == "fusion"}
-    for c, instrs in comps.items():
-        if c in fused:
-            continue  # a fused computation's instructions run inside their fusion's kernel
-        for name, shape, opcode, operands, attrs in instrs:
+    for c in running:
+        for name, shape, opcode, operands, attrs in comps[c]:
             if opcode in _NO_KERNEL:
                 continue
             parts = inside(c, name)
@@ -194,12 +212,8 @@ def hlo_kinds(text: str, n_weights: int, cache_shapes=()) -> dict[str, str]:
                        "all-gather-start", "collective-permute", "collective-permute-start"}
                     or "sifar" in target or "nccl" in target):
                 kind = "all_reduce"
-            elif any(i[2] in ("dot", "convolution") or (i[2] == "custom-call" and any(
-                    t in i[4].lower() for t in ("gemm", "cublas", "matmul")))
-                    for _, i in parts) and any(
-                    source(pc, op) == "weight" for pc, i in parts if i[2] in (
-                        "dot", "convolution", "custom-call", "parameter")
-                    for op in (i[3] if i[2] != "parameter" else [i[0]])):
+            elif any(source(pc, op) == "weight" for pc, i in parts if _is_matmul(i)
+                     for op in i[3]):
                 kind = "matmul"
             elif shape in cache_shapes or any(
                     source(pc, op) == "cache" for pc, i in parts for op in i[3]) or any(
