@@ -25,8 +25,13 @@ Levels (the "level" field of each record), each a per-all-reduce latency:
 
 jit and cuda_graph_chain are the like-for-like comparison: both are chains of
 kernels in one CUDA graph. Payloads are random bfloat16 (never zero), 4..64 KB
-per device by default; every algorithm and peer is checked against a reference
+per device by default (4 KB: one token of the MoE model's all-reduce), 1 KB..64 MB
+with `--sizes sweep`; every algorithm and peer is checked against a reference
 once per size (a peer with a wrong sum is reported and not timed).
+
+A latency is a difference of timings, so it can come out within its own noise, even
+negative: a median is reported only when it exceeds its noise bound (common.summarize_us),
+else it reads "not resolved" (null in the JSON, with the raw median and the bound beside it).
 
 Peers (bench.peers) run first, each in processes of its own, before this
 process starts JAX on the GPUs; a peer that is not importable, fails or hangs
@@ -48,8 +53,9 @@ measure together and process 0 writes allreduce-<host>-<n>proc.*; the peers are
 skipped there (they start processes of their own).
 
 The JSON is an object: schema, env (machine, versions, date), settings,
-levels, records (one per algorithm, level, TP and size: us_median, us_p10,
-us_p90), errors, comparison (sifar against each peer), target, retry
+levels, records (one per algorithm, level, TP and size: us_median, which is null where
+the median is not resolved above its noise (common.summarize_us), us_median_raw, us_noise,
+us_p10, us_p90, samples), errors, comparison (sifar against each peer), target, retry
 (counters), trace ({"skipped": why} or {"records": [...]}).
 """
 
@@ -88,6 +94,12 @@ LEVEL_TEXT = {
                   "end of the first) / (R2 - 1) from the device's clock (sifar_jax.call_trace)",
     **{k: v for k, v in peers.LEVELS.items() if k != peers.LEVEL_JIT},
 }
+# Payload sizes per device, KB of bfloat16. default: the decoders' all-reduces (4 KB: one token
+# of hidden 2048, the MoE model; 8 KB: hidden 4096, Llama-3.1-8B) up to a few tokens' worth.
+# sweep: 1 KB to 64 MB in powers of two, where `auto` must choose between our algorithms and
+# lax.psum by size (issue 26); long on GPUs (the kernel level runs R all-reduces per sample).
+SIZE_PRESETS = {"default": (4, 8, 16, 32, 64),
+                "sweep": tuple(float(2 ** k) for k in range(17))}  # 1 KB .. 65536 KB = 64 MB
 # The target of issue 14: sifar ahead of every peer at every size up to this, at TP=2.
 TARGET_TP, TARGET_MAX_BYTES = 2, 32 * 1024
 CPU_NOTE = (
@@ -102,8 +114,10 @@ def parse_args(argv=None):
         prog="python -m bench.allreduce",
         description="Per-all-reduce latency of the SiFAR algorithms, lax.psum and the peers.",
     )
-    p.add_argument("--sizes", default="4,8,16,32,64",
-                   help="payload sizes per device in KB of bfloat16 (default: 4,8,16,32,64)")
+    p.add_argument("--sizes", default="default",
+                   help="payload sizes per device in KB of bfloat16, a comma list or a preset: "
+                        + "; ".join(f"{k}: {','.join(f'{v:g}' for v in kb)}"
+                                    for k, kb in SIZE_PRESETS.items()))
     p.add_argument("--algorithms", default=",".join(PORTABLE + (BASELINE,)),
                    help=f"comma list from {', '.join(PORTABLE + (BASELINE,))} (default: all)")
     p.add_argument("--levels", default=",".join(LEVELS),
@@ -187,7 +201,7 @@ def settings(args, kind: str, n_devices: int) -> dict:
     s["trace_algorithms"] = names(args.trace_algorithms, PORTABLE, "trace algorithm")
     s["levels"] = names(args.levels, LEVELS, "level")
     s["skews_us"] = [float(v) for v in args.skew_us.split(",") if v.strip()]
-    s["sizes_kb"] = [float(v) for v in args.sizes.split(",") if v.strip()]
+    s["sizes_kb"] = parse_sizes(args.sizes)
     if args.tp:
         s["tp"] = [int(v) for v in args.tp.split(",")]
     else:
@@ -196,6 +210,20 @@ def settings(args, kind: str, n_devices: int) -> dict:
         if not 2 <= t <= n_devices:
             raise SystemExit(f"--tp {t}: have {n_devices} {kind} devices")
     return s
+
+
+def parse_sizes(text: str) -> list[float]:
+    """--sizes: a preset's name (SIZE_PRESETS) or a comma list of KB."""
+    if text.strip() in SIZE_PRESETS:
+        return [float(v) for v in SIZE_PRESETS[text.strip()]]
+    try:
+        sizes = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--sizes {text!r}: a comma list of KB or one of "
+                         f"{', '.join(SIZE_PRESETS)}") from None
+    if not sizes or min(sizes) <= 0:
+        raise SystemExit(f"--sizes {text!r}: sizes must be positive")
+    return sizes
 
 
 def payload_bytes(cfg) -> list[int]:
@@ -430,7 +458,8 @@ def trace_case(call_trace, mesh, fns, cfg, tp, alg, nbytes, skew_us):
 # ---------------------------------------------------------------- comparison --
 def comparison(records) -> list[dict]:
     """sifar (jit level) against every other algorithm that is not ours, per TP and
-    size: ratio = peer median / sifar median (> 1: sifar is faster)."""
+    size: ratio = peer median / sifar median (> 1: sifar is faster); None where either
+    median is not resolved above its noise (common.resolved_us)."""
     ours = {(r["tp"], r["bytes"]): r["us_median"] for r in records
             if r["algorithm"] == "sifar" and r["level"] == "jit"}
     out = []
@@ -438,7 +467,8 @@ def comparison(records) -> list[dict]:
         if r["algorithm"] in PORTABLE:
             continue
         s = ours.get((r["tp"], r["bytes"]))
-        ratio = r["us_median"] / s if s and s > 0 else None
+        peer = r["us_median"]
+        ratio = peer / s if s and peer is not None else None
         out.append({"tp": r["tp"], "bytes": r["bytes"], "peer": r["algorithm"],
                     "peer_level": r["level"], "peer_us": r["us_median"], "sifar_us": s,
                     "ratio": round(ratio, 3) if ratio is not None else None})
@@ -493,7 +523,7 @@ def _speedup_row(level, rs, sizes):
         if level == "jit":
             base, name = by.get((BASELINE, b)), "lax.psum"
         else:
-            cands = [by[(a, b)] for a in ("oneshot", "twoshot") if (a, b) in by]
+            cands = [by[(a, b)] for a in ("oneshot", "twoshot") if by.get((a, b)) is not None]
             base, name = (min(cands) if cands else None), "best of oneshot/twoshot"
         cells.append(f"{(1 - s / base) * 100:+.0f}%" if s and base and base > 0 else "-")
     return [f"sifar: latency saved vs {name}"] + cells
@@ -502,6 +532,8 @@ def _speedup_row(level, rs, sizes):
 def _cell(r, with_spread: bool) -> str:
     if r is None:
         return "-"
+    if r["us_median"] is None:
+        return common.fmt_latency(r)
     if with_spread:
         return (f"{common.fmt_us(r['us_median'])} "
                 f"({common.fmt_us(r['us_p10'])}-{common.fmt_us(r['us_p90'])})")
@@ -544,7 +576,7 @@ def peer_tables(records, comp, sizes):
                     row.append("-")
                 else:
                     ratio = f" ({c['ratio']:.2f}x)" if c["ratio"] is not None else ""
-                    row.append(f"{common.fmt_us(c['peer_us'])}{ratio}")
+                    row.append(f"{common.fmt_latency({'us_median': c['peer_us']})}{ratio}")
             rows.append(row)
         verdict = ["sifar ahead of every peer", ""]
         for b in sizes:
@@ -624,7 +656,10 @@ def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
         f"jit level: (t(R2) - t(R1)) / (R2 - R1) with chains of {cfg['chain'][0]} and "
         f"{cfg['chain'][1]} data-dependent all-reduces with nothing between them; the torch peers "
         f"the same chains in CUDA graphs, timed with CUDA events. Cells: median (p10-p90) "
-        f"over {cfg['runs']} runs, microseconds, bfloat16 payload per device."
+        f"over {cfg['runs']} runs, microseconds, bfloat16 payload per device. 'not resolved': "
+        f"the median did not exceed its noise bound ({common.NOISE_SE:g} standard errors of the "
+        f"median, from the samples' interquartile range; us_median null in the JSON, "
+        f"us_median_raw and us_noise beside it), so no figure is given."
     )
     low = target["lowest_ratio"]
     notes.append(f"Target (issue 14): {target['statement']}: **{target['verdict']}**"
@@ -702,8 +737,9 @@ def plot(records, comp, trace_latencies, path, host, kind):
                 lines = [(a, col, "--" if a == BASELINE else "-") for a in PORTABLE + (BASELINE,)]
                 title = f"{col} level, TP={tp}"
             for alg, level, style in dict.fromkeys(lines):
-                pts = sorted((r["bytes"], r) for r in records
-                             if (r["algorithm"], r["level"], r["tp"]) == (alg, level, tp))
+                pts = sorted(((r["bytes"], r) for r in records  # unresolved medians: no point
+                              if (r["algorithm"], r["level"], r["tp"]) == (alg, level, tp)
+                              and r["us_median"] is not None), key=lambda p: p[0])
                 if not pts:
                     continue
                 xs = [b / 1024 for b, _ in pts]

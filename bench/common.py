@@ -274,14 +274,58 @@ def tails_us(values_us) -> dict:
             "us_p99": round(float(p[2]), 3), "us_p99_9": round(float(p[3]), 3)}
 
 
+# A latency obtained as a difference of timings, (t(R2) - t(R1)) / (R2 - R1), carries the noise
+# of both: a sample can come out negative, and so can a median (bench.allreduce once printed
+# -1.08 us). A median is reported only when it lies above its noise bound: NOISE_SE standard
+# errors of the median, the standard error estimated from the samples' own spread as
+# 1.2533 * sigma / sqrt(n) with sigma = IQR / 1.349 (both exact for normal samples; the IQR
+# ignores the outliers a busy host adds), i.e. about 1.86 x IQR / sqrt(n). Fewer than
+# MIN_SAMPLES samples bound nothing.
+NOISE_SE = 2.0
+MIN_SAMPLES = 3
+
+
+def noise_bound_us(us: Sequence[float]) -> float | None:
+    """NOISE_SE standard errors of the median of `us`, from their interquartile range; None
+    below MIN_SAMPLES samples."""
+    if len(us) < MIN_SAMPLES:
+        return None
+    iqr = percentile(us, 75) - percentile(us, 25)
+    return NOISE_SE * 1.2533 * (iqr / 1.349) / math.sqrt(len(us))
+
+
+def resolved_us(median: float, noise: float | None) -> float | None:
+    """The median, if it is resolved above its noise (positive and larger than the bound);
+    else None: a negative or within-noise difference is never reported as a number."""
+    if noise is None or not math.isfinite(median) or median <= noise:
+        return None
+    return median
+
+
 def summarize_us(seconds: Sequence[float]) -> dict:
-    """{us_median, us_p10, us_p90} of per-unit seconds."""
+    """Per-unit seconds as microseconds: us_median (None when not resolved above its noise,
+    see resolved_us), us_median_raw (the samples' median either way), us_p10, us_p90 (their
+    spread), us_noise (the bound) and samples (n)."""
     us = [s * 1e6 for s in seconds]
+    median = statistics.median(us)
+    noise = noise_bound_us(us)
+    got = resolved_us(median, noise)
     return {
-        "us_median": round(statistics.median(us), 3),
+        "us_median": None if got is None else round(got, 3),
+        "us_median_raw": round(median, 3),
         "us_p10": round(percentile(us, 10), 3),
         "us_p90": round(percentile(us, 90), 3),
+        "us_noise": None if noise is None else round(noise, 3),
+        "samples": len(us),
     }
+
+
+def fmt_latency(rec: dict, unit: str = "") -> str:
+    """A record's us_median for a table or a log line: the figure (with `unit`), or
+    'not resolved'."""
+    if rec.get("us_median") is None:
+        return "not resolved"
+    return fmt_us(rec["us_median"]) + unit
 
 
 def progress(total: int, desc: str):

@@ -1,6 +1,8 @@
 """End-to-end decode: time per output token (TPOT) of the Flax Llama decoder with lax.psum, with
-sifar_psum (unfused, and fused with the residual add and RMSNorm when sifar_jax has it), and with
-the all-reduce replaced by identity, in every decode loop, over batch sizes and KV lengths.
+the paper's baseline (the better of a one-shot and a two-shot all-reduce, run inside our decoder:
+rows sifar:oneshot and sifar:twoshot), with sifar_psum (unfused, and fused with the residual add
+and RMSNorm when sifar_jax has it), and with the all-reduce replaced by identity, in every decode
+loop, over batch sizes and KV lengths.
 
     python -m bench.decode                    # GPU: Llama-3.1-8B shapes, bf16, TP=2 (4, 8) then 1
     python -m bench.decode --quick            # CPU demo (tiny model): about a minute on 2 cores
@@ -33,6 +35,15 @@ that mis-speculated) on each of the variant's records.
 
 Each record also says whether the optimised HLO of the executable its loop runs copies the KV cache
 (per call, or per iteration of the on-device loop: "cache_copies", models.hlo).
+
+Against what a step cannot beat and what a user would otherwise pick, every record carries:
+  floor_ms, floor_ratio  the memory floor, the step's weights and KV cache per rank read once at
+                         HBM_BYTES_PER_S, and TPOT / floor_ms (the same formula on a CPU)
+  baseline, vs_baseline  the fastest of the --baselines rows at the record's TP, loop, batch and
+                         KV length (None where none ran), and tokens/s over its
+With --breakdown (GPUs), each variant at the loops' point also carries "breakdown": BREAKDOWN_STEPS
+steps traced on the device, microseconds per step of matmul / attention / all-reduce / other /
+idle (bench.probes.step_kernels).
 
 Started by `python -m sifar_jax.launch -n N` (one process per GPU), the N processes decode
 together at TP=N (TP=1, a mesh of one process's GPU, is skipped), each timing its own host loop;
@@ -80,6 +91,10 @@ LAUNCHED = _start_processes()
 PIPELINE_STEPS = (4, 20)  # back-to-back runs whose difference gives one pipelined TPOT sample
 TAIL = (50, 90, 99, 99.9)  # percentiles of per-step times (sync, stream)
 HBM_BYTES_PER_S = 4.3e12  # assumed H200 HBM3e bandwidth actually reached when streaming weights
+# The paper's baseline: the better of a one-shot and a two-shot all-reduce, here run inside our
+# decoder (sifar:oneshot, sifar:twoshot) so that it gets every decoder improvement ours gets.
+BASELINE_ALGORITHMS = ("oneshot", "twoshot")
+BREAKDOWN_STEPS = 8  # profiled back-to-back steps per variant with --breakdown
 PRESETS = {"llama3_8b": LlamaConfig.llama3_8b, "tiny": LlamaConfig.tiny}
 # The SiFAR paper's end-to-end decode (8x H200, CUDA 12.9, Llama-3.1-8B FP8, batch 1): tokens/s
 # gain over NCCL with SiFAR, and with no all-reduce at all. None: not reported.
@@ -111,6 +126,11 @@ def parse_args(argv=None):
                         "sifar_buffers[:<algorithm>] (explicit dual buffers in the decode state)")
     p.add_argument("--algorithms", default="",
                    help="comma list of sifar algorithms, each one more row 'sifar:<alg>'")
+    p.add_argument("--baselines", default=",".join(BASELINE_ALGORITHMS),
+                   help="sifar algorithms whose in-decoder rows 'sifar:<alg>' are the baseline: "
+                        "the fastest of them at each point is named 'baseline' beside lax.psum "
+                        f"(default: {','.join(BASELINE_ALGORITHMS)}, the paper's baseline; "
+                        "'none': no baseline rows)")
     p.add_argument("--fused", choices=("auto", "on", "off"), default="auto",
                    help="one more row: sifar fused with the residual add and RMSNorm (auto: when "
                         "sifar_jax.psum_add_rmsnorm exists; on: required)")
@@ -118,13 +138,14 @@ def parse_args(argv=None):
                    help="one more fused row per size 'sifar+fused:pf<MiB>': the fused call "
                         "prefetching that much of the next matmul's weight into L2 (0: none); "
                         "the plain sifar+fused row uses sifar_jax's default")
-    p.add_argument("--fused-matmul", choices=("auto", "on", "off"), default="auto",
-                   help="one more row 'sifar+fused+mm': the fused call and the projection after "
-                        "it in one launch at batch 1 (Decoder(fused='matmul'); auto: when "
-                        "sifar_jax.psum_add_rmsnorm_matmul exists and the fused row runs)")
-    p.add_argument("--fused-sweep", action="store_true",
-                   help="time the fused variant at every sweep point too (default: only at the "
-                        "loops' point)")
+    p.add_argument("--sweep-all-variants", "--fused-sweep", dest="sweep_all", action="store_true",
+                   help="time the fused and the baseline rows at every sweep point too (default: "
+                        "only at the loops' point)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="GPUs: per variant, at the loops' point, a device trace of "
+                        f"{BREAKDOWN_STEPS} steps split into matmul / attention / all-reduce / "
+                        "other / idle microseconds (bench.probes.step_kernels), in the records; "
+                        "skipped with a note on a CPU")
     p.add_argument("--tp", nargs="+", default=None,
                    help="TP sizes, run in that order (default: every power of two up to the "
                         "device count, largest first, then 1; on CPU: 2 1)")
@@ -160,13 +181,34 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _baseline_algorithms(args) -> list[str]:
+    return [a.strip() for a in args.baselines.split(",") if a.strip() and a.strip() != "none"]
+
+
+def baseline_labels(args) -> list[str]:
+    """The rows whose fastest is the baseline: 'sifar:<alg>' per --baselines; none without the
+    extension (a run of psum and identity alone)."""
+    algs = _baseline_algorithms(args)
+    if not algs:
+        return []
+    try:
+        import sifar_jax  # noqa: F401
+    except ImportError:
+        print("NOTE: no sifar_jax extension: no baseline rows", flush=True)
+        return []
+    return [f"sifar:{a}" for a in algs]
+
+
 def parse_variants(args) -> list[tuple]:
     """[(label, kind, algorithm, fused[, prefetch_bytes])]: ("psum", "psum", "auto", False),
     ("sifar:oneshot", "sifar", "oneshot", False), ("sifar+fused", "sifar", "auto", True),
-    ("sifar+fused:pf8", "sifar", "auto", True, 8 << 20), ("sifar+fused+mm", "sifar", "auto",
-    "matmul"). No prefetch_bytes: the default."""
+    ("sifar+fused:pf8", "sifar", "auto", True, 8 << 20). No prefetch_bytes: the default. The
+    baseline rows (--baselines) come right after psum."""
     items = [a.strip() for a in args.allreduce.split(",") if a.strip()]
     items += [f"sifar:{a.strip()}" for a in args.algorithms.split(",") if a.strip()]
+    base = baseline_labels(args)
+    at = items.index("psum") + 1 if "psum" in items else 0
+    items[at:at] = [b for b in base if b not in items]
     out, seen = [], set()
     for item in items:
         kind, _, alg = item.partition(":")
@@ -195,14 +237,6 @@ def parse_variants(args) -> list[tuple]:
         for k, mib in enumerate(args.prefetch_mib or []):
             out.insert(at + 2 + k, (f"sifar+fused:pf{mib:g}", "sifar", "auto", True,
                                     int(mib * (1 << 20)) // 16 * 16))
-        if args.fused_matmul != "off":
-            import sifar_jax
-
-            if hasattr(sifar_jax, "psum_add_rmsnorm_matmul"):
-                out.insert(at + 2 + len(args.prefetch_mib or []),
-                           ("sifar+fused+mm", "sifar", "auto", "matmul"))
-            elif args.fused_matmul == "on":
-                raise SystemExit("--fused-matmul on: sifar_jax has no psum_add_rmsnorm_matmul")
     elif args.prefetch_mib:
         raise SystemExit("--prefetch-mib: needs the fused variant (sifar in --allreduce, "
                          "--fused not off)")
@@ -234,12 +268,16 @@ def settings(args, platform: str, n_devices: int) -> dict:
         "seed": args.seed,
         "kv_layout": None if args.kv_layout == "auto" else args.kv_layout,
         "min_rows": max(1, args.min_rows),
-        "fused_sweep": args.fused_sweep,
+        "sweep_all": args.sweep_all,
+        "baselines": None,  # below, from the variants
+        "breakdown": args.breakdown and gpu,
         "trace": not args.no_trace,
         "loops": _loops(args.loops),
         "sweep_loops": [] if args.no_sweep else _loops(args.sweep_loops),
         "variants": parse_variants(args),
     }
+    wanted = {f"sifar:{a}" for a in _baseline_algorithms(args)}
+    s["baselines"] = [v[0] for v in s["variants"] if v[0] in wanted]
     s["config"] = config.replace(dtype=dtype, max_seq_len=max(s["context"]))
     for c in s["context"]:
         if c < 64 or c & (c - 1):
@@ -297,9 +335,9 @@ def _chunks(s) -> int:
 
 def cases(s) -> list[tuple[int, int, int, tuple, list[str]]]:
     """[(tp, batch, context, variant, loops)]: the loops at batch 1 and the first context, the
-    sweep elsewhere (and its loops added at that point). TP=1 runs only lax.psum; the fused
-    variant only at the loops' point unless --fused-sweep (the sweep compares psum, sifar and
-    identity, and each variant costs a compile per point)."""
+    sweep elsewhere (and its loops added at that point). TP=1 runs only lax.psum; the fused and
+    the baseline rows only at the loops' point unless --sweep-all-variants (the sweep compares
+    psum, sifar and identity, and each variant costs a compile per point)."""
     base = (1, s["context"][0])
     points = [base] + [(b, c) for c in s["context"] for b in s["batch"] if (b, c) != base]
     out = []
@@ -308,7 +346,8 @@ def cases(s) -> list[tuple[int, int, int, tuple, list[str]]]:
         for b, c in points:
             loops = s["loops"] + [x for x in s["sweep_loops"] if x not in s["loops"]] \
                 if (b, c) == base else s["sweep_loops"]
-            here = [v for v in variants if (b, c) == base or s["fused_sweep"] or not v[3]]
+            here = [v for v in variants if (b, c) == base or s["sweep_all"]
+                    or not (v[3] or v[0] in s["baselines"])]
             if loops:
                 out += [(tp, b, c, v, loops) for v in here]
     return out
@@ -327,6 +366,12 @@ def streamed_bytes_per_rank(config: LlamaConfig, params, tp: int) -> int:
             nbytes = nbytes // tp if config.tie_word_embeddings else 0
         total += nbytes
     return total
+
+
+def floor_ms(weights_bytes: int, kv_bytes: int) -> float:
+    """A step's memory floor: its weights and KV cache read once at HBM_BYTES_PER_S (the same
+    formula on a CPU, where it means nothing)."""
+    return (weights_bytes + kv_bytes) / HBM_BYTES_PER_S * 1e3
 
 
 def kv_cache_bytes_per_rank(config: LlamaConfig, context: int, tp: int, batch: int = 1) -> int:
@@ -462,7 +507,6 @@ def make_record(variant, loop: str, tp: int, batch: int, context: int, s, second
         "tp": tp,
         "loop": loop,
         "fused": bool(fused),
-        "fused_matmul": fused == "matmul",
         "prefetch_bytes": _prefetch_bytes(variant),
         "batch": batch,
         "context": context,
@@ -482,6 +526,8 @@ def make_record(variant, loop: str, tp: int, batch: int, context: int, s, second
         rec.update({f"tpot_ms_p{q:g}".replace(".", "_"): round(common.percentile(ms, q), 4)
                     for q in TAIL})
     rec.update(extra)
+    if rec.get("floor_ms"):
+        rec["floor_ratio"] = round(med / rec["floor_ms"], 3)  # TPOT over the memory floor
     return rec
 
 
@@ -523,13 +569,21 @@ def run_variant(config, mesh, params, case, s, bar) -> list[dict]:
         seconds, tokens = TIMERS[loop](dec, s)
         timed.append((loop, seconds, tokens, time.perf_counter() - t1, copies))
     trace = trace_allreduces(dec, s, context, first) if kind in SIFAR_KINDS and s["trace"] else None
+    breakdown = None
+    if s["breakdown"] and (batch, context) == (1, s["context"][0]):
+        bar.set_postfix_str(f"{where}: breakdown")
+        breakdown = step_breakdown(dec, context, first)
+    weights = streamed_bytes_per_rank(config, params, tp)
+    kv = kv_cache_bytes_per_rank(config, context, tp, batch)
     common_fields = {"setup_s": round(setup_s, 2), "kv_layout": dec.kv_layout, "rows": dec.rows,
-                     "weights_bytes_per_rank": streamed_bytes_per_rank(config, params, tp),
-                     "kv_bytes_per_rank": kv_cache_bytes_per_rank(config, context, tp, batch)}
+                     "weights_bytes_per_rank": weights, "kv_bytes_per_rank": kv,
+                     "floor_ms": float(f"{floor_ms(weights, kv):.4g}")}
     if kind in SIFAR_KINDS:
         common_fields.update(sifar_fields(before))
     if trace is not None:
         common_fields["allreduce_trace"] = trace
+    if breakdown is not None:
+        common_fields["breakdown"] = breakdown
     del dec
     return [make_record(variant, loop, tp, batch, context, s, seconds, tokens,
                         dict(common_fields, loop_s=round(loop_s, 2), cache_copies=copies))
@@ -537,6 +591,20 @@ def run_variant(config, mesh, params, case, s, bar) -> list[dict]:
 
 
 TRACE_STEPS = 48  # traced pipelined steps: 48 x 64 all-reduces (8B) stay within one trace ring
+
+
+def step_breakdown(dec, context: int, first) -> dict:
+    """BREAKDOWN_STEPS back-to-back steps traced on the device, their time split by kernel kind
+    (bench.probes.step_kernels.step_breakdown), or {"error": why}."""
+    from bench.probes import step_kernels
+
+    try:
+        dec.seek(context - BREAKDOWN_STEPS - 8, first)
+        dec.advance(3)  # compiled and warm before the trace starts
+        dec.token()
+        return step_kernels.step_breakdown(dec, BREAKDOWN_STEPS)
+    except Exception as e:  # noqa: BLE001 - recorded; the benchmark goes on
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def trace_allreduces(dec, s, context: int, first) -> dict:
@@ -637,10 +705,12 @@ def _gap(t_psum: float, t_identity: float, t_x: float) -> str:
 
 
 def table_rows(records, order) -> tuple[list[str], list[list]]:
-    """Every record: TP, loop, batch, context, variant, with the ratios against psum."""
+    """Every record (annotated by with_baseline): TP, loop, batch, context, variant, with the
+    ratios against psum and the baseline, and to the memory floor."""
     idx = _index(records)
     headers = ["TP", "loop", "batch", "context", "all-reduce", "TPOT median ms", "TPOT p99 ms",
-               "tokens/s", "vs psum", "gap recovered", "retries/call", "same tokens as psum"]
+               "tokens/s", "vs psum", "vs baseline", "x floor", "gap recovered", "retries/call",
+               "same tokens as psum"]
     rows = []
     for r in sorted(records, key=lambda r: (r["tp"], LOOPS.index(r["loop"]), r["batch"],
                                             r["context"], _order(order, r["allreduce"]))):
@@ -653,9 +723,10 @@ def table_rows(records, order) -> tuple[list[str], list[list]]:
         match = "-"
         if ps and r is not ps:
             match = f"{_prefix_match(r['generated'], ps['generated'])}/{len(ps['generated'])}"
-        rows.append([r["tp"], r["loop"], r["batch"], r["context"], r["allreduce"],
+        rows.append([r["tp"], r["loop"], r["batch"], r["context"], _named(r),
                      f"{r['tpot_ms_median']:.3f}", f"{r['tpot_ms_p99']:.3f}",
-                     f"{r['tokens_per_s']:.1f}", vs, gap, "-" if rpc is None else f"{rpc:.4f}",
+                     f"{r['tokens_per_s']:.1f}", vs, _ratio(r.get("vs_baseline")),
+                     _ratio(r.get("floor_ratio")), gap, "-" if rpc is None else f"{rpc:.4f}",
                      match])
     return headers, rows
 
@@ -664,32 +735,116 @@ def _order(order, label) -> int:
     return order.index(label) if label in order else len(order)
 
 
+def _ratio(x) -> str:
+    return "-" if x is None else f"{x:.3f}x"
+
+
+def _named(r) -> str:
+    """The record's variant, '(baseline)' after it where it is the baseline at its point."""
+    return r["allreduce"] + (" (baseline)" if r.get("baseline") == r["allreduce"] else "")
+
+
+# ----------------------------------------------------- baseline and floor --
+def baselines(records, s) -> dict:
+    """{(tp, loop, batch, context): the fastest record of the baseline rows (s["baselines"])}."""
+    best: dict = {}
+    for r in records:
+        if r["allreduce"] in s["baselines"]:
+            k = _key(r)
+            if k not in best or r["tpot_ms_median"] < best[k]["tpot_ms_median"]:
+                best[k] = r
+    return best
+
+
+def with_baseline(records, s) -> list[dict]:
+    """Copies of the records, each with "baseline": the label of the fastest baseline row at its
+    (TP, loop, batch, context), None where no baseline row ran; "vs_baseline": its tokens/s over
+    the baseline's (> 1: faster)."""
+    best = baselines(records, s)
+    out = []
+    for r in records:
+        b = best.get(_key(r))
+        out.append(dict(r, baseline=b["allreduce"] if b else None,
+                        vs_baseline=round(b["tpot_ms_median"] / r["tpot_ms_median"], 4)
+                        if b else None))
+    return out
+
+
+def floor_rows(records, s) -> tuple[list[str], list[list]]:
+    """Batch 1, the loops' context, every loop and variant (records annotated by
+    with_baseline): TPOT against the memory floor, lax.psum and the baseline."""
+    ctx = s["context"][0]
+    headers = ["TP", "loop", "all-reduce", "TPOT ms", "floor ms", "x floor", "vs psum",
+               "vs baseline"]
+    idx = _index(records)
+    order = label_order(s)
+    rows = []
+    for r in sorted((r for r in records if r["batch"] == 1 and r["context"] == ctx),
+                    key=lambda r: (r["tp"], LOOPS.index(r["loop"]), _order(order, r["allreduce"]))):
+        ps = idx.get((*_key(r), "psum"))
+        floor = r.get("floor_ms")
+        rows.append([r["tp"], r["loop"], _named(r), f"{r['tpot_ms_median']:.3f}",
+                     "-" if not floor else f"{floor:.3f}" if floor >= 0.1 else f"{floor:.3g}",
+                     _ratio(r.get("floor_ratio")),
+                     f"{ps['tpot_ms_median'] / r['tpot_ms_median']:.3f}x" if ps else "-",
+                     _ratio(r.get("vs_baseline"))])
+    return headers, rows
+
+
+def breakdown_rows(records) -> tuple[list[str], list[list]]:
+    """Per TP and variant with a device-trace breakdown: microseconds per step by kind."""
+    if not any(r.get("breakdown") for r in records):
+        return [], []
+    from bench.probes import step_kernels
+
+    headers = (["TP", "all-reduce"] + [k.replace("_", "-") + " us" for k in step_kernels.BREAKDOWN]
+               + ["idle us", "span us", "kernels", "by name only"])
+    rows, seen = [], set()
+    for r in records:
+        b = r.get("breakdown")
+        if not b or (r["tp"], r["allreduce"]) in seen:
+            continue
+        seen.add((r["tp"], r["allreduce"]))
+        if "error" in b or "note" in b:
+            rows.append([r["tp"], r["allreduce"], b.get("error") or b.get("note")]
+                        + [""] * (len(headers) - 3))
+            continue
+        rows.append([r["tp"], r["allreduce"]]
+                    + [f"{b[f'{k}_us']:.1f}" for k in step_kernels.BREAKDOWN]
+                    + [f"{b['idle_us']:.1f}", f"{b['span_us']:.1f}", f"{b['kernels']:g}",
+                       f"{b['unmatched']:g}"])
+    return headers, rows
+
+
 def paper_rows(records, s) -> tuple[list[str], list[list]]:
     """Batch 1, the loops' context: our tokens/s gains over lax.psum beside the paper's."""
     idx = _index(records)
-    headers = ["TP", "loop", "psum tokens/s", "sifar tokens/s", "sifar gain", "paper: SiFAR gain",
-               "fused sifar gain", "fused+matmul gain", "identity gain (no all-reduce)",
-               "paper: no all-reduce gain", "gap recovered (sifar / fused / fused+matmul)"]
+    headers = ["TP", "loop", "psum tokens/s", "baseline tokens/s", "sifar tokens/s", "sifar gain",
+               "paper: SiFAR gain", "fused sifar gain", "sifar / fused over the baseline",
+               "identity gain (no all-reduce)", "paper: no all-reduce gain",
+               "gap recovered (sifar / fused)"]
+    best = baselines(records, s)
     rows = []
     ctx = s["context"][0]
     for tp in sorted({r["tp"] for r in records if r["tp"] > 1}):
         for loop in LOOPS:
             get = lambda label: idx.get((tp, loop, 1, ctx, label))  # noqa: E731
             ps, sf, fu, ident = get("psum"), get("sifar"), get("sifar+fused"), get("identity")
-            fm = get("sifar+fused+mm")
             if not ps:
                 continue
             t = lambda r: r["tpot_ms_median"] if r else None  # noqa: E731
             gap = "-"
             if ident:
-                gap = " / ".join(_gap(t(ps), t(ident), t(x)) if x else "-" for x in (sf, fu, fm))
+                gap = " / ".join(_gap(t(ps), t(ident), t(x)) if x else "-" for x in (sf, fu))
             paper_na = PAPER_NO_ALLREDUCE_GAIN.get(tp)
+            bl = best.get((tp, loop, 1, ctx))
+            over_bl = " / ".join(_gain(t(bl), t(x)) if x else "-" for x in (sf, fu)) if bl else "-"
             rows.append([tp, loop, f"{ps['tokens_per_s']:.1f}",
+                         f"{bl['tokens_per_s']:.1f} ({bl['allreduce']})" if bl else "-",
                          f"{sf['tokens_per_s']:.1f}" if sf else "-",
                          _gain(t(ps), t(sf)) if sf else "-",
                          f"+{PAPER_SIFAR_GAIN[tp]}%" if tp in PAPER_SIFAR_GAIN else "-",
-                         _gain(t(ps), t(fu)) if fu else "-",
-                         _gain(t(ps), t(fm)) if fm else "-",
+                         _gain(t(ps), t(fu)) if fu else "-", over_bl,
                          _gain(t(ps), t(ident)) if ident else "-",
                          f"+{paper_na:g}%" if paper_na else "-", gap])
     return headers, rows
@@ -816,6 +971,19 @@ def out_dir(args, platform: str) -> Path:
     return Path(args.out) if args.out else common.default_out(platform)
 
 
+BREAKDOWN_SKIPPED = ("--breakdown: skipped, a CPU run has no device trace of GPU kernels to "
+                     "break down")
+
+
+def floor_note(s) -> str:
+    base = " or ".join(s["baselines"]) or "none ran"
+    return (f"Floor: a step's weights and KV cache (per rank) read once at {HBM_BYTES_PER_S / 1e12:g} "
+            "TB/s (floor_ms; x floor = TPOT / floor_ms, floor_ratio in the JSON). Baseline: the "
+            f"fastest of the in-decoder rows {base} at the same TP, loop, batch and KV length "
+            "(the paper's baseline, the better of a one-shot and a two-shot all-reduce, given every "
+            "decoder improvement ours gets); vs baseline: tokens/s over the baseline's.")
+
+
 METHOD_NOTE = (
     "TPOT per loop (tokens/s = batch / TPOT): sync, the median of one step followed by reading "
     "its token; stream, the median gap between consecutive tokens of Decoder.decode(loop="
@@ -835,9 +1003,12 @@ def write_outputs(args, s, env, records, platform, final: bool):
     host = env["host"]
     order = label_order(s)
     d = out_dir(args, platform)
+    records = with_baseline(records, s)
     json_path = common.write_json(common.results_path(d, "decode", host, ".json"), records)
     notes = [CPU_NOTE] if platform == "cpu" else []
-    notes += [describe_run(s) + ".", METHOD_NOTE]
+    notes += [describe_run(s) + ".", METHOD_NOTE, floor_note(s)]
+    if args.breakdown and not s["breakdown"]:
+        notes.append(BREAKDOWN_SKIPPED)
     if not final:
         notes.append("**Partial: the run had not finished when this was written.**")
     notes += [f"**sifar_jax.check() failed after TP={r['tp']} {r['allreduce']}: {r['sifar_check']}**"
@@ -854,6 +1025,10 @@ def write_outputs(args, s, env, records, platform, final: bool):
         sections.append(("Against the paper: batch 1, KV length "
                          f"{s['context'][0]} (paper: 8x H200, Llama-3.1-8B FP8, SiFAR vs NCCL)",
                          common.markdown_table(headers, rows)))
+    headers, rows = floor_rows(records, s)
+    if rows:
+        sections.append((f"Memory floor, lax.psum and the baseline: batch 1, KV length "
+                         f"{s['context'][0]}", common.markdown_table(headers, rows)))
     for tp in sorted({r["tp"] for r in records if r["tp"] > 1}):
         for loop in s["sweep_loops"]:
             grid = sweep_grid(records, s, tp, loop)
@@ -867,6 +1042,11 @@ def write_outputs(args, s, env, records, platform, final: bool):
     if rows:
         sections.append(("sifar all-reduces inside the decode step: per-call latency from device "
                          f"timestamps ({TRACE_STEPS} back-to-back steps, every rank, block 0's view)",
+                         common.markdown_table(headers, rows)))
+    headers, rows = breakdown_rows(records)
+    if rows:
+        sections.append((f"Where a step's device time goes: {BREAKDOWN_STEPS} back-to-back steps "
+                         "traced (batch 1, the loops' KV length; microseconds per step)",
                          common.markdown_table(headers, rows)))
     budget = budget_lines(records, s)
     if budget:
@@ -965,6 +1145,8 @@ def main(argv=None) -> int:
     s = settings(args, platform, len(devices))
     if platform == "cpu":
         print(f"NOTE: {CPU_NOTE}", flush=True)
+    if args.breakdown and not s["breakdown"]:
+        print(f"NOTE: {BREAKDOWN_SKIPPED}", flush=True)
     print(f"decode benchmark: {describe_run(s)}; TP {s['tp']}; variants "
           f"{[v[0] for v in s['variants']]}", flush=True)
     env = common.describe_environment(devices[: max(s["tp"])])
@@ -979,8 +1161,21 @@ def main(argv=None) -> int:
 
     print()
     print(f"[{env['host']}] {describe_run(s)}")
+    records = with_baseline(records, s)
     headers, rows = paper_rows(records, s)
     if rows:
+        print(common.plain_table(headers, rows))
+        print()
+    headers, rows = floor_rows(records, s)
+    if rows:
+        print(f"Batch 1 against the memory floor (weights and KV cache per rank read once at "
+              f"{HBM_BYTES_PER_S / 1e12:g} TB/s), lax.psum and the baseline "
+              f"(the fastest of {', '.join(s['baselines']) or 'none'}):")
+        print(common.plain_table(headers, rows))
+        print()
+    headers, rows = breakdown_rows(records)
+    if rows:
+        print(f"Where a step's device time goes ({BREAKDOWN_STEPS} steps traced, us per step):")
         print(common.plain_table(headers, rows))
         print()
     for line in budget_lines(records, s):

@@ -142,8 +142,9 @@ for step in "${steps[@]}"; do
       run_step "bench.allreduce" "${ALLREDUCE_TIMEOUT:-480}" \
         "$PYTHON" -m bench.allreduce ${quick_arg[@]+"${quick_arg[@]}"} --out "$OUT" ${ALLREDUCE_ARGS:-} ;;
     decode)
-      # The four loops at batch 1 and the first KV length, then batch x KV length (pipelined;
-      # psum / sifar / identity), per TP size.
+      # The four loops at batch 1 and the first KV length (every variant: psum, the baseline
+      # rows sifar:oneshot/twoshot, sifar, sifar+fused, identity), then batch x KV length
+      # (pipelined; psum / sifar / identity), per TP size.
       # shellcheck disable=SC2086
       run_step "bench.decode" "${DECODE_TIMEOUT:-480}" \
         "$PYTHON" -m bench.decode ${quick_arg[@]+"${quick_arg[@]}"} --out "$OUT/decode" \

@@ -142,7 +142,7 @@ class Decoder:
     (sharding.default_kv_layout). min_rows: run at least this many rows (sequences) on the device,
     the extra ones copies of the last real one, never returned: on an H200, XLA:GPU ran a
     batch-1 step at TP=2's per-rank shapes 20% slower than a batch-2 step (its matmuls for one
-    row; bench/NOTES.md): min_rows=2 made batch-1 decoding 17% faster there. XLA may then pick
+    row; docs/performance.md): min_rows=2 made batch-1 decoding 17% faster there. XLA may then pick
     other matmul kernels, whose bf16 rounding can flip a greedy token where two logits nearly
     tie (as any change of batch can); sampled tokens also depend on the row count (the random
     draws are per row). gemm_rows: the cheaper form of the same gain: only a single row's

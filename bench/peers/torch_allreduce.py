@@ -310,7 +310,7 @@ def worker(rank: int, args, port: int) -> None:
                 else:
                     out["records"].append(res)
                     print(f"{args.algorithm} tp={args.tp} {nbytes} B: "
-                          f"{res['us_median']:.2f} us ({res['level']})", flush=True)
+                          f"{common.fmt_latency(res, ' us')} ({res['level']})", flush=True)
                 out["info"] = _info(torch, ctx)
                 peers.write_partial(args.json, out)
     finally:

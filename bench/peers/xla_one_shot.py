@@ -92,7 +92,7 @@ def main(argv=None) -> int:
                 if kind == "cpu":
                     res["note"] = "XLA:CPU: the flag has no effect here"
                 out["records"].append(res)
-                print(f"{NAME} tp={tp} {nbytes} B: {res['us_median']:.2f} us", flush=True)
+                print(f"{NAME} tp={tp} {nbytes} B: {common.fmt_latency(res, ' us')}", flush=True)
             peers.write_partial(args.json, out)
     peers.write_partial(args.json, out)
     return 0

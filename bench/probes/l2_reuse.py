@@ -1,7 +1,7 @@
 """Probe: does a batch-1 matmul run faster when its weight is already in L2?
 
 The premise of prefetching the next matmul's weight during an all-reduce's wait
-(psum_add_rmsnorm(prefetch=), bench/NOTES.md): the decode step's matmuls are
+(psum_add_rmsnorm(prefetch=), docs/performance.md): the decode step's matmuls are
 bound by reading their weights from HBM, so bytes already in L2 cut their time.
 Here one jit runs y1 = x @ W, then y2 = x2 @ W with x2 depending on y1 (so the
 second matmul starts after the first and finds the W bytes the first left in L2),

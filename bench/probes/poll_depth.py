@@ -93,7 +93,7 @@ def main(argv=None) -> None:
                                  **common.summarize_us(samples))
                         records.append(r)
                         print(f"{alg:10s} {kb:5.1f} KB depth {depth} gap {gap:4d} ns {level:10s}: "
-                              f"{r['us_median']:6.3f} us ({r['us_p10']:.3f}-{r['us_p90']:.3f}), "
+                              f"{common.fmt_latency(r, ' us'):>9s} ({r['us_p10']:.3f}-{r['us_p90']:.3f}), "
                               f"warp re-reads/call {r['retries_per_call']}", flush=True)
                 finally:
                     _ext._sifar.set_poll(comm_id, 1, 0)

@@ -1,5 +1,5 @@
 """Development check on a GPU host: correctness of every algorithm, then a
-first latency read at both levels.  `python -m bench.gpu_smoke` (not a test).
+first latency read at both levels.  `python -m bench.probes.gpu_smoke` (not a test).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 # One development call on the GPU host: build (with compile-time variants if
 # asked), then the steps named on the command line, in order; one log in $OUT.
 # The evaluation suite is bench/gpu_host_run.sh; this is for A/B work.
-#   build=<CUDA flags>  rebuild with these flags (e.g. -DSIFAR_FUSED_WIDE=0)
+#   OUT=/tmp/out bash bench/probes/device_run.sh tests kernels decode   (from the repository root)
+#   build=<CUDA flags>  rebuild with these CMAKE_CUDA_FLAGS (a compile-time variant for an A/B)
 #   tests     pytest -k gpu $TESTS              (default tests/test_fused.py)
 #   pytest    pytest $PYTEST, no -k             (default tests/test_decode_loops.py)
 #   tail      bench.probes.layer_tail $TAIL_ARGS
