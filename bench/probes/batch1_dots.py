@@ -1,4 +1,5 @@
-"""Probe: is a batch-1 decode step slower than a batch-2 one at TP=2's per-rank shapes?
+"""Probe: is a batch-1 decode step slower than a batch-2 one at TP=2's per-rank shapes, and does
+running only its projections as two rows (Decoder(gemm_rows=2)) recover the difference?
 
 At TP=2 (bench/results/decode-sweep-2xH200.md) a batch-1 step took 4.28 ms (lax.psum) and a
 batch-2 step 3.66 ms; at TP=1 both took 4.26 ms. This runs TP=2's per-rank shapes (16 query
@@ -45,14 +46,14 @@ def main() -> None:
     for name, kw in SHAPES.items():
         config = LlamaConfig.llama3_8b().replace(dtype="bfloat16", max_seq_len=1024, **kw)
         params = random_params(config, mesh, seed=0)
-        for batch in (1, 2):
+        for batch, gemm_rows in ((1, 1), (1, 2), (2, 1)):
             dec = bd.make_decoder(config, mesh, params, ("psum", "psum", "auto", False), batch,
-                                  1024, 0)
+                                  1024, 0, gemm_rows=gemm_rows)
             bd._seek(dec, "pipelined", s, 1024, bd.start_tokens(config, batch, 0))
             found = dots(dec.compiled_step().as_text())
             times, _ = bd.time_pipelined(dec, s)
             ms = sorted(t * 1e3 for t in times)
-            print(f"{name:9s} batch {batch}: {ms[len(ms) // 2]:.3f} ms/step "
+            print(f"{name:9s} batch {batch} gemm_rows {gemm_rows}: {ms[len(ms) // 2]:.3f} ms/step "
                   f"(min {ms[0]:.3f}); matmuls: {found}", flush=True)
             del dec
 
