@@ -356,3 +356,25 @@ def test_generate_cli_runs_the_tiny_preset(capsys):
     assert generate.main(["--preset", "qwen3_moe_tiny", "--tp", "2", "--tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert "qwen3_moe" in out and len(out.split("tokens:")[1].split("\n")[0].split()) == 8
+
+
+def test_bench_decode_takes_the_moe_preset_and_its_active_bytes():
+    """bench.decode --preset qwen3_30b_a3b: the family's tp check, --moe-impl, and the weights a
+    batch-1 step reads (the memory floor) counted over the routed experts only."""
+    from bench import decode as bd
+
+    args = bd.parse_args(["--preset", "qwen3_30b_a3b", "--tp", "2", "--moe-impl", "ragged",
+                          "--allreduce", "psum"])
+    s = bd.settings(args, "gpu", 2)
+    config = s["config"]
+    assert isinstance(config, Qwen3MoeConfig) and config.moe_impl == "ragged"
+    assert s["tp"] == [2] and config.dtype == "bfloat16"
+    active = bd.streamed_bytes_per_rank(config, None, 2)
+    assert active == QWEN3_MOE.step_weight_bytes(config, 2)
+    _, abstract = QWEN3_MOE.abstract_model(config)
+    everything = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
+    assert 0.04 < active / everything < 0.06  # ~3B of 30.5B, halved by TP=2
+    with pytest.raises(SystemExit, match="not an MoE"):
+        bd.settings(bd.parse_args(["--preset", "tiny", "--moe-impl", "gather"]), "cpu", 2)
+    with pytest.raises(SystemExit, match="moe_intermediate_size"):
+        bd.settings(bd.parse_args(["--preset", "qwen3_moe_tiny", "--tp", "3"]), "cpu", 8)
