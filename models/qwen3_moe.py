@@ -21,9 +21,13 @@ model):
             slices are gathered (jnp.take) and multiplied; at more tokens (prefill) every
             expert runs on every token and the unchosen ones get weight 0 (reads each weight
             once, never a per-token copy).
+  "slices"  at most SLICES_MAX (token, slot) pairs: one dynamic slice of each chosen expert
+            feeding its own dot, which XLA:GPU can read where the weight lies (dynamic-slice
+            fusion) instead of copying the k slices first as a gather does; more pairs: as
+            "gather".
   "ragged"  the (token, expert) pairs sorted by expert and both projections as
             jax.lax.ragged_dot over the experts' groups, at every token count.
-Both give the same numbers up to float summation order.
+All give the same numbers up to float summation order.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from .config import RopeScaling, rope_from_hf
 from .family import ModelFamily
 from .tp import RMSNorm, TPContext, normal
 
-MOE_IMPLS = ("gather", "ragged")
+MOE_IMPLS = ("gather", "slices", "ragged")
+SLICES_MAX = 16  # "slices": at most this many (token, slot) pairs get their own dots
 
 
 # ---- config -----------------------------------------------------------------------------------------
@@ -208,6 +213,23 @@ def experts_gather(x, weights, ids, gate_up, down):
     return jnp.einsum("nkh,nk->nh", y.reshape(n, k, -1), weights)
 
 
+def experts_slices(x, weights, ids, gate_up, down):
+    """As experts_gather, each (token, slot)'s expert read by a dynamic slice that feeds its own
+    dots (N*k of each projection: for a few tokens only)."""
+    n, k = ids.shape
+    rows = []
+    for t in range(n):
+        y = None
+        for j in range(k):
+            e = ids[t, j]
+            gu = jax.lax.dynamic_index_in_dim(gate_up, e, 0, keepdims=False)  # [hidden, 2, I]
+            dn = jax.lax.dynamic_index_in_dim(down, e, 0, keepdims=False)  # [I, hidden]
+            part = (_swiglu(jnp.einsum("h,hcf->cf", x[t], gu)) @ dn) * weights[t, j]
+            y = part if y is None else y + part
+        rows.append(y)
+    return jnp.stack(rows)
+
+
 def experts_dense(x, weights, ids, gate_up, down):
     """Every expert on every token, the unchosen ones weighted 0 (as experts_gather). For many
     tokens: reads each expert's weights once, computes E/k times the useful work."""
@@ -239,8 +261,10 @@ def experts(x, weights, ids, gate_up, down, impl: str = "gather"):
     """This rank's partial MoE output [N, hidden] (see the module docstring for `impl`)."""
     if impl == "ragged":
         return experts_ragged(x, weights, ids, gate_up, down)
-    if impl != "gather":
+    if impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {impl!r}")
+    if impl == "slices" and ids.size <= SLICES_MAX:
+        return experts_slices(x, weights, ids, gate_up, down)
     if ids.size < gate_up.shape[0]:  # fewer slices than experts: read only those
         return experts_gather(x, weights, ids, gate_up, down)
     return experts_dense(x, weights, ids, gate_up, down)
