@@ -64,6 +64,7 @@ from models import families, hlo  # noqa: E402
 from models.sharding import KV_LAYOUTS  # noqa: E402
 from models.tp import ALLREDUCE_KINDS, fused_add_norm_available  # noqa: E402
 from models.decode import LOOPS, SIFAR_KINDS, Decoder, make_mesh  # noqa: E402
+from models.qwen3_moe import MOE_IMPLS  # noqa: E402
 
 
 def _start_processes() -> bool:
@@ -106,7 +107,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="model shapes, any family's (default: llama3_8b on GPU, tiny on CPU)")
-    p.add_argument("--moe-impl", choices=("gather", "ragged"), default=None,
+    p.add_argument("--moe-impl", choices=MOE_IMPLS, default=None,
                    help="an MoE preset's expert computation (models.qwen3_moe; default: the "
                         "preset's)")
     p.add_argument("--dtype", default=None,
