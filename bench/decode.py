@@ -1,11 +1,12 @@
-"""End-to-end decode: time per output token (TPOT) of the Flax Llama decoder with lax.psum, with
-the paper's baseline (the better of a one-shot and a two-shot all-reduce, run inside our decoder:
-rows sifar:oneshot and sifar:twoshot), with sifar_psum (unfused, and fused with the residual add
-and RMSNorm when sifar_jax has it), and with the all-reduce replaced by identity, in every decode
-loop, over batch sizes and KV lengths.
+"""End-to-end decode: time per output token (TPOT) of the Flax decoder (Llama, or any model family's
+--preset) with lax.psum, with the paper's baseline (the better of a one-shot and a two-shot
+all-reduce, run inside our decoder: rows sifar:oneshot and sifar:twoshot), with sifar_psum
+(unfused, and fused with the residual add and RMSNorm when sifar_jax has it), and with the
+all-reduce replaced by identity, in every decode loop, over batch sizes and KV lengths.
 
     python -m bench.decode                    # GPU: Llama-3.1-8B shapes, bf16, TP=2 (4, 8) then 1
     python -m bench.decode --quick            # CPU demo (tiny model): about a minute on 2 cores
+    python -m bench.decode --preset qwen3_30b_a3b --moe-impl ragged   # the MoE (GPU)
     python -m bench.decode --tp 2 --batch 1 --context 1024 --no-sweep   # the loops only
 
 Two parts, per TP size (TP=1 runs only lax.psum, the reference: nothing to reduce):
@@ -69,12 +70,11 @@ common.use_host_devices(8)  # before jax is imported; only XLA:CPU reads it
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from models import hlo, llama  # noqa: E402
+from models import families, hlo  # noqa: E402
 from models.sharding import KV_LAYOUTS  # noqa: E402
 from models.tp import ALLREDUCE_KINDS, fused_add_norm_available  # noqa: E402
-from models.config import LlamaConfig  # noqa: E402
 from models.decode import LOOPS, SIFAR_KINDS, Decoder, make_mesh  # noqa: E402
-from models.weights import random_params  # noqa: E402
+from models.qwen3_moe import MOE_IMPLS  # noqa: E402
 
 
 def _start_processes() -> bool:
@@ -95,7 +95,9 @@ HBM_BYTES_PER_S = 4.3e12  # assumed H200 HBM3e bandwidth actually reached when s
 # decoder (sifar:oneshot, sifar:twoshot) so that it gets every decoder improvement ours gets.
 BASELINE_ALGORITHMS = ("oneshot", "twoshot")
 BREAKDOWN_STEPS = 8  # profiled back-to-back steps per variant with --breakdown
-PRESETS = {"llama3_8b": LlamaConfig.llama3_8b, "tiny": LlamaConfig.tiny}
+# preset name -> f(**overrides) -> its config, over every model family (tiny, llama3_8b,
+# qwen3_moe_tiny, qwen3_30b_a3b, ...)
+PRESETS = {name: family.presets[name] for name, family in families.presets().items()}
 # The SiFAR paper's end-to-end decode (8x H200, CUDA 12.9, Llama-3.1-8B FP8, batch 1): tokens/s
 # gain over NCCL with SiFAR, and with no all-reduce at all. None: not reported.
 PAPER_SIFAR_GAIN = {2: 9.1, 4: 14.9, 8: 18.6}
@@ -118,7 +120,10 @@ def parse_args(argv=None):
                     "in every decode loop, over batch sizes and KV lengths.",
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="model shapes (default: llama3_8b on GPU, tiny on CPU)")
+                   help="model shapes, any family's (default: llama3_8b on GPU, tiny on CPU)")
+    p.add_argument("--moe-impl", choices=MOE_IMPLS, default=None,
+                   help="an MoE preset's expert computation (models.qwen3_moe; default: the "
+                        "preset's)")
     p.add_argument("--dtype", default=None,
                    help="parameter/activation dtype (default: bfloat16 on GPU, the preset's on CPU)")
     p.add_argument("--allreduce", default="psum,sifar,identity",
@@ -283,6 +288,10 @@ def settings(args, platform: str, n_devices: int) -> dict:
     wanted = {f"sifar:{a}" for a in _baseline_algorithms(args)}
     s["baselines"] = [v[0] for v in s["variants"] if v[0] in wanted]
     s["config"] = config.replace(dtype=dtype, max_seq_len=max(s["context"]))
+    if args.moe_impl:
+        if not hasattr(config, "moe_impl"):
+            raise SystemExit(f"--moe-impl: {preset} is not an MoE")
+        s["config"] = s["config"].replace(moe_impl=args.moe_impl)
     for c in s["context"]:
         if c < 64 or c & (c - 1):
             raise SystemExit(f"--context {c}: must be a power of two >= 64 (one attention bucket)")
@@ -309,7 +318,7 @@ def settings(args, platform: str, n_devices: int) -> dict:
         if not 1 <= t <= n_devices:
             raise SystemExit(f"--tp {t}: have {n_devices} {platform} devices")
         try:
-            llama.check_tp(config, t)
+            families.family_of(config).check_tp(config, t)
         except ValueError as e:
             raise SystemExit(f"--tp {t}: {e}") from None
     s["tp"] = list(dict.fromkeys(tps))
@@ -358,18 +367,12 @@ def cases(s) -> list[tuple[int, int, int, tuple, list[str]]]:
 
 
 # -------------------------------------------------------------- weights, KV --
-def streamed_bytes_per_rank(config: LlamaConfig, params, tp: int) -> int:
-    """Parameter bytes one rank reads per decode step: every leaf's local shard, except the
-    embedding table (replicated), of which a step gathers one row (plus, when tied, its
-    vocab/tp slice as the lm_head)."""
-    total = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = str(getattr(path[-1], "key", path[-1]))
-        nbytes = int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
-        if name == "embed":
-            nbytes = nbytes // tp if config.tie_word_embeddings else 0
-        total += nbytes
-    return total
+def streamed_bytes_per_rank(config, params, tp: int) -> int:
+    """Parameter bytes one rank reads per batch-1 decode step (ModelFamily.step_weight_bytes):
+    every parameter's local shard, an MoE's experts only the top-k of them, the embedding table
+    one row (plus, when tied, its vocab/tp slice as the lm_head). `params` (unused) is the
+    tree whose shapes the family's tp layout gives."""
+    return families.family_of(config).step_weight_bytes(config, tp)
 
 
 def floor_ms(weights_bytes: int, kv_bytes: int) -> float:
@@ -378,10 +381,10 @@ def floor_ms(weights_bytes: int, kv_bytes: int) -> float:
     return (weights_bytes + kv_bytes) / HBM_BYTES_PER_S * 1e3
 
 
-def kv_cache_bytes_per_rank(config: LlamaConfig, context: int, tp: int, batch: int = 1) -> int:
+def kv_cache_bytes_per_rank(config, context: int, tp: int, batch: int = 1) -> int:
     """K and V of every layer over `context` positions: what attention reads per step."""
     itemsize = np.dtype(jax.numpy.dtype(config.dtype)).itemsize
-    heads = llama.LLAMA.layout(config, tp).num_kv_heads // tp
+    heads = families.family_of(config).layout(config, tp).num_kv_heads // tp
     return 2 * config.num_layers * batch * context * heads * config.head_dim * itemsize
 
 
@@ -522,6 +525,7 @@ def make_record(variant, loop: str, tp: int, batch: int, context: int, s, second
         "kind": kind,
         "algorithm": alg,
         "preset": s["preset"],
+        "moe_impl": getattr(s["config"], "moe_impl", None),
         "dtype": s["dtype"],
         "start_position": context - steps_needed(loop, s) - 1,
         "steps": steps_needed(loop, s),
@@ -651,7 +655,8 @@ def run(s, devices, on_record) -> list[dict]:
             continue
         mesh = make_mesh(tp, devices=devices)
         bar.set_postfix_str(f"TP={tp}: random weights")
-        params = common.block(random_params(config, mesh, seed=s["seed"]))
+        params = common.block(families.family_of(config).random_params(config, mesh,
+                                                                       seed=s["seed"]))
         used_sifar = False
         for case in mine:
             used_sifar |= case[3][1] in SIFAR_KINDS
@@ -962,7 +967,9 @@ def label_order(s) -> list[str]:
 
 def describe_run(s) -> str:
     c = s["config"]
-    return (f"{s['preset']} ({c.num_layers} layers, hidden {c.hidden_size}, {s['dtype']}), "
+    moe = (f", {c.num_experts} experts top-{c.num_experts_per_tok} ({c.moe_impl})"
+           if hasattr(c, "moe_impl") else "")
+    return (f"{s['preset']} ({c.num_layers} layers, hidden {c.hidden_size}{moe}, {s['dtype']}), "
             f"random weights and KV cache; loops {','.join(s['loops'])} at batch 1, KV length "
             f"{s['context'][0]}; sweep ({','.join(s['sweep_loops']) or 'none'}) batch "
             f"{s['batch']} x KV length {s['context']}; {s['tokens']} timed steps (sync, stream, "

@@ -1,6 +1,6 @@
 """Flax NNX decoders with tensor parallelism over a shard_map axis, one module per model family
-(Llama 3.x: llama.py, families.py lists them) on shared attention, sharding and tensor-parallel
-helpers.
+(Llama 3.x: llama.py; Qwen3-MoE: qwen3_moe.py; families.py lists them) on shared attention,
+sharding and tensor-parallel helpers.
 
 Submodules import jax; this package file does not, so `python -m models.generate` can still set
 XLA_FLAGS before jax starts. Public names are loaded on first access.
@@ -9,6 +9,7 @@ XLA_FLAGS before jax starts. Public names are loaded on first access.
 _EXPORTS = {
     "LlamaConfig": "config", "RopeScaling": "config",
     "Llama": "llama", "LLAMA": "llama", "check_tp": "llama",
+    "Qwen3MoeConfig": "qwen3_moe", "QWEN3_MOE": "qwen3_moe",
     "ModelFamily": "family", "FAMILIES": "families", "family_of": "families",
     "make_allreduce": "tp",
     "load_hf_checkpoint": "weights", "save_hf_checkpoint": "weights", "random_params": "weights",

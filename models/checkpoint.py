@@ -61,7 +61,7 @@ class Checkpoint:
         sl = self._files[self._map[name]].get_slice(name)
         if lo is None:
             return sl[:]
-        return sl[lo:hi] if dim == 0 else sl[:, lo:hi]
+        return sl[(slice(None),) * dim + (slice(lo, hi),)]
 
 
 def load_sharded(path: str, abstract: dict, shardings: dict, tp_dims: Mapping[str, int],

@@ -16,6 +16,25 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+def rope_from_hf(d: dict[str, Any], default_theta: float = 10000.0
+                 ) -> tuple[float, Optional[RopeScaling]]:
+    """(rope_theta, Llama 3 scaling or None) from a Hugging Face config.json: transformers 4.x
+    `rope_theta` + `rope_scaling`, or 5.x `rope_parameters`. Other rope types are refused."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    theta = d.get("rope_theta", rope.get("rope_theta", default_theta))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "llama3":
+        scaling = RopeScaling(
+            factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+    elif rope_type in ("default", None):
+        scaling = None
+    else:
+        raise NotImplementedError(f"rope_type {rope_type!r} is not supported (only llama3/default)")
+    return float(theta), scaling
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
@@ -87,18 +106,7 @@ class LlamaConfig:
                        dtype: Optional[str] = None) -> "LlamaConfig":
         """Read a Hugging Face Llama `config.json` (transformers 4.x `rope_scaling` or 5.x
         `rope_parameters`). max_seq_len defaults to min(max_position_embeddings, 8192)."""
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type == "llama3":
-            scaling = RopeScaling(
-                factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
-                high_freq_factor=float(rope["high_freq_factor"]),
-                original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
-        elif rope_type in ("default", None):
-            scaling = None
-        else:
-            raise NotImplementedError(f"rope_type {rope_type!r} is not supported (only llama3/default)")
+        theta, scaling = rope_from_hf(d)
         if d.get("attention_bias") or d.get("mlp_bias"):
             raise NotImplementedError("attention/MLP biases are not supported")
         n_heads = d["num_attention_heads"]
@@ -108,7 +116,7 @@ class LlamaConfig:
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
             num_heads=n_heads, num_kv_heads=d.get("num_key_value_heads", n_heads),
-            head_dim=d.get("head_dim"), rope_theta=float(theta), rope_scaling=scaling,
+            head_dim=d.get("head_dim"), rope_theta=theta, rope_scaling=scaling,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             max_seq_len=max_seq_len or min(max_pos, 8192),

@@ -8,8 +8,9 @@ from typing import Any
 from .checkpoint import read_hf_config
 from .family import ModelFamily
 from .llama import LLAMA
+from .qwen3_moe import QWEN3_MOE
 
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA,)}
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA, QWEN3_MOE)}
 
 
 def family_of(config: Any) -> ModelFamily:

@@ -14,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import math
 from typing import Any, Callable, Mapping, Optional, Protocol
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -74,6 +76,10 @@ class ModelFamily:
     fan_in: Mapping[str, Callable[[tuple], int]]  # linear weights' fan-in, for random init
     loader: str  # the HFLoader module, imported on first use (it imports the family's module)
     hf_model_types: tuple[str, ...] = ()  # config.json "model_type" values this family reads
+    # parameter name -> f(config) -> the share of it one token's step reads (else all of it): an
+    # MoE's experts, top-k of them (step_weight_bytes)
+    step_read_fraction: Mapping[str, Callable[[Any], float]] = dataclasses.field(
+        default_factory=dict)
 
     # ---- configs -------------------------------------------------------------------------------
 
@@ -118,6 +124,27 @@ class ModelFamily:
         return random_weights.random_params(
             abstract, self.param_shardings(config, mesh, axis_name), seed, self.fan_in,
             sharding.kv_replicas(config, mesh.shape[axis_name]))
+
+    def step_weight_bytes(self, config: Any, tp: int) -> int:
+        """Parameter bytes one rank reads in a batch-1 decode step (a step's memory floor, beside
+        its KV cache): each parameter's local shard of the tp layout times the share one token
+        reads (step_read_fraction: the routed experts of an MoE), except the embedding table, of
+        which a step gathers one row (plus, when tied, its vocab/tp slice as the LM head)."""
+        _, abstract = self.abstract_model(self.layout(config, tp))
+        total = 0.0
+        for path, sds in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+            name = sharding.leaf_name(path)
+            itemsize = jnp.dtype(sds.dtype).itemsize
+            if name == "embed":
+                vocab, hidden = sds.shape
+                total += hidden * itemsize * (1 + (vocab // tp if config.tie_word_embeddings else 0))
+                continue
+            shape = list(sds.shape)
+            if name in self.tp_dims:
+                shape[self.tp_dims[name]] //= tp
+            fraction = self.step_read_fraction[name](config) if name in self.step_read_fraction else 1
+            total += math.prod(shape) * itemsize * fraction
+        return int(round(total))
 
     # ---- Hugging Face checkpoints ----------------------------------------------------------------
 

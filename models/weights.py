@@ -25,11 +25,13 @@ def hf_name(name: str, i: Optional[int] = None) -> str:
     return f"model.layers.{i}.{name}.weight" if i is not None else name
 
 
-def hf_builders(config: LlamaConfig, ck: Checkpoint, kv_replicas: int = 1) -> dict:
-    """For each parameter path, f(lo, hi) -> its local chunk along the TP dim (our layout),
-    reading only HF rows/columns [lo, hi) scaled to that tensor (heads, ffn rows, vocab rows).
-    `config` is the layout's (LLAMA.layout): with kv_replicas r > 1, layout KV head j is a
-    copy of the checkpoint's head j // r."""
+def attention_builders(config, ck: Checkpoint, i: int, kv_replicas: int = 1, *,
+                       qk_norm: bool = False) -> dict:
+    """Layer i's attention parameters (attention.Attention) as f(lo, hi) builders: qkv over the
+    layout's KV heads [lo, hi), o over query heads, and with qk_norm q_norm/k_norm (replicated,
+    Qwen3). Any family whose attention is HF's q/k/v/o_proj reads it so.
+    `config` is the layout's: with kv_replicas r > 1, layout KV head j is a copy of the
+    checkpoint's head j // r."""
     c = config
     H, d, g = c.hidden_size, c.head_dim, c.group_size
 
@@ -41,15 +43,51 @@ def hf_builders(config: LlamaConfig, ck: Checkpoint, kv_replicas: int = 1) -> di
         a = t(ck.read(name, 0, heads[0] * d, (heads[-1] + 1) * d)).reshape(H, -1, d)
         return a[:, heads - heads[0], None, :]
 
-    def qkv(i, lo, hi):  # lo, hi: kv heads of the layout
+    def qkv(lo, hi):  # lo, hi: kv heads of the layout
         n = hi - lo
         q = t(ck.read(hf_name("self_attn.q_proj", i), 0, lo * g * d, hi * g * d)).reshape(H, n, g, d)
         k = kv_rows(hf_name("self_attn.k_proj", i), lo, hi)
         v = kv_rows(hf_name("self_attn.v_proj", i), lo, hi)
         return np.concatenate([q, k, v], axis=2)
 
-    def o(i, lo, hi):  # heads
+    def o(lo, hi):  # heads
         return t(ck.read(hf_name("self_attn.o_proj", i), 1, lo * d, hi * d)).reshape(hi - lo, d, H)
+
+    out = {"qkv": qkv, "o": o}
+    if qk_norm:
+        for norm in ("q_norm", "k_norm"):
+            out[norm] = {"weight": functools.partial(
+                lambda name, lo, hi: ck.read(name), hf_name(f"self_attn.{norm}", i))}
+    return out
+
+
+def attention_to_hf(attn: dict, config, i: int) -> dict[str, np.ndarray]:
+    """Layer i's attention parameters (global; KV heads possibly replicated, see
+    attention_builders) -> HF-named numpy tensors, each KV head once."""
+    c = config
+    H, d = c.hidden_size, c.head_dim
+    get = lambda a: np.asarray(jax.device_get(a))  # noqa: E731
+    qkv = get(attn["qkv"])  # [H, kv * r, g / r + 2, d]
+    r, g = qkv.shape[1] // c.num_kv_heads, qkv.shape[2] - 2
+    out = {hf_name("self_attn.q_proj", i): qkv[:, :, :g].reshape(H, c.num_heads * d).T,
+           hf_name("self_attn.k_proj", i): qkv[:, ::r, g].reshape(H, c.num_kv_heads * d).T,
+           hf_name("self_attn.v_proj", i): qkv[:, ::r, g + 1].reshape(H, c.num_kv_heads * d).T,
+           hf_name("self_attn.o_proj", i): get(attn["o"]).reshape(c.num_heads * d, H).T}
+    for norm in ("q_norm", "k_norm"):
+        if norm in attn:
+            out[hf_name(f"self_attn.{norm}", i)] = get(attn[norm]["weight"])
+    return out
+
+
+def hf_builders(config: LlamaConfig, ck: Checkpoint, kv_replicas: int = 1) -> dict:
+    """For each parameter path, f(lo, hi) -> its local chunk along the TP dim (our layout),
+    reading only HF rows/columns [lo, hi) scaled to that tensor (heads, ffn rows, vocab rows).
+    `config` is the layout's (LLAMA.layout): with kv_replicas r > 1, layout KV head j is a
+    copy of the checkpoint's head j // r."""
+    c = config
+
+    def t(a):  # HF [out, in] -> ours [in, out]
+        return np.ascontiguousarray(a.T)
 
     def gate_up(i, lo, hi):  # ffn rows
         gate = t(ck.read(hf_name("mlp.gate_proj", i), 0, lo, hi))
@@ -70,7 +108,7 @@ def hf_builders(config: LlamaConfig, ck: Checkpoint, kv_replicas: int = 1) -> di
         out["layers"][i] = {
             "input_norm": {"weight": full(hf_name("input_layernorm", i))},
             "post_norm": {"weight": full(hf_name("post_attention_layernorm", i))},
-            "attn": {"qkv": functools.partial(qkv, i), "o": functools.partial(o, i)},
+            "attn": attention_builders(c, ck, i, kv_replicas),
             "mlp": {"gate_up": functools.partial(gate_up, i), "down": functools.partial(down, i)},
         }
     return out
@@ -80,7 +118,6 @@ def to_hf_tensors(params: dict, config: LlamaConfig) -> dict[str, np.ndarray]:
     """Our (global) parameters -> HF-named numpy tensors. Gathers to the host: for tests and small
     models. Parameters laid out with replicated KV heads (LLAMA.layout) give each head once."""
     c = config
-    H, d = c.hidden_size, c.head_dim
     get = lambda a: np.asarray(jax.device_get(a))
     out = {"model.embed_tokens.weight": get(params["embed"]),
            "model.norm.weight": get(params["norm"]["weight"])}
@@ -88,12 +125,7 @@ def to_hf_tensors(params: dict, config: LlamaConfig) -> dict[str, np.ndarray]:
         out["lm_head.weight"] = get(params["lm_head"]).T
     for i in range(c.num_layers):
         p = params["layers"][i]
-        qkv = get(p["attn"]["qkv"])  # [H, kv * r, g / r + 2, d]
-        r, g = qkv.shape[1] // c.num_kv_heads, qkv.shape[2] - 2
-        out[hf_name("self_attn.q_proj", i)] = qkv[:, :, :g].reshape(H, c.num_heads * d).T
-        out[hf_name("self_attn.k_proj", i)] = qkv[:, ::r, g].reshape(H, c.num_kv_heads * d).T
-        out[hf_name("self_attn.v_proj", i)] = qkv[:, ::r, g + 1].reshape(H, c.num_kv_heads * d).T
-        out[hf_name("self_attn.o_proj", i)] = get(p["attn"]["o"]).reshape(c.num_heads * d, H).T
+        out.update(attention_to_hf(p["attn"], c, i))
         gu = get(p["mlp"]["gate_up"])  # [H, 2, F]
         out[hf_name("mlp.gate_proj", i)] = gu[:, 0].T
         out[hf_name("mlp.up_proj", i)] = gu[:, 1].T

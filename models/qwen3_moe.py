@@ -1,0 +1,344 @@
+"""The Qwen3-MoE family: its config and presets, its sparse MoE block on the shared attention
+(q/k RMSNorm) and decoder stack, its tensor-parallel split, and QWEN3_MOE, the family object the
+decoder, loader and CLI use (its Hugging Face loader: qwen3_moe_weights.py).
+
+Every layer is attention, then a sparse MoE block: a router (a linear map to num_experts logits,
+softmax in float32, the top-k experts, their weights renormalised to sum to 1 with
+norm_topk_prob) and per-expert SwiGLU FFNs, no shared expert. Dense layers (decoder_sparse_step
+> 1, mlp_only_layers) are not supported.
+
+Tensor-parallel layout, beside the attention's (attention.py) and the stack's (transformer.py):
+  moe.router  [hidden, experts]        replicated: every rank routes every token itself
+  moe.gate_up [experts, hidden, 2, I]  split over I (dim 3): each expert's FFN split as a dense
+  moe.down    [experts, I, hidden]     split over I (dim 1)   MLP's, row-parallel
+A rank's MoE output is the routing-weighted sum over the chosen experts of its partial down
+projections, so ONE all-reduce per MoE block sums it (fused with the residual add and the next
+RMSNorm like the dense decoder's: TPContext.add_norm). 2 all-reduces per layer.
+
+Which experts' weights a step reads (moe_impl, a config field so it is part of the compiled
+model):
+  "gather"  (default) at few tokens (tokens x top_k < experts: decoding) the chosen experts'
+            slices are gathered (jnp.take) and multiplied; at more tokens (prefill) every
+            expert runs on every token and the unchosen ones get weight 0 (reads each weight
+            once, never a per-token copy).
+  "slices"  at most SLICES_MAX (token, slot) pairs: one dynamic slice of each chosen expert
+            feeding its own dot, which XLA:GPU can read where the weight lies (dynamic-slice
+            fusion) instead of copying the k slices first as a gather does; more pairs: as
+            "gather".
+  "ragged"  the (token, expert) pairs sorted by expert and both projections as
+            jax.lax.ragged_dot over the experts' groups, at every token count.
+All give the same numbers up to float summation order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from . import attention, sharding, transformer
+from .attention import Attention, Step
+from .config import RopeScaling, rope_from_hf
+from .family import ModelFamily
+from .tp import RMSNorm, TPContext, normal
+
+MOE_IMPLS = ("gather", "slices", "ragged")
+SLICES_MAX = 16  # "slices": at most this many (token, slot) pairs get their own dots
+
+
+# ---- config -----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3MoeConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    num_experts_per_tok: int  # top-k
+    moe_intermediate_size: int  # each expert's FFN width
+    norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1
+    rope_theta: float = 1000000.0
+    rope_scaling: Optional[RopeScaling] = None  # Llama 3 scaling, only if a checkpoint asks
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_seq_len: int = 8192  # the longest KV cache the decoder may allocate
+    dtype: str = "bfloat16"
+    moe_impl: str = "gather"  # MOE_IMPLS: how the chosen experts are computed
+
+    def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} not divisible by num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                             f"[1, num_experts={self.num_experts}]")
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    def replace(self, **kw) -> "Qwen3MoeConfig":
+        return dataclasses.replace(self, **kw)
+
+    # ---- presets -------------------------------------------------------------------------------
+
+    @classmethod
+    def qwen3_30b_a3b(cls, **kw) -> "Qwen3MoeConfig":
+        """Qwen3-30B-A3B shapes: 30.5B parameters, 3.3B active per token (61 GB in bf16)."""
+        base = dict(
+            vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+            head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+            norm_topk_prob=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, max_seq_len=8192, dtype="bfloat16")
+        base.update(kw)
+        return cls(**base)
+
+    @classmethod
+    def tiny(cls, **kw) -> "Qwen3MoeConfig":
+        """Test model: 2 KV heads (TP=4 replicates each on 2 ranks), 8 experts, top-2, expert
+        width 32 (split 4 ways at TP=4), float32."""
+        base = dict(
+            vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+            head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=True, rope_theta=10000.0, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, max_seq_len=128, dtype="float32")
+        base.update(kw)
+        return cls(**base)
+
+    # ---- Hugging Face --------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, d: dict[str, Any], *, max_seq_len: Optional[int] = None,
+                       dtype: Optional[str] = None) -> "Qwen3MoeConfig":
+        """Read a Hugging Face Qwen3-MoE `config.json` (transformers 4.x or 5.x names). Refuses
+        what this decoder does not implement: dense layers among the sparse ones, a shared
+        expert, sliding-window attention, biases, activations other than SiLU."""
+        model_type = d.get("model_type")
+        if model_type != "qwen3_moe":
+            raise NotImplementedError(f"model_type {model_type!r} is not qwen3_moe")
+        experts = d.get("num_experts", d.get("num_local_experts"))
+        if not experts:
+            raise NotImplementedError("num_experts is 0 or missing: a dense model, not an MoE")
+        step = d.get("decoder_sparse_step", 1)
+        if step != 1:
+            raise NotImplementedError(f"decoder_sparse_step={step}: only all-sparse models "
+                                      f"(decoder_sparse_step=1) are supported")
+        if d.get("mlp_only_layers"):
+            raise NotImplementedError(f"mlp_only_layers={d['mlp_only_layers']}: dense layers "
+                                      f"are not supported (every layer must be sparse)")
+        if d.get("shared_expert_intermediate_size"):
+            raise NotImplementedError("a shared expert (shared_expert_intermediate_size) is not "
+                                      "supported")
+        if d.get("use_sliding_window"):
+            raise NotImplementedError("sliding-window attention (use_sliding_window) is not "
+                                      "supported")
+        if d.get("attention_bias") or d.get("mlp_bias"):
+            raise NotImplementedError("attention/MLP biases are not supported")
+        if d.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act={d['hidden_act']!r}: only silu is supported")
+        theta, scaling = rope_from_hf(d)
+        n_heads = d["num_attention_heads"]
+        max_pos = d.get("max_position_embeddings", 8192)
+        hf_dtype = d.get("torch_dtype") or d.get("dtype") or "bfloat16"
+        return cls(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            num_layers=d["num_hidden_layers"], num_heads=n_heads,
+            num_kv_heads=d.get("num_key_value_heads", n_heads),
+            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+            num_experts=int(experts), num_experts_per_tok=d["num_experts_per_tok"],
+            moe_intermediate_size=d["moe_intermediate_size"],
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            rope_theta=theta, rope_scaling=scaling,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_seq_len=max_seq_len or min(max_pos, 8192), dtype=dtype or str(hf_dtype))
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The inverse of from_hf_config (transformers 4.x key names, which 5.x also reads)."""
+        d: dict[str, Any] = dict(
+            architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+            num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+            moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+            decoder_sparse_step=1, mlp_only_layers=[], rope_theta=self.rope_theta,
+            rms_norm_eps=self.rms_norm_eps, tie_word_embeddings=self.tie_word_embeddings,
+            max_position_embeddings=self.max_seq_len, torch_dtype=self.dtype, hidden_act="silu",
+            attention_bias=False, use_sliding_window=False)
+        if self.rope_scaling is not None:
+            d["rope_scaling"] = dict(rope_type="llama3", **dataclasses.asdict(self.rope_scaling))
+        return d
+
+
+# ---- the experts ------------------------------------------------------------------------------------
+
+def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool):
+    """x [N, hidden] -> (weights [N, k] in x.dtype, expert ids [N, k] int32), as transformers'
+    Qwen3MoeTopKRouter: logits in x.dtype, softmax in float32, top-k, renormalised."""
+    logits = (x @ router).astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(x.dtype), ids.astype(jnp.int32)
+
+
+def _swiglu(h: jax.Array) -> jax.Array:
+    """h [..., 2, I] (gate, up) -> silu(gate) * up [..., I]."""
+    return jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
+
+
+def experts_gather(x, weights, ids, gate_up, down):
+    """The chosen experts only: each (token, slot)'s expert slices gathered and multiplied.
+    x [N, hidden], weights/ids [N, k], gate_up [E, hidden, 2, I], down [E, I, hidden] (this
+    rank's I) -> this rank's partial output [N, hidden]. Reads N*k expert slices."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    xs = jnp.repeat(x, k, axis=0)  # [N*k, hidden], row m is token m // k
+    h = jnp.einsum("mh,mhcf->mcf", xs, jnp.take(gate_up, flat, axis=0, mode="clip"))
+    y = jnp.einsum("mf,mfh->mh", _swiglu(h), jnp.take(down, flat, axis=0, mode="clip"))
+    return jnp.einsum("nkh,nk->nh", y.reshape(n, k, -1), weights)
+
+
+def experts_slices(x, weights, ids, gate_up, down):
+    """As experts_gather, each (token, slot)'s expert read by a dynamic slice that feeds its own
+    dots (N*k of each projection: for a few tokens only)."""
+    n, k = ids.shape
+    rows = []
+    for t in range(n):
+        y = None
+        for j in range(k):
+            e = ids[t, j]
+            gu = jax.lax.dynamic_index_in_dim(gate_up, e, 0, keepdims=False)  # [hidden, 2, I]
+            dn = jax.lax.dynamic_index_in_dim(down, e, 0, keepdims=False)  # [I, hidden]
+            part = (_swiglu(jnp.einsum("h,hcf->cf", x[t], gu)) @ dn) * weights[t, j]
+            y = part if y is None else y + part
+        rows.append(y)
+    return jnp.stack(rows)
+
+
+def experts_dense(x, weights, ids, gate_up, down):
+    """Every expert on every token, the unchosen ones weighted 0 (as experts_gather). For many
+    tokens: reads each expert's weights once, computes E/k times the useful work."""
+    # [N, E]: each token's weight of every expert, 0 where not chosen (ids are distinct per row)
+    combine = jnp.einsum("nke,nk->ne", jax.nn.one_hot(ids, gate_up.shape[0], dtype=x.dtype),
+                         weights)
+    h = jnp.einsum("nh,ehcf->necf", x, gate_up)
+    a = _swiglu(h) * combine[..., None]
+    return jnp.einsum("nef,efh->nh", a, down)
+
+
+def experts_ragged(x, weights, ids, gate_up, down):
+    """(token, slot) pairs sorted by expert, both projections as jax.lax.ragged_dot over the
+    experts' groups (as experts_gather). The result is gathered back (no scatter-add, whose
+    order is not fixed on GPUs)."""
+    n, k = ids.shape
+    e, hidden, _, width = gate_up.shape
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # pair order sorted by expert
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    xs = jnp.take(x, order // k, axis=0)
+    h = jax.lax.ragged_dot(xs, gate_up.reshape(e, hidden, 2 * width), sizes)
+    y = jax.lax.ragged_dot(_swiglu(h.reshape(-1, 2, width)), down, sizes)  # [N*k, hidden] sorted
+    y = jnp.take(y, jnp.argsort(order), axis=0)  # back to (token, slot) order
+    return jnp.einsum("nkh,nk->nh", y.reshape(n, k, hidden), weights)
+
+
+def experts(x, weights, ids, gate_up, down, impl: str = "gather"):
+    """This rank's partial MoE output [N, hidden] (see the module docstring for `impl`)."""
+    if impl == "ragged":
+        return experts_ragged(x, weights, ids, gate_up, down)
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {impl!r}")
+    if impl == "slices" and ids.size <= SLICES_MAX:
+        return experts_slices(x, weights, ids, gate_up, down)
+    if ids.size < gate_up.shape[0]:  # fewer slices than experts: read only those
+        return experts_gather(x, weights, ids, gate_up, down)
+    return experts_dense(x, weights, ids, gate_up, down)
+
+
+# ---- the layers -------------------------------------------------------------------------------------
+
+# Which dimension of each (global) parameter is split over the tp axis (others, the router
+# included, are replicated), and each linear weight's fan-in from its shape (random init).
+TP_DIM = {**attention.TP_DIM, "gate_up": 3, "down": 1, **transformer.TP_DIM}
+FAN_IN = {**attention.FAN_IN, "router": lambda shape: shape[0],
+          "gate_up": lambda shape: shape[1], "down": lambda shape: shape[1], **transformer.FAN_IN}
+
+
+class MoE(nnx.Module):
+    def __init__(self, config: Qwen3MoeConfig, *, rngs: nnx.Rngs):
+        c = config
+        dt = jnp.dtype(c.dtype)
+        e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        self.router = nnx.Param(normal(rngs, (h, e), h ** -0.5, dt))
+        self.gate_up = nnx.Param(normal(rngs, (e, h, 2, i), h ** -0.5, dt))
+        self.down = nnx.Param(normal(rngs, (e, i, h), i ** -0.5, dt))
+        self.top_k = c.num_experts_per_tok
+        self.norm_topk_prob = c.norm_topk_prob
+        self.impl = c.moe_impl
+
+    def __call__(self, x):
+        """x [B, T, hidden] (replicated) -> this rank's partial sum [B, T, hidden] (the caller
+        all-reduces it)."""
+        b, t, h = x.shape
+        xs = x.reshape(b * t, h)
+        weights, ids = route(xs, self.router[...], self.top_k, self.norm_topk_prob)
+        y = experts(xs, weights, ids, self.gate_up[...], self.down[...], self.impl)
+        return y.reshape(b, t, h)
+
+
+class Block(nnx.Module):
+    def __init__(self, config: Qwen3MoeConfig, *, rngs: nnx.Rngs):
+        dt = jnp.dtype(config.dtype)
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+        self.attn = Attention(config, rngs=rngs, qk_norm=True)
+        self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+        self.moe = MoE(config, rngs=rngs)
+
+    def __call__(self, h, x, kv_cache, step: Step, tp: TPContext, next_norm: RMSNorm,
+                 next_weight: Optional[jax.Array] = None):
+        """The block contract of transformer.py: h = input_norm(x); returns (next_norm(new x),
+        new x, new cache). The all-reduce after attention prefetches the router (the next weight
+        read; which experts follow is not known yet)."""
+        a, kv_cache = self.attn(h, kv_cache, step)
+        h, x = tp.add_norm(a, x, self.post_norm, self.moe.router[...])
+        h, x = tp.add_norm(self.moe(h), x, next_norm, next_weight)
+        return h, x, kv_cache
+
+
+class Qwen3Moe(transformer.CausalLM):
+    def make_block(self, config: Qwen3MoeConfig, index: int, *, rngs: nnx.Rngs) -> Block:
+        return Block(config, rngs=rngs)
+
+
+def check_tp(config: Qwen3MoeConfig, tp: int) -> None:
+    """Raise a clear error if the model cannot be split tp ways."""
+    sharding.check_tp(config, tp, [
+        ("moe_intermediate_size", config.moe_intermediate_size, "every expert is split over it"),
+        ("vocab_size", config.vocab_size, "lm_head is split over vocab")])
+
+
+def _routed_share(config: Qwen3MoeConfig) -> float:
+    return config.num_experts_per_tok / config.num_experts
+
+
+QWEN3_MOE = ModelFamily(
+    name="qwen3_moe", config_type=Qwen3MoeConfig,
+    presets={"qwen3_moe_tiny": Qwen3MoeConfig.tiny, "qwen3_30b_a3b": Qwen3MoeConfig.qwen3_30b_a3b},
+    model=Qwen3Moe, tp_dims=TP_DIM, check_tp=check_tp, fan_in=FAN_IN,
+    loader=f"{__package__}.qwen3_moe_weights", hf_model_types=("qwen3_moe",),
+    step_read_fraction={"gate_up": _routed_share, "down": _routed_share})

@@ -1,0 +1,110 @@
+"""The Qwen3-MoE family's Hugging Face loader: HF tensor names and shapes <-> our parameter layout
+(qwen3_moe.py), on the generic machinery of checkpoint.py and the attention readers of weights.py.
+
+Experts are read in either layout a checkpoint may have:
+  per expert (what Qwen's checkpoints and transformers' save_pretrained write):
+    model.layers.{i}.mlp.experts.{j}.{gate,up}_proj.weight  [I, hidden]
+    model.layers.{i}.mlp.experts.{j}.down_proj.weight       [hidden, I]
+  fused (transformers 5's in-memory Qwen3MoeExperts, e.g. a state_dict saved as is):
+    model.layers.{i}.mlp.experts.gate_up_proj  [E, 2 I, hidden]  (gate rows, then up rows)
+    model.layers.{i}.mlp.experts.down_proj     [E, hidden, I]
+The router is model.layers.{i}.mlp.gate.weight [E, hidden]. Each device reads only its slice of
+every expert's intermediate dimension.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from .checkpoint import Checkpoint
+from .qwen3_moe import Qwen3MoeConfig
+from .weights import attention_builders, attention_to_hf, hf_name
+
+
+def expert_name(i: int, j: int, proj: str) -> str:
+    """HF name of expert j's `proj` (gate_proj, up_proj, down_proj) in layer i."""
+    return hf_name(f"mlp.experts.{j}.{proj}", i)
+
+
+def fused_name(i: int, proj: str) -> str:
+    """HF name of layer i's fused expert tensor `proj` (gate_up_proj, down_proj)."""
+    return f"model.layers.{i}.mlp.experts.{proj}"
+
+
+def hf_builders(config: Qwen3MoeConfig, ck: Checkpoint, kv_replicas: int = 1) -> dict:
+    """For each parameter path, f(lo, hi) -> its local chunk along its TP dim (our layout; see
+    weights.hf_builders). Expert tensors: lo, hi index the expert intermediate dimension."""
+    c = config
+    E, width = c.num_experts, c.moe_intermediate_size
+
+    def t(a):  # HF [out, in] -> ours [in, out]
+        return np.ascontiguousarray(a.T)
+
+    def gate_up(i, lo, hi):  # -> [E, hidden, 2, hi - lo]
+        if fused_name(i, "gate_up_proj") in ck:
+            name = fused_name(i, "gate_up_proj")
+            gate, up = ck.read(name, 1, lo, hi), ck.read(name, 1, width + lo, width + hi)
+            return np.stack([gate, up], axis=1).transpose(0, 3, 1, 2)  # [E, 2, n, H] -> ours
+        return np.stack([np.stack([t(ck.read(expert_name(i, j, "gate_proj"), 0, lo, hi)),
+                                   t(ck.read(expert_name(i, j, "up_proj"), 0, lo, hi))], axis=1)
+                         for j in range(E)])
+
+    def down(i, lo, hi):  # -> [E, hi - lo, hidden]
+        if fused_name(i, "down_proj") in ck:
+            return np.ascontiguousarray(ck.read(fused_name(i, "down_proj"), 2, lo, hi)
+                                        .transpose(0, 2, 1))
+        return np.stack([t(ck.read(expert_name(i, j, "down_proj"), 1, lo, hi)) for j in range(E)])
+
+    def router(i, lo, hi):  # replicated
+        return t(ck.read(hf_name("mlp.gate", i)))
+
+    def full(name):
+        return lambda lo, hi: ck.read(name)
+
+    out = {"embed": full("model.embed_tokens.weight"), "norm": {"weight": full("model.norm.weight")},
+           "layers": {}}
+    if not c.tie_word_embeddings:
+        out["lm_head"] = lambda lo, hi: t(ck.read("lm_head.weight", 0, lo, hi))
+    for i in range(c.num_layers):
+        out["layers"][i] = {
+            "input_norm": {"weight": full(hf_name("input_layernorm", i))},
+            "post_norm": {"weight": full(hf_name("post_attention_layernorm", i))},
+            "attn": attention_builders(c, ck, i, kv_replicas, qk_norm=True),
+            "moe": {"router": functools.partial(router, i),
+                    "gate_up": functools.partial(gate_up, i), "down": functools.partial(down, i)},
+        }
+    return out
+
+
+def to_hf_tensors(params: dict, config: Qwen3MoeConfig, *, fused_experts: bool = False
+                  ) -> dict[str, np.ndarray]:
+    """Our (global) parameters -> HF-named numpy tensors, experts one tensor each (or, with
+    fused_experts, transformers 5's fused layout). Gathers to the host: for tests and small
+    models."""
+    c = config
+    get = lambda a: np.asarray(jax.device_get(a))  # noqa: E731
+    out = {"model.embed_tokens.weight": get(params["embed"]),
+           "model.norm.weight": get(params["norm"]["weight"])}
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = get(params["lm_head"]).T
+    for i in range(c.num_layers):
+        p = params["layers"][i]
+        out.update(attention_to_hf(p["attn"], c, i))
+        out[hf_name("input_layernorm", i)] = get(p["input_norm"]["weight"])
+        out[hf_name("post_attention_layernorm", i)] = get(p["post_norm"]["weight"])
+        out[hf_name("mlp.gate", i)] = get(p["moe"]["router"]).T
+        gu = get(p["moe"]["gate_up"])  # [E, H, 2, I]
+        dn = get(p["moe"]["down"])  # [E, I, H]
+        if fused_experts:
+            out[fused_name(i, "gate_up_proj")] = np.concatenate(
+                [gu[:, :, 0].transpose(0, 2, 1), gu[:, :, 1].transpose(0, 2, 1)], axis=1)
+            out[fused_name(i, "down_proj")] = dn.transpose(0, 2, 1)
+            continue
+        for j in range(c.num_experts):
+            out[expert_name(i, j, "gate_proj")] = gu[j, :, 0].T
+            out[expert_name(i, j, "up_proj")] = gu[j, :, 1].T
+            out[expert_name(i, j, "down_proj")] = dn[j].T
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
