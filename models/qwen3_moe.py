@@ -201,15 +201,18 @@ def _swiglu(h: jax.Array) -> jax.Array:
     return jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
 
 
-def experts_gather(x, weights, ids, gate_up, down):
+def experts_gather(x, weights, ids, gate_up, down, rows: int = 1):
     """The chosen experts only: each (token, slot)'s expert slices gathered and multiplied.
     x [N, hidden], weights/ids [N, k], gate_up [E, hidden, 2, I], down [E, I, hidden] (this
-    rank's I) -> this rank's partial output [N, hidden]. Reads N*k expert slices."""
+    rank's I) -> this rank's partial output [N, hidden]. Reads N*k expert slices. rows: each
+    slice's one-row product runs as that many copies of the row, the first kept (tp.project
+    says why: XLA:GPU's one-row products stream their weights slowly)."""
     n, k = ids.shape
     flat = ids.reshape(-1)
-    xs = jnp.repeat(x, k, axis=0)  # [N*k, hidden], row m is token m // k
-    h = jnp.einsum("mh,mhcf->mcf", xs, jnp.take(gate_up, flat, axis=0, mode="clip"))
-    y = jnp.einsum("mf,mfh->mh", _swiglu(h), jnp.take(down, flat, axis=0, mode="clip"))
+    xs = jnp.repeat(x, k, axis=0)[:, None]  # [N*k, 1, hidden], row m is token m // k
+    xs = jnp.broadcast_to(xs, (xs.shape[0], rows, xs.shape[2]))
+    h = jnp.einsum("mrh,mhcf->mrcf", xs, jnp.take(gate_up, flat, axis=0, mode="clip"))
+    y = jnp.einsum("mrf,mfh->mrh", _swiglu(h), jnp.take(down, flat, axis=0, mode="clip"))[:, 0]
     return jnp.einsum("nkh,nk->nh", y.reshape(n, k, -1), weights)
 
 
@@ -257,8 +260,9 @@ def experts_ragged(x, weights, ids, gate_up, down):
     return jnp.einsum("nkh,nk->nh", y.reshape(n, k, hidden), weights)
 
 
-def experts(x, weights, ids, gate_up, down, impl: str = "gather"):
-    """This rank's partial MoE output [N, hidden] (see the module docstring for `impl`)."""
+def experts(x, weights, ids, gate_up, down, impl: str = "gather", rows: int = 1):
+    """This rank's partial MoE output [N, hidden] (see the module docstring for `impl`; rows:
+    see experts_gather)."""
     if impl == "ragged":
         return experts_ragged(x, weights, ids, gate_up, down)
     if impl not in MOE_IMPLS:
@@ -266,7 +270,7 @@ def experts(x, weights, ids, gate_up, down, impl: str = "gather"):
     if impl == "slices" and ids.size <= SLICES_MAX:
         return experts_slices(x, weights, ids, gate_up, down)
     if ids.size < gate_up.shape[0]:  # fewer slices than experts: read only those
-        return experts_gather(x, weights, ids, gate_up, down)
+        return experts_gather(x, weights, ids, gate_up, down, rows)
     return experts_dense(x, weights, ids, gate_up, down)
 
 
@@ -291,13 +295,13 @@ class MoE(nnx.Module):
         self.norm_topk_prob = c.norm_topk_prob
         self.impl = c.moe_impl
 
-    def __call__(self, x):
+    def __call__(self, x, rows: int = 1):
         """x [B, T, hidden] (replicated) -> this rank's partial sum [B, T, hidden] (the caller
-        all-reduces it)."""
+        all-reduces it); rows: see experts_gather."""
         b, t, h = x.shape
         xs = x.reshape(b * t, h)
         weights, ids = route(xs, self.router[...], self.top_k, self.norm_topk_prob)
-        y = experts(xs, weights, ids, self.gate_up[...], self.down[...], self.impl)
+        y = experts(xs, weights, ids, self.gate_up[...], self.down[...], self.impl, rows)
         return y.reshape(b, t, h)
 
 
@@ -316,7 +320,7 @@ class Block(nnx.Module):
         read; which experts follow is not known yet)."""
         a, kv_cache = self.attn(h, kv_cache, step)
         h, x = tp.add_norm(a, x, self.post_norm, self.moe.router[...])
-        h, x = tp.add_norm(self.moe(h), x, next_norm, next_weight)
+        h, x = tp.add_norm(self.moe(h, step.gemm_rows), x, next_norm, next_weight)
         return h, x, kv_cache
 
 
