@@ -357,21 +357,25 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--top", type=int, default=12, help="kernels listed per variant")
     p.add_argument("--quick", action="store_true", help="tiny model (CPU)")
+    p.add_argument("--preset", default=None,
+                   help="model shapes, any family's preset (default: llama3_8b; tiny with --quick)")
     p.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = p.parse_args(argv)
     # Here, not at the top: bench.decode imports this module (--breakdown), and a second copy of
     # bench.decode, run as __main__, would start jax.distributed again.
     from bench import decode as bd
-    from models import make_mesh, random_params
+    from models import families, make_mesh
 
     platform, devices = common.bench_devices(min_gpus=1)
     gpu = platform == "gpu"
     tp = args.tp or (2 if len(devices) >= 2 else 1)
-    preset = "tiny" if args.quick or not gpu else "llama3_8b"
+    preset = args.preset or ("tiny" if args.quick or not gpu else "llama3_8b")
+    if preset not in bd.PRESETS:
+        p.error(f"--preset {preset!r}: choose from {sorted(bd.PRESETS)}")
     config = bd.PRESETS[preset]().replace(dtype="bfloat16" if gpu else "float32",
                                           max_seq_len=args.context)
     mesh = make_mesh(tp, devices=devices[:tp])
-    params = random_params(config, mesh, seed=0)
+    params = families.family_of(config).random_params(config, mesh, seed=0)
     s = {"warmup": 2, "samples": 1, "tokens": args.steps, "chunk": 16}
     results = {"host": common.host_tag(devices), "tp": tp, "preset": preset,
                "steps": args.steps, "context": args.context, "variants": {}}
