@@ -96,32 +96,6 @@ void Epilogue(Elem t, const FusedCall& f, size_t rows, void* new_residual) {
   }
 }
 
-// y = normed @ matrix for one row, in the CUDA kernel's order
-// (cuda_fused_matmul.cuh, protocol.h MatmulSplitOf): per split of the rows,
-// each of 8 warps sums its rows w, w + 8, ... ascending with fused multiply-
-// adds, the warps are added in order, then the splits in order; rounded once.
-void Matmul(Elem t, const FusedCall& f, const MatmulCall& m) {
-  const size_t hidden = f.hidden, cols = m.cols;
-  const MatmulSplit sp = MatmulSplitOf(hidden, cols, f.row_bytes / hidden);
-  std::vector<float> x(hidden);
-  for (size_t k = 0; k < hidden; ++k) x[k] = Load(t, f.normed, k);
-  for (size_t c = 0; c < cols; ++c) {
-    float total = 0.f;
-    for (size_t s = 0; s < sp.splits; ++s) {
-      const size_t r0 = s * sp.chunk, r1 = std::min<size_t>(r0 + sp.chunk, hidden);
-      float split = 0.f;
-      for (size_t w = 0; w < 8; ++w) {
-        float acc = 0.f;
-        for (size_t r = r0 + w; r < r1; r += 8)
-          acc = std::fma(x[r], Load(t, m.matrix, r * cols + c), acc);
-        split = w == 0 ? acc : split + acc;
-      }
-      total = s == 0 ? split : total + split;
-    }
-    Store(t, m.y, c, total);
-  }
-}
-
 ffi::Error CpuPsumAddRmsNormImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual,
                                  ffi::AnyBuffer weight, ffi::RemainingArgs rest,
                                  ffi::Result<ffi::AnyBuffer> normed,
@@ -145,46 +119,7 @@ ffi::Error CpuPsumAddRmsNormImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
-ffi::Error CpuPsumAddRmsNormMatmulImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual,
-                                       ffi::AnyBuffer weight, ffi::AnyBuffer matrix,
-                                       ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> normed,
-                                       ffi::Result<ffi::AnyBuffer> new_residual,
-                                       ffi::Result<ffi::AnyBuffer> y, int32_t axis_key,
-                                       int32_t nranks, int32_t algorithm, int32_t repeat,
-                                       int32_t chain, float eps) {
-  RankCall call;
-  FusedCall fused;
-  MatmulCall mm;
-  ffi::Error err = PlanFusedMatmulCall(ordinal, x, residual, weight, matrix, rest, *normed,
-                                       *new_residual, *y, axis_key, nranks, algorithm, repeat,
-                                       chain, eps, &call, &fused, &mm);
-  if (err.failure()) return err;
-  err = RunCpuAllReduce(call);  // into new_residual
-  if (err.failure()) {  // never a plausible number: every output NaN
-    cpu::FillFailed(call.elem, call.out, call.nbytes);
-    cpu::FillFailed(call.elem, fused.normed, call.nbytes);
-    cpu::FillFailed(call.elem, mm.y, mm.cols * (call.nbytes / fused.hidden));
-    return err;
-  }
-  Epilogue(call.elem, fused, 1, call.out);
-  Matmul(call.elem, fused, mm);
-  return ffi::Error::Success();
-}
-
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuPsumAddRmsNormMatmul, CpuPsumAddRmsNormMatmulImpl,
-                              WithAllReduceAttrs(ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // residual
-                                  .Arg<ffi::AnyBuffer>()  // weight
-                                  .Arg<ffi::AnyBuffer>()  // matrix
-                                  .RemainingArgs()        // "after": never read
-                                  .Ret<ffi::AnyBuffer>()  // normed
-                                  .Ret<ffi::AnyBuffer>()  // new residual
-                                  .Ret<ffi::AnyBuffer>())  // y
-                                  .Attr<float>("eps"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuPsumAddRmsNorm, CpuPsumAddRmsNormImpl,
                               WithAllReduceAttrs(ffi::Ffi::Bind()

@@ -173,26 +173,6 @@ ffi::Error CudaPsumAddRmsNormImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
   return Launched(LaunchRankFused(call, fused, stream));
 }
 
-ffi::Error CudaPsumAddRmsNormMatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                                        ffi::AnyBuffer residual, ffi::AnyBuffer weight,
-                                        ffi::AnyBuffer matrix, ffi::RemainingArgs rest,
-                                        ffi::Result<ffi::AnyBuffer> normed,
-                                        ffi::Result<ffi::AnyBuffer> new_residual,
-                                        ffi::Result<ffi::AnyBuffer> y, int32_t axis_key,
-                                        int32_t nranks, int32_t algorithm, int32_t repeat,
-                                        int32_t chain, float eps) {
-  RankCall call;
-  FusedCall fused;
-  MatmulCall mm;
-  ffi::Error err = PlanFusedMatmulCall(ordinal, x, residual, weight, matrix, rest, *normed,
-                                       *new_residual, *y, axis_key, nranks, algorithm, repeat,
-                                       chain, eps, &call, &fused, &mm);
-  if (err.failure()) return err;
-  err = UseDevice(ordinal);
-  if (err.failure()) return err;
-  return Launched(LaunchRankFusedMatmul(call, fused, mm, stream));
-}
-
 }  // namespace
 
 KernelArgs MakeKernelArgs(const RankCall& c) {
@@ -231,7 +211,6 @@ void PreloadCudaKernelsOnCurrentDevice() {
   LoadRow<__half>();
   LoadRow<uint32_t>();
   PreloadFusedKernels();
-  PreloadFusedMatmulKernels();
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaAllReduce, CudaAllReduceImpl,
@@ -256,21 +235,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaPsumAddRmsNorm, CudaPsumAddRmsNormImpl,
                                   .Ret<ffi::AnyBuffer>())  // new residual
                                   .Attr<float>("eps")
                                   .Attr<int64_t>("prefetch_bytes"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaPsumAddRmsNormMatmul, CudaPsumAddRmsNormMatmulImpl,
-                              WithAllReduceAttrs(ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // residual
-                                  .Arg<ffi::AnyBuffer>()  // weight
-                                  .Arg<ffi::AnyBuffer>()  // matrix
-                                  .RemainingArgs()        // "after": never read
-                                  .Ret<ffi::AnyBuffer>()  // normed
-                                  .Ret<ffi::AnyBuffer>()  // new residual
-                                  .Ret<ffi::AnyBuffer>())  // y
-                                  .Attr<float>("eps"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaAllReduceInto, CudaAllReduceIntoImpl,

@@ -14,13 +14,10 @@ namespace {
 using cuda::FusedArgs;
 using cuda::kThreads;
 
-#ifndef SIFAR_PREFETCH_BLOCKS
-#define SIFAR_PREFETCH_BLOCKS 16
-#endif
 // Blocks that only prefetch (cuda_fused.cuh). Measured in the decode step
-// (2x H200, bench/NOTES.md): 16 gained most; 32 a little less; 64 made the
-// call 5 -> 7.7 us, a loss.
-constexpr int kPrefetchBlocks = SIFAR_PREFETCH_BLOCKS;
+// (2x H200): 16 gained most; 32 a little less; 64 made the call 5 -> 7.7 us,
+// a loss.
+constexpr int kPrefetchBlocks = 16;
 
 template <typename T, int NR>
 cudaError_t LaunchNR(const FusedArgs& f, int grid, cudaStream_t stream) {

@@ -56,15 +56,6 @@ __device__ __forceinline__ uint32_t LoadAcquireSys(const uint32_t* p) {
 __device__ __forceinline__ void StoreReleaseSys(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-// The same pair at GPU scope: blocks of one launch on one GPU.
-__device__ __forceinline__ uint32_t LoadAcquireGpu(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void StoreReleaseGpu(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 __device__ __forceinline__ uint64_t LoadAcquireSys64(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");

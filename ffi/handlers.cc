@@ -184,36 +184,4 @@ ffi::Error PlanFusedCall(int ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual,
                   call);
 }
 
-ffi::Error PlanFusedMatmulCall(int ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual,
-                               ffi::AnyBuffer weight, ffi::AnyBuffer matrix,
-                               const ffi::RemainingArgs& rest, ffi::AnyBuffer normed,
-                               ffi::AnyBuffer new_residual, ffi::AnyBuffer y, int32_t axis_key,
-                               int32_t nranks, int32_t algorithm, int32_t repeat, int32_t chain,
-                               float eps, RankCall* call, FusedCall* fused, MatmulCall* matmul) {
-  ffi::Error err = PlanFusedCall(ordinal, x, residual, weight, rest, normed, new_residual,
-                                 axis_key, nranks, algorithm, repeat, chain, eps, 0, call, fused);
-  if (err.failure()) return err;
-  const std::string api = "psum_add_rmsnorm_matmul: ";
-  if (x.size_bytes() != fused->row_bytes)
-    return Invalid(api + "x must be one row of " + std::to_string(fused->hidden) + " elements");
-  if (call->repeat != 1) return Invalid(api + "repeat must be 1");
-  if (matrix.element_type() != x.element_type() || y.element_type() != x.element_type())
-    return Invalid(api + "the matrix and y must have x's dtype");
-  const size_t per16 = 16 / ffi::ByteWidth(x.element_type());
-  const size_t cols = fused->hidden == 0 ? 0 : matrix.element_count() / fused->hidden;
-  if (cols == 0 || matrix.element_count() != fused->hidden * cols || cols % per16 != 0)
-    return Invalid(api + "the matrix must be [hidden, cols] with cols a multiple of " +
-                   std::to_string(per16) + ", got " + std::to_string(matrix.element_count()) +
-                   " elements for hidden " + std::to_string(fused->hidden));
-  if (y.element_count() != cols)
-    return Invalid(api + "y must have the matrix's " + std::to_string(cols) + " columns");
-  for (const ffi::AnyBuffer* b : {&matrix, &y})
-    if (reinterpret_cast<uintptr_t>(b->untyped_data()) % 16)
-      return Invalid("buffers must be 16-byte aligned");
-  matmul->matrix = matrix.untyped_data();
-  matmul->y = y.untyped_data();
-  matmul->cols = cols;
-  return ffi::Error::Success();
-}
-
 }  // namespace sifar

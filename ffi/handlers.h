@@ -20,17 +20,13 @@ namespace sifar {
 // aliased in place, prev kept alive so the alternation is visible to XLA).
 // sifar_psum_add_rmsnorm: (x, residual, weight) -> (normed, new_residual),
 // the all-reduce with the residual add and RMSNorm as its epilogue.
-// sifar_psum_add_rmsnorm_matmul: (x, residual, weight, matrix) -> (normed,
-// new_residual, y = normed @ matrix), one row, the matmul in the same launch.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuAllReduce);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuAllReduceInto);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuPsumAddRmsNorm);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuPsumAddRmsNormMatmul);
 #ifdef SIFAR_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaAllReduce);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaAllReduceInto);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaPsumAddRmsNorm);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaPsumAddRmsNormMatmul);
 #endif
 
 // The attributes every all-reduce call carries (sifar_jax/psum.py, _Plan.attrs),
@@ -107,24 +103,6 @@ xla::ffi::Error PlanFusedCall(int ordinal, xla::ffi::AnyBuffer x, xla::ffi::AnyB
                               int32_t axis_key, int32_t nranks, int32_t algorithm, int32_t repeat,
                               int32_t chain, float eps, int64_t prefetch_bytes, RankCall* call,
                               FusedCall* fused);
-
-// psum_add_rmsnorm_matmul's matmul: y[cols] = normed[hidden] @ matrix[hidden][cols].
-struct MatmulCall {
-  const void* matrix = nullptr;
-  void* y = nullptr;
-  size_t cols = 0;
-};
-
-// PlanFusedCall's checks (nothing prefetched) plus the matmul's: x is one
-// row, matrix and y of x's dtype, matrix [hidden, cols] with cols a multiple
-// of the elements in 16 bytes, y cols elements, 16-byte aligned; repeat 1.
-xla::ffi::Error PlanFusedMatmulCall(int ordinal, xla::ffi::AnyBuffer x,
-                                    xla::ffi::AnyBuffer residual, xla::ffi::AnyBuffer weight,
-                                    xla::ffi::AnyBuffer matrix, const xla::ffi::RemainingArgs& rest,
-                                    xla::ffi::AnyBuffer normed, xla::ffi::AnyBuffer new_residual,
-                                    xla::ffi::AnyBuffer y, int32_t axis_key, int32_t nranks,
-                                    int32_t algorithm, int32_t repeat, int32_t chain, float eps,
-                                    RankCall* call, FusedCall* fused, MatmulCall* matmul);
 
 // The CPU backend's all-reduce of a planned call (cpu_allreduce.cc): the
 // fused handler runs it, then its epilogue.

@@ -18,10 +18,6 @@ cudaError_t LaunchRankAllReduce(const RankCall& call, cudaStream_t stream);
 // The fused all-reduce + residual add + RMSNorm of a call planned by
 // PlanFusedCall (cuda_fused.cu); the same enqueue-only contract.
 cudaError_t LaunchRankFused(const RankCall& call, const FusedCall& fused, cudaStream_t stream);
-// psum_add_rmsnorm_matmul: the fused call of one row and the matmul reading
-// its normed row, in one launch (cuda_fused_matmul.cu).
-cudaError_t LaunchRankFusedMatmul(const RankCall& call, const FusedCall& fused,
-                                  const MatmulCall& matmul, cudaStream_t stream);
 
 namespace cuda {
 struct KernelArgs;
@@ -34,8 +30,5 @@ cuda::KernelArgs MakeKernelArgs(const RankCall& call);
 // peer spins can deadlock on the driver's process-wide lock.
 void PreloadCudaKernelsOnCurrentDevice();
 void PreloadFusedKernels();  // cuda_fused.cu; called by the above
-void PreloadFusedMatmulKernels();  // cuda_fused_matmul.cu; likewise
-// psum_add_rmsnorm_matmul's grid on the current device (cuda_fused_matmul.cu).
-int MatmulGrid();
 
 }  // namespace sifar

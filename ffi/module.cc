@@ -42,7 +42,6 @@ void RegisterPeerBindings(nb::module_& m);
 namespace sifar {
 bool CudaCanAccessPeer(int a, int b);
 int CudaDeviceCount();
-int MatmulGridOn(int device);  // cuda_fused_matmul.cu
 void RegisterGpuTestingBindings(nb::module_& t);  // testing_gpu.cc
 }  // namespace sifar
 #endif
@@ -52,21 +51,18 @@ NB_MODULE(_sifar, m) {
 
   // {target: {platform: capsule}}
   m.def("handlers", [] {
-    nb::dict plain, into, fused, fused_matmul, d;
+    nb::dict plain, into, fused, d;
     plain["cpu"] = Capsule(CpuAllReduce);
     into["cpu"] = Capsule(CpuAllReduceInto);
     fused["cpu"] = Capsule(CpuPsumAddRmsNorm);
-    fused_matmul["cpu"] = Capsule(CpuPsumAddRmsNormMatmul);
 #ifdef SIFAR_WITH_CUDA
     plain["cuda"] = Capsule(CudaAllReduce);
     into["cuda"] = Capsule(CudaAllReduceInto);
     fused["cuda"] = Capsule(CudaPsumAddRmsNorm);
-    fused_matmul["cuda"] = Capsule(CudaPsumAddRmsNormMatmul);
 #endif
     d["sifar_allreduce"] = plain;
     d["sifar_allreduce_into"] = into;
     d["sifar_psum_add_rmsnorm"] = fused;
-    d["sifar_psum_add_rmsnorm_matmul"] = fused_matmul;
     return d;
   });
   m.def("built_with_cuda", [] {
@@ -234,15 +230,6 @@ NB_MODULE(_sifar, m) {
   RegisterGpuTestingBindings(testing);
 #endif
 
-  // psum_add_rmsnorm_matmul's blocks per launch on a GPU (0: no CUDA build or query failed).
-  m.def("matmul_grid", [](int device) {
-#ifdef SIFAR_WITH_CUDA
-    return MatmulGridOn(device);
-#else
-    (void)device;
-    return 0;
-#endif
-  }, nb::arg("device"));
   m.def("cuda_can_access_peer", [](int a, int b) {
 #ifdef SIFAR_WITH_CUDA
     return CudaCanAccessPeer(a, b);

@@ -11,7 +11,6 @@ from .buffers import DualBuffers, buffer_spec, make_buffers, sifar_psum_into
 from .comm import DEFAULT_SLOT_BYTES, communicators, init, shutdown, workspace_bytes
 from .errors import NotInitializedError, SifarError, UnboundAxisError
 from .fused import psum_add_rmsnorm
-from .fused_matmul import psum_add_rmsnorm_matmul
 from .multicast import MulticastDisabledError
 from .ordering import dispatch_lock
 from .psum import SUPPORTED_DTYPES, sifar_psum
@@ -39,7 +38,6 @@ __all__ = [
     "init",
     "make_buffers",
     "psum_add_rmsnorm",
-    "psum_add_rmsnorm_matmul",
     "shutdown",
     "sifar_psum",
     "sifar_psum_into",

@@ -16,8 +16,6 @@ TARGET = "sifar_allreduce"  # x -> y on the internal dual slots
 TARGET_INTO = "sifar_allreduce_into"  # (x, buf, prev) -> (y, buf) on user buffers
 # (x, residual, weight) -> (normed, new_residual): the all-reduce + residual add + RMSNorm
 TARGET_FUSED = "sifar_psum_add_rmsnorm"
-# (x, residual, weight, matrix) -> (normed, new_residual, normed @ matrix), one launch
-TARGET_FUSED_MATMUL = "sifar_psum_add_rmsnorm_matmul"
 
 
 def _register() -> frozenset[str]:
