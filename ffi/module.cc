@@ -8,10 +8,10 @@
 
 #include <stdexcept>
 
-#include "comm.h"
-#include "handlers.h"
-#include "peer_memory.h"
-#include "protocol.h"
+#include "allreduce/plan.h"
+#include "core/protocol.h"
+#include "runtime/comm.h"
+#include "runtime/peer_memory.h"
 
 namespace nb = nanobind;
 using namespace sifar;

@@ -36,7 +36,7 @@ from sifar_jax import _testing, multicast
 from sifar_jax._ext import _sifar
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-KERNEL = ROOT / "ffi" / "cuda_multicast.cu"
+KERNEL = ROOT / "ffi" / "multicast" / "cuda_multicast.cu"
 GUARD_VARS = (multicast.ENABLE_VAR, *multicast.DISABLING)
 MiB = 1 << 20
 

@@ -9,8 +9,8 @@
 #include <string>
 #include <utility>
 
-#include "comm.h"
-#include "elem_type.h"
+#include "core/elem_type.h"
+#include "runtime/comm.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace sifar {

@@ -14,7 +14,7 @@
 
 #include <cstdint>
 
-#include "protocol.h"
+#include "core/protocol.h"
 
 namespace sifar {
 namespace cuda {

@@ -1,4 +1,4 @@
-#include "handlers.h"
+#include "allreduce/plan.h"
 
 #include <cstring>
 

@@ -4,9 +4,9 @@
 // CUDA graphs capture like any launch).
 #include <cuda_runtime.h>
 
-#include "cuda_check.h"
-#include "cuda_fused.cuh"
-#include "launch.h"
+#include "allreduce/launch.h"
+#include "core/cuda_check.h"
+#include "fused/cuda_fused.cuh"
 
 namespace sifar {
 namespace {

@@ -9,9 +9,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "comm.h"
-#include "cuda_check.h"
-#include "multicast.h"
+#include "core/cuda_check.h"
+#include "multicast/multicast.h"
+#include "runtime/comm.h"
 
 namespace sifar {
 

@@ -45,9 +45,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "cuda_check.h"
-#include "cuda_kernels.cuh"
-#include "multicast.h"
+#include "core/cuda_check.h"
+#include "core/device.cuh"
+#include "multicast/multicast.h"
 
 namespace sifar {
 

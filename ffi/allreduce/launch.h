@@ -5,7 +5,7 @@
 
 #include <cuda_runtime.h>
 
-#include "handlers.h"
+#include "allreduce/plan.h"
 
 namespace sifar {
 

@@ -19,7 +19,7 @@
 // holds whole clusters, the line -> block ownership stays BlockOfLine's.
 #pragma once
 
-#include "cuda_kernels.cuh"
+#include "core/device.cuh"
 
 namespace sifar {
 namespace cuda {

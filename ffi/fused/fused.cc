@@ -14,8 +14,8 @@
 #include <cstring>
 #include <vector>
 
-#include "cpu_numbers.h"
-#include "handlers.h"
+#include "allreduce/plan.h"
+#include "core/cpu_numbers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -7,12 +7,12 @@
 
 #include <string>
 
-#include "comm.h"
-#include "cuda_check.h"
-#include "cuda_kernels.cuh"
-#include "handlers.h"
-#include "launch.h"
-#include "multicast.h"
+#include "allreduce/launch.h"
+#include "allreduce/plan.h"
+#include "core/cuda_check.h"
+#include "core/device.cuh"
+#include "multicast/multicast.h"
+#include "runtime/comm.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
