@@ -1,5 +1,5 @@
 """Algorithm names and ids, read from the extension (the one list lives in
-ffi/protocol.h, SIFAR_ALGORITHMS)."""
+ffi/core/protocol.h, SIFAR_ALGORITHMS)."""
 
 from __future__ import annotations
 

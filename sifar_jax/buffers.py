@@ -182,7 +182,7 @@ def sifar_psum_into(x, axis_name, buf, prev, *, algorithm: str = "auto"):
         return x, buf
     flat = psum._flat(x, plan)
     call = jax.ffi.ffi_call(
-        _ext.TARGET_INTO,
+        _ext.TARGETS.allreduce_into,
         (jax.ShapeDtypeStruct(flat.shape, flat.dtype), jax.ShapeDtypeStruct(buf.shape, buf.dtype)),
         input_output_aliases={1: 1},
         has_side_effect=(plan.platform == "cpu"),

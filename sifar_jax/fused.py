@@ -22,7 +22,7 @@ from . import _ext, _jax_compat, algorithms, ordering, psum
 FLOAT_DTYPES = tuple(jnp.dtype(n) for n in ("float32", "bfloat16", "float16"))
 # How much of `prefetch` goes to L2 by default: about what the GPU's memory
 # moves while a fused call waits for its peers (a few microseconds), well
-# under an H100/H200's 50 MB L2. bench/NOTES.md has the sweep behind it.
+# under an H100/H200's 50 MB L2 (chosen by a sweep on 2x H200).
 DEFAULT_PREFETCH_BYTES = 16 << 20
 _API = "psum_add_rmsnorm"
 _warned: set[str] = set()
@@ -82,7 +82,7 @@ def _check_operands(x, residual, weight) -> None:
 
 
 def _layout_refusal(x) -> str | None:
-    """Why the fused kernel cannot hold x's rows (ffi/protocol.h, FusedRowBlocks)."""
+    """Why the fused kernel cannot hold x's rows (ffi/fused/fused.h, FusedRowBlocks)."""
     row_bytes = x.shape[-1] * jnp.dtype(x.dtype).itemsize
     if _ext._sifar.fused_row_blocks(row_bytes) > 0:
         return None
@@ -210,7 +210,7 @@ def psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float,
 
     flat, res = x.reshape(-1), residual.reshape(-1)
     call = jax.ffi.ffi_call(
-        _ext.TARGET_FUSED,
+        _ext.TARGETS.psum_add_rmsnorm,
         _result_types(x, residual, weight, axis_name, flat),
         # As sifar_psum: XLA:CPU keeps the call even when its results are
         # unused, so a failed all-reduce still surfaces.

@@ -2,7 +2,7 @@
 
 Multicast can take a host's shared GPUs out of service, so it is opt-in and
 refuses to start wherever the system says multicast is off. The guard is
-written once, in C++ (ffi/multicast_setup.cc): this module asks it, and the
+written once, in C++ (ffi/multicast/multicast_setup.cc): this module asks it, and the
 multicast set-up runs it again as its first step, before any CUDA call.
 
 Status: algorithm="multicast" is implemented and compiled, but it has never

@@ -261,7 +261,7 @@ def _abstract_eval(payload, *order, plan, repeat):
 
 def _lowering(ctx, payload, *order, plan, repeat):
     # The ordering operands are passed along and never read by the handler.
-    rule = jax.ffi.ffi_lowering(_ext.TARGET, has_side_effect=plan.platform == "cpu")
+    rule = jax.ffi.ffi_lowering(_ext.TARGETS.allreduce, has_side_effect=plan.platform == "cpu")
     return rule(ctx, payload, *order, **plan.attrs(repeat))
 
 

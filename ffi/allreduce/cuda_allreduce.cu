@@ -1,8 +1,10 @@
-// The CUDA FFI handlers: PlanCall's (PlanFusedCall's) checks, then the
-// algorithm's (the fused) kernel on XLA's stream.  Command-buffer compatible:
-// nothing here depends on host state that changes between calls (epochs live
-// in device memory and are advanced by the kernels).  The launch and preload tables come from the one list of
-// algorithms in protocol.h.
+// The all-reduce on CUDA: one kernel template per algorithm (the bodies
+// below, on the shared device primitives of core/device.cuh), the launch and
+// preload tables generated from the one list of algorithms in protocol.h, and
+// the FFI handlers (PlanCall's checks, then the algorithm's kernel on XLA's
+// stream).  Command-buffer compatible: nothing here depends on host state
+// that changes between calls (epochs live in device memory and are advanced
+// by the kernels).
 #include <cuda_runtime.h>
 
 #include <string>
@@ -14,6 +16,194 @@
 #include "multicast/multicast.h"
 #include "runtime/comm.h"
 #include "xla/ffi/api/ffi.h"
+
+namespace sifar {
+namespace cuda {
+
+// ------------------------------------------------------------- bodies ----
+// oneshot / oneshot_db: publish, top barrier, pull-reduce [, bottom barrier].
+template <typename T>
+__device__ bool Oneshot(const Ws& w, CallState& s, bool bottom) {
+  const KernelArgs& a = w.a;
+  const size_t nlines = a.nbytes / 16;
+  const uint4* in = static_cast<const uint4*>(a.in);
+  SIFAR_FOR_EACH_LINE(line, nlines) { w.plain(a.rank, s.epoch)[line] = in[line]; }
+  if (!AllRanksReached(w, s, kTop)) return false;
+  SIFAR_FOR_EACH_LINE(line, nlines) {
+    Acc<T> acc[4 * Elem<T>::kPerWord];
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p) {
+      if (p >= a.nranks) break;
+      uint4 v = p == a.rank ? in[line] : LoadStrong16(w.plain(p, s.epoch) + line);
+      AddLine<T>(acc, v, p == 0);
+    }
+    static_cast<uint4*>(a.out)[line] = RoundLine<T>(acc);
+  }
+  return bottom ? AllRanksReached(w, s, kBottom) : true;
+}
+
+// twoshot: rank r reduces the r-th piece of each block's run of lines and
+// publishes it; the others gather it.
+template <typename T>
+__device__ bool Twoshot(const Ws& w, CallState& s) {
+  const KernelArgs& a = w.a;
+  const size_t nlines = a.nbytes / 16;
+  const uint4* in = static_cast<const uint4*>(a.in);
+  uint4* out = static_cast<uint4*>(a.out);
+  SIFAR_FOR_EACH_LINE(line, nlines) { w.plain(a.rank, s.epoch)[line] = in[line]; }
+  if (!AllRanksReached(w, s, kTop)) return false;
+  auto owner = [&](size_t line) {
+    size_t run_begin = line - threadIdx.x;
+    size_t run_end = min(run_begin + kThreads, nlines);
+    size_t per = (run_end - run_begin + a.nranks - 1) / a.nranks;
+    return static_cast<int>((line - run_begin) / per);
+  };
+  SIFAR_FOR_EACH_LINE(line, nlines) {
+    if (owner(line) != a.rank) continue;
+    Acc<T> acc[4 * Elem<T>::kPerWord];
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p) {
+      if (p >= a.nranks) break;
+      uint4 v = p == a.rank ? in[line] : LoadStrong16(w.plain(p, s.epoch) + line);
+      AddLine<T>(acc, v, p == 0);
+    }
+    uint4 r = RoundLine<T>(acc);
+    w.tmp(a.rank, s.epoch)[line] = r;
+    out[line] = r;
+  }
+  if (!AllRanksReached(w, s, kMid)) return false;
+  SIFAR_FOR_EACH_LINE(line, nlines) {
+    int q = owner(line);
+    if (q != a.rank) out[line] = LoadStrong16(w.tmp(q, s.epoch) + line);
+  }
+  return AllRanksReached(w, s, kBottom);
+}
+
+// sifar_flag (the paper's validation, made correct): publish the payload,
+// then a per-block flag with release; acquire every peer's flag (the loads
+// issued together, speculating that they are fresh) and only then pull the
+// payloads.  The paper issued payload and flag loads together, and relaxed
+// loads of different lines are unordered under the PTX memory model: a stale
+// payload with a fresh flag could pass.  Acquiring first costs a second round
+// trip, which is the price of flag validation.
+template <typename T>
+__device__ bool SifarFlag(const Ws& w, CallState& s) {
+  const KernelArgs& a = w.a;
+  const size_t nlines = a.nbytes / 16;
+  const uint4* in = static_cast<const uint4*>(a.in);
+  SIFAR_FOR_EACH_LINE(line, nlines) { w.plain(a.rank, s.epoch)[line] = in[line]; }
+  __syncthreads();
+  if (threadIdx.x == 0) StoreReleaseSys(w.flags(a.rank, s.epoch) + blockIdx.x, s.tag);
+  // Thread p acquires peer p's flag; flags are never ahead of this epoch in
+  // this slot, so equality with our tag means "fresh".
+  bool ok = true;
+  const int t = threadIdx.x;
+  if (t < a.nranks && t != a.rank) {
+    const uint32_t* f = w.flags(t, s.epoch) + blockIdx.x;
+    for (uint32_t spins = 0; LoadAcquireSys(f) != s.tag; ++spins) {
+      s.retried = true;
+      if (Expired(w, s, t, spins)) {
+        ok = false;
+        break;
+      }
+    }
+  }
+  // The barrier below orders the other threads' payload loads after thread
+  // p's acquire (bar.sync is a CTA-scope fence; acquire.sys then covers them).
+  if (!__syncthreads_and(ok)) return false;
+  SIFAR_FOR_EACH_LINE(line, nlines) {
+    Acc<T> acc[4 * Elem<T>::kPerWord];
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p) {
+      if (p >= a.nranks) break;
+      uint4 v = p == a.rank ? in[line] : LoadStrong16(w.plain(p, s.epoch) + line);
+      AddLine<T>(acc, v, p == 0);
+    }
+    static_cast<uint4*>(a.out)[line] = RoundLine<T>(acc);
+  }
+  return true;
+}
+
+// The whole payload, line by line.  `first`: this thread's input line of the
+// first round, loaded at kernel start.
+template <typename T, int NR, bool PUSH>
+__device__ bool Sifar(const Ws& w, CallState& s, uint32_t depth, uint32_t gap_ns, uint2 first) {
+  const size_t nlines = w.a.nbytes / 8;  // an LL line carries 8 payload bytes
+  const uint2* in = static_cast<const uint2*>(w.a.in);
+  SIFAR_FOR_EACH_LINE(line, nlines) {
+    uint2 sum;
+    if (!PullLine<T, NR, PUSH>(w, s, line, line < kRoundLines ? first : in[line], depth, gap_ns, sum))
+      return false;
+    static_cast<uint2*>(w.a.out)[line] = sum;
+  }
+  return true;
+}
+
+// --------------------------------------------------------------- kernel ----
+template <typename T, int ALG, int NR = kMaxRanks>
+__global__ void __launch_bounds__(kThreads) AllReduceKernel(KernelArgs a) {
+  const Ws w{a};
+  __shared__ BlockStart b0;
+  // Tagged algorithms: every thread loads its first input line now, while
+  // thread 0's control words are in flight (one memory latency less at the
+  // start of every call).  The others: start fetching the block's first line.
+  uint2 first = make_uint2(0u, 0u);
+  const size_t line0 = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (TaggedAlgorithm(ALG)) {
+    if (line0 < a.nbytes / 8) first = static_cast<const uint2*>(a.in)[line0];
+  } else if (threadIdx.x == 0) {
+    const size_t at = static_cast<size_t>(blockIdx.x) * kThreads * LineBytes(ALG);
+    if (at < a.nbytes)
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(static_cast<const char*>(a.in) + at));
+  }
+  if (threadIdx.x == 0) ReadBlockStart(w, ALG, b0);
+  __syncthreads();
+  const BlockStart st = b0;
+  if (st.dropped()) {
+    SIFAR_FOR_EACH_LINE(line, a.nbytes / 16) {
+      static_cast<uint4*>(a.out)[line] = static_cast<const uint4*>(a.in)[line];
+    }
+    return;
+  }
+  if (st.failed()) {  // the communicator failed earlier: never return a plausible result
+    FillNaN<T>(a.out, a.nbytes);
+    return;
+  }
+  uint32_t epoch = st.epoch;
+  CallState s{};
+  s.timeout_ns = st.timeout_ns;
+  bool ok = true, warp0_retried = false;
+  for (int i = 0; i < a.repeat; ++i) {
+    const bool wraps = NextCall(w, st, epoch, s);
+    // Where the call has block-wide barriers (barrier algorithms, the wrap's
+    // clearing) every warp must agree first; a failed warp keeps looping
+    // (doing nothing) so it still takes part.  Tagged calls have no block
+    // barrier: their warps run ahead independently.
+    if (!TaggedAlgorithm(ALG) || wraps) ok = __syncthreads_and(ok) != 0;
+    if (!ok) continue;
+    InjectSkew(w, st, epoch);
+    if (wraps) ok = ClearTaggedAtWrap(w, s);
+    if (ok) {
+      if (ALG == kOneshot) ok = Oneshot<T>(w, s, true);
+      if (ALG == kOneshotDB) ok = Oneshot<T>(w, s, false);
+      if (ALG == kTwoshot) ok = Twoshot<T>(w, s);
+      if (ALG == kSifarFlag) ok = SifarFlag<T>(w, s);
+      if (ALG == kSifar) ok = Sifar<T, NR, false>(w, s, st.c1.x, st.c1.y, first);
+      if (ALG == kSifarPush) ok = Sifar<T, NR, true>(w, s, st.c1.x, st.c1.y, first);
+    }
+    if (!ok && s.failed_peer >= 0) RecordFailure(w, ALG, s);
+    warp0_retried |= EndCall(w, ALG, s);
+    ok = __all_sync(0xffffffffu, ok);  // the warp agrees on the outcome
+  }
+  if (!ok) {
+    FillNaN<T>(a.out, a.nbytes);
+    return;
+  }
+  CommitBlock(w, ALG, st, epoch, warp0_retried);
+}
+
+}  // namespace cuda
+}  // namespace sifar
 
 namespace ffi = xla::ffi;
 
@@ -111,17 +301,6 @@ ffi::Error LaunchMulticast(const RankCall& c, cudaStream_t stream) {
   return e == cudaSuccess ? ffi::Error::Success() : CudaError("kernel launch failed", e);
 }
 
-// The handler's thread runs on the call's device.
-ffi::Error UseDevice(int32_t ordinal) {
-  int current = -1;
-  if (cudaGetDevice(&current) == cudaSuccess && current == ordinal) return ffi::Error::Success();
-  cudaError_t e = cudaSetDevice(ordinal);
-  return e == cudaSuccess ? ffi::Error::Success() : CudaError("cudaSetDevice failed", e);
-}
-ffi::Error Launched(cudaError_t e) {
-  return e == cudaSuccess ? ffi::Error::Success() : CudaError("kernel launch failed", e);
-}
-
 ffi::Error RunCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer y,
                    const ffi::AnyBuffer* buf, int32_t axis_key, int32_t nranks, int32_t algorithm,
                    int32_t repeat, int32_t chain) {
@@ -155,25 +334,18 @@ ffi::Error CudaAllReduceIntoImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyB
   return RunCuda(stream, ordinal, x, *y, &buf, axis_key, nranks, algorithm, repeat, chain);
 }
 
-ffi::Error CudaPsumAddRmsNormImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                                  ffi::AnyBuffer residual, ffi::AnyBuffer weight,
-                                  ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> normed,
-                                  ffi::Result<ffi::AnyBuffer> new_residual, int32_t axis_key,
-                                  int32_t nranks, int32_t algorithm, int32_t repeat, int32_t chain,
-                                  float eps, int64_t prefetch_bytes) {
-  RankCall call;
-  FusedCall fused;
-  ffi::Error err = PlanFusedCall(ordinal, x, residual, weight, rest, *normed, *new_residual,
-                                 axis_key, nranks, algorithm, repeat, chain, eps, prefetch_bytes,
-                                 &call, &fused);
-  if (err.failure()) return err;
-  if (call.nbytes == 0) return ffi::Error::Success();
-  err = UseDevice(ordinal);
-  if (err.failure()) return err;
-  return Launched(LaunchRankFused(call, fused, stream));
+}  // namespace
+
+ffi::Error UseDevice(int32_t ordinal) {
+  int current = -1;
+  if (cudaGetDevice(&current) == cudaSuccess && current == ordinal) return ffi::Error::Success();
+  cudaError_t e = cudaSetDevice(ordinal);
+  return e == cudaSuccess ? ffi::Error::Success() : CudaError("cudaSetDevice failed", e);
 }
 
-}  // namespace
+ffi::Error Launched(cudaError_t e) {
+  return e == cudaSuccess ? ffi::Error::Success() : CudaError("kernel launch failed", e);
+}
 
 KernelArgs MakeKernelArgs(const RankCall& c) {
   const Comm& comm = *c.comm;
@@ -205,12 +377,11 @@ cudaError_t LaunchRankAllReduce(const RankCall& c, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-void PreloadCudaKernelsOnCurrentDevice() {
+void PreloadAllReduceKernels() {
   LoadRow<float>();
   LoadRow<__nv_bfloat16>();
   LoadRow<__half>();
   LoadRow<uint32_t>();
-  PreloadFusedKernels();
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaAllReduce, CudaAllReduceImpl,
@@ -220,21 +391,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaAllReduce, CudaAllReduceImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()  // "after": ordering only, never read
                                   .Ret<ffi::AnyBuffer>()),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaPsumAddRmsNorm, CudaPsumAddRmsNormImpl,
-                              WithAllReduceAttrs(ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // residual
-                                  .Arg<ffi::AnyBuffer>()  // weight
-                                  // [prefetch target], then "after": never read
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()  // normed
-                                  .Ret<ffi::AnyBuffer>())  // new residual
-                                  .Attr<float>("eps")
-                                  .Attr<int64_t>("prefetch_bytes"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaAllReduceInto, CudaAllReduceIntoImpl,

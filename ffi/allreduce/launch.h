@@ -1,6 +1,7 @@
 // Launching one rank's all-reduce kernel: the CUDA FFI handler's path after
-// its checks, shared with the test harness that runs several ranks on one GPU
-// (each on its own stream).
+// its checks, shared with the ops built on the all-reduce (fused/) and with
+// the test harness that runs several ranks on one GPU (each on its own
+// stream).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,10 +16,6 @@ namespace sifar {
 // nbytes, and optionally explicit slots).  Multicast is not launched here.
 cudaError_t LaunchRankAllReduce(const RankCall& call, cudaStream_t stream);
 
-// The fused all-reduce + residual add + RMSNorm of a call planned by
-// PlanFusedCall (cuda_fused.cu); the same enqueue-only contract.
-cudaError_t LaunchRankFused(const RankCall& call, const FusedCall& fused, cudaStream_t stream);
-
 namespace cuda {
 struct KernelArgs;
 }
@@ -26,9 +23,9 @@ struct KernelArgs;
 // slots, the chain's lane, the layout.
 cuda::KernelArgs MakeKernelArgs(const RankCall& call);
 
-// Loads every kernel on the current device now: a lazy module load while a
-// peer spins can deadlock on the driver's process-wide lock.
-void PreloadCudaKernelsOnCurrentDevice();
-void PreloadFusedKernels();  // cuda_fused.cu; called by the above
+// A CUDA handler's steps around its launch: its thread runs on the call's
+// device; a launch's error as the handler's.
+xla::ffi::Error UseDevice(int32_t ordinal);
+xla::ffi::Error Launched(cudaError_t e);
 
 }  // namespace sifar

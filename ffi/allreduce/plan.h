@@ -1,6 +1,7 @@
-// The FFI handler symbols exported to Python, the checks every backend runs
-// before an all-reduce (one place, so CPU and GPU users see the same words),
-// and the error messages they share.
+// The checks every handler runs before an all-reduce (one place, so CPU and
+// GPU users see the same words), the call they resolve, the attributes every
+// all-reduce call carries, and the error messages they share.  Every op built
+// on the all-reduce (fused/) runs PlanCall first.
 #pragma once
 
 #include <cstddef>
@@ -15,21 +16,7 @@
 
 namespace sifar {
 
-// sifar_allreduce: x -> y, on the communicator's internal dual slots.
-// sifar_allreduce_into: (x, buf, prev) -> (y, buf), on user buffers (buf
-// aliased in place, prev kept alive so the alternation is visible to XLA).
-// sifar_psum_add_rmsnorm: (x, residual, weight) -> (normed, new_residual),
-// the all-reduce with the residual add and RMSNorm as its epilogue.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuAllReduce);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuAllReduceInto);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuPsumAddRmsNorm);
-#ifdef SIFAR_WITH_CUDA
-XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaAllReduce);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaAllReduceInto);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaPsumAddRmsNorm);
-#endif
-
-// The attributes every all-reduce call carries (sifar_jax/psum.py, _Plan.attrs),
+// The attributes every all-reduce call carries (sifar_jax/plan.py, Plan.attrs),
 // appended to a handler's binding.
 template <typename Binding>
 auto WithAllReduceAttrs(Binding binding) {
@@ -46,6 +33,9 @@ bool ElemOf(xla::ffi::DataType t, Elem* out);
 const char* const* SupportedDtypeNames();  // null-terminated numpy names
 
 const char* AlgorithmName(int algorithm);
+
+// An invalid-argument error, "sifar_jax: " + msg: a call the handler refuses.
+xla::ffi::Error Invalid(const std::string& msg);
 
 // One rank's all-reduce call, checked and resolved by PlanCall.
 struct RankCall {
@@ -75,37 +65,8 @@ xla::ffi::Error PlanCall(int ordinal, xla::ffi::AnyBuffer x, xla::ffi::AnyBuffer
                          int32_t algorithm, int32_t repeat, int32_t chain, RankCall* call,
                          bool in_run_order = true);
 
-// The fused call's operands beyond the all-reduce's (RankCall: x -> the new
-// residual), checked and resolved by PlanFusedCall.
-struct FusedCall {
-  const void* residual = nullptr;
-  const void* weight = nullptr;
-  void* normed = nullptr;
-  size_t hidden = 0;     // elements per row (weight's size)
-  size_t row_bytes = 0;  // hidden * element size
-  int row_blocks = 0;    // FusedRowBlocks(row_bytes)
-  float eps = 0.f;
-  // The operand the next operation reads (a weight): its first
-  // prefetch_bytes are prefetched into L2 while the all-reduce waits for its
-  // peers. Never read by the kernel; no effect on the results.
-  const void* prefetch = nullptr;
-  size_t prefetch_bytes = 0;
-};
-
-// PlanCall's checks plus the fused ones: float types, one dtype and size for
-// x, residual and both outputs, weight one row, a row layout the kernel
-// supports (FusedRowBlocks), algorithm sifar; with prefetch_bytes > 0, the
-// first of `rest` is the operand to prefetch, at least that large and
-// 16-byte aligned (the others in `rest` only order the call).
-xla::ffi::Error PlanFusedCall(int ordinal, xla::ffi::AnyBuffer x, xla::ffi::AnyBuffer residual,
-                              xla::ffi::AnyBuffer weight, const xla::ffi::RemainingArgs& rest,
-                              xla::ffi::AnyBuffer normed, xla::ffi::AnyBuffer new_residual,
-                              int32_t axis_key, int32_t nranks, int32_t algorithm, int32_t repeat,
-                              int32_t chain, float eps, int64_t prefetch_bytes, RankCall* call,
-                              FusedCall* fused);
-
 // The CPU backend's all-reduce of a planned call (cpu_allreduce.cc): the
-// fused handler runs it, then its epilogue.
+// CPU handlers of the ops built on it run it, then their epilogue.
 xla::ffi::Error RunCpuAllReduce(const RankCall& call);
 
 // "... timed out on axis 'tp' (communicator 3, group 0, rank 1, epoch 57,

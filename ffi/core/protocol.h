@@ -162,26 +162,6 @@ SIFAR_HD int BlocksFor(size_t lines, int lines_per_block) {
 // Lines one block of the portable kernels owns (one per thread).
 constexpr int kLinesPerBlock = 256;
 
-// The fused all-reduce + residual add + RMSNorm (psum_add_rmsnorm) runs the
-// sifar pull over rows of `hidden` elements, row_bytes / 8 LL lines each, with
-// the line -> block ownership above.  A row's sum of squares is reduced where
-// the row lies: in a power-of-two fraction of one block (a segmented in-block
-// reduction), or over a power-of-two number of whole blocks, at most
-// kMaxRowBlocks (one thread-block cluster; 64 blocks hold whole clusters).
-// Returns the blocks one row spans (1: the row lies within one block), or 0
-// where the fused kernel cannot run (the caller falls back to the unfused
-// composition).  The CPU backend accepts the same rows, so both decide alike.
-constexpr int kMaxRowBlocks = 8;
-static_assert(kMaxBlocks % kMaxRowBlocks == 0, "a round of blocks holds whole clusters");
-SIFAR_HD int FusedRowBlocks(size_t row_bytes) {
-  if (row_bytes == 0 || row_bytes % 16 != 0) return 0;  // whole 16-byte lines per row
-  const size_t lines = row_bytes / 8;
-  if ((lines & (lines - 1)) != 0) return 0;  // a power of two
-  if (lines <= static_cast<size_t>(kLinesPerBlock)) return 1;
-  const size_t blocks = lines / kLinesPerBlock;
-  return blocks <= static_cast<size_t>(kMaxRowBlocks) ? static_cast<int>(blocks) : 0;
-}
-
 // Twoshot: within each block's run of lines, rank r reduces the r-th of N
 // contiguous pieces (so every block works on every rank).
 struct Piece {
