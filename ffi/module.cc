@@ -246,7 +246,7 @@ NB_MODULE(_sifar, m) {
 
   RegisterMulticastBindings(m);
   RegisterPeerBindings(m);
-  nb::module_ testing = m.def_submodule("_testing", "Test-only hooks (sifar_jax._testing)");
+  nb::module_ testing = m.def_submodule("testing", "Test-only hooks (sifar_jax._testing)");
   RegisterTestingBindings(testing);
   RegisterMulticastTestingBindings(testing);
 #ifdef SIFAR_WITH_CUDA

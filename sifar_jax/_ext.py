@@ -20,7 +20,8 @@ except ImportError as e:  # pragma: no cover - only when the build is missing
         "`pip install .` (or `pip install --no-build-isolation -e .`)"
     ) from e
 
-# The extension under its own name too (sifar_jax._ext._sifar), for code written against it.
+# The same module under the name this one gave it before `lib` (kept for
+# benchmark scripts written against it).
 _sifar = lib
 
 # op -> FFI target name, e.g. TARGETS.allreduce == "sifar_allreduce".

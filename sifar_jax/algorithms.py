@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import warnings
 
-from ._ext import _sifar
+from . import _ext
 
-_TABLE = {a["name"]: a for a in _sifar.algorithms()}
+_TABLE = {a["name"]: a for a in _ext.lib.algorithms()}
 
 ONESHOT = "oneshot"
 TWOSHOT = "twoshot"
