@@ -33,7 +33,7 @@ import numpy as np
 from bench import common
 
 FIELDS = ("group", "rank", "epoch", "algorithm", "start_ns", "end_ns", "retried")
-RING_CALLS = 4096  # calls each rank's trace ring keeps (ffi/protocol.h kTraceCapacity)
+RING_CALLS = 4096  # calls each rank's trace ring keeps (ffi/core/protocol.h kTraceCapacity)
 MISSING = ("sifar_jax.call_trace is not in this build of sifar_jax (it predates the per-call "
            "trace ring); mis-speculation per call and tail latency were skipped")
 

@@ -1,5 +1,8 @@
-// The nanobind module `sifar_jax._sifar`: FFI handler capsules and the
-// communicator registry, as plain functions the Python layer composes.
+// The nanobind module `sifar_jax._sifar`: the FFI targets (from the one table,
+// targets.h) and the communicator registry, as plain functions the Python
+// layer composes.  The bindings of communicators spanning processes, of
+// multicast and of the test-only hooks live beside their code (bindings/,
+// multicast/).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
@@ -8,10 +11,12 @@
 
 #include <stdexcept>
 
-#include "comm.h"
-#include "handlers.h"
-#include "peer_memory.h"
-#include "protocol.h"
+#include "allreduce/plan.h"
+#include "core/protocol.h"
+#include "fused/fused.h"
+#include "runtime/comm.h"
+#include "runtime/peer_memory.h"
+#include "targets.h"
 
 namespace nb = nanobind;
 using namespace sifar;
@@ -42,31 +47,45 @@ void RegisterPeerBindings(nb::module_& m);
 namespace sifar {
 bool CudaCanAccessPeer(int a, int b);
 int CudaDeviceCount();
-int MatmulGridOn(int device);  // cuda_fused_matmul.cu
-void RegisterGpuTestingBindings(nb::module_& t);  // testing_gpu.cc
+void RegisterGpuTestingBindings(nb::module_& t);  // bindings/testing_gpu.cc
+
+void PreloadCudaKernels() {
+#define SIFAR_PRELOAD(op, name, cpu, cuda, preload) preload();
+  SIFAR_FFI_TARGETS(SIFAR_PRELOAD)
+#undef SIFAR_PRELOAD
+}
 }  // namespace sifar
 #endif
 
 NB_MODULE(_sifar, m) {
   m.doc() = "SiFAR all-reduce: XLA FFI handlers and communicator registry";
 
-  // {target: {platform: capsule}}
+  // The table of FFI targets (targets.h), as {target name: {platform: capsule}}.
   m.def("handlers", [] {
-    nb::dict plain, into, fused, fused_matmul, d;
-    plain["cpu"] = Capsule(CpuAllReduce);
-    into["cpu"] = Capsule(CpuAllReduceInto);
-    fused["cpu"] = Capsule(CpuPsumAddRmsNorm);
-    fused_matmul["cpu"] = Capsule(CpuPsumAddRmsNormMatmul);
+    nb::dict d;
 #ifdef SIFAR_WITH_CUDA
-    plain["cuda"] = Capsule(CudaAllReduce);
-    into["cuda"] = Capsule(CudaAllReduceInto);
-    fused["cuda"] = Capsule(CudaPsumAddRmsNorm);
-    fused_matmul["cuda"] = Capsule(CudaPsumAddRmsNormMatmul);
+#define SIFAR_CUDA_CAPSULE(p, cuda) p["cuda"] = Capsule(cuda);
+#else
+#define SIFAR_CUDA_CAPSULE(p, cuda)
 #endif
-    d["sifar_allreduce"] = plain;
-    d["sifar_allreduce_into"] = into;
-    d["sifar_psum_add_rmsnorm"] = fused;
-    d["sifar_psum_add_rmsnorm_matmul"] = fused_matmul;
+#define SIFAR_HANDLERS(op, name, cpu, cuda, preload) \
+  {                                                  \
+    nb::dict p;                                      \
+    p["cpu"] = Capsule(cpu);                         \
+    SIFAR_CUDA_CAPSULE(p, cuda)                      \
+    d[name] = p;                                     \
+  }
+    SIFAR_FFI_TARGETS(SIFAR_HANDLERS)
+#undef SIFAR_HANDLERS
+#undef SIFAR_CUDA_CAPSULE
+    return d;
+  });
+  // ... and as {op: target name}: the names sifar_jax calls (sifar_jax/_ext.py, TARGETS).
+  m.def("targets", [] {
+    nb::dict d;
+#define SIFAR_TARGET_NAME(op, name, cpu, cuda, preload) d[#op] = name;
+    SIFAR_FFI_TARGETS(SIFAR_TARGET_NAME)
+#undef SIFAR_TARGET_NAME
     return d;
   });
   m.def("built_with_cuda", [] {
@@ -227,22 +246,13 @@ NB_MODULE(_sifar, m) {
 
   RegisterMulticastBindings(m);
   RegisterPeerBindings(m);
-  nb::module_ testing = m.def_submodule("_testing", "Test-only hooks (sifar_jax._testing)");
+  nb::module_ testing = m.def_submodule("testing", "Test-only hooks (sifar_jax._testing)");
   RegisterTestingBindings(testing);
   RegisterMulticastTestingBindings(testing);
 #ifdef SIFAR_WITH_CUDA
   RegisterGpuTestingBindings(testing);
 #endif
 
-  // psum_add_rmsnorm_matmul's blocks per launch on a GPU (0: no CUDA build or query failed).
-  m.def("matmul_grid", [](int device) {
-#ifdef SIFAR_WITH_CUDA
-    return MatmulGridOn(device);
-#else
-    (void)device;
-    return 0;
-#endif
-  }, nb::arg("device"));
   m.def("cuda_can_access_peer", [](int a, int b) {
 #ifdef SIFAR_WITH_CUDA
     return CudaCanAccessPeer(a, b);

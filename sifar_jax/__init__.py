@@ -5,16 +5,16 @@
     y = jax.shard_map(lambda x: sifar_jax.sifar_psum(x, "tp"), mesh=mesh, ...)(x)
 """
 
-from . import algorithms, benchmarking, distributed, testing
+from . import algorithms, benchmarking, distributed, fused, testing
 from .algorithms import ALL as ALGORITHMS
 from .buffers import DualBuffers, buffer_spec, make_buffers, sifar_psum_into
 from .comm import DEFAULT_SLOT_BYTES, communicators, init, shutdown, workspace_bytes
 from .errors import NotInitializedError, SifarError, UnboundAxisError
-from .fused import psum_add_rmsnorm
-from .fused_matmul import psum_add_rmsnorm_matmul
+from .fused import *  # noqa: F403 - the fused ops: fused.__all__ (psum_add_rmsnorm)
 from .multicast import MulticastDisabledError
 from .ordering import dispatch_lock
-from .psum import SUPPORTED_DTYPES, sifar_psum
+from .plan import SUPPORTED_DTYPES
+from .psum import sifar_psum
 from .stats import call_trace, check, stats
 
 __version__ = "0.1.0"
@@ -38,12 +38,11 @@ __all__ = [
     "dispatch_lock",
     "init",
     "make_buffers",
-    "psum_add_rmsnorm",
-    "psum_add_rmsnorm_matmul",
     "shutdown",
     "sifar_psum",
     "sifar_psum_into",
     "stats",
     "testing",
     "workspace_bytes",
+    *fused.__all__,
 ]

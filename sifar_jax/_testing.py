@@ -3,9 +3,9 @@
 Nothing in sifar_jax uses these; the test suite and the GPU harness do.
 """
 
-from ._ext import _sifar
+from . import _ext
 
-_mod = _sifar._testing
+_mod = _ext.lib.testing
 globals().update({k: getattr(_mod, k) for k in dir(_mod) if not k.startswith("__")})
 
 

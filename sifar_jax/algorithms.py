@@ -1,13 +1,13 @@
 """Algorithm names and ids, read from the extension (the one list lives in
-ffi/protocol.h, SIFAR_ALGORITHMS)."""
+ffi/core/protocol.h, SIFAR_ALGORITHMS)."""
 
 from __future__ import annotations
 
 import warnings
 
-from ._ext import _sifar
+from . import _ext
 
-_TABLE = {a["name"]: a for a in _sifar.algorithms()}
+_TABLE = {a["name"]: a for a in _ext.lib.algorithms()}
 
 ONESHOT = "oneshot"
 TWOSHOT = "twoshot"

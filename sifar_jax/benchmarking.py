@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import algorithms, psum
+from .plan import Fallback, flatten, plan_array, unflatten
 
 
 def psum_repeated(x, axis_name, repeat: int, *, algorithm: str = algorithms.AUTO):
@@ -19,10 +20,10 @@ def psum_repeated(x, axis_name, repeat: int, *, algorithm: str = algorithms.AUTO
     if int(repeat) < 1:
         raise ValueError("sifar_jax.benchmarking.psum_repeated: repeat must be >= 1")
     x = jnp.asarray(x)
-    plan = psum._plan(x, axis_name, algorithm, "benchmarking.psum_repeated")
-    if isinstance(plan, str):
-        raise ValueError(f"sifar_jax.benchmarking.psum_repeated: cannot run: {plan}")
+    plan = plan_array(x, axis_name, algorithm, "benchmarking.psum_repeated")
+    if isinstance(plan, Fallback):  # even for "auto": the number would be lax.psum's
+        raise ValueError(f"sifar_jax.benchmarking.psum_repeated: cannot run: {plan.reason}")
     if x.size == 0:
         return psum.sifar_psum(x, axis_name, algorithm=algorithm)
-    out = psum._allreduce(psum._flat(x, plan), plan, int(repeat))
-    return psum._unflat(out, x, plan)
+    out = psum.allreduce(flatten(x, plan), plan, int(repeat))
+    return unflatten(out, x, plan)

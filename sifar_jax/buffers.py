@@ -51,8 +51,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _ext, algorithms, comm, ordering, psum
+from . import _ext, _jax_compat, algorithms, comm, ordering
 from .errors import NotInitializedError
+from .plan import Fallback, flatten, plan_array, unflatten
 
 # (comm id, registration id) -> the (device id, address) of every rank's copy.
 _registered: dict[tuple[int, int], frozenset] = {}
@@ -84,7 +85,7 @@ def _drop_dead_registrations(platform: str) -> None:
         if not alive:
             del _registered[(comm_id, reg)]
             if comm_id in live_ids:
-                _ext._sifar.unregister_buffer(comm_id, reg)
+                _ext.lib.unregister_buffer(comm_id, reg)
 
 
 def make_buffers(mesh, axis_name: str) -> DualBuffers:
@@ -108,7 +109,7 @@ def make_buffers(mesh, axis_name: str) -> DualBuffers:
             f"sifar_jax.make_buffers: axis {axis_name!r} spans several processes; explicit "
             f"buffers need every rank in one process (use sifar_psum there)"
         )
-    total = _ext._sifar.slot_total_bytes(comms[0].comm_id)
+    total = _ext.lib.slot_total_bytes(comms[0].comm_id)
     sharding = NamedSharding(mesh, buffer_spec(mesh))
     shape = (mesh.devices.size, total)
     make = jax.jit(lambda: jnp.zeros(shape, jnp.uint8), out_shardings=sharding)
@@ -120,7 +121,7 @@ def make_buffers(mesh, axis_name: str) -> DualBuffers:
         for c in comms:
             for g, group in enumerate(c.groups):
                 if all(d in ptr for d in group):
-                    reg = _ext._sifar.register_buffer(c.comm_id, g, [ptr[d] for d in group], total)
+                    reg = _ext.lib.register_buffer(c.comm_id, g, [ptr[d] for d in group], total)
                     _registered[(c.comm_id, reg)] = frozenset((d, ptr[d]) for d in group)
     return DualBuffers(a, b)
 
@@ -135,7 +136,7 @@ def _check_alternation(buf, prev, api: str) -> None:
     if buf is prev:
         raise ValueError(f"sifar_jax.{api}: buf and prev are the same buffer; pass the two "
                          f"buffers of sifar_jax.make_buffers, alternating")
-    trace = ordering._trace_of(buf)
+    trace = _jax_compat.trace_of(buf)
     try:
         last = _last_written.get(trace, ()) if trace is not None else ()
     except TypeError:  # a trace that cannot be weakly referenced: the handler still checks
@@ -148,7 +149,7 @@ def _check_alternation(buf, prev, api: str) -> None:
 
 
 def _remember_written(buf_in, buf_out) -> None:
-    trace = ordering._trace_of(buf_in)
+    trace = _jax_compat.trace_of(buf_in)
     if trace is None:
         return
     try:
@@ -173,16 +174,16 @@ def sifar_psum_into(x, axis_name, buf, prev, *, algorithm: str = "auto"):
         )
     x = jnp.asarray(x)
     _check_alternation(buf, prev, "sifar_psum_into")
-    plan = psum._plan(x, axis_name, algorithm, "sifar_psum_into")
-    if isinstance(plan, str):
-        return psum._fallback(x, axis_name, plan), buf
+    plan = plan_array(x, axis_name, algorithm, "sifar_psum_into")
+    if isinstance(plan, Fallback):
+        return plan.psum(x, axis_name, stacklevel=2), buf
     if plan.algorithm == algorithms.MULTICAST:  # what "auto" picks where multicast is on
         plan = dataclasses.replace(plan, algorithm=algorithms.SIFAR)
     if x.size == 0:
         return x, buf
-    flat = psum._flat(x, plan)
+    flat = flatten(x, plan)
     call = jax.ffi.ffi_call(
-        _ext.TARGET_INTO,
+        _ext.TARGETS.allreduce_into,
         (jax.ShapeDtypeStruct(flat.shape, flat.dtype), jax.ShapeDtypeStruct(buf.shape, buf.dtype)),
         input_output_aliases={1: 1},
         has_side_effect=(plan.platform == "cpu"),
@@ -190,4 +191,4 @@ def sifar_psum_into(x, axis_name, buf, prev, *, algorithm: str = "auto"):
     out, buf_out = call(flat, buf, prev, *ordering.operands(flat), **plan.attrs())
     ordering.remember(flat, out)
     _remember_written(buf, buf_out)
-    return psum._unflat(out, x, plan), buf_out
+    return unflatten(out, x, plan), buf_out

@@ -119,22 +119,22 @@ def _why_unsupported(groups: list[list], platform: str | None) -> str | None:
         return f"no sifar_jax handler for platform {groups[0][0].platform!r}"
     if platform not in _ext.PLATFORMS:
         return f"sifar_jax was built without its {platform} backend"
-    if n > _ext._sifar.max_ranks():
-        return f"axis has {n} devices; sifar_jax supports up to {_ext._sifar.max_ranks()}"
+    if n > _ext.lib.max_ranks():
+        return f"axis has {n} devices; sifar_jax supports up to {_ext.lib.max_ranks()}"
     if distributed.spans_processes(groups):
         return None  # decided with the other processes (sifar_jax.distributed)
     if platform == "cuda":
         for g in groups:
             for a in g:
                 for b in g:
-                    if a is not b and not _ext._sifar.cuda_can_access_peer(
+                    if a is not b and not _ext.lib.cuda_can_access_peer(
                         a.local_hardware_id, b.local_hardware_id
                     ):
                         return f"GPUs {a.id} and {b.id} cannot reach each other over P2P"
     return None
 
 
-def _wait_for_effects() -> None:
+def wait_for_effects() -> None:
     """Waits for computations that may still use the communicators.
 
     On XLA:CPU sifar_psum is side-effecting, and JAX keeps the runtime token of
@@ -159,9 +159,9 @@ def _drop_overlapping(axis: str, devices: set[int]) -> None:
         if devices.isdisjoint(d for g in c.groups for d in g):
             keep.append(c)
         else:
-            _wait_for_effects()
+            wait_for_effects()
             distributed.before_destroy([c.comm_id])
-            _ext._sifar.destroy_comm(c.comm_id)
+            _ext.lib.destroy_comm(c.comm_id)
     _comms[axis] = keep
 
 
@@ -183,9 +183,9 @@ def workspace_bytes(slot_bytes: int = DEFAULT_SLOT_BYTES, nranks: int = 2,
     """Device memory each rank of one communicator reserves: for `slot_bytes`
     (rounded up to 16 bytes as init does), an axis of `nranks` devices and
     `lanes` lanes (the arguments of init)."""
-    if not 1 <= int(nranks) <= _ext._sifar.max_ranks():
-        raise ValueError(f"sifar_jax.workspace_bytes: nranks must be 1..{_ext._sifar.max_ranks()}")
-    return int(_ext._sifar.workspace_bytes(_round_slot(slot_bytes), int(nranks),
+    if not 1 <= int(nranks) <= _ext.lib.max_ranks():
+        raise ValueError(f"sifar_jax.workspace_bytes: nranks must be 1..{_ext.lib.max_ranks()}")
+    return int(_ext.lib.workspace_bytes(_round_slot(slot_bytes), int(nranks),
                                            _check_lanes(lanes, "workspace_bytes")))
 
 
@@ -240,7 +240,7 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None,
                 _unsupported.setdefault(axis, []).append(Unsupported(axis, len(groups[0]), reason))
                 continue
             key = _axis_key(axis)
-            comm_id, processes = shared or (_ext._sifar.create_comm(
+            comm_id, processes = shared or (_ext.lib.create_comm(
                 platform,
                 key,
                 _label(axis),
@@ -250,7 +250,7 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None,
                 lanes,
             ), ())
             if _settings["skew"] != (0, 0):
-                _ext._sifar.set_skew(comm_id, *_settings["skew"])
+                _ext.lib.set_skew(comm_id, *_settings["skew"])
             _comms.setdefault(axis, []).append(
                 Communicator(axis, key, comm_id, platform, len(groups[0]), slot_bytes, ids, lanes,
                              processes)
@@ -265,14 +265,14 @@ def shutdown(release_memory: bool = False) -> None:
     only when no executable compiled before will run again.
     """
     with _lock:
-        _wait_for_effects()
+        wait_for_effects()
         distributed.before_destroy([c.comm_id for cs in _comms.values() for c in cs])
-        _ext._sifar.destroy_all()
+        _ext.lib.destroy_all()
         _comms.clear()
         _unsupported.clear()
         _meshes.clear()
         if release_memory:
-            _ext._sifar.release_pooled_memory()
+            _ext.lib.release_pooled_memory()
             distributed.release_pooled()
 
 
@@ -303,15 +303,27 @@ def unsupported(axis_name) -> list[Unsupported]:
         return list(_unsupported.get(axis_name, []))
 
 
+def skew() -> tuple[int, int]:
+    """The injected skew (max_ns, seed) every communicator gets (testing.inject_skew)."""
+    with _lock:
+        return _settings["skew"]
+
+
+def timeout_s() -> float:
+    """The bound on every wait for a peer, in seconds (init's timeout_s, testing.timeout)."""
+    with _lock:
+        return _settings["timeout_s"]
+
+
 def set_skew(max_ns: int, seed: int) -> None:
     with _lock:
         _settings["skew"] = (int(max_ns), int(seed))
         for c in communicators():
-            _ext._sifar.set_skew(c.comm_id, int(max_ns), int(seed))
+            _ext.lib.set_skew(c.comm_id, int(max_ns), int(seed))
 
 
 def set_timeout(seconds: float) -> None:
     with _lock:
         _settings["timeout_s"] = float(seconds)
         for c in communicators():
-            _ext._sifar.set_timeout(c.comm_id, float(seconds))
+            _ext.lib.set_timeout(c.comm_id, float(seconds))

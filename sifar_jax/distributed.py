@@ -242,7 +242,7 @@ def _gpu_ordinal(bus_ids: dict[int, str], device) -> int:
     """The CUDA ordinal, in this process, of a device of any process (-1: not visible)."""
     if device.process_index == jax.process_index():
         return device.local_hardware_id
-    return _ext._sifar.cuda_device_of_pci_bus_id(bus_ids[device.id])
+    return _ext.lib.cuda_device_of_pci_bus_id(bus_ids[device.id])
 
 
 def _why_not_here(platform: str, groups, mine, infos: dict[int, dict]) -> str:
@@ -267,7 +267,7 @@ def _why_not_here(platform: str, groups, mine, infos: dict[int, dict]) -> str:
                 if ob < 0:
                     return (f"GPU {bus_ids[b.id]} of process {b.process_index} is not visible "
                             f"to process {me}")
-                if ob != a.local_hardware_id and not _ext._sifar.cuda_can_access_peer(
+                if ob != a.local_hardware_id and not _ext.lib.cuda_can_access_peer(
                         a.local_hardware_id, ob):
                     return f"GPUs {a.id} and {b.id} cannot reach each other over P2P"
     return ""
@@ -298,7 +298,7 @@ def create_comm(platform: str, axis_key: int, axis: str, groups, slot_bytes: int
 
     identity = {"host": host_id(), "gpus": {}}
     if platform == "cuda":
-        identity["gpus"] = {d.id: _ext._sifar.cuda_pci_bus_id(d.local_hardware_id)
+        identity["gpus"] = {d.id: _ext.lib.cuda_pci_bus_id(d.local_hardware_id)
                             for g in mine for d in groups[g] if d.process_index == me}
     infos = {p: json.loads(v) for p, v in exchange("identity", json.dumps(identity)).items()}
     verdicts = exchange("verdict", _why_not_here(platform, groups, mine, infos))
@@ -324,7 +324,7 @@ def _share(platform, axis_key, axis, my_groups, mine, infos, slot_bytes, timeout
     if platform == "cuda":
         bus_ids = {int(k): v for info in infos.values() for k, v in info["gpus"].items()}
         peer_devices = [[_gpu_ordinal(bus_ids, d) for d in g] for g in my_groups]
-    nbytes = _ext._sifar.workspace_bytes(slot_bytes, len(my_groups[0]), lanes)
+    nbytes = _ext.lib.workspace_bytes(slot_bytes, len(my_groups[0]), lanes)
     key = (platform, axis_key, *(tuple(map(tuple, x)) for x in (ordinals, owners, peer_devices)),
            nbytes)
     shared = _agree_on_pool(key, exchange)
@@ -333,14 +333,14 @@ def _share(platform, axis_key, axis, my_groups, mine, infos, slot_bytes, timeout
                        processes, key)
     comm_id = None
     try:
-        comm_id = _ext._sifar.create_comm(platform, axis_key, axis, ordinals, slot_bytes,
+        comm_id = _ext.lib.create_comm(platform, axis_key, axis, ordinals, slot_bytes,
                                           timeout_s, lanes, peers=shared.workspaces)
         # Every process has mapped every workspace and initialised (zeroed) its
         # own: only now may a kernel write a peer's.
         exchange("ready", "1")
     except BaseException:
         if comm_id is not None:
-            _ext._sifar.destroy_comm(comm_id)
+            _ext.lib.destroy_comm(comm_id)
         _keep(shared, [])  # still mapped everywhere: the next agreement decides
         raise
     finally:
@@ -352,7 +352,7 @@ def _open(platform, mine, ordinals, owners, peer_devices, nbytes, exchange, base
     """Fresh workspaces: this process's ranks' exported, the others' mapped."""
     me = jax.process_index()
     prefix = f"/{SHM_PREFIX}{os.getuid()}.{os.getpid()}.{next(_names)}"
-    ws = _ext._sifar.open_peer_workspaces(platform, ordinals, owners, peer_devices, nbytes, prefix)
+    ws = _ext.lib.open_peer_workspaces(platform, ordinals, owners, peer_devices, nbytes, prefix)
     try:
         handles = {f"{mine[i]}/{r}": h.hex() for i, r, h in ws.handles()}
         posted = {p: json.loads(v) for p, v in exchange("handles", json.dumps(handles)).items()}
@@ -481,7 +481,7 @@ def _at_exit() -> None:
     finally:
         for s in sets:
             s.workspaces.free()  # idempotent
-        _ext._sifar.unpublish_all()
+        _ext.lib.unpublish_all()
 
 
 def shared_memory_state() -> dict:

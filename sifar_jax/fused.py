@@ -11,21 +11,24 @@ disappear. It is an all-reduce call of the same communicator as `sifar_psum`
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import _ext, _jax_compat, algorithms, ordering, psum
+from .plan import Fallback, Plan, plan_array, warn_once
+
+__all__ = ["psum_add_rmsnorm"]  # the fused ops (sifar_jax exports them)
 
 FLOAT_DTYPES = tuple(jnp.dtype(n) for n in ("float32", "bfloat16", "float16"))
 # How much of `prefetch` goes to L2 by default: about what the GPU's memory
 # moves while a fused call waits for its peers (a few microseconds), well
-# under an H100/H200's 50 MB L2. bench/NOTES.md has the sweep behind it.
+# under an H100/H200's 50 MB L2 (chosen by a sweep on 2x H200).
 DEFAULT_PREFETCH_BYTES = 16 << 20
 _API = "psum_add_rmsnorm"
-_warned: set[str] = set()
+# What runs where the fused kernel cannot (Fallback.warn names it).
+UNFUSED = "the unfused composition (sifar_psum, add, RMSNorm)"
 
 
 def rms_norm(x, weight, eps: float):
@@ -42,16 +45,6 @@ def _unfused(x, residual, weight, eps, allreduce):
     # barrier XLA may feed it the unrounded float32 sum (its excess-precision
     # rewrite), and the fallback would differ from the fused call.
     return rms_norm(jax.lax.optimization_barrier(new_residual), weight, eps), new_residual
-
-
-def _warn_once(reason: str) -> None:
-    if reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(
-            f"sifar_jax.{_API}: falling back to the unfused composition "
-            f"(sifar_psum, add, RMSNorm): {reason}",
-            stacklevel=3,
-        )
 
 
 def _check_operands(x, residual, weight) -> None:
@@ -82,9 +75,9 @@ def _check_operands(x, residual, weight) -> None:
 
 
 def _layout_refusal(x) -> str | None:
-    """Why the fused kernel cannot hold x's rows (ffi/protocol.h, FusedRowBlocks)."""
+    """Why the fused kernel cannot hold x's rows (ffi/fused/fused.h, FusedRowBlocks)."""
     row_bytes = x.shape[-1] * jnp.dtype(x.dtype).itemsize
-    if _ext._sifar.fused_row_blocks(row_bytes) > 0:
+    if _ext.lib.fused_row_blocks(row_bytes) > 0:
         return None
     return (
         f"a row of {x.shape[-1]} {jnp.dtype(x.dtype).name} elements ({row_bytes} bytes) is not a "
@@ -124,7 +117,7 @@ def _check_prefetch(prefetch, prefetch_bytes) -> None:
                         f"operation reads), got {type(prefetch).__name__}")
 
 
-def _prefetch_operand(prefetch, prefetch_bytes, like) -> tuple[list, int]:
+def prefetch_operand(prefetch, prefetch_bytes, like) -> tuple[list, int]:
     """([the operand], bytes) to prefetch, or ([], 0): prefetch_bytes (default
     DEFAULT_PREFETCH_BYTES) clamped to the operand's size, rounded down to 16
     bytes (the bulk prefetch's unit). Typed with like's varying axes."""
@@ -141,12 +134,24 @@ def _prefetch_operand(prefetch, prefetch_bytes, like) -> tuple[list, int]:
     vma = _jax_compat.varying_axes(jax.typeof(prefetch))
     union = _jax_compat.varying_axes(jax.typeof(like))
     if not vma <= union:
-        _warn_once(f"prefetch varies over {sorted(vma - union)}, which x, residual and weight do "
-                   f"not; not prefetched")
+        warn_once(f"sifar_jax.{_API}: prefetch varies over {sorted(vma - union)}, which x, "
+                  f"residual and weight do not; not prefetched", stacklevel=3)
         return [], 0
     if vma != union:
         prefetch = jax.lax.pcast(prefetch, tuple(sorted(union - vma)), to="varying")
     return [prefetch], nbytes
+
+
+def _plan(x, axis_name, algorithm: str) -> Plan | Fallback:
+    """The fused call's plan, or why the fused kernel cannot run it: another
+    algorithm, rows it cannot lay out, or sifar_psum's own reasons (a named
+    algorithm raises for those, as sifar_psum does)."""
+    if algorithm not in (algorithms.AUTO, algorithms.SIFAR):
+        return Fallback(f"the fused kernel runs the sifar algorithm, not {algorithm!r}")
+    why = _layout_refusal(x)
+    if why is not None:
+        return Fallback(why)
+    return plan_array(x, axis_name, algorithm, _API)
 
 
 def psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float,
@@ -195,29 +200,22 @@ def psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float,
         lambda v: psum.sifar_psum(v, axis_name, algorithm=algorithm))
     if x.size == 0:
         return unfused()
-    if algorithm not in (algorithms.AUTO, algorithms.SIFAR):
-        _warn_once(f"the fused kernel runs the sifar algorithm, not {algorithm!r}")
-        return unfused()
-    why = _layout_refusal(x)
-    if why is not None:
-        _warn_once(why)
-        return unfused()
-    plan = psum._plan(x, axis_name, algorithm, _API)
-    if isinstance(plan, str):
-        _warn_once(plan)
+    plan = _plan(x, axis_name, algorithm)
+    if isinstance(plan, Fallback):
+        plan.warn(instead=UNFUSED, api=_API, stacklevel=2)
         return unfused()
     assert plan.algorithm == algorithms.SIFAR and plan.pad == 0, plan
 
     flat, res = x.reshape(-1), residual.reshape(-1)
     call = jax.ffi.ffi_call(
-        _ext.TARGET_FUSED,
+        _ext.TARGETS.psum_add_rmsnorm,
         _result_types(x, residual, weight, axis_name, flat),
         # As sifar_psum: XLA:CPU keeps the call even when its results are
         # unused, so a failed all-reduce still surfaces.
         has_side_effect=(plan.platform == "cpu"),
     )
     flat, res, weight, *after = _same_varying(flat, res, weight, *ordering.operands(flat))
-    target, nbytes = _prefetch_operand(prefetch, prefetch_bytes, flat)
+    target, nbytes = prefetch_operand(prefetch, prefetch_bytes, flat)
     operands = [flat, res, weight, *target, *after]
     normed, new_residual = call(*operands, **plan.attrs(), eps=np.float32(eps),
                                 prefetch_bytes=np.int64(nbytes))

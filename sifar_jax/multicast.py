@@ -2,7 +2,7 @@
 
 Multicast can take a host's shared GPUs out of service, so it is opt-in and
 refuses to start wherever the system says multicast is off. The guard is
-written once, in C++ (ffi/multicast_setup.cc): this module asks it, and the
+written once, in C++ (ffi/multicast/multicast_setup.cc): this module asks it, and the
 multicast set-up runs it again as its first step, before any CUDA call.
 
 Status: algorithm="multicast" is implemented and compiled, but it has never
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import os
 
-from ._ext import _sifar
+from . import _ext
 
 # The opt-in variable, and the variables that mean "multicast is off on this
 # host" with the value that says so (the C++ guard's own lists).
-ENABLE_VAR, DISABLING = _sifar.multicast_guard_vars()
+ENABLE_VAR, DISABLING = _ext.lib.multicast_guard_vars()
 ENABLE_VAR = str(ENABLE_VAR)
 DISABLING = dict(DISABLING)
 
@@ -37,7 +37,7 @@ def refusal(environ=None, device_supports: bool | None = None) -> str | None:
     it reads only `environ`, default os.environ, and makes no CUDA call)."""
     env = os.environ if environ is None else environ
     guard_vars = {v: str(env[v]) for v in (ENABLE_VAR, *DISABLING) if v in env}
-    return _sifar.multicast_refusal(guard_vars, device_supports)
+    return _ext.lib.multicast_refusal(guard_vars, device_supports)
 
 
 def enabled(environ=None) -> bool:
@@ -57,14 +57,14 @@ def refusal_here(ordinals) -> str | None:
     extension query each device's CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED (a
     read-only query). A build without CUDA always refuses.
     """
-    return _sifar.multicast_refusal_here([int(o) for o in ordinals])
+    return _ext.lib.multicast_refusal_here([int(o) for o in ordinals])
 
 
 def counters() -> dict[str, int]:
     """Process-wide counts: `cuda_calls` (every CUDA driver or runtime call the
     multicast code has made), `refusals` (C++ guard refusals), `setups`
     (set-ups that got past the guard)."""
-    return dict(_sifar.multicast_counters())
+    return dict(_ext.lib.multicast_counters())
 
 
 def driver_calls() -> int:
@@ -82,4 +82,4 @@ def probe_setup(ordinals, slot_bytes: int = 64 * 1024):
     """
     require_enabled()
     slot_bytes = -(-int(slot_bytes) // 16) * 16
-    return _sifar.multicast_probe_setup([int(o) for o in ordinals], slot_bytes)
+    return _ext.lib.multicast_probe_setup([int(o) for o in ordinals], slot_bytes)

@@ -33,7 +33,7 @@ import itertools
 import threading
 import weakref
 
-from ._jax_compat import trace_of as _trace_of
+from . import _jax_compat
 
 _lock = threading.Lock()
 
@@ -59,7 +59,7 @@ def chain_id(x, scope: int = 0) -> int:
     """The chain of the jaxpr `x` is being traced into, numbered among the
     jaxprs that called chain_id with this `scope` (a communicator's axis key);
     0 outside any trace."""
-    trace = _trace_of(x)
+    trace = _jax_compat.trace_of(x)
     if trace is None:
         return 0
     with _lock:
@@ -71,7 +71,7 @@ def chain_id(x, scope: int = 0) -> int:
 
 def operands(x) -> list:
     """Ordering operands for the next all-reduce traced into x's jaxpr."""
-    trace = _trace_of(x)
+    trace = _jax_compat.trace_of(x)
     if trace is None:
         return []
     with _lock:
@@ -82,7 +82,7 @@ def operands(x) -> list:
 
 def remember(x, out) -> None:
     """Records `out` as the latest all-reduce result of x's jaxpr."""
-    trace = _trace_of(x)
+    trace = _jax_compat.trace_of(x)
     if trace is not None:
         with _lock:
             _entry(trace)[1] = weakref.ref(out)

@@ -24,7 +24,7 @@ def stats(per_rank: bool = False) -> dict:
     if per_rank:
         out: dict = {}
         for c in comm.communicators():
-            ranks = _ext._sifar.comm_stats(c.comm_id)
+            ranks = _ext.lib.comm_stats(c.comm_id)
             out.setdefault(c.axis_name, []).append(
                 [
                     {name: dict(zip(FIELDS, ranks[r][i])) for name, i in algorithms.IDS.items()}
@@ -34,7 +34,7 @@ def stats(per_rank: bool = False) -> dict:
         return out
     total = {name: dict.fromkeys(FIELDS, 0) for name in algorithms.ALL}
     for c in comm.communicators():
-        for rank in _ext._sifar.comm_stats(c.comm_id):
+        for rank in _ext.lib.comm_stats(c.comm_id):
             for name, i in algorithms.IDS.items():
                 for f, v in zip(FIELDS, rank[i]):
                     total[name][f] += int(v)
@@ -44,7 +44,7 @@ def stats(per_rank: bool = False) -> dict:
 def check() -> None:
     """Raises SifarError if any all-reduce timed out or a communicator failed."""
     for c in comm.communicators():
-        msg = _ext._sifar.comm_failure(c.comm_id)
+        msg = _ext.lib.comm_failure(c.comm_id)
         if msg:
             raise SifarError(msg)
 
@@ -80,7 +80,7 @@ class CallTrace:
 
 
 def _read_trace(axis_name: str) -> np.ndarray:
-    rows = [r for c in comm.communicators(axis_name) for r in _ext._sifar.comm_trace(c.comm_id)]
+    rows = [r for c in comm.communicators(axis_name) for r in _ext.lib.comm_trace(c.comm_id)]
     return np.array(rows, dtype=TRACE_DTYPE)
 
 
@@ -94,10 +94,10 @@ def call_trace(axis_name: str):
         raise ValueError(f"call_trace: no communicator for axis {axis_name!r}")
     trace = CallTrace(axis_name)
     for c in comms:
-        _ext._sifar.set_trace(c.comm_id, True)
+        _ext.lib.set_trace(c.comm_id, True)
     try:
         yield trace
     finally:
         trace.records()
         for c in comms:
-            _ext._sifar.set_trace(c.comm_id, False)
+            _ext.lib.set_trace(c.comm_id, False)

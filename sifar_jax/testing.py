@@ -17,7 +17,7 @@ class inject_skew(contextlib.AbstractContextManager):
     def __init__(self, max_us: float, seed: int = 0):
         if max_us < 0:
             raise ValueError("inject_skew: max_us must be >= 0")
-        self._prev = comm._settings["skew"]
+        self._prev = comm.skew()
         comm.set_skew(int(max_us * 1000), seed)
 
     def __exit__(self, *exc):
@@ -35,18 +35,18 @@ def drop_rank(axis_name: str, rank: int, from_block: int = 0):
     if not comms:
         raise ValueError(f"drop_rank: no communicator for axis {axis_name!r}")
     for c in comms:
-        _ext._sifar.set_drop(c.comm_id, rank, True, from_block)
+        _ext.lib.set_drop(c.comm_id, rank, True, from_block)
     try:
         yield
     finally:
         for c in comms:
-            _ext._sifar.set_drop(c.comm_id, rank, False)
+            _ext.lib.set_drop(c.comm_id, rank, False)
 
 
 @contextlib.contextmanager
 def timeout(seconds: float):
     """Temporarily bounds every wait for a peer by `seconds`."""
-    prev = comm._settings["timeout_s"]
+    prev = comm.timeout_s()
     comm.set_timeout(seconds)
     try:
         yield
@@ -59,7 +59,7 @@ def set_epochs(axis_name: str, epoch: int) -> None:
     `epoch` (the next call uses the epoch after it). Only while no all-reduce
     runs. For tests that start just below the tag wrap."""
     for c in comm.communicators(axis_name):
-        _ext._sifar.set_epochs(c.comm_id, int(epoch) & 0xFFFFFFFF)
+        _ext.lib.set_epochs(c.comm_id, int(epoch) & 0xFFFFFFFF)
 
 
 @contextlib.contextmanager
@@ -70,9 +70,9 @@ def epoch_bits(axis_name: str, bits: int):
         raise ValueError("epoch_bits: bits must be 2..24")
     comms = comm.communicators(axis_name)
     for c in comms:
-        _ext._sifar.set_epoch_mask(c.comm_id, (1 << bits) - 1)
+        _ext.lib.set_epoch_mask(c.comm_id, (1 << bits) - 1)
     try:
         yield
     finally:
         for c in comms:
-            _ext._sifar.set_epoch_mask(c.comm_id, 0)
+            _ext.lib.set_epoch_mask(c.comm_id, 0)

@@ -40,7 +40,7 @@ def clear_failed_effects() -> None:
     """Waits for outstanding side effects, forgetting a computation that failed
     (JAX keeps re-raising a failed side-effecting call's error otherwise), so
     the next test starts clean. The library does the same in shutdown()."""
-    sifar_jax.comm._wait_for_effects()
+    sifar_jax.comm.wait_for_effects()
 
 
 class MeshFactory:

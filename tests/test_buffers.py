@@ -212,7 +212,7 @@ def test_registrations_follow_the_arrays_lives(mesh):
     from sifar_jax import _ext
 
     [c] = sifar_jax.communicators("tp")
-    ids = lambda: set(_ext._sifar.buffer_ids(c.comm_id, 0))  # noqa: E731
+    ids = lambda: set(_ext.lib.buffer_ids(c.comm_id, 0))  # noqa: E731
     first = sifar_jax.make_buffers(mesh, "tp")
     x = jnp.ones((N, 64), jnp.float32)
     z, first = _step(mesh)(x, first)  # donated: the output arrays hold the memory now

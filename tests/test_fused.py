@@ -34,7 +34,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import sifar_jax
-from sifar_jax import fused, testing
+from sifar_jax import fused, plan, testing
 from sifar_jax.fused import rms_norm
 from test_ordering import cpu_mesh, rng_for  # noqa: F401 - the cpu/gpu mesh fixture
 
@@ -352,10 +352,7 @@ def test_fallbacks_warn_once_and_keep_the_semantics(cpu_mesh, case, monkeypatch)
     """Where the fused kernel cannot run, the unfused composition runs (sifar_psum,
     which itself may fall back to lax.psum), with a warning once per reason; the
     results keep the fused call's rounding points."""
-    from sifar_jax import psum
-
-    monkeypatch.setattr(fused, "_warned", set())
-    monkeypatch.setattr(psum, "_warned", set())
+    monkeypatch.setattr(plan, "warned", set())
     dtype, hidden, tokens, algorithm, slot, expected = FALLBACKS[case]
     n = 2
     mesh = cpu_mesh(n, slot_bytes=slot)
@@ -519,14 +516,14 @@ def test_prefetch_errors(cpu_mesh, monkeypatch):
         make(prefetch="weights").lower(x, r, w)
     for fake, match in ((lambda p, b, like: ([], 1024), "prefetch operand is missing"),
                         (lambda p, b, like: ([jnp.asarray(p)], 1 << 20), "exceeds the prefetch")):
-        monkeypatch.setattr(fused, "_prefetch_operand", fake)
+        monkeypatch.setattr(fused, "prefetch_operand", fake)
         with pytest.raises(Exception, match=match):
             jax.block_until_ready(make(prefetch=w).__call__(x, r, w))
         sifar_jax.check()  # a refused call is no failed all-reduce
     monkeypatch.undo()
 
     mesh2 = cpu_mesh(shape=(2, 2), axis_names=("dp", "tp"), slot_bytes=SLOT)
-    fused._warned.clear()
+    plan.warned.clear()
 
     def body(x, r, w, nw):
         return sifar_jax.psum_add_rmsnorm(x[0], r, w, "tp", eps=EPS, prefetch=nw)[1][None]

@@ -491,7 +491,7 @@ VR_DTYPES = {  # name: (numpy dtype, Elem index in elem_type.h)
 def _virtual_ranks_or_skip(nranks: int):
     from sifar_jax import _testing
 
-    if DRY_RUN_ON_CPU or not sifar_jax._ext._sifar.built_with_cuda():
+    if DRY_RUN_ON_CPU or not sifar_jax._ext.lib.built_with_cuda():
         pytest.skip("virtual ranks need the CUDA backend")
     if not devices():
         pytest.skip("virtual ranks need one CUDA GPU")

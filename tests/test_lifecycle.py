@@ -142,7 +142,7 @@ f = jax.jit(jax.shard_map(lambda v: sifar_jax.sifar_psum(v[0], "tp", algorithm="
 x = np.ones((4, 1024), np.float32)
 np.asarray(f(x))
 [c] = sifar_jax.communicators("tp")
-_ext._sifar.set_drop(c.comm_id, 1, True)  # ranks 0, 2, 3 wait for rank 1 until the timeout
+_ext.lib.set_drop(c.comm_id, 1, True)  # ranks 0, 2, 3 wait for rank 1 until the timeout
 result = {}
 
 def run():
@@ -159,9 +159,9 @@ deadline = time.time() + 20
 while _testing.calls_in_flight(c.comm_id) < 3 and time.time() < deadline:
     time.sleep(0.01)  # until ranks 0, 2 and 3 are waiting inside their calls
 t0 = time.perf_counter()
-_ext._sifar.destroy_all()  # the C++ teardown itself, without Python's effects barrier
+_ext.lib.destroy_all()  # the C++ teardown itself, without Python's effects barrier
 t1 = time.perf_counter()
-_ext._sifar.release_pooled_memory()  # really frees: a rank still running would fault
+_ext.lib.release_pooled_memory()  # really frees: a rank still running would fault
 t.join()
 print(json.dumps({"destroy_s": t1 - t0, "error": result["error"], "done_before": result["done"] <= t1 + 0.05}))
 """

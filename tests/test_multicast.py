@@ -33,10 +33,10 @@ from jax.sharding import PartitionSpec as P
 
 import sifar_jax
 from sifar_jax import _testing, multicast
-from sifar_jax._ext import _sifar
+from sifar_jax._ext import lib as ext
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-KERNEL = ROOT / "ffi" / "cuda_multicast.cu"
+KERNEL = ROOT / "ffi" / "multicast" / "cuda_multicast.cu"
 GUARD_VARS = (multicast.ENABLE_VAR, *multicast.DISABLING)
 MiB = 1 << 20
 
@@ -62,7 +62,7 @@ def _interlock() -> str:
     environment makes the guard refuse (CPU-only builds excepted: they have no
     CUDA code to reach)."""
     reason = multicast.refusal()
-    if reason is None and _sifar.built_with_cuda():
+    if reason is None and ext.built_with_cuda():
         pytest.fail("interlock: the environment allows multicast; this test will not call set-up")
     return reason
 
@@ -91,7 +91,7 @@ def _id(env: dict[str, str]) -> str:
 
 # ----------------------------------------------------------------- guard --
 def test_cpp_guard_uses_the_same_variables():
-    enable, disabling = _sifar.multicast_guard_vars()
+    enable, disabling = ext.multicast_guard_vars()
     assert enable == multicast.ENABLE_VAR
     assert disabling == multicast.DISABLING
 
@@ -125,7 +125,7 @@ def _env_cases():
 def test_python_and_cpp_guards_agree(env, env_allows, device_supports):
     allowed = env_allows and device_supports is not False
     py = multicast.refusal(environ=env, device_supports=device_supports)
-    cpp = _sifar.multicast_refusal(env, device_supports)
+    cpp = ext.multicast_refusal(env, device_supports)
     assert py == cpp  # one guard: the same rules and the same words
     assert (py is None) == allowed
     if not allowed:
@@ -138,9 +138,9 @@ def test_python_and_cpp_guards_agree(env, env_allows, device_supports):
 def test_refusal_names_the_variable():
     for var, off in multicast.DISABLING.items():
         env = {multicast.ENABLE_VAR: "1", var: off}
-        assert f"{var}={off}" in _sifar.multicast_refusal(env, None)
-    assert "opt-in" in _sifar.multicast_refusal({}, None)
-    assert "CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED" in _sifar.multicast_refusal(
+        assert f"{var}={off}" in ext.multicast_refusal(env, None)
+    assert "opt-in" in ext.multicast_refusal({}, None)
+    assert "CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED" in ext.multicast_refusal(
         {multicast.ENABLE_VAR: "1"}, False
     )
 
@@ -157,10 +157,10 @@ def test_cpp_setup_refuses_before_any_cuda_call(clean_env, env):
 
     # The C++ set-up itself (no Python guard in front of it).
     with pytest.raises(multicast.MulticastDisabledError) as e:
-        _sifar.multicast_probe_setup([0, 1], 64 * 1024)
+        ext.multicast_probe_setup([0, 1], 64 * 1024)
     assert reason in str(e.value)
     # The C++ "here" guard, and the Python wrappers.
-    assert _sifar.multicast_refusal_here([0, 1]) == reason
+    assert ext.multicast_refusal_here([0, 1]) == reason
     assert multicast.refusal_here([0, 1]) == reason
     with pytest.raises(multicast.MulticastDisabledError):
         multicast.probe_setup([0, 1])
@@ -175,12 +175,12 @@ def test_cpp_setup_refuses_before_any_cuda_call(clean_env, env):
 def test_cpu_only_build_refuses_even_when_enabled(clean_env):
     """Without the CUDA backend the set-up has nothing to reach: it refuses
     through the same guard even where the environment allows multicast."""
-    if _sifar.built_with_cuda():  # decided BEFORE the environment is touched
+    if ext.built_with_cuda():  # decided BEFORE the environment is touched
         pytest.skip("CUDA build: an allowing environment is never used by these tests")
     _set_env(clean_env, {multicast.ENABLE_VAR: "1"})
     assert multicast.refusal() is None
     with pytest.raises(multicast.MulticastDisabledError, match="built without its CUDA backend"):
-        _sifar.multicast_probe_setup([0, 1], 4096)
+        ext.multicast_probe_setup([0, 1], 4096)
     assert "built without" in multicast.refusal_here([0, 1])
     assert multicast.counters()["cuda_calls"] == 0
 

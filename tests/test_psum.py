@@ -29,7 +29,7 @@ from reference import (
     reference,
     rng_for,
 )
-from sifar_jax import psum as psum_module
+from sifar_jax import plan
 
 N_RANKS = (2, 4, 8)
 ALGS = tuple(a for a in sifar_jax.ALGORITHMS if a != "multicast")
@@ -163,7 +163,7 @@ class TestMatrix:
         n = tp.shape["tp"]
         dtype = DTYPES[dtype_name]
         shape = resolve(shape, dtype)
-        monkeypatch.setattr(psum_module, "_warned", set())  # the warning is once per reason
+        monkeypatch.setattr(plan, "warned", set())  # the warning is once per reason
         x = make_inputs(rng_for(n, "fallback", dtype_name, shape), n, shape, dtype)
         before = sifar_jax.stats()
 

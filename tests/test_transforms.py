@@ -37,7 +37,7 @@ from reference import (
     rank_order_sum,
     rng_for,
 )
-from sifar_jax import psum as psum_module
+from sifar_jax import plan
 
 N_RANKS = (2, 4, 8)
 SLOT = 4096
@@ -389,7 +389,7 @@ class TestDtypes:
             else:  # nonzero, no overflow in the sum
                 hi = min(np.iinfo(dt).max // n, 1000)
                 xs.append(rng.integers(1, hi, size=(n, 6)).astype(dt))
-        monkeypatch.setattr(psum_module, "_warned", set())
+        monkeypatch.setattr(plan, "warned", set())
         fresh = ("dtypes", tp, check_vma) not in _FUNCS
         f = paired("dtypes", tp, _dtype_body, (spec,) * len(xs), (spec,) * len(xs), check_vma)
         with warnings.catch_warnings(record=True) as caught:
@@ -455,7 +455,7 @@ class TestAxisIndexGroups:
         def body(psum, x):
             return psum(x[0], "tp", axis_index_groups=groups)[None]
 
-        monkeypatch.setattr(psum_module, "_warned", set())
+        monkeypatch.setattr(plan, "warned", set())
         f = paired("groups", tp, body, P("tp"), P("tp"), False)
         x = make_inputs(rng_for(n, "groups"), n, (10,), np.float32)
         with pytest.warns(UserWarning, match="axis_index_groups"):

@@ -80,7 +80,7 @@ def sweep_poll(mesh, n):
                     fns[alg, level, r] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
         for alg, depth, gap in (("sifar", 1, 0), ("sifar", 2, 300), ("sifar", 4, 100), ("sifar", 4, 50),
                                 ("sifar_push", 1, 0), ("sifar_push", 2, 100)):
-            _ext._sifar.set_poll(comm.comm_id, depth, gap)
+            _ext.lib.set_poll(comm.comm_id, depth, gap)
             out = []
             for level, (r1, r2) in (("kernel", (10, 2000)), ("jit", (10, 200))):
                 before = sifar_jax.stats()[alg]
@@ -89,7 +89,7 @@ def sweep_poll(mesh, n):
                 rate = (after["retries"] - before["retries"]) / max(1, after["calls"] - before["calls"])
                 out.append(f"{level} {(t2 - t1) / (r2 - r1) * 1e6:6.2f} us (retries/call {rate:.2f})")
             print(f"{alg:10s} depth={depth} gap={gap:4d} bytes={nbytes}: " + " | ".join(out), flush=True)
-    _ext._sifar.set_poll(comm.comm_id, 1, 0)
+    _ext.lib.set_poll(comm.comm_id, 1, 0)
 
 
 def latency(mesh, n, nbytes, alg, level, r_small=10, r_big=1000):

@@ -73,7 +73,7 @@ def main(argv=None) -> None:
             fns["jit_device"] = (None, fns["jit"][1], c2)
             for setting in args.settings.split(","):
                 depth, gap = (int(v) for v in setting.split(":"))
-                _ext._sifar.set_poll(comm_id, depth, gap)
+                _ext.lib.set_poll(comm_id, depth, gap)
                 try:
                     for level in levels:
                         small, large, extra = fns[level]
@@ -96,7 +96,7 @@ def main(argv=None) -> None:
                               f"{common.fmt_latency(r, ' us'):>9s} ({r['us_p10']:.3f}-{r['us_p90']:.3f}), "
                               f"warp re-reads/call {r['retries_per_call']}", flush=True)
                 finally:
-                    _ext._sifar.set_poll(comm_id, 1, 0)
+                    _ext.lib.set_poll(comm_id, 1, 0)
     sifar_jax.check()
     if args.out:
         Path(args.out).write_text(json.dumps(dict(environment=common.describe_environment(devices),

@@ -162,26 +162,6 @@ SIFAR_HD int BlocksFor(size_t lines, int lines_per_block) {
 // Lines one block of the portable kernels owns (one per thread).
 constexpr int kLinesPerBlock = 256;
 
-// The fused all-reduce + residual add + RMSNorm (psum_add_rmsnorm) runs the
-// sifar pull over rows of `hidden` elements, row_bytes / 8 LL lines each, with
-// the line -> block ownership above.  A row's sum of squares is reduced where
-// the row lies: in a power-of-two fraction of one block (a segmented in-block
-// reduction), or over a power-of-two number of whole blocks, at most
-// kMaxRowBlocks (one thread-block cluster; 64 blocks hold whole clusters).
-// Returns the blocks one row spans (1: the row lies within one block), or 0
-// where the fused kernel cannot run (the caller falls back to the unfused
-// composition).  The CPU backend accepts the same rows, so both decide alike.
-constexpr int kMaxRowBlocks = 8;
-static_assert(kMaxBlocks % kMaxRowBlocks == 0, "a round of blocks holds whole clusters");
-SIFAR_HD int FusedRowBlocks(size_t row_bytes) {
-  if (row_bytes == 0 || row_bytes % 16 != 0) return 0;  // whole 16-byte lines per row
-  const size_t lines = row_bytes / 8;
-  if ((lines & (lines - 1)) != 0) return 0;  // a power of two
-  if (lines <= static_cast<size_t>(kLinesPerBlock)) return 1;
-  const size_t blocks = lines / kLinesPerBlock;
-  return blocks <= static_cast<size_t>(kMaxRowBlocks) ? static_cast<int>(blocks) : 0;
-}
-
 // Twoshot: within each block's run of lines, rank r reduces the r-th of N
 // contiguous pieces (so every block works on every rank).
 struct Piece {
@@ -294,38 +274,8 @@ SIFAR_HD SlotLayout MakeSlotLayout(size_t slot_bytes, int nranks) {
   return s;
 }
 
-// psum_add_rmsnorm_matmul (cuda_fused_matmul.cuh): the lane's call number
-// (`generation`, advanced by the last block of a launch to finish, counted in
-// `exited`), and per all-reduce block the number of the call whose rows it has
-// written (`ready`), so that the matmul blocks of the same launch know when to
-// read.
-constexpr int kMaxMatmulGrid = 1024;
-// The matmul y = x @ W (W [hidden, cols], row-major) is split into work items:
-// tiles of 512 bytes of columns (a warp's 32 x 16 bytes of a row) times
-// `splits` ranges of `chunk` rows, at most kMatmulItems items when split.
-// Split items leave fp32 partials (`partial`, one row of a tile per item);
-// the last item of a tile to finish (its `count`) adds them in split order.
-// Plain arithmetic on the shapes, so the CPU backend runs the same order.
-constexpr int kMatmulItems = 224;  // within one wave of an H100's/H200's grid (236 matmul blocks)
-constexpr int kMatmulTileBytes = 512;
-struct MatmulSplit {
-  uint32_t tile_cols, tiles, splits, chunk;
-};
-SIFAR_HD MatmulSplit MatmulSplitOf(size_t hidden, size_t cols, size_t elem_bytes) {
-  MatmulSplit m{};
-  m.tile_cols = static_cast<uint32_t>(kMatmulTileBytes / elem_bytes);
-  m.tiles = static_cast<uint32_t>((cols + m.tile_cols - 1) / m.tile_cols);
-  size_t s = m.tiles >= static_cast<uint32_t>(kMatmulItems) ? 1 : kMatmulItems / m.tiles;
-  const size_t most = (hidden + 63) / 64;  // at least 64 rows per split
-  if (s > most) s = most;
-  if (s < 1) s = 1;
-  m.chunk = static_cast<uint32_t>(((hidden + s - 1) / s + 7) / 8 * 8);
-  m.splits = static_cast<uint32_t>((hidden + m.chunk - 1) / m.chunk);
-  return m;
-}
 struct LaneLayout {
-  size_t epochs, calls, barrier, matmul_calls, matmul_ready, matmul_count, matmul_partial, slots,
-      total;  // offsets within a lane
+  size_t epochs, calls, barrier, slots, total;  // offsets within a lane
 };
 
 struct WorkspaceLayout {
@@ -349,15 +299,6 @@ SIFAR_HD WorkspaceLayout MakeWorkspaceLayout(size_t slot_bytes, int nranks, int 
   off = AlignUp(off + kNumAlgorithms * sizeof(uint64_t), kAlign);
   w.lane.barrier = off;
   off = AlignUp(off + kMaxBlocks * kMaxRanks * sizeof(uint64_t), kAlign);
-  w.lane.matmul_calls = off;  // [0]: generation, [1]: blocks exited
-  off = AlignUp(off + 2 * sizeof(uint32_t), kAlign);
-  w.lane.matmul_ready = off;
-  off = AlignUp(off + kMaxBlocks * sizeof(uint32_t), kAlign);
-  w.lane.matmul_count = off;
-  off = AlignUp(off + kMatmulItems * sizeof(uint32_t), kAlign);
-  w.lane.matmul_partial = off;
-  off = AlignUp(off + static_cast<size_t>(kMatmulItems) * (kMatmulTileBytes / 2) * sizeof(float),
-                kAlign);
   w.lane.slots = off;
   off += 2 * w.slot.total;
   w.lane.total = AlignUp(off, kAlign);

@@ -45,9 +45,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "cuda_check.h"
-#include "cuda_kernels.cuh"
-#include "multicast.h"
+#include "core/cuda_check.h"
+#include "core/device.cuh"
+#include "multicast/multicast.h"
 
 namespace sifar {
 
@@ -223,7 +223,7 @@ __device__ bool Step(const McArgs& a, const cuda::Ws& w, cuda::CallState& s) {
   return true;
 }
 
-// The portable kernels' call framing (cuda_kernels.cuh): the control words
+// The portable kernels' call framing (core/device.cuh): the control words
 // read once per block, epochs, skew, counters, the call count and trace.
 template <int E>
 __global__ void __launch_bounds__(kThreads) MulticastAllReduceKernel(McArgs a) {

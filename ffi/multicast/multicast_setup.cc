@@ -5,7 +5,7 @@
 #include <cstdlib>
 #include <limits>
 
-#include "multicast.h"
+#include "multicast/multicast.h"
 
 namespace sifar {
 

@@ -10,10 +10,10 @@
 #include <thread>
 #include <vector>
 
-#include "comm.h"
-#include "cpu_numbers.h"
-#include "handlers.h"
-#include "protocol.h"
+#include "allreduce/plan.h"
+#include "core/cpu_numbers.h"
+#include "core/protocol.h"
+#include "runtime/comm.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -10,7 +10,7 @@
 #include <memory>
 #include <stdexcept>
 
-#include "peer_memory.h"
+#include "runtime/peer_memory.h"
 
 namespace nb = nanobind;
 

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "handlers.h"
+#include "core/elem_type.h"
 
 namespace sifar {
 namespace cpu {

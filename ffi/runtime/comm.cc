@@ -1,4 +1,4 @@
-#include "comm.h"
+#include "runtime/comm.h"
 
 #include <algorithm>
 #include <atomic>
@@ -11,7 +11,7 @@
 #include <thread>
 #include <tuple>
 
-#include "peer_memory.h"
+#include "runtime/peer_memory.h"
 
 namespace sifar {
 

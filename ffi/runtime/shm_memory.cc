@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "peer_memory.h"
+#include "runtime/peer_memory.h"
 
 namespace sifar {
 

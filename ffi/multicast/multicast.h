@@ -30,8 +30,8 @@
 #include <string>
 #include <vector>
 
-#include "elem_type.h"
-#include "protocol.h"
+#include "core/elem_type.h"
+#include "core/protocol.h"
 
 #ifdef SIFAR_WITH_CUDA
 #include <cuda_runtime_api.h>

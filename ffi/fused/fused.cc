@@ -1,7 +1,7 @@
-// The fused all-reduce + residual add + RMSNorm on the CPU backend: the
-// sifar all-reduce of cpu_allreduce.cc (the same epochs, slots and tags as a
-// plain call of the communicator), then the epilogue the CUDA kernel runs,
-// with its rounding points:
+// psum_add_rmsnorm's checks (PlanFusedCall: both backends run them) and its
+// CPU backend: the sifar all-reduce of allreduce/cpu_allreduce.cc (the same
+// epochs, slots and tags as a plain call of the communicator), then the
+// epilogue the CUDA kernel runs, with its rounding points:
 //   new_residual = round(float(allreduce(x)) + float(residual))
 //   s            = 1 / sqrt(sum(float(new_residual)^2) / hidden + eps)   (fp32)
 //   normed       = round(float(weight) * float(round(float(new_residual) * s)))
@@ -12,15 +12,66 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
-#include "cpu_numbers.h"
-#include "handlers.h"
+#include "allreduce/plan.h"
+#include "core/cpu_numbers.h"
+#include "fused/fused.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace sifar {
+
+ffi::Error PlanFusedCall(int ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+                         ffi::AnyBuffer weight, const ffi::RemainingArgs& rest,
+                         ffi::AnyBuffer normed, ffi::AnyBuffer new_residual, int32_t axis_key,
+                         int32_t nranks, int32_t algorithm, int32_t repeat, int32_t chain,
+                         float eps, int64_t prefetch_bytes, RankCall* call, FusedCall* fused) {
+  const ffi::DataType t = x.element_type();
+  if (t != ffi::DataType::F32 && t != ffi::DataType::BF16 && t != ffi::DataType::F16)
+    return Invalid("psum_add_rmsnorm supports float32, bfloat16 and float16");
+  for (const ffi::AnyBuffer* b : {&residual, &weight, &normed, &new_residual})
+    if (b->element_type() != t) return Invalid("psum_add_rmsnorm: operands of different dtypes");
+  const size_t bytes = x.size_bytes();
+  if (residual.size_bytes() != bytes || normed.size_bytes() != bytes)
+    return Invalid("psum_add_rmsnorm: x, residual and the outputs differ in size");
+  if (algorithm != kSifar)
+    return Invalid(std::string("psum_add_rmsnorm runs the sifar algorithm, not '") +
+                   AlgorithmName(algorithm) + "'");
+  fused->hidden = weight.element_count();
+  fused->row_bytes = weight.size_bytes();
+  fused->row_blocks = FusedRowBlocks(fused->row_bytes);
+  if (fused->row_blocks == 0 || bytes % fused->row_bytes != 0)
+    return Invalid("psum_add_rmsnorm: rows of " + std::to_string(fused->row_bytes) +
+                   " bytes are not a layout the fused kernel supports");
+  for (const ffi::AnyBuffer* b : {&residual, &weight, &normed})
+    if (reinterpret_cast<uintptr_t>(b->untyped_data()) % 16)
+      return Invalid("buffers must be 16-byte aligned");
+  fused->residual = residual.untyped_data();
+  fused->weight = weight.untyped_data();
+  fused->normed = normed.untyped_data();
+  fused->eps = eps;
+  if (prefetch_bytes < 0 || prefetch_bytes % 16 != 0)
+    return Invalid("psum_add_rmsnorm: prefetch_bytes must be a non-negative multiple of 16");
+  if (prefetch_bytes > 0) {
+    auto target = rest.get<ffi::AnyBuffer>(0);
+    if (target.has_error())
+      return Invalid("psum_add_rmsnorm: prefetch_bytes is set but the prefetch operand is missing");
+    if (static_cast<size_t>(prefetch_bytes) > target->size_bytes())
+      return Invalid("psum_add_rmsnorm: prefetch_bytes (" + std::to_string(prefetch_bytes) +
+                     ") exceeds the prefetch operand's " + std::to_string(target->size_bytes()) +
+                     " bytes");
+    if (reinterpret_cast<uintptr_t>(target->untyped_data()) % 16)
+      return Invalid("psum_add_rmsnorm: the prefetch operand must be 16-byte aligned");
+    fused->prefetch = target->untyped_data();
+    fused->prefetch_bytes = static_cast<size_t>(prefetch_bytes);
+  }
+  return PlanCall(ordinal, x, new_residual, nullptr, axis_key, nranks, algorithm, repeat, chain,
+                  call);
+}
+
 namespace {
 
 // Element i of a buffer of type t, as fp32.
@@ -96,32 +147,6 @@ void Epilogue(Elem t, const FusedCall& f, size_t rows, void* new_residual) {
   }
 }
 
-// y = normed @ matrix for one row, in the CUDA kernel's order
-// (cuda_fused_matmul.cuh, protocol.h MatmulSplitOf): per split of the rows,
-// each of 8 warps sums its rows w, w + 8, ... ascending with fused multiply-
-// adds, the warps are added in order, then the splits in order; rounded once.
-void Matmul(Elem t, const FusedCall& f, const MatmulCall& m) {
-  const size_t hidden = f.hidden, cols = m.cols;
-  const MatmulSplit sp = MatmulSplitOf(hidden, cols, f.row_bytes / hidden);
-  std::vector<float> x(hidden);
-  for (size_t k = 0; k < hidden; ++k) x[k] = Load(t, f.normed, k);
-  for (size_t c = 0; c < cols; ++c) {
-    float total = 0.f;
-    for (size_t s = 0; s < sp.splits; ++s) {
-      const size_t r0 = s * sp.chunk, r1 = std::min<size_t>(r0 + sp.chunk, hidden);
-      float split = 0.f;
-      for (size_t w = 0; w < 8; ++w) {
-        float acc = 0.f;
-        for (size_t r = r0 + w; r < r1; r += 8)
-          acc = std::fma(x[r], Load(t, m.matrix, r * cols + c), acc);
-        split = w == 0 ? acc : split + acc;
-      }
-      total = s == 0 ? split : total + split;
-    }
-    Store(t, m.y, c, total);
-  }
-}
-
 ffi::Error CpuPsumAddRmsNormImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual,
                                  ffi::AnyBuffer weight, ffi::RemainingArgs rest,
                                  ffi::Result<ffi::AnyBuffer> normed,
@@ -145,46 +170,7 @@ ffi::Error CpuPsumAddRmsNormImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
-ffi::Error CpuPsumAddRmsNormMatmulImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual,
-                                       ffi::AnyBuffer weight, ffi::AnyBuffer matrix,
-                                       ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> normed,
-                                       ffi::Result<ffi::AnyBuffer> new_residual,
-                                       ffi::Result<ffi::AnyBuffer> y, int32_t axis_key,
-                                       int32_t nranks, int32_t algorithm, int32_t repeat,
-                                       int32_t chain, float eps) {
-  RankCall call;
-  FusedCall fused;
-  MatmulCall mm;
-  ffi::Error err = PlanFusedMatmulCall(ordinal, x, residual, weight, matrix, rest, *normed,
-                                       *new_residual, *y, axis_key, nranks, algorithm, repeat,
-                                       chain, eps, &call, &fused, &mm);
-  if (err.failure()) return err;
-  err = RunCpuAllReduce(call);  // into new_residual
-  if (err.failure()) {  // never a plausible number: every output NaN
-    cpu::FillFailed(call.elem, call.out, call.nbytes);
-    cpu::FillFailed(call.elem, fused.normed, call.nbytes);
-    cpu::FillFailed(call.elem, mm.y, mm.cols * (call.nbytes / fused.hidden));
-    return err;
-  }
-  Epilogue(call.elem, fused, 1, call.out);
-  Matmul(call.elem, fused, mm);
-  return ffi::Error::Success();
-}
-
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuPsumAddRmsNormMatmul, CpuPsumAddRmsNormMatmulImpl,
-                              WithAllReduceAttrs(ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // residual
-                                  .Arg<ffi::AnyBuffer>()  // weight
-                                  .Arg<ffi::AnyBuffer>()  // matrix
-                                  .RemainingArgs()        // "after": never read
-                                  .Ret<ffi::AnyBuffer>()  // normed
-                                  .Ret<ffi::AnyBuffer>()  // new residual
-                                  .Ret<ffi::AnyBuffer>())  // y
-                                  .Attr<float>("eps"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuPsumAddRmsNorm, CpuPsumAddRmsNormImpl,
                               WithAllReduceAttrs(ffi::Ffi::Bind()

@@ -1,4 +1,4 @@
-#include "handlers.h"
+#include "allreduce/plan.h"
 
 #include <cstring>
 
@@ -54,11 +54,11 @@ ffi::Error FailedError(const Comm& comm) {
   return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg);
 }
 
-namespace {
-
 ffi::Error Invalid(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "sifar_jax: " + msg);
 }
+
+namespace {
 
 ffi::Error CheckPayload(const Comm& comm, int nranks, size_t in_bytes, size_t out_bytes) {
   if (nranks != comm.nranks())
@@ -133,86 +133,6 @@ ffi::Error PlanCall(int ordinal, ffi::AnyBuffer x, ffi::AnyBuffer y, const ffi::
     return ResolveBuffer(comm, ref.group, ref.rank, buf->untyped_data(), buf->size_bytes(),
                          call->slots, in_run_order);
   }
-  return ffi::Error::Success();
-}
-
-ffi::Error PlanFusedCall(int ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual,
-                         ffi::AnyBuffer weight, const ffi::RemainingArgs& rest,
-                         ffi::AnyBuffer normed, ffi::AnyBuffer new_residual, int32_t axis_key,
-                         int32_t nranks, int32_t algorithm, int32_t repeat, int32_t chain,
-                         float eps, int64_t prefetch_bytes, RankCall* call, FusedCall* fused) {
-  const ffi::DataType t = x.element_type();
-  if (t != ffi::DataType::F32 && t != ffi::DataType::BF16 && t != ffi::DataType::F16)
-    return Invalid("psum_add_rmsnorm supports float32, bfloat16 and float16");
-  for (const ffi::AnyBuffer* b : {&residual, &weight, &normed, &new_residual})
-    if (b->element_type() != t) return Invalid("psum_add_rmsnorm: operands of different dtypes");
-  const size_t bytes = x.size_bytes();
-  if (residual.size_bytes() != bytes || normed.size_bytes() != bytes)
-    return Invalid("psum_add_rmsnorm: x, residual and the outputs differ in size");
-  if (algorithm != kSifar)
-    return Invalid(std::string("psum_add_rmsnorm runs the sifar algorithm, not '") +
-                   AlgorithmName(algorithm) + "'");
-  fused->hidden = weight.element_count();
-  fused->row_bytes = weight.size_bytes();
-  fused->row_blocks = FusedRowBlocks(fused->row_bytes);
-  if (fused->row_blocks == 0 || bytes % fused->row_bytes != 0)
-    return Invalid("psum_add_rmsnorm: rows of " + std::to_string(fused->row_bytes) +
-                   " bytes are not a layout the fused kernel supports");
-  for (const ffi::AnyBuffer* b : {&residual, &weight, &normed})
-    if (reinterpret_cast<uintptr_t>(b->untyped_data()) % 16)
-      return Invalid("buffers must be 16-byte aligned");
-  fused->residual = residual.untyped_data();
-  fused->weight = weight.untyped_data();
-  fused->normed = normed.untyped_data();
-  fused->eps = eps;
-  if (prefetch_bytes < 0 || prefetch_bytes % 16 != 0)
-    return Invalid("psum_add_rmsnorm: prefetch_bytes must be a non-negative multiple of 16");
-  if (prefetch_bytes > 0) {
-    auto target = rest.get<ffi::AnyBuffer>(0);
-    if (target.has_error())
-      return Invalid("psum_add_rmsnorm: prefetch_bytes is set but the prefetch operand is missing");
-    if (static_cast<size_t>(prefetch_bytes) > target->size_bytes())
-      return Invalid("psum_add_rmsnorm: prefetch_bytes (" + std::to_string(prefetch_bytes) +
-                     ") exceeds the prefetch operand's " + std::to_string(target->size_bytes()) +
-                     " bytes");
-    if (reinterpret_cast<uintptr_t>(target->untyped_data()) % 16)
-      return Invalid("psum_add_rmsnorm: the prefetch operand must be 16-byte aligned");
-    fused->prefetch = target->untyped_data();
-    fused->prefetch_bytes = static_cast<size_t>(prefetch_bytes);
-  }
-  return PlanCall(ordinal, x, new_residual, nullptr, axis_key, nranks, algorithm, repeat, chain,
-                  call);
-}
-
-ffi::Error PlanFusedMatmulCall(int ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual,
-                               ffi::AnyBuffer weight, ffi::AnyBuffer matrix,
-                               const ffi::RemainingArgs& rest, ffi::AnyBuffer normed,
-                               ffi::AnyBuffer new_residual, ffi::AnyBuffer y, int32_t axis_key,
-                               int32_t nranks, int32_t algorithm, int32_t repeat, int32_t chain,
-                               float eps, RankCall* call, FusedCall* fused, MatmulCall* matmul) {
-  ffi::Error err = PlanFusedCall(ordinal, x, residual, weight, rest, normed, new_residual,
-                                 axis_key, nranks, algorithm, repeat, chain, eps, 0, call, fused);
-  if (err.failure()) return err;
-  const std::string api = "psum_add_rmsnorm_matmul: ";
-  if (x.size_bytes() != fused->row_bytes)
-    return Invalid(api + "x must be one row of " + std::to_string(fused->hidden) + " elements");
-  if (call->repeat != 1) return Invalid(api + "repeat must be 1");
-  if (matrix.element_type() != x.element_type() || y.element_type() != x.element_type())
-    return Invalid(api + "the matrix and y must have x's dtype");
-  const size_t per16 = 16 / ffi::ByteWidth(x.element_type());
-  const size_t cols = fused->hidden == 0 ? 0 : matrix.element_count() / fused->hidden;
-  if (cols == 0 || matrix.element_count() != fused->hidden * cols || cols % per16 != 0)
-    return Invalid(api + "the matrix must be [hidden, cols] with cols a multiple of " +
-                   std::to_string(per16) + ", got " + std::to_string(matrix.element_count()) +
-                   " elements for hidden " + std::to_string(fused->hidden));
-  if (y.element_count() != cols)
-    return Invalid(api + "y must have the matrix's " + std::to_string(cols) + " columns");
-  for (const ffi::AnyBuffer* b : {&matrix, &y})
-    if (reinterpret_cast<uintptr_t>(b->untyped_data()) % 16)
-      return Invalid("buffers must be 16-byte aligned");
-  matmul->matrix = matrix.untyped_data();
-  matmul->y = y.untyped_data();
-  matmul->cols = cols;
   return ffi::Error::Success();
 }
 

@@ -16,7 +16,7 @@
 #include <tuple>
 #include <vector>
 
-#include "comm.h"
+#include "runtime/comm.h"
 
 namespace sifar {
 

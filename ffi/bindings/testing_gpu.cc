@@ -17,11 +17,11 @@
 #include <tuple>
 #include <vector>
 
-#include "comm.h"
-#include "cuda_check.h"
-#include "handlers.h"
-#include "launch.h"
-#include "protocol.h"
+#include "allreduce/launch.h"
+#include "allreduce/plan.h"
+#include "core/cuda_check.h"
+#include "core/protocol.h"
+#include "runtime/comm.h"
 
 namespace nb = nanobind;
 

@@ -7,8 +7,8 @@
 #include <cstddef>
 #include <stdexcept>
 
-#include "comm.h"
-#include "protocol.h"
+#include "core/protocol.h"
+#include "runtime/comm.h"
 
 namespace nb = nanobind;
 

@@ -1,4 +1,4 @@
-#include "peer_memory.h"
+#include "runtime/peer_memory.h"
 
 #include <cstring>
 #include <stdexcept>

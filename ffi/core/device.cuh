@@ -1,7 +1,11 @@
-// The CUDA all-reduce kernels, one template per algorithm, on the protocol of
-// protocol.h.  One thread moves one 16-byte line per round; a line always
-// belongs to the same block (BlockOfLine), and every block keeps its own
-// epoch, so no kernel needs a grid-wide synchronisation.
+// The device primitives every CUDA kernel shares (the all-reduce's, the fused
+// call's, multicast's), on the protocol of protocol.h: kernel arguments, the
+// PTX memory-ordering helpers, the element arithmetic, the workspace view,
+// timeouts and failure records, the NaN fill, barriers, the tag wrap's
+// clearing, the pull of epoch-tagged lines and the call framing.  One thread
+// moves one line per round; a line always belongs to the same block
+// (BlockOfLine), and every block keeps its own epoch, so no kernel needs a
+// grid-wide synchronisation.
 //
 // Memory-ordering helpers are named for what they guarantee; peers' memory is
 // only read with strong (volatile / acquire, system-scope) loads, so no stale
@@ -14,7 +18,7 @@
 
 #include <cstdint>
 
-#include "protocol.h"
+#include "core/protocol.h"
 
 namespace sifar {
 namespace cuda {
@@ -55,15 +59,6 @@ __device__ __forceinline__ uint32_t LoadAcquireSys(const uint32_t* p) {
 // are visible to whoever acquires the flag.
 __device__ __forceinline__ void StoreReleaseSys(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-// The same pair at GPU scope: blocks of one launch on one GPU.
-__device__ __forceinline__ uint32_t LoadAcquireGpu(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void StoreReleaseGpu(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 __device__ __forceinline__ uint64_t LoadAcquireSys64(const uint64_t* p) {
   uint64_t v;
@@ -335,110 +330,7 @@ __device__ inline bool ClearTaggedAtWrap(const Ws& w, CallState& s) {
   return AllRanksReachedValue(w, s, BarrierValue(s.epoch - 1, kTop));
 }
 
-// ------------------------------------------------------------- bodies ----
-// oneshot / oneshot_db: publish, top barrier, pull-reduce [, bottom barrier].
-template <typename T>
-__device__ bool Oneshot(const Ws& w, CallState& s, bool bottom) {
-  const KernelArgs& a = w.a;
-  const size_t nlines = a.nbytes / 16;
-  const uint4* in = static_cast<const uint4*>(a.in);
-  SIFAR_FOR_EACH_LINE(line, nlines) { w.plain(a.rank, s.epoch)[line] = in[line]; }
-  if (!AllRanksReached(w, s, kTop)) return false;
-  SIFAR_FOR_EACH_LINE(line, nlines) {
-    Acc<T> acc[4 * Elem<T>::kPerWord];
-#pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p) {
-      if (p >= a.nranks) break;
-      uint4 v = p == a.rank ? in[line] : LoadStrong16(w.plain(p, s.epoch) + line);
-      AddLine<T>(acc, v, p == 0);
-    }
-    static_cast<uint4*>(a.out)[line] = RoundLine<T>(acc);
-  }
-  return bottom ? AllRanksReached(w, s, kBottom) : true;
-}
-
-// twoshot: rank r reduces the r-th piece of each block's run of lines and
-// publishes it; the others gather it.
-template <typename T>
-__device__ bool Twoshot(const Ws& w, CallState& s) {
-  const KernelArgs& a = w.a;
-  const size_t nlines = a.nbytes / 16;
-  const uint4* in = static_cast<const uint4*>(a.in);
-  uint4* out = static_cast<uint4*>(a.out);
-  SIFAR_FOR_EACH_LINE(line, nlines) { w.plain(a.rank, s.epoch)[line] = in[line]; }
-  if (!AllRanksReached(w, s, kTop)) return false;
-  auto owner = [&](size_t line) {
-    size_t run_begin = line - threadIdx.x;
-    size_t run_end = min(run_begin + kThreads, nlines);
-    size_t per = (run_end - run_begin + a.nranks - 1) / a.nranks;
-    return static_cast<int>((line - run_begin) / per);
-  };
-  SIFAR_FOR_EACH_LINE(line, nlines) {
-    if (owner(line) != a.rank) continue;
-    Acc<T> acc[4 * Elem<T>::kPerWord];
-#pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p) {
-      if (p >= a.nranks) break;
-      uint4 v = p == a.rank ? in[line] : LoadStrong16(w.plain(p, s.epoch) + line);
-      AddLine<T>(acc, v, p == 0);
-    }
-    uint4 r = RoundLine<T>(acc);
-    w.tmp(a.rank, s.epoch)[line] = r;
-    out[line] = r;
-  }
-  if (!AllRanksReached(w, s, kMid)) return false;
-  SIFAR_FOR_EACH_LINE(line, nlines) {
-    int q = owner(line);
-    if (q != a.rank) out[line] = LoadStrong16(w.tmp(q, s.epoch) + line);
-  }
-  return AllRanksReached(w, s, kBottom);
-}
-
-// sifar_flag (the paper's validation, made correct): publish the payload,
-// then a per-block flag with release; acquire every peer's flag (the loads
-// issued together, speculating that they are fresh) and only then pull the
-// payloads.  The paper issued payload and flag loads together, and relaxed
-// loads of different lines are unordered under the PTX memory model: a stale
-// payload with a fresh flag could pass.  Acquiring first costs a second round
-// trip, which is the price of flag validation (bench/NOTES.md).
-template <typename T>
-__device__ bool SifarFlag(const Ws& w, CallState& s) {
-  const KernelArgs& a = w.a;
-  const size_t nlines = a.nbytes / 16;
-  const uint4* in = static_cast<const uint4*>(a.in);
-  SIFAR_FOR_EACH_LINE(line, nlines) { w.plain(a.rank, s.epoch)[line] = in[line]; }
-  __syncthreads();
-  if (threadIdx.x == 0) StoreReleaseSys(w.flags(a.rank, s.epoch) + blockIdx.x, s.tag);
-  // Thread p acquires peer p's flag; flags are never ahead of this epoch in
-  // this slot, so equality with our tag means "fresh".
-  bool ok = true;
-  const int t = threadIdx.x;
-  if (t < a.nranks && t != a.rank) {
-    const uint32_t* f = w.flags(t, s.epoch) + blockIdx.x;
-    for (uint32_t spins = 0; LoadAcquireSys(f) != s.tag; ++spins) {
-      s.retried = true;
-      if (Expired(w, s, t, spins)) {
-        ok = false;
-        break;
-      }
-    }
-  }
-  // The barrier below orders the other threads' payload loads after thread
-  // p's acquire (bar.sync is a CTA-scope fence; acquire.sys then covers them).
-  if (!__syncthreads_and(ok)) return false;
-  SIFAR_FOR_EACH_LINE(line, nlines) {
-    Acc<T> acc[4 * Elem<T>::kPerWord];
-#pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p) {
-      if (p >= a.nranks) break;
-      uint4 v = p == a.rank ? in[line] : LoadStrong16(w.plain(p, s.epoch) + line);
-      AddLine<T>(acc, v, p == 0);
-    }
-    static_cast<uint4*>(a.out)[line] = RoundLine<T>(acc);
-  }
-  return true;
-}
-
+// ------------------------------------------------------- tagged pull ----
 // sifar: publish epoch-tagged words; pull every peer's words at once; re-read
 // only the words whose tag is stale.  No flag and no barrier: correct without
 // any timing assumption, because validity travels inside each 8-byte word.
@@ -510,21 +402,6 @@ __device__ __forceinline__ bool PullLine(const Ws& w, CallState& s, size_t line,
     Elem<T>::Add(acc + Elem<T>::kPerWord, w1, p == 0);
   }
   sum = make_uint2(Elem<T>::Round(acc), Elem<T>::Round(acc + Elem<T>::kPerWord));
-  return true;
-}
-
-// The whole payload, line by line.  `first`: this thread's input line of the
-// first round, loaded at kernel start.
-template <typename T, int NR, bool PUSH>
-__device__ bool Sifar(const Ws& w, CallState& s, uint32_t depth, uint32_t gap_ns, uint2 first) {
-  const size_t nlines = w.a.nbytes / 8;  // an LL line carries 8 payload bytes
-  const uint2* in = static_cast<const uint2*>(w.a.in);
-  SIFAR_FOR_EACH_LINE(line, nlines) {
-    uint2 sum;
-    if (!PullLine<T, NR, PUSH>(w, s, line, line < kRoundLines ? first : in[line], depth, gap_ns, sum))
-      return false;
-    static_cast<uint2*>(w.a.out)[line] = sum;
-  }
   return true;
 }
 
@@ -622,69 +499,6 @@ __device__ __forceinline__ void CommitBlock(const Ws& w, int alg, const BlockSta
     r.algorithm = alg;
     r.retried = retried;
   }
-}
-
-// --------------------------------------------------------------- kernel ----
-template <typename T, int ALG, int NR = kMaxRanks>
-__global__ void __launch_bounds__(kThreads) AllReduceKernel(KernelArgs a) {
-  const Ws w{a};
-  __shared__ BlockStart b0;
-  // Tagged algorithms: every thread loads its first input line now, while
-  // thread 0's control words are in flight (one memory latency less at the
-  // start of every call).  The others: start fetching the block's first line.
-  uint2 first = make_uint2(0u, 0u);
-  const size_t line0 = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (TaggedAlgorithm(ALG)) {
-    if (line0 < a.nbytes / 8) first = static_cast<const uint2*>(a.in)[line0];
-  } else if (threadIdx.x == 0) {
-    const size_t at = static_cast<size_t>(blockIdx.x) * kThreads * LineBytes(ALG);
-    if (at < a.nbytes)
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(static_cast<const char*>(a.in) + at));
-  }
-  if (threadIdx.x == 0) ReadBlockStart(w, ALG, b0);
-  __syncthreads();
-  const BlockStart st = b0;
-  if (st.dropped()) {
-    SIFAR_FOR_EACH_LINE(line, a.nbytes / 16) {
-      static_cast<uint4*>(a.out)[line] = static_cast<const uint4*>(a.in)[line];
-    }
-    return;
-  }
-  if (st.failed()) {  // the communicator failed earlier: never return a plausible result
-    FillNaN<T>(a.out, a.nbytes);
-    return;
-  }
-  uint32_t epoch = st.epoch;
-  CallState s{};
-  s.timeout_ns = st.timeout_ns;
-  bool ok = true, warp0_retried = false;
-  for (int i = 0; i < a.repeat; ++i) {
-    const bool wraps = NextCall(w, st, epoch, s);
-    // Where the call has block-wide barriers (barrier algorithms, the wrap's
-    // clearing) every warp must agree first; a failed warp keeps looping
-    // (doing nothing) so it still takes part.  Tagged calls have no block
-    // barrier: their warps run ahead independently.
-    if (!TaggedAlgorithm(ALG) || wraps) ok = __syncthreads_and(ok) != 0;
-    if (!ok) continue;
-    InjectSkew(w, st, epoch);
-    if (wraps) ok = ClearTaggedAtWrap(w, s);
-    if (ok) {
-      if (ALG == kOneshot) ok = Oneshot<T>(w, s, true);
-      if (ALG == kOneshotDB) ok = Oneshot<T>(w, s, false);
-      if (ALG == kTwoshot) ok = Twoshot<T>(w, s);
-      if (ALG == kSifarFlag) ok = SifarFlag<T>(w, s);
-      if (ALG == kSifar) ok = Sifar<T, NR, false>(w, s, st.c1.x, st.c1.y, first);
-      if (ALG == kSifarPush) ok = Sifar<T, NR, true>(w, s, st.c1.x, st.c1.y, first);
-    }
-    if (!ok && s.failed_peer >= 0) RecordFailure(w, ALG, s);
-    warp0_retried |= EndCall(w, ALG, s);
-    ok = __all_sync(0xffffffffu, ok);  // the warp agrees on the outcome
-  }
-  if (!ok) {
-    FillNaN<T>(a.out, a.nbytes);
-    return;
-  }
-  CommitBlock(w, ALG, st, epoch, warp0_retried);
 }
 
 }  // namespace cuda

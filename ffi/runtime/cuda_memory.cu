@@ -9,13 +9,14 @@
 #include <stdexcept>
 #include <string>
 
-#include "comm.h"
-#include "cuda_check.h"
-#include "multicast.h"
+#include "core/cuda_check.h"
+#include "multicast/multicast.h"
+#include "runtime/comm.h"
 
 namespace sifar {
 
-void PreloadCudaKernelsOnCurrentDevice();  // cuda_allreduce.cu
+// Every op's kernels on the current device (ffi/targets.h, defined in module.cc).
+void PreloadCudaKernels();
 
 namespace {
 
@@ -32,7 +33,7 @@ void PrepareDevice(int ordinal, const std::vector<int>& group, bool multicast) {
     if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
     else SIFAR_CUDA_CHECK(e);
   }
-  PreloadCudaKernelsOnCurrentDevice();
+  PreloadCudaKernels();
   if (multicast) SIFAR_CUDA_CHECK(PreloadMulticastKernels());
 }
 

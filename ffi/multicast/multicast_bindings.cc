@@ -10,7 +10,7 @@
 
 #include <map>
 
-#include "multicast.h"
+#include "multicast/multicast.h"
 
 namespace nb = nanobind;
 

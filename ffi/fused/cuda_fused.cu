@@ -1,7 +1,8 @@
-// The fused all-reduce + residual add + RMSNorm kernel (psum_add_rmsnorm):
-// the sifar pull of epoch-tagged words exactly as AllReduceKernel runs it
-// (the same lines, blocks, per-block epochs, tags, wrap and failure rules),
-// then an epilogue on each row of `hidden` elements:
+// psum_add_rmsnorm on CUDA: the fused all-reduce + residual add + RMSNorm
+// kernel, its launch and its FFI handler.  The kernel runs the sifar pull of
+// epoch-tagged words exactly as AllReduceKernel runs it (the same lines,
+// blocks, per-block epochs, tags, wrap and failure rules), then an epilogue
+// on each row of `hidden` elements:
 //
 //   new_residual = round(float(sum) + float(residual))
 //   ss           = fp32 sum of float(new_residual)^2 over the row, in a fixed
@@ -17,9 +18,13 @@
 // memory (distributed shared memory), one cluster barrier, and every block adds
 // them in cluster-rank order.  Since a round of kMaxBlocks blocks
 // holds whole clusters, the line -> block ownership stays BlockOfLine's.
-#pragma once
+#include <cuda_runtime.h>
 
-#include "cuda_kernels.cuh"
+#include "allreduce/launch.h"
+#include "core/cuda_check.h"
+#include "core/device.cuh"
+#include "fused/fused.h"
+#include "xla/ffi/api/ffi.h"
 
 namespace sifar {
 namespace cuda {
@@ -71,7 +76,7 @@ __device__ __forceinline__ FusedIn LoadFusedIn(const FusedArgs& f, size_t line) 
 // blocks (too many lengthen the call).  Results are unaffected: nothing is
 // read into the SM.
 // evict_last, so that the matmul's own misses replace other lines first: in
-// the device comparison (bench/NOTES.md) it gained as much as the default
+// the device comparison (2x H200) it gained as much as the default
 // policy and more than evict_normal; per-line prefetch instructions from every
 // thread made the call longer.
 constexpr uint32_t kPrefetchChunk = 64 * 1024;
@@ -315,4 +320,117 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(FusedArgs f) {
 }
 
 }  // namespace cuda
+}  // namespace sifar
+
+// ------------------------------------------------------- launch, handler ----
+// One instance per element type and rank bound; rows longer than a block
+// launched as thread-block clusters (cudaLaunchKernelEx, which CUDA graphs
+// capture like any launch).
+namespace ffi = xla::ffi;
+
+namespace sifar {
+namespace {
+
+using cuda::FusedArgs;
+using cuda::kThreads;
+
+// Blocks that only prefetch (PrefetchShare). Measured in the decode step
+// (2x H200): 16 gained most; 32 a little less; 64 made the call 5 -> 7.7 us,
+// a loss.
+constexpr int kPrefetchBlocks = 16;
+
+template <typename T, int NR>
+cudaError_t LaunchNR(const FusedArgs& f, int grid, cudaStream_t stream) {
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = cuda::RowClusterLaunch(grid, f.row_blocks, stream, attr);
+  return cudaLaunchKernelEx(&cfg, cuda::FusedKernel<T, NR>, f);
+}
+template <typename T>
+cudaError_t Launch(const FusedArgs& f, int grid, cudaStream_t stream) {
+  if (f.a.nranks <= 2) return LaunchNR<T, 2>(f, grid, stream);
+  if (f.a.nranks <= 4) return LaunchNR<T, 4>(f, grid, stream);
+  return LaunchNR<T, 8>(f, grid, stream);
+}
+
+template <typename T>
+void LoadRow() {
+  cudaFuncAttributes attr;
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedKernel<T, 2>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedKernel<T, 4>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedKernel<T, 8>));
+}
+
+// Enqueues the fused kernel of a call planned by PlanFusedCall (no host
+// synchronisation; CUDA-graph safe).
+cudaError_t LaunchRankFused(const RankCall& c, const FusedCall& fused, cudaStream_t stream) {
+  if (c.comm == nullptr || c.algorithm != kSifar || c.nbytes % fused.row_bytes != 0 ||
+      fused.row_blocks != FusedRowBlocks(fused.row_bytes) || fused.row_blocks == 0)
+    return cudaErrorInvalidValue;
+  FusedArgs f{};
+  f.a = MakeKernelArgs(c);
+  f.residual = fused.residual;
+  f.weight = fused.weight;
+  f.normed = fused.normed;
+  f.row_lines = static_cast<uint32_t>(fused.row_bytes / 8);
+  f.row_blocks = static_cast<uint32_t>(fused.row_blocks);
+  f.hidden = static_cast<uint32_t>(fused.hidden);
+  f.eps = fused.eps;
+  f.prefetch = static_cast<const char*>(fused.prefetch);
+  f.prefetch_bytes = fused.prefetch != nullptr ? fused.prefetch_bytes : 0;
+  // The plain kernel's grid for this payload: a multiple of the cluster size,
+  // since the payload is whole rows and kMaxBlocks whole clusters.
+  const int grid = BlocksFor(c.nbytes / 8, kThreads);
+  f.ar_blocks = static_cast<uint32_t>(grid);
+  // Prefetch blocks: whole clusters after the all-reduce's.
+  const int extra = f.prefetch_bytes == 0 ? 0
+                    : (kPrefetchBlocks + f.row_blocks - 1) / f.row_blocks * f.row_blocks;
+  switch (c.elem) {
+    case Elem::kF32: return Launch<float>(f, grid + extra, stream);
+    case Elem::kBf16: return Launch<__nv_bfloat16>(f, grid + extra, stream);
+    case Elem::kF16: return Launch<__half>(f, grid + extra, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+ffi::Error CudaPsumAddRmsNormImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                                  ffi::AnyBuffer residual, ffi::AnyBuffer weight,
+                                  ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> normed,
+                                  ffi::Result<ffi::AnyBuffer> new_residual, int32_t axis_key,
+                                  int32_t nranks, int32_t algorithm, int32_t repeat, int32_t chain,
+                                  float eps, int64_t prefetch_bytes) {
+  RankCall call;
+  FusedCall fused;
+  ffi::Error err = PlanFusedCall(ordinal, x, residual, weight, rest, *normed, *new_residual,
+                                 axis_key, nranks, algorithm, repeat, chain, eps, prefetch_bytes,
+                                 &call, &fused);
+  if (err.failure()) return err;
+  if (call.nbytes == 0) return ffi::Error::Success();
+  err = UseDevice(ordinal);
+  if (err.failure()) return err;
+  return Launched(LaunchRankFused(call, fused, stream));
+}
+
+}  // namespace
+
+void PreloadFusedKernels() {
+  LoadRow<float>();
+  LoadRow<__nv_bfloat16>();
+  LoadRow<__half>();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaPsumAddRmsNorm, CudaPsumAddRmsNormImpl,
+                              WithAllReduceAttrs(ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // residual
+                                  .Arg<ffi::AnyBuffer>()  // weight
+                                  // [prefetch target], then "after": never read
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()  // normed
+                                  .Ret<ffi::AnyBuffer>())  // new residual
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("prefetch_bytes"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 }  // namespace sifar

@@ -23,7 +23,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "protocol.h"
+#include "core/protocol.h"
 
 namespace sifar {
 

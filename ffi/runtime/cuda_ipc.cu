@@ -10,8 +10,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "cuda_check.h"
-#include "peer_memory.h"
+#include "core/cuda_check.h"
+#include "runtime/peer_memory.h"
 
 namespace sifar {
 

@@ -1,0 +1,64 @@
+// psum_add_rmsnorm, the all-reduce with the residual add and RMSNorm as its
+// epilogue: the rows it supports, the operands it resolves beyond the
+// all-reduce's, and its checks (run by both backends: fused.cc, cuda_fused.cu).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "allreduce/plan.h"
+#include "core/protocol.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace sifar {
+
+// The fused call runs the sifar pull over rows of `hidden` elements,
+// row_bytes / 8 LL lines each, with protocol.h's line -> block ownership
+// (BlockOfLine).  A row's sum of squares is reduced where the row lies: in a
+// power-of-two fraction of one block (a segmented in-block reduction), or
+// over a power-of-two number of whole blocks, at most kMaxRowBlocks (one
+// thread-block cluster; 64 blocks hold whole clusters).  Returns the blocks
+// one row spans (1: the row lies within one block), or 0 where the fused
+// kernel cannot run (the caller falls back to the unfused composition).  The
+// CPU backend accepts the same rows, so both decide alike.
+constexpr int kMaxRowBlocks = 8;
+static_assert(kMaxBlocks % kMaxRowBlocks == 0, "a round of blocks holds whole clusters");
+SIFAR_HD int FusedRowBlocks(size_t row_bytes) {
+  if (row_bytes == 0 || row_bytes % 16 != 0) return 0;  // whole 16-byte lines per row
+  const size_t lines = row_bytes / 8;
+  if ((lines & (lines - 1)) != 0) return 0;  // a power of two
+  if (lines <= static_cast<size_t>(kLinesPerBlock)) return 1;
+  const size_t blocks = lines / kLinesPerBlock;
+  return blocks <= static_cast<size_t>(kMaxRowBlocks) ? static_cast<int>(blocks) : 0;
+}
+
+// The fused call's operands beyond the all-reduce's (RankCall: x -> the new
+// residual), checked and resolved by PlanFusedCall.
+struct FusedCall {
+  const void* residual = nullptr;
+  const void* weight = nullptr;
+  void* normed = nullptr;
+  size_t hidden = 0;     // elements per row (weight's size)
+  size_t row_bytes = 0;  // hidden * element size
+  int row_blocks = 0;    // FusedRowBlocks(row_bytes)
+  float eps = 0.f;
+  // The operand the next operation reads (a weight): its first
+  // prefetch_bytes are prefetched into L2 while the all-reduce waits for its
+  // peers. Never read by the kernel; no effect on the results.
+  const void* prefetch = nullptr;
+  size_t prefetch_bytes = 0;
+};
+
+// PlanCall's checks plus the fused ones: float types, one dtype and size for
+// x, residual and both outputs, weight one row, a row layout the kernel
+// supports (FusedRowBlocks), algorithm sifar; with prefetch_bytes > 0, the
+// first of `rest` is the operand to prefetch, at least that large and
+// 16-byte aligned (the others in `rest` only order the call).
+xla::ffi::Error PlanFusedCall(int ordinal, xla::ffi::AnyBuffer x, xla::ffi::AnyBuffer residual,
+                              xla::ffi::AnyBuffer weight, const xla::ffi::RemainingArgs& rest,
+                              xla::ffi::AnyBuffer normed, xla::ffi::AnyBuffer new_residual,
+                              int32_t axis_key, int32_t nranks, int32_t algorithm, int32_t repeat,
+                              int32_t chain, float eps, int64_t prefetch_bytes, RankCall* call,
+                              FusedCall* fused);
+
+}  // namespace sifar

@@ -1,0 +1,46 @@
+// The one table of FFI targets: every op the extension exports, with its
+// handler per platform and the function that loads its CUDA kernels.  The
+// module registers the handlers from it (module.cc: handlers(), targets()),
+// sifar_jax reads the target names from there (sifar_jax/_ext.py, TARGETS),
+// and `init` loads every op's kernels through it (PreloadCudaKernels).
+//
+//   X(op, target name, CPU handler, CUDA handler, CUDA kernel preload)
+//
+// A new op adds one row here; its handlers and preload are defined in its own
+// folder (allreduce/, fused/).  Loading is idempotent: ops that share kernels
+// may name the same preload.
+#pragma once
+
+#include "xla/ffi/api/ffi.h"
+
+#define SIFAR_FFI_TARGETS(X)                                                                  \
+  /* x -> y, on the communicator's internal dual slots */                                     \
+  X(allreduce, "sifar_allreduce", CpuAllReduce, CudaAllReduce, PreloadAllReduceKernels)       \
+  /* (x, buf, prev) -> (y, buf): user buffers (buf aliased in place, prev kept alive) */      \
+  X(allreduce_into, "sifar_allreduce_into", CpuAllReduceInto, CudaAllReduceInto,              \
+    PreloadAllReduceKernels)                                                                  \
+  /* (x, residual, weight[, prefetch]) -> (normed, new_residual): + residual add, RMSNorm */  \
+  X(psum_add_rmsnorm, "sifar_psum_add_rmsnorm", CpuPsumAddRmsNorm, CudaPsumAddRmsNorm,        \
+    PreloadFusedKernels)
+
+namespace sifar {
+
+#define SIFAR_DECLARE_CPU(op, name, cpu, cuda, preload) XLA_FFI_DECLARE_HANDLER_SYMBOL(cpu);
+SIFAR_FFI_TARGETS(SIFAR_DECLARE_CPU)
+#undef SIFAR_DECLARE_CPU
+
+#ifdef SIFAR_WITH_CUDA
+#define SIFAR_DECLARE_CUDA(op, name, cpu, cuda, preload) \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(cuda);                  \
+  void preload();
+SIFAR_FFI_TARGETS(SIFAR_DECLARE_CUDA)
+#undef SIFAR_DECLARE_CUDA
+
+// Loads every op's kernels on the current device now (each row's preload): a
+// lazy module load while a peer spins can deadlock on the driver's
+// process-wide lock.  Defined in module.cc; the CUDA backend calls it for
+// each device of a new group (runtime/cuda_memory.cu).
+void PreloadCudaKernels();
+#endif
+
+}  // namespace sifar
