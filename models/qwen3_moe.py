@@ -216,21 +216,23 @@ def experts_gather(x, weights, ids, gate_up, down, rows: int = 1):
     return jnp.einsum("nkh,nk->nh", y.reshape(n, k, -1), weights)
 
 
-def experts_slices(x, weights, ids, gate_up, down):
+def experts_slices(x, weights, ids, gate_up, down, rows: int = 1):
     """As experts_gather, each (token, slot)'s expert read by a dynamic slice that feeds its own
-    dots (N*k of each projection: for a few tokens only)."""
+    dots (N*k of each projection: for a few tokens only), so no gathered copy of the slices is
+    made. rows: see experts_gather."""
     n, k = ids.shape
-    rows = []
+    out = []
     for t in range(n):
+        xt = jnp.broadcast_to(x[t], (rows, x.shape[1]))
         y = None
         for j in range(k):
             e = ids[t, j]
             gu = jax.lax.dynamic_index_in_dim(gate_up, e, 0, keepdims=False)  # [hidden, 2, I]
             dn = jax.lax.dynamic_index_in_dim(down, e, 0, keepdims=False)  # [I, hidden]
-            part = (_swiglu(jnp.einsum("h,hcf->cf", x[t], gu)) @ dn) * weights[t, j]
+            part = (_swiglu(jnp.einsum("rh,hcf->rcf", xt, gu)) @ dn)[0] * weights[t, j]
             y = part if y is None else y + part
-        rows.append(y)
-    return jnp.stack(rows)
+        out.append(y)
+    return jnp.stack(out)
 
 
 def experts_dense(x, weights, ids, gate_up, down):
@@ -268,7 +270,7 @@ def experts(x, weights, ids, gate_up, down, impl: str = "gather", rows: int = 1)
     if impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {impl!r}")
     if impl == "slices" and ids.size <= SLICES_MAX:
-        return experts_slices(x, weights, ids, gate_up, down)
+        return experts_slices(x, weights, ids, gate_up, down, rows)
     if ids.size < gate_up.shape[0]:  # fewer slices than experts: read only those
         return experts_gather(x, weights, ids, gate_up, down, rows)
     return experts_dense(x, weights, ids, gate_up, down)

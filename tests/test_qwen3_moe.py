@@ -209,6 +209,7 @@ def test_expert_implementations_agree(tokens):
     args = tuple(map(jnp.asarray, (x, w, ids, gate_up, down)))
     fns = (qwen3_moe.experts_gather, qwen3_moe.experts_dense, qwen3_moe.experts_ragged,
            lambda *a: qwen3_moe.experts(*a, impl="gather", rows=2),  # two-row products
+           lambda *a: qwen3_moe.experts(*a, impl="slices", rows=2),
            *(lambda *a, impl=impl: qwen3_moe.experts(*a, impl=impl)
              for impl in qwen3_moe.MOE_IMPLS))  # "slices" at one token: its own dots
     for got in jax.jit(lambda *a: [fn(*a) for fn in fns])(*args):  # one compile
