@@ -267,7 +267,7 @@ class Decoder:
         """Continue from `position` of the current cache (taken as the context, as it is) with
         `token` ([B] ints) as the last token. For benchmarks: a context without a prefill."""
         self._ensure_capacity(position + 1)
-        tok = self._padded(np.asarray(token, np.int32).reshape(self.batch_size, 1))
+        tok = self._padded(self._check_ids(token).reshape(self.batch_size, 1))
         self.state.update(pos=self._put(np.int32(position)), tok=self._put(tok),
                           done=self._put(np.zeros(self.rows, bool)))
         self._pos, self._step = position, (0, None)
@@ -280,8 +280,20 @@ class Decoder:
         self.state["cache"] = jax.tree.unflatten(tree, _random_like(leaves, seed,
                                                                     self._cache_sharding))
 
+    def _check_ids(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens as int32, or a ValueError naming the first id outside [0, vocab_size) (an id
+        past the embedding table would be read as garbage, never as an error, on a device)."""
+        tokens = np.asarray(tokens)
+        if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"token ids must be integers, got {tokens.dtype}")
+        bad = (tokens < 0) | (tokens >= self.config.vocab_size)
+        if bad.any():
+            raise ValueError(f"token id {int(tokens[bad].flat[0])} is outside the vocabulary "
+                             f"[0, {self.config.vocab_size})")
+        return tokens.astype(np.int32)
+
     def _tokens(self, tokens) -> jax.Array:
-        tokens = np.asarray(tokens, np.int32)
+        tokens = self._check_ids(tokens)
         if tokens.ndim == 1:
             tokens = tokens[None, :] if self.batch_size == 1 else tokens[:, None]
         if tokens.ndim != 2 or tokens.shape[0] != self.batch_size:
@@ -401,6 +413,9 @@ class Decoder:
         """New sequence: prefill `prompt` ([B, T], or [T] for batch 1) and choose the first new
         token (in the state, not yet read). The cache holds at least T + reserve positions."""
         tokens = self._tokens(prompt)
+        if eos_id is not None and not 0 <= eos_id < self.config.vocab_size:
+            raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, "
+                             f"{self.config.vocab_size})")
         t = tokens.shape[1]
         self.reset(t + max(reserve, 1))
         self.sampling = Sampling(temperature, top_p)
