@@ -72,6 +72,10 @@ def _parser(algorithms: tuple, sifar_why: str | None) -> argparse.ArgumentParser
     p.add_argument("--max-seq-len", type=int, help="KV cache length (default: the request, "
                                                    "rounded up to a power of two)")
     p.add_argument("--seed", type=int, default=0, help="random weights, prompt and sampling")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile every executable the request can need before it starts "
+                        "(Decoder.warmup); --no-warmup: compile as the request goes, stalls "
+                        "included")
     return p
 
 
@@ -183,7 +187,8 @@ def _run(args, sifar_why) -> int:
     import numpy as np
 
     from . import footprint
-    from .decode import ON_DEVICE_CHUNK, Decoder, bucket_up, make_mesh
+    from .sampling import Sampling
+    from .decode import ON_DEVICE_CHUNK, Decoder, bucket_up, make_mesh, prompt_bucket
 
     if len(jax.devices()) < args.tp:
         raise UserError(f"--tp {args.tp} but only {len(jax.devices())} {jax.default_backend()} "
@@ -193,9 +198,9 @@ def _run(args, sifar_why) -> int:
         raise UserError(f"--eos {args.eos} is outside the vocabulary [0, {config.vocab_size})")
     rng = np.random.default_rng(args.seed)
     prompt = _prompt(args, config, rng)
-    # The decoder sizes the KV cache to each request (rounded up to a power of two); let the
-    # limit admit this one (+ the on-device loop's last chunk).
-    need = max(prompt.size + args.tokens + ON_DEVICE_CHUNK, args.max_seq_len or 0)
+    # The decoder sizes the KV cache to each request (the prompt padded to its bucket, rounded
+    # up to a power of two); let the limit admit this one (+ the on-device loop's last chunk).
+    need = max(prompt_bucket(prompt.size) + args.tokens + ON_DEVICE_CHUNK, args.max_seq_len or 0)
     config = config.replace(max_seq_len=max(config.max_seq_len, need))
     capacity = args.max_seq_len or bucket_up(need)
     if args.max_seq_len is not None and args.max_seq_len < prompt.size + args.tokens:
@@ -222,12 +227,13 @@ def _run(args, sifar_why) -> int:
     kw = dict(eos_id=args.eos, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
               loop=args.loop)
 
-    t0 = time.perf_counter()
-    try:
-        dec.generate(prompt, min(args.tokens, 20), **kw)  # compiles the prefill and the steps
-    except ValueError as e:  # e.g. a named sifar algorithm refusing the prefill's payload
-        raise UserError(str(e)) from None
-    compile_s = time.perf_counter() - t0
+    warmup = None
+    if args.warmup:
+        try:
+            warmup = dec.warmup(prompt.size, args.tokens, loops=(args.loop,),
+                                sampling=(Sampling(args.temperature, args.top_p),))
+        except ValueError as e:  # e.g. a named sifar algorithm refusing the prefill's payload
+            raise UserError(str(e)) from None
 
     ar = args.allreduce + (f"/{args.algorithm}" if "sifar" in args.allreduce else "")
     if args.allreduce == "identity":
@@ -238,7 +244,11 @@ def _run(args, sifar_why) -> int:
           f"{family.name}: layers={config.num_layers} hidden={config.hidden_size} "
           f"dtype={config.dtype}, allreduce={ar}" + (" fused" if args.fused else "")
           + f", loop={args.loop}")
-    print(f"warm-up (compile + a first run): {compile_s:.1f} s")
+    if warmup:
+        print(f"warm-up: {warmup['seconds']:.1f} s ({warmup['executables']} executables compiled "
+              f"for prompts up to {prompt.size} tokens and {args.tokens} new ones)")
+    else:
+        print("warm-up: off (--no-warmup): the request compiles as it goes, stalls included")
     print("prompt:", " ".join(map(str, prompt)))
 
     ttft = _time_to_first_token(dec, prompt, kw)
