@@ -58,7 +58,7 @@ common.use_host_devices(8)  # before jax is imported; only XLA:CPU reads it
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from models import hlo, llama  # noqa: E402
+from models import compile_cache, hlo, llama  # noqa: E402
 from models.sharding import KV_LAYOUTS  # noqa: E402
 from models.tp import ALLREDUCE_KINDS, fused_add_norm_available  # noqa: E402
 from models.config import LlamaConfig  # noqa: E402
@@ -157,6 +157,9 @@ def parse_args(argv=None):
                    help="results directory (default: bench/results on GPUs, bench/results/local "
                         "on a CPU)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="do not use JAX's persistent compilation cache (models/compile_cache.py: "
+                        "on by default; SIFAR_JAX_NO_COMPILE_CACHE=1 also turns it off)")
     return p.parse_args(argv)
 
 
@@ -961,6 +964,8 @@ def plot(records, order, path, host, platform, s):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    cache_dir = compile_cache.enable(off=args.no_compile_cache)
+    print(f"compilation cache: {cache_dir or 'off'}", flush=True)
     platform, devices = common.bench_devices(min_gpus=1)
     s = settings(args, platform, len(devices))
     if platform == "cpu":

@@ -72,6 +72,11 @@ def _parser(algorithms: tuple, sifar_why: str | None) -> argparse.ArgumentParser
     p.add_argument("--max-seq-len", type=int, help="KV cache length (default: the request, "
                                                    "rounded up to a power of two)")
     p.add_argument("--seed", type=int, default=0, help="random weights, prompt and sampling")
+    p.add_argument("--compile-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="JAX's persistent compilation cache in $SIFAR_JAX_COMPILE_CACHE, else "
+                        "$XDG_CACHE_HOME/sifar-jax/jax-cache or ~/.cache/sifar-jax/jax-cache "
+                        "(models/compile_cache.py), so a second start reads what the first "
+                        "compiled; also off with SIFAR_JAX_NO_COMPILE_CACHE=1")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="compile every executable the request can need before it starts "
                         "(Decoder.warmup); --no-warmup: compile as the request goes, stalls "
@@ -168,16 +173,17 @@ def _prompt(args, config, rng):
 
 
 def main(argv=None) -> int:
+    started = time.perf_counter()
     algorithms, sifar_why = _sifar_status()
     args = _parser(algorithms, sifar_why).parse_args(argv)
     try:
-        return _run(args, sifar_why)
+        return _run(args, sifar_why, started)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
-def _run(args, sifar_why) -> int:
+def _run(args, sifar_why, started: float) -> int:
     _check_args(args)
     if "sifar" in args.allreduce and sifar_why:
         raise UserError(f"--allreduce {args.allreduce}: {sifar_why}")
@@ -186,7 +192,7 @@ def _run(args, sifar_why) -> int:
     import jax
     import numpy as np
 
-    from . import footprint
+    from . import compile_cache, footprint
     from .sampling import Sampling
     from .decode import ON_DEVICE_CHUNK, Decoder, bucket_up, make_mesh, prompt_bucket
 
@@ -213,11 +219,18 @@ def _run(args, sifar_why) -> int:
     except MemoryError as e:
         raise UserError(str(e)) from None
 
+    try:
+        cache_dir = compile_cache.enable(off=not args.compile_cache)
+    except OSError as e:
+        raise UserError(f"compilation cache: {e} (--no-compile-cache turns it off)") from None
     mesh = make_mesh(args.tp)
+    t_weights = time.perf_counter()
     if args.checkpoint:
         config, params = family.load_hf_checkpoint(args.checkpoint, mesh, config=config)
     else:
         params = family.random_params(config, mesh, seed=args.seed)
+    jax.block_until_ready(params)
+    weights_s = time.perf_counter() - t_weights
     try:
         dec = Decoder(config, mesh, params, family=family, allreduce=args.allreduce,
                       algorithm=args.algorithm, fused=args.fused, slot_bytes=args.slot_bytes,
@@ -229,11 +242,12 @@ def _run(args, sifar_why) -> int:
 
     warmup = None
     if args.warmup:
-        try:
-            warmup = dec.warmup(prompt.size, args.tokens, loops=(args.loop,),
-                                sampling=(Sampling(args.temperature, args.top_p),))
-        except ValueError as e:  # e.g. a named sifar algorithm refusing the prefill's payload
-            raise UserError(str(e)) from None
+        with compile_cache.CacheUse() as cache_use:
+            try:
+                warmup = dec.warmup(prompt.size, args.tokens, loops=(args.loop,),
+                                    sampling=(Sampling(args.temperature, args.top_p),))
+            except ValueError as e:  # e.g. a named sifar algorithm refusing the prefill's payload
+                raise UserError(str(e)) from None
 
     ar = args.allreduce + (f"/{args.algorithm}" if "sifar" in args.allreduce else "")
     if args.allreduce == "identity":
@@ -244,14 +258,17 @@ def _run(args, sifar_why) -> int:
           f"{family.name}: layers={config.num_layers} hidden={config.hidden_size} "
           f"dtype={config.dtype}, allreduce={ar}" + (" fused" if args.fused else "")
           + f", loop={args.loop}")
+    print("compilation cache: " + (cache_dir or "off"))
     if warmup:
-        print(f"warm-up: {warmup['seconds']:.1f} s ({warmup['executables']} executables compiled "
-              f"for prompts up to {prompt.size} tokens and {args.tokens} new ones)")
+        print(f"warm-up: {warmup['seconds']:.1f} s, {cache_use.describe()} ({warmup['executables']}"
+              f" executables for prompts up to {prompt.size} tokens and {args.tokens} new ones)")
     else:
         print("warm-up: off (--no-warmup): the request compiles as it goes, stalls included")
     print("prompt:", " ".join(map(str, prompt)))
 
     ttft = _time_to_first_token(dec, prompt, kw)
+    print(f"process start to first token: {time.perf_counter() - started - weights_s:.1f} s "
+          f"(+ {weights_s:.1f} s making or loading the weights)")
     print("tokens:", end=" ", flush=True)
     tokens, stamps = [], []
     t0 = time.perf_counter()

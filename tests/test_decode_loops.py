@@ -384,8 +384,10 @@ def test_fused_needs_the_kernel_or_says_so(monkeypatch, sifar_clean):
 
 @pytest.mark.parametrize("extra", [["--allreduce", "psum"], ["--allreduce", "sifar", "--fused"]],
                          ids=["psum", "sifar-fused"])
-def test_generate_cli_streams_tokens(capsys, extra, sifar_clean):
-    from models import generate
+def test_generate_cli_streams_tokens(capsys, monkeypatch, extra, sifar_clean):
+    from models import compile_cache, generate
+
+    monkeypatch.setenv(compile_cache.ENV_OFF, "1")  # never the user's cache from the suite
 
     if "--fused" in extra and fused_add_norm_available() is not None:
         pytest.skip(fused_add_norm_available())

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import sifar_jax
-from models import Decoder, LlamaConfig, footprint, generate, make_mesh, random_params
+from models import (Decoder, LlamaConfig, compile_cache, footprint, generate, make_mesh,
+                    random_params)
 from models.families import preset, presets
 from models.tp import ALLREDUCE_KINDS
 from models.decode import LOOPS
@@ -20,8 +21,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)
-def sifar_clean():
-    """The CLI calls sifar_jax.init (sifar is its default): start and end with no communicator."""
+def sifar_clean(monkeypatch):
+    """The CLI calls sifar_jax.init (sifar is its default): start and end with no communicator.
+    And it turns the persistent compilation cache on: never in the suite, unless a test says."""
+    monkeypatch.setenv(compile_cache.ENV_OFF, "1")
     sifar_jax.shutdown()
     yield
     sifar_jax.shutdown()
@@ -145,3 +148,63 @@ def test_every_loop_prints_its_tokens_once_and_a_true_time_per_token(capsys, loo
     assert len(ttft) == len(tpot) == 1 and "over 11 tokens" in tpot[0]
     # a true time per token on these 2 cores is far above the 0.015 ms of timing the printing
     assert float(tpot[0].split()[4]) > 0.05, tpot[0]
+
+
+# ---- the persistent compilation cache ---------------------------------------------------------------
+
+def test_the_cache_directory_and_the_switches(monkeypatch, tmp_path):
+    monkeypatch.delenv(compile_cache.ENV_OFF)
+    monkeypatch.delenv(compile_cache.ENV_DIR, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert compile_cache.default_dir() == str(tmp_path / "sifar-jax" / "jax-cache")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert compile_cache.default_dir() == str(tmp_path / "home" / ".cache" / "sifar-jax" / "jax-cache")
+    monkeypatch.setenv(compile_cache.ENV_DIR, str(tmp_path / "mine"))
+    assert compile_cache.default_dir() == str(tmp_path / "mine")
+    for off in ("1", "true", "yes"):
+        monkeypatch.setenv(compile_cache.ENV_OFF, off)
+        assert compile_cache.enable(str(tmp_path / "x")) is None
+    monkeypatch.setenv(compile_cache.ENV_OFF, "0")
+    assert compile_cache.enable(str(tmp_path / "x"), off=True) is None
+    assert not (tmp_path / "x").exists() and jax.config.jax_compilation_cache_dir is None
+
+
+def test_a_second_compile_reads_the_cache(monkeypatch, tmp_path):
+    """In this process, with the in-memory caches cleared in between (as a new process has
+    them): the first compile writes the directory, the second reads it."""
+    monkeypatch.delenv(compile_cache.ENV_OFF)
+    path = str(tmp_path / "cache")
+    f = lambda x: jax.numpy.sin(x) * 3.0 + 1.0  # noqa: E731
+    try:
+        assert compile_cache.enable(path) == path
+        with compile_cache.CacheUse() as first:
+            jax.jit(f).lower(np.ones(7, np.float32)).compile()
+        assert (first.hits, first.misses) == (0, 1) and os.listdir(path)
+        jax.clear_caches()
+        with compile_cache.CacheUse() as second:
+            jax.jit(f).lower(np.ones(7, np.float32)).compile()
+        assert (second.hits, second.misses) == (1, 0)
+        assert second.describe().startswith("warm start")
+    finally:
+        compile_cache.disable()
+    assert jax.config.jax_compilation_cache_dir is None
+
+
+def test_the_cli_starts_warm_the_second_time(tmp_path):
+    """Two processes with the cache in a temporary XDG_CACHE_HOME: the first compiles and
+    writes it (cold), the second reads every executable (warm)."""
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
+    env.pop(compile_cache.ENV_OFF, None)
+    env.pop(compile_cache.ENV_DIR, None)
+    cmd = [sys.executable, "-m", "models.generate", "--tp", "2", "--tokens", "4",
+           "--allreduce", "psum"]
+    outs = [subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
+            for _ in range(2)]
+    where = tmp_path / "sifar-jax" / "jax-cache"
+    assert f"compilation cache: {where}" in outs[0] and os.listdir(where)
+    assert "cold start: 0 read from the compilation cache" in outs[0]
+    assert ", warm start: " in outs[1] and " 0 compiled" in outs[1], outs[1]
+    off = subprocess.run(cmd + ["--no-compile-cache"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert "compilation cache: off" in off
