@@ -341,7 +341,20 @@ class Decoder:
 
     def _prompts(self, prompt) -> tuple[np.ndarray, np.ndarray]:
         """(tokens [batch_size, T], lengths [batch_size]) of a prompt [B, T] (or [T] for batch
-        1); ids checked."""
+        1), or of B sequences of different lengths (a list: each row's tokens first, then
+        zeros); ids checked."""
+        if isinstance(prompt, (list, tuple)) and prompt and all(
+                np.ndim(p) == 1 for p in prompt) and len({len(p) for p in prompt}) > 1:
+            if len(prompt) != self.batch_size:
+                raise ValueError(f"{len(prompt)} prompts for batch_size={self.batch_size}")
+            rows = [self._check_ids(p) for p in prompt]
+            lengths = np.array([len(r) for r in rows], np.int32)
+            if not lengths.min():
+                raise ValueError("empty prompt: a sequence needs at least one token")
+            tokens = np.zeros((len(rows), lengths.max()), np.int32)
+            for row, r in enumerate(rows):
+                tokens[row, :len(r)] = r
+            return tokens, lengths
         tokens = self._check_ids(prompt)
         if tokens.ndim == 1:
             tokens = tokens[None, :] if self.batch_size == 1 else tokens[:, None]
@@ -554,8 +567,10 @@ class Decoder:
 
     def start(self, prompt, eos_id: Optional[int] = None, *, temperature: float = 0.0,
               top_p: float = 1.0, seed: int = 0, reserve: int = 1) -> None:
-        """New sequence: prefill `prompt` ([B, T], or [T] for batch 1), left-padded to its
-        bucket (prompt_bucket), and choose the first new token (in the state, not yet read).
+        """New sequences: prefill `prompt` ([B, T], or [T] for batch 1, or a list of B token
+        sequences of different lengths), each row left-padded to the bucket of the longest
+        (prompt_bucket), and choose the first new tokens (in the state, not yet read). Each
+        row's tokens are those of its prompt run alone (greedy; see the module docstring).
         The cache holds at least the padded prompt + reserve positions."""
         tokens, lengths = self._prompts(prompt)
         if eos_id is not None and not 0 <= eos_id < self.config.vocab_size:

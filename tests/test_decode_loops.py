@@ -479,3 +479,24 @@ def test_warmup_refuses_limits_the_cache_cannot_hold():
         dec.warmup(100, 40)  # a 128-slot prompt bucket + 40 tokens
     with pytest.raises(ValueError, match="sampling mode"):
         dec.warmup(8, 8, sampling=("beam",))
+
+
+# ---- prompts of different lengths in one batch --------------------------------------------------------
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_prompts_of_different_lengths_in_one_batch_give_each_ones_tokens(tp):
+    """Three prompts of 3, 11 and 17 tokens (the longest in the next bucket) in one batch: each
+    row's greedy tokens are those of its prompt run alone, in every loop."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, LlamaConfig.tiny().vocab_size, n) for n in (3, 11, 17)]
+    alone = _decoder(tp)
+    want = np.concatenate([alone.generate(p, NEW) for p in prompts])
+    batch = _decoder(tp, batch_size=3)
+    for loop, tokens in _every_loop(batch, prompts, NEW).items():
+        np.testing.assert_array_equal(tokens, want, err_msg=f"loop {loop}")
+    # each row left-padded to the longest's bucket: its first real slot
+    np.testing.assert_array_equal(np.asarray(batch.state["start"]), [32 - 3, 32 - 11, 32 - 17])
+    with pytest.raises(ValueError, match="2 prompts for batch_size=3"):
+        batch.generate(prompts[:2], 4)
+    with pytest.raises(ValueError, match="empty prompt"):
+        batch.generate([prompts[0], prompts[1], prompts[2][:0]], 4)
