@@ -8,7 +8,7 @@ on an H200 than a token kept in the state):
     cache  per layer {"k", "v"}: [B, capacity, kv_heads, head_dim] or [B, kv_heads, capacity,
            head_dim] (Decoder.kv_layout), split over the tp axis
     pos    int32, the next cache slot        tok   [B, 1] int32, the last token chosen
-    done   [B] bool, eos was produced        eos   int32, the stop token (-1: none)
+    done   [B] bool, a stop id was produced  eos   [MAX_STOP_IDS] int32, the stop ids (-1: none)
     key    uint32 raw PRNG key data          ar    all-reduce buffers (sifar_buffers), else {}
     start  [B] int32, each row's first slot  temp, top_p  float32, the sampling's values
 
@@ -70,6 +70,7 @@ MIN_PROMPT_BUCKET = 16  # shortest padded prompt
 LOOPS = ("sync", "stream", "pipelined", "on_device")
 ON_DEVICE_CHUNK = 16  # tokens per dispatch of the on_device loop
 SIFAR_KINDS = ("sifar", "sifar_buffers")  # all-reduce kinds that run sifar_jax (and call init)
+MAX_STOP_IDS = 8  # stop ids a request may give (Llama 3 instruct has 3): a fixed-size operand
 
 
 def make_mesh(tp: int, axis_name: str = "tp", devices: Optional[Sequence] = None) -> Mesh:
@@ -135,17 +136,27 @@ def _random_like(leaves, seed: int, sharding):
         for i, a in enumerate(leaves)]
 
 
+def stop_ids(eos_id) -> tuple[int, ...]:
+    """eos_id (None, an id, or a sequence of ids) as a tuple of ids."""
+    if eos_id is None:
+        return ()
+    ids = tuple(int(e) for e in (np.ravel(eos_id) if np.ndim(eos_id) else [eos_id]))
+    if len(ids) > MAX_STOP_IDS:
+        raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {len(ids)}")
+    return ids
+
+
 @dataclasses.dataclass
 class _StopAt:
-    """Host side of the stop token: True once every sequence has produced it."""
+    """Host side of the stop ids: True once every sequence has produced one."""
 
-    eos: Optional[int]
+    eos: tuple
     done: np.ndarray
 
     def seen(self, tok: np.ndarray) -> bool:
-        if self.eos is None:
+        if not self.eos:
             return False
-        self.done |= tok == self.eos
+        self.done |= np.isin(tok, self.eos)
         return bool(self.done.all())
 
 
@@ -295,7 +306,7 @@ class Decoder:
             self._capacity = size
         b = self.rows
         self.state.update(pos=self._put(np.int32(0)), tok=self._put(np.zeros((b, 1), np.int32)),
-                          done=self._put(np.zeros(b, bool)), eos=self._put(np.int32(-1)),
+                          done=self._put(np.zeros(b, bool)), eos=self._put(self._stop_array(())),
                           key=self._put(key_data(0)), start=self._put(np.zeros(b, np.int32)),
                           temp=self._put(np.float32(0)), top_p=self._put(np.float32(1)))
         self._pos, self._step = 0, (0, None)
@@ -402,9 +413,9 @@ class Decoder:
         logits, cache, ar = self._forward(attend_len, True)(params, state["cache"], tokens,
                                                             positions, state["ar"], state["start"])
         nxt, key = next_token(logits[:, -1], state["key"], mode, state["temp"], state["top_p"])
-        nxt = jnp.where(state["done"], state["eos"], nxt)  # a finished sequence repeats eos
+        nxt = jnp.where(state["done"], state["tok"][:, 0], nxt)  # a finished row repeats its stop
         return dict(state, cache=cache, ar=ar, pos=state["pos"] + t, tok=nxt[:, None], key=key,
-                    done=state["done"] | (nxt == state["eos"]))
+                    done=state["done"] | jnp.any(nxt[:, None] == state["eos"][None, :], axis=1))
 
     def _lower(self, fn, *args, outputs=()) -> "jax.stages.Lowered":
         """fn(leaves, state, *args) lowered with the state donated and its shardings fixed on
@@ -450,7 +461,7 @@ class Decoder:
                 st = self._append(leaves, st, st["tok"], n, mode)
                 return st, jax.lax.dynamic_update_slice(toks, st["tok"], (0, i))
 
-            toks = jnp.full((b, k), state["eos"], jnp.int32)
+            toks = jnp.full((b, k), state["eos"][0], jnp.int32)
             if not early_exit:
                 return jax.lax.fori_loop(0, k, body, (state, toks))
             _, state, toks = jax.lax.while_loop(
@@ -476,7 +487,8 @@ class Decoder:
     def compiled_chunk(self, k: int, early_exit: bool = False) -> "jax.stages.Compiled":
         """The executable of k steps in one dispatch from the current position:
         (leaves, state) -> (state, tokens [B, k]). fori_loop, or with early_exit a while_loop
-        that stops once every sequence has produced eos (unrun steps' tokens are eos)."""
+        that stops once every sequence has produced a stop id (unrun steps' tokens are the
+        first stop id)."""
         n = self._bucket(self._pos + k)
         return self._compile_spec(self._chunk_spec(n, self.sampling.mode, k, early_exit))
 
@@ -565,7 +577,14 @@ class Decoder:
         """Append one token per sequence ([B] or [B, 1]); logits [B, vocab]."""
         return self.prefill(np.asarray(token, np.int32).reshape(self.batch_size, 1))[:, 0]
 
-    def start(self, prompt, eos_id: Optional[int] = None, *, temperature: float = 0.0,
+    def _stop_array(self, ids: tuple) -> np.ndarray:
+        for e in ids:
+            if not 0 <= e < self.config.vocab_size:
+                raise ValueError(f"stop id {e} is outside the vocabulary [0, "
+                                 f"{self.config.vocab_size})")
+        return np.array(list(ids) + [-1] * (MAX_STOP_IDS - len(ids)), np.int32)
+
+    def start(self, prompt, eos_id=None, *, temperature: float = 0.0,
               top_p: float = 1.0, seed: int = 0, reserve: int = 1) -> None:
         """New sequences: prefill `prompt` ([B, T], or [T] for batch 1, or a list of B token
         sequences of different lengths), each row left-padded to the bucket of the longest
@@ -573,9 +592,7 @@ class Decoder:
         row's tokens are those of its prompt run alone (greedy; see the module docstring).
         The cache holds at least the padded prompt + reserve positions."""
         tokens, lengths = self._prompts(prompt)
-        if eos_id is not None and not 0 <= eos_id < self.config.vocab_size:
-            raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, "
-                             f"{self.config.vocab_size})")
+        stops = self._stop_array(stop_ids(eos_id))
         sampling = Sampling(temperature, top_p)
         reserve = max(reserve, 1)
         width = self._prompt_width(tokens.shape[1], reserve)
@@ -585,7 +602,7 @@ class Decoder:
             padded[row, pad[row]:] = toks[:n]
         self.reset(width + reserve)
         self.sampling = sampling
-        self.state.update(eos=self._put(np.int32(-1 if eos_id is None else eos_id)),
+        self.state.update(eos=self._put(stops),
                           key=self._put(key_data(seed)), start=self._put(self._padded(pad)),
                           temp=self._put(np.float32(temperature)),
                           top_p=self._put(np.float32(top_p)))
@@ -623,17 +640,18 @@ class Decoder:
 
     # ---- loops ----------------------------------------------------------------------------------
 
-    def decode(self, n: int, *, loop: str = "stream", eos_id: Optional[int] = None,
+    def decode(self, n: int, *, loop: str = "stream", eos_id=None,
                in_flight: int = 2, chunk: int = ON_DEVICE_CHUNK,
                early_exit: bool = False) -> Iterator[np.ndarray]:
         """Yield the next n tokens ([B] each) from the current state: first the token already
         chosen, then one per step, run by `loop` (LOOPS). Stops after the token with which every
-        sequence has produced eos_id (a finished sequence yields eos_id meanwhile).
+        sequence has produced eos_id (an id or a list of stop ids; a finished sequence repeats
+        its stop id meanwhile).
         in_flight: steps (stream) or chunks of `chunk` steps (on_device) dispatched ahead of the
         token being waited for."""
         if loop not in LOOPS:
             raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
-        stop = _StopAt(eos_id, np.zeros(self.batch_size, bool))
+        stop = _StopAt(stop_ids(eos_id), np.zeros(self.batch_size, bool))
         if loop == "sync":
             for i in range(n):
                 if i:
@@ -678,7 +696,7 @@ class Decoder:
                         self._pos = int(_host(self.state["pos"]))
                     return
 
-    def stream(self, prompt, max_new_tokens: int, eos_id: Optional[int] = None, *,
+    def stream(self, prompt, max_new_tokens: int, eos_id=None, *,
                temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                loop: str = "stream", in_flight: int = 2, chunk: int = ON_DEVICE_CHUNK,
                early_exit: bool = False) -> Iterator[np.ndarray]:
@@ -690,7 +708,7 @@ class Decoder:
         yield from self.decode(max_new_tokens, loop=loop, eos_id=eos_id, in_flight=in_flight,
                                chunk=chunk, early_exit=early_exit)
 
-    def generate(self, prompt, max_new_tokens: int, eos_id: Optional[int] = None, **kw) -> np.ndarray:
+    def generate(self, prompt, max_new_tokens: int, eos_id=None, **kw) -> np.ndarray:
         """The new tokens [B, n] (n <= max_new_tokens: up to and including the step at which
         every sequence has produced eos_id). Keywords as stream(); loop="stream" by default."""
         toks = list(self.stream(prompt, max_new_tokens, eos_id, **kw))

@@ -3,10 +3,14 @@ and the time per output token.
 
     python -m models.generate --preset tiny --tp 2 --tokens 32
         [--allreduce sifar|psum|sifar_buffers|identity] [--algorithm auto] [--fused]
-        [--slot-bytes N] [--loop stream|sync|pipelined|on_device] [--eos ID]
-        [--temperature T --top-p P --seed S] [--checkpoint DIR] [--prompt ID ...]
+        [--slot-bytes N] [--loop stream|sync|pipelined|on_device] [--eos ID ...]
+        [--temperature T --top-p P --seed S] [--prompt-ids ID ...]
+    python -m models.generate --checkpoint DIR --prompt "text" [--chat] --tokens 200
 
-Without --checkpoint the weights are random (the timing is what matters). On a CPU-only
+Without --checkpoint the weights are random (the timing is what matters). With a Hugging Face
+checkpoint that has a tokenizer.json, --prompt is text (--chat: as a user message in the
+checkpoint's chat template), the answer is printed as text while it is generated, and it stops
+at the checkpoint's stop ids (generation_config.json; --ignore-eos: never). On a CPU-only
 machine, XLA_FLAGS is given enough host devices for --tp before jax starts its backend. Every
 mistake in the arguments is one line `error: ...` on stderr and exit code 2.
 """
@@ -21,6 +25,7 @@ import time
 ALLREDUCE_CHOICES = ("sifar", "psum", "sifar_buffers", "identity")  # = models.tp.ALLREDUCE_KINDS
 LOOP_CHOICES = ("stream", "sync", "pipelined", "on_device")  # = models.decode.LOOPS
 IDENTITY_NOTE = "(no communication: meaningless tokens, a timing bound)"
+TEXT_RULE = "-" * 40  # frames the generated text
 
 
 class UserError(Exception):
@@ -48,8 +53,12 @@ def _parser(algorithms: tuple, sifar_why: str | None) -> argparse.ArgumentParser
                                         "its model_type picks the family); overrides --preset")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")
     p.add_argument("--tokens", type=int, default=32, help="tokens to generate")
-    p.add_argument("--prompt-len", type=int, default=8, help="random prompt length")
-    p.add_argument("--prompt", type=int, nargs="*", help="explicit prompt token ids")
+    p.add_argument("--prompt-len", type=int, default=8,
+                   help="random prompt length (without --prompt or --prompt-ids)")
+    p.add_argument("--prompt", help="prompt text (needs --checkpoint with a tokenizer.json)")
+    p.add_argument("--chat", action="store_true",
+                   help="--prompt as a user message in the checkpoint's chat template")
+    p.add_argument("--prompt-ids", type=int, nargs="+", metavar="ID", help="prompt token ids")
     default_ar = "psum" if sifar_why else "sifar"
     p.add_argument("--allreduce", default=default_ar, choices=ALLREDUCE_CHOICES,
                    help="sifar: sifar_jax's all-reduce; psum: lax.psum (XLA's); sifar_buffers: "
@@ -64,7 +73,12 @@ def _parser(algorithms: tuple, sifar_why: str | None) -> argparse.ArgumentParser
                    help="stream: steps run ahead of the host, tokens yielded as ready; sync: one "
                         "step then its token; pipelined: tokens read at the end; on_device: 16 "
                         "steps per dispatch in a device loop (all give the same tokens)")
-    p.add_argument("--eos", type=int, help="stop token id")
+    p.add_argument("--eos", type=int, nargs="+", metavar="ID",
+                   help="stop token id(s) (default: the checkpoint's, none for random weights)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the checkpoint's stop ids (generate --tokens)")
+    p.add_argument("--show-ids", action="store_true",
+                   help="print token ids, not text, even with a tokenizer")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]")
     p.add_argument("--dtype", help="override parameter/activation dtype (a float dtype, e.g. "
@@ -98,10 +112,17 @@ def _check_args(args) -> None:
         raise UserError(f"--tp must be >= 1, got {args.tp}")
     if args.tokens <= 0:
         raise UserError(f"--tokens must be >= 1, got {args.tokens}")
-    if args.prompt is None and args.prompt_len <= 0:
+    if args.prompt is None and args.prompt_ids is None and args.prompt_len <= 0:
         raise UserError(f"--prompt-len must be >= 1, got {args.prompt_len}")
-    if args.prompt is not None and not args.prompt:
-        raise UserError("--prompt needs at least one token id")
+    if args.prompt is not None and args.prompt_ids is not None:
+        raise UserError("give --prompt (text) or --prompt-ids, not both")
+    if args.prompt is not None and not args.checkpoint:
+        raise UserError("--prompt is text: it needs --checkpoint DIR with a tokenizer.json "
+                        "(token ids: --prompt-ids)")
+    if args.chat and args.prompt is None:
+        raise UserError("--chat applies the chat template to --prompt TEXT")
+    if args.eos is not None and args.ignore_eos:
+        raise UserError("--eos and --ignore-eos contradict each other")
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
     if not 0.0 < args.top_p <= 1.0:
@@ -160,16 +181,54 @@ def _model(args):
     return family, config
 
 
-def _prompt(args, config, rng):
+def _tokenizer(args):
+    """The checkpoint's TextTokenizer, or None (no checkpoint, or no tokenizer.json in it)."""
+    from . import tokenizer
+
+    if not args.checkpoint or not tokenizer.has_tokenizer(args.checkpoint):
+        if args.prompt is not None:
+            raise UserError(f"--prompt is text, but {args.checkpoint} has no "
+                            f"{tokenizer.TOKENIZER_FILE} (token ids: --prompt-ids)")
+        return None
+    try:
+        return tokenizer.TextTokenizer(args.checkpoint)
+    except (ImportError, OSError, ValueError) as e:
+        raise UserError(f"--checkpoint {args.checkpoint}: tokenizer: {e}") from None
+
+
+def _prompt(args, config, rng, tok):
     import numpy as np
 
-    if not args.prompt:
+    if args.prompt is not None:
+        try:
+            ids = tok.encode(args.prompt, chat=args.chat)
+        except (ImportError, ValueError) as e:
+            raise UserError(str(e)) from None
+        if not ids:
+            raise UserError("--prompt encodes to no tokens")
+        what = "--prompt"
+    elif args.prompt_ids is not None:
+        ids, what = args.prompt_ids, "--prompt-ids"
+    else:
         return rng.integers(0, config.vocab_size, args.prompt_len, dtype=np.int32)
-    bad = [t for t in args.prompt if not 0 <= t < config.vocab_size]
+    bad = [t for t in ids if not 0 <= t < config.vocab_size]
     if bad:
-        raise UserError(f"--prompt: token id {bad[0]} is outside the vocabulary "
+        raise UserError(f"{what}: token id {bad[0]} is outside the vocabulary "
                         f"[0, {config.vocab_size})")
-    return np.array(args.prompt, np.int32)
+    return np.array(ids, np.int32)
+
+
+def _stop_ids(args, config):
+    """--eos, else the checkpoint's stop ids (unless --ignore-eos), else none."""
+    from .tokenizer import checkpoint_eos_ids
+
+    ids = args.eos if args.eos is not None else (
+        checkpoint_eos_ids(args.checkpoint) if args.checkpoint and not args.ignore_eos else [])
+    for e in ids:
+        if not 0 <= e < config.vocab_size:
+            raise UserError(f"stop id {e} (--eos or the checkpoint's) is outside the vocabulary "
+                            f"[0, {config.vocab_size})")
+    return ids or None
 
 
 def main(argv=None) -> int:
@@ -200,10 +259,10 @@ def _run(args, sifar_why, started: float) -> int:
         raise UserError(f"--tp {args.tp} but only {len(jax.devices())} {jax.default_backend()} "
                         f"devices")
     family, config = _model(args)
-    if args.eos is not None and not 0 <= args.eos < config.vocab_size:
-        raise UserError(f"--eos {args.eos} is outside the vocabulary [0, {config.vocab_size})")
+    tok = _tokenizer(args)
+    stops = _stop_ids(args, config)
     rng = np.random.default_rng(args.seed)
-    prompt = _prompt(args, config, rng)
+    prompt = _prompt(args, config, rng, tok)
     # The decoder sizes the KV cache to each request (the prompt padded to its bucket, rounded
     # up to a power of two); let the limit admit this one (+ the on-device loop's last chunk).
     need = max(prompt_bucket(prompt.size) + args.tokens + ON_DEVICE_CHUNK, args.max_seq_len or 0)
@@ -237,7 +296,7 @@ def _run(args, sifar_why, started: float) -> int:
                       max_seq_len=args.max_seq_len)
     except (ValueError, NotImplementedError) as e:
         raise UserError(str(e)) from None
-    kw = dict(eos_id=args.eos, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+    kw = dict(eos_id=stops, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
               loop=args.loop)
 
     warmup = None
@@ -264,19 +323,30 @@ def _run(args, sifar_why, started: float) -> int:
               f" executables for prompts up to {prompt.size} tokens and {args.tokens} new ones)")
     else:
         print("warm-up: off (--no-warmup): the request compiles as it goes, stalls included")
-    print("prompt:", " ".join(map(str, prompt)))
-
+    if stops:
+        print("stop ids:", " ".join(map(str, stops)))
+    text = tok is not None and not args.show_ids
     ttft = _time_to_first_token(dec, prompt, kw)
     print(f"process start to first token: {time.perf_counter() - started - weights_s:.1f} s "
           f"(+ {weights_s:.1f} s making or loading the weights)")
-    print("tokens:", end=" ", flush=True)
-    tokens, stamps = [], []
+    if text:
+        print(f"prompt ({prompt.size} tokens): {tok.decode(prompt)}")
+        print(TEXT_RULE)
+        stream = tok.stream(context=prompt)
+    else:
+        print("prompt:", " ".join(map(str, prompt)))
+        print("tokens:", end=" ", flush=True)
+    stamps = []
     t0 = time.perf_counter()
-    for tok in dec.stream(prompt, args.tokens, **kw):
+    for ids in dec.stream(prompt, args.tokens, **kw):
         stamps.append(time.perf_counter())
-        tokens.append(int(tok[0]))
-        print(tokens[-1], end=" ", flush=True)
-    print()
+        piece = stream.push(int(ids[0])) if text else f"{int(ids[0])} "
+        print(piece, end="", flush=True)
+    if text:
+        print(stream.flush())
+        print(TEXT_RULE)
+    else:
+        print()
     _report_times(ttft, t0, stamps, prompt.size, args.loop)
     return 0
 

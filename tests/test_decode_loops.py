@@ -136,6 +136,28 @@ def test_batch_stops_when_every_sequence_has_stopped():
         np.testing.assert_array_equal(tokens, want, err_msg=f"loop {loop}")
 
 
+def test_several_stop_ids_each_row_stops_at_its_first(plain_tokens):
+    """eos_id as a list (Llama 3 instruct stops at any of 3 ids): each row stops at the first of
+    them it produces and repeats that one; ids never produced change nothing."""
+    dec = _decoder(2, batch_size=2)
+    prompts = np.stack([PROMPT, PROMPT[::-1]])
+    ref = dec.generate(prompts, NEW, loop="sync")
+    a = int(ref[0, 4])  # row 0 stops here (if row 1 produces it, maybe earlier there)
+    b = next(int(t) for t in ref[1, 2:] if t not in ref[0, :5] and t != a)
+    never = next(t for t in range(LlamaConfig.tiny().vocab_size) if t not in ref)
+    stops = [_first(ref[r], v) if v in ref[r] else NEW for r in range(2) for v in (a, b)]
+    stops = [min(stops[0:2]), min(stops[2:4])]
+    assert stops[0] <= 4 and stops[1] < NEW
+    want = ref[:, :max(stops) + 1].copy()
+    for r in range(2):
+        want[r, stops[r]:] = ref[r, stops[r]]
+    for loop, tokens in _every_loop(dec, prompts, NEW, early_exit=True,
+                                    eos_id=[never, a, b]).items():
+        np.testing.assert_array_equal(tokens, want, err_msg=f"loop {loop}")
+    with pytest.raises(ValueError, match="at most 8 stop ids"):
+        dec.generate(prompts, 2, eos_id=list(range(9)))
+
+
 # ---- sampling -------------------------------------------------------------------------------------
 
 def test_sampling_is_reproducible_with_a_seed():
@@ -391,7 +413,7 @@ def test_generate_cli_streams_tokens(capsys, monkeypatch, extra, sifar_clean):
 
     if "--fused" in extra and fused_add_norm_available() is not None:
         pytest.skip(fused_add_norm_available())
-    assert generate.main(["--tp", "2", "--tokens", "12", "--prompt", *map(str, PROMPT),
+    assert generate.main(["--tp", "2", "--tokens", "12", "--prompt-ids", *map(str, PROMPT),
                           "--seed", "11", *extra]) == 0
     out = capsys.readouterr().out
     want = " ".join(map(str, _decoder(2).generate(PROMPT, 12)[0]))

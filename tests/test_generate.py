@@ -40,8 +40,8 @@ def _error(capsys, argv) -> str:
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--prompt", "5", "99999", "7"], "token id 99999 is outside the vocabulary [0, 256)"),
-    (["--prompt", "5", "-3", "7"], "token id -3 is outside"),
+    (["--prompt-ids", "5", "99999", "7"], "token id 99999 is outside the vocabulary [0, 256)"),
+    (["--prompt-ids", "5", "-3", "7"], "token id -3 is outside"),
     (["--tokens", "0"], "--tokens must be >= 1"),
     (["--tokens", "-5"], "--tokens must be >= 1"),
     (["--tp", "0"], "--tp must be >= 1"),
@@ -53,7 +53,9 @@ def _error(capsys, argv) -> str:
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["--preset", "nope"], "unknown --preset 'nope'"),
-    (["--eos", "256"], "--eos 256 is outside the vocabulary"),
+    (["--eos", "3", "256"], "stop id 256 (--eos or the checkpoint's) is outside"),
+    (["--eos", "3", "--ignore-eos"], "contradict"),
+    (["--prompt-ids", "1", "--prompt", "x"], "not both"),
     (["--prompt-len", "0"], "--prompt-len must be >= 1"),
     (["--allreduce", "psum", "--fused"], "--fused needs --allreduce sifar"),
     (["--allreduce", "psum", "--algorithm", "oneshot"], "is sifar's"),
@@ -208,3 +210,141 @@ def test_the_cli_starts_warm_the_second_time(tmp_path):
     off = subprocess.run(cmd + ["--no-compile-cache"], cwd=ROOT, env=env, capture_output=True,
                          text=True, check=True).stdout
     assert "compilation cache: off" in off
+
+
+# ---- text in, text out --------------------------------------------------------------------------------
+
+TEXTS = ["hello world", "the café is naïve", "日本語のテキスト", "smile 😀 please",
+         "hello hello world", "the user asks and the model answers"]
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def _byte_level_bpe(path, vocab_size=300):
+    """A byte-level BPE (as Llama 3's) trained on a few words, with few enough merges that an
+    emoji or a CJK character is split over several tokens. Saved as path/tokenizer.json."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    assert tok.get_vocab_size() == vocab_size
+    tok.save(str(path / "tokenizer.json"))
+    return tok
+
+
+@pytest.fixture(scope="module")
+def text_checkpoint(tmp_path_factory):
+    """A tiny Llama checkpoint (random weights, a 300-token vocabulary) with a tokenizer, a chat
+    template and two stop ids, as a Hugging Face checkpoint directory."""
+    import json
+
+    from models import LLAMA
+
+    path = tmp_path_factory.mktemp("text-llama")
+    _byte_level_bpe(path)
+    config = LlamaConfig.tiny(vocab_size=300)
+    mesh = make_mesh(2)
+    LLAMA.save_hf_checkpoint(random_params(config, mesh, seed=5), config, str(path))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": CHAT_TEMPLATE}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
+    return path
+
+
+def test_text_stream_never_cuts_a_character(text_checkpoint):
+    """Tokens pushed one at a time: the pieces joined are the whole text, none holds a partial
+    character, and an emoji split over several tokens arrives in one piece."""
+    from models.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(str(text_checkpoint))
+    text = "smile 😀 café 日本語 please"
+    ids = tok.encode(text)
+    assert ids[0] == 0 and tok.decode(ids) == text  # BOS added, then skipped when decoding
+    singles = [tok.decode([i]) for i in ids]
+    assert any("\ufffd" in s for s in singles), "the fixture splits no character over tokens"
+    stream = tok.stream()
+    pieces = [stream.push(i) for i in ids] + [stream.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces), pieces
+    assert any("😀" in p for p in pieces)
+    # with the prompt's last ids as context, the answer's text is the difference of the decodes
+    prompt, answer = ids[:5], ids[5:]
+    assert tok.stream(prompt).feed(answer) == tok.decode(ids)[len(tok.decode(prompt)):]
+
+
+def test_chat_template_stop_ids_and_errors(text_checkpoint, tmp_path):
+    import json
+    import shutil
+
+    from models.tokenizer import TextTokenizer, checkpoint_eos_ids
+
+    tok = TextTokenizer(str(text_checkpoint))
+    assert tok.render_chat("hi there") == "<s><|user|>hi there</s><|assistant|>"
+    ids = tok.encode("hi there", chat=True)
+    assert ids.count(0) == 1 and ids[-1] == tok.tokenizer.token_to_id("<|assistant|>")
+    assert tok.eos_ids == checkpoint_eos_ids(str(text_checkpoint)) == [1, 3]
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(text_checkpoint / "tokenizer.json", bare)
+    (bare / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    plain = TextTokenizer(str(bare))
+    assert plain.eos_ids == [2] and plain.chat_template is None
+    with pytest.raises(ValueError, match="no chat template"):
+        plain.encode("hi", chat=True)
+
+
+def _between_rules(out: str) -> str:
+    return out.split(generate.TEXT_RULE + "\n")[1]
+
+
+def test_text_in_text_out_round_trip(capsys, text_checkpoint):
+    """--prompt TEXT: the CLI's streamed text is the decode of the tokens the Decoder generates
+    for the encoded prompt; --chat encodes it through the template; the checkpoint's stop ids
+    end it (generation_config.json's list); --show-ids prints the ids."""
+    import json
+
+    from models.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(str(text_checkpoint))
+    config = LlamaConfig.tiny(vocab_size=300)
+    mesh = make_mesh(2)
+    dec = Decoder(config, mesh, random_params(config, mesh, seed=5))
+    base = ["--checkpoint", str(text_checkpoint), "--tp", "2", "--allreduce", "psum",
+            "--tokens", "16"]
+    for chat in (False, True):
+        ids = tok.encode("hello world", chat=chat)
+        want = dec.generate(np.array(ids), 16)[0]
+        assert generate.main(base + ["--prompt", "hello world", "--ignore-eos"]
+                             + (["--chat"] if chat else [])) == 0
+        out = capsys.readouterr().out
+        assert f"prompt ({len(ids)} tokens): " in out
+        assert _between_rules(out) == tok.decode(want) + "\n", out
+    # the checkpoint's stop ids: the answer ends at the first of them it produces
+    stop = int(want[5])
+    (text_checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": [299, stop]}))
+    try:
+        assert generate.main(base + ["--prompt", "hello world", "--chat", "--show-ids"]) == 0
+    finally:
+        (text_checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
+    out = capsys.readouterr().out
+    first = int(np.flatnonzero(want == stop)[0])
+    assert f"stop ids: 299 {stop}\n" in out
+    assert f"tokens: {' '.join(map(str, want[:first + 1]))} \n" in out, out
+
+
+def test_text_prompts_need_a_tokenizer(capsys, tmp_path):
+    assert "needs --checkpoint" in _error(capsys, ["--prompt", "hello"])
+    assert "--chat applies" in _error(capsys, ["--chat"])
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(LlamaConfig.tiny().to_hf_config()))
+    line = _error(capsys, ["--checkpoint", str(tmp_path), "--prompt", "hello"])
+    assert "has no tokenizer.json" in line
