@@ -610,6 +610,25 @@ class Decoder:
         self.state = exe(self._leaves, self.state, self._put(self._padded(padded)))
         self._pos = width
 
+    def prefill_allreduce(self, prompt_len: int) -> str:
+        """Which all-reduce a prefill of prompt_len tokens (padded to its bucket) runs: the
+        decoder's, or for sifar "psum (fallback: ...)" where its payload (rows x padded prompt
+        x hidden) does not fit sifar's slot (algorithm "auto" hands it to lax.psum; a named
+        algorithm raises instead)."""
+        kind = self._fwd_kw["allreduce"]
+        if kind not in SIFAR_KINDS:
+            return kind
+        import sifar_jax
+
+        dtype = jnp.dtype(self.config.dtype)
+        if dtype not in sifar_jax.SUPPORTED_DTYPES:
+            return f"psum (fallback: sifar does not reduce {dtype.name})"
+        payload = self.rows * prompt_bucket(prompt_len) * self.config.hidden_size * dtype.itemsize
+        slots = [c.slot_bytes for c in sifar_jax.communicators(self.axis_name)]
+        if slots and -(-payload // 16) * 16 > min(slots):
+            return f"psum (fallback: a {payload} B payload > sifar's {min(slots)} B slot)"
+        return kind
+
     def advance(self, n: int = 1) -> None:
         """Dispatch n steps (nothing is read back; the steps run as the device gets to them)."""
         for _ in range(n):

@@ -347,7 +347,7 @@ def _run(args, sifar_why, started: float) -> int:
         print(TEXT_RULE)
     else:
         print()
-    _report_times(ttft, t0, stamps, prompt.size, args.loop)
+    _report_times(ttft, t0, stamps, prompt.size, args.loop, dec.prefill_allreduce(prompt.size))
     return 0
 
 
@@ -361,14 +361,18 @@ def _time_to_first_token(dec, prompt, kw) -> float:
     return time.perf_counter() - t0
 
 
-def _report_times(ttft: float, t0: float, stamps: list, prompt_len: int, loop: str) -> None:
+def _report_times(ttft: float, t0: float, stamps: list, prompt_len: int, loop: str,
+                  prefill_allreduce: str) -> None:
     """The time to first token, and the time per output token: the whole decode after the
     first token divided by the tokens after it (true for every loop: pipelined and on_device
     deliver their tokens late or a chunk at a time, so the gaps between them say nothing)."""
     import statistics
 
-    print(f"time to first token: {ttft * 1e3:.3f} ms (prefill of {prompt_len} tokens + the "
-          f"first sampled token)")
+    from .decode import prompt_bucket
+
+    print(f"time to first token: {ttft * 1e3:.3f} ms (prefill of {prompt_len} tokens, padded to "
+          f"{prompt_bucket(prompt_len)}, all-reduce {prefill_allreduce}; then the first sampled "
+          f"token)")
     n = len(stamps) - 1
     if n < 1:
         return

@@ -148,6 +148,7 @@ def test_every_loop_prints_its_tokens_once_and_a_true_time_per_token(capsys, loo
     ttft = [ln for ln in lines if ln.startswith("time to first token:")]
     tpot = [ln for ln in lines if ln.startswith("time per output token:")]
     assert len(ttft) == len(tpot) == 1 and "over 11 tokens" in tpot[0]
+    assert "prefill of 8 tokens, padded to 16, all-reduce sifar;" in ttft[0]
     # a true time per token on these 2 cores is far above the 0.015 ms of timing the printing
     assert float(tpot[0].split()[4]) > 0.05, tpot[0]
 
