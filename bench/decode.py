@@ -63,14 +63,14 @@ import sys
 import time
 from pathlib import Path
 
-from bench import calltrace, common
+from bench import calltrace, common, ttft
 
 common.use_host_devices(8)  # before jax is imported; only XLA:CPU reads it
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from models import families, hlo  # noqa: E402
+from models import compile_cache, families, hlo  # noqa: E402
 from models.sharding import KV_LAYOUTS  # noqa: E402
 from models.tp import ALLREDUCE_KINDS, fused_add_norm_available  # noqa: E402
 from models.decode import LOOPS, SIFAR_KINDS, Decoder, make_mesh  # noqa: E402
@@ -186,6 +186,15 @@ def parse_args(argv=None):
                    help="results directory (default: bench/results on GPUs, bench/results/local "
                         "on a CPU)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--ttft", nargs="?", const="default", default=None, metavar="LENGTHS",
+                   help="also time to first token per variant for prompts of these lengths "
+                        "(comma list; alone: 128,1024,4096 on GPUs, 16,64 on a CPU), beside "
+                        "the prefill's floor (bench/ttft.py): ttft-<host>.{json,md}")
+    p.add_argument("--ttft-only", action="store_true",
+                   help="only the time to first token (--ttft), not the decode loops")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="do not use JAX's persistent compilation cache (models/compile_cache.py: "
+                        "on by default; SIFAR_JAX_NO_COMPILE_CACHE=1 also turns it off)")
     return p.parse_args(argv)
 
 
@@ -1154,6 +1163,8 @@ def plot(records, order, path, host, platform, s):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    cache_dir = compile_cache.enable(off=args.no_compile_cache)
+    print(f"compilation cache: {cache_dir or 'off'}", flush=True)
     platform, devices = common.bench_devices(min_gpus=1)
     s = settings(args, platform, len(devices))
     if platform == "cpu":
@@ -1166,11 +1177,26 @@ def main(argv=None) -> int:
     lead = jax.process_index() == 0  # with one process per GPU, process 0 reports
     if jax.process_count() > 1:
         env["host"] += f"-{jax.process_count()}proc"
+    if args.ttft_only and args.ttft is None:
+        args.ttft = "default"
+    ttft_records, ttft_paths = [], ()
+    if args.ttft is not None:
+        ttft_records = ttft.run(s["config"], devices, s["tp"], s["variants"],
+                                ttft.parse_lengths(args.ttft, platform), s["samples"], s["seed"],
+                                s["kv_layout"], HBM_BYTES_PER_S)
+        if lead:
+            ttft_paths = ttft.write(ttft_records, out_dir(args, platform), env,
+                                    [CPU_NOTE] if platform == "cpu" else [])
+            print(common.plain_table(*ttft.table(ttft_records)), flush=True)
+    if args.ttft_only:
+        for p in ttft_paths:
+            print(f"wrote {p}")
+        return 0 if all("error" not in r for r in ttft_records) else 1
     records = run(s, devices, lambda recs: lead and write_outputs(args, s, env, recs, platform,
                                                                   final=False))
     if not lead:
         return 1 if any(r.get("sifar_check", "ok") != "ok" for r in records) else 0
-    paths = write_outputs(args, s, env, records, platform, final=True)
+    paths = write_outputs(args, s, env, records, platform, final=True) + tuple(ttft_paths)
 
     print()
     print(f"[{env['host']}] {describe_run(s)}")

@@ -52,8 +52,9 @@ def rope_inv_freq(config: Any) -> np.ndarray:
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [T, head_dim] (the half-frequencies repeated twice: HF's rotate_half layout)."""
-    ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    """cos, sin [..., head_dim] for positions [...] (the half-frequencies repeated twice: HF's
+    rotate_half layout)."""
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     ang = jnp.concatenate([ang, ang], axis=-1)
     return jnp.cos(ang), jnp.sin(ang)
 
@@ -72,24 +73,45 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class Step:
     """The positions one forward call fills and how its layers read the cache (trace-time only).
 
-    positions [T] int32, contiguous, shared by the batch (the cache is written at positions[0]);
-    cos/sin [T, head_dim] their rotary factors; attend_len: attention over that many cache
-    positions (all of them if None; the caller guarantees positions[-1] < attend_len);
-    kv_layout: the cache's KV_LAYOUTS key; gemm_rows: the rows a single-row projection runs
-    with (tp.project)."""
+    positions [T] int32, contiguous cache slots, shared by the batch (the cache is written at
+    positions[0]); attend_len: attention over that many cache slots (all of them if None; the
+    caller guarantees positions[-1] < attend_len); kv_layout: the cache's KV_LAYOUTS key.
+    start [B] int32 or None (0): each row's first slot. A row's slots before it (left padding,
+    so that prompts of different lengths end at the same slot) are never attended to, and its
+    token in slot p is at position p - start (its rotary angle), as in a run of that row alone.
+    cos/sin: the rotary factors, [T, head_dim], or [B, T, head_dim] with start. gemm_rows: the
+    rows a single-row projection runs with (tp.project)."""
 
     positions: jax.Array
     cos: jax.Array
     sin: jax.Array
     attend_len: Optional[int] = None
     kv_layout: str = "bshd"
+    start: Optional[jax.Array] = None
     gemm_rows: int = 1
 
     @classmethod
     def at(cls, config: Any, positions: jax.Array, attend_len: Optional[int] = None,
-           kv_layout: str = "bshd", gemm_rows: int = 1) -> "Step":
-        cos, sin = rope_cos_sin(positions, rope_inv_freq(config))
-        return cls(positions, cos, sin, attend_len, kv_layout, gemm_rows)
+           kv_layout: str = "bshd", start: Optional[jax.Array] = None,
+           gemm_rows: int = 1) -> "Step":
+        rope_positions = positions if start is None else positions[None, :] - start[:, None]
+        cos, sin = rope_cos_sin(rope_positions, rope_inv_freq(config))
+        return cls(positions, cos, sin, attend_len, kv_layout, start, gemm_rows)
+
+    def rope(self, x: jax.Array) -> jax.Array:
+        """The rotary embedding of x [B, T, heads..., head_dim]."""
+        cos, sin = (self.cos, self.sin) if self.cos.ndim == 3 else (self.cos[None], self.sin[None])
+        shape = cos.shape[:2] + (1,) * (x.ndim - 3) + cos.shape[2:]
+        return apply_rope(x, cos.reshape(shape), sin.reshape(shape))
+
+    def visible(self, n: int) -> jax.Array:
+        """Which of the first n cache slots each query sees: [T, n], or [B, 1, 1, T, n] with
+        start (broadcast against scores [B, kv heads, group, T, n])."""
+        slots = jnp.arange(n)
+        causal = self.positions[:, None] >= slots[None, :]
+        if self.start is None:
+            return causal
+        return (causal[None] & (slots[None, None, :] >= self.start[:, None, None]))[:, None, None]
 
 
 def _to_cache(x, dims: str, dtype):
@@ -126,9 +148,7 @@ class Attention(nnx.Module):
         q, k, v = qkv[..., :g, :], qkv[..., g, :], qkv[..., g + 1, :]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = step.cos, step.sin
-        q = apply_rope(q, cos[None, :, None, None, :], sin[None, :, None, None, :])
-        k = apply_rope(k, cos[None, :, None, :], sin[None, :, None, :])
+        q, k = step.rope(q), step.rope(k)
 
         # write this step's keys/values in place (the cache is donated), then attend over a
         # static prefix of the cache with a position mask: one compiled step per length bucket,
@@ -145,8 +165,7 @@ class Attention(nnx.Module):
 
         scores = jnp.einsum(f"btkgd,{dims}->bkgts", q, ka, preferred_element_type=jnp.float32)
         scores = scores * (d ** -0.5)
-        visible = step.positions[:, None] >= jnp.arange(n)[None, :]  # [T, n]
-        scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+        scores = jnp.where(step.visible(n), scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(va.dtype)
         out = jnp.einsum(f"bkgts,{dims}->btkgd", probs, va, preferred_element_type=jnp.float32)
         out = out.astype(x.dtype).reshape(*x.shape[:2], -1, d)  # heads in (kv group, group) order

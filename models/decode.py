@@ -7,18 +7,28 @@ on an H200 than a token kept in the state):
 
     cache  per layer {"k", "v"}: [B, capacity, kv_heads, head_dim] or [B, kv_heads, capacity,
            head_dim] (Decoder.kv_layout), split over the tp axis
-    pos    int32, the next position          tok   [B, 1] int32, the last token chosen
-    done   [B] bool, eos was produced        eos   int32, the stop token (-1: none)
+    pos    int32, the next cache slot        tok   [B, 1] int32, the last token chosen
+    done   [B] bool, a stop id was produced  eos   [MAX_STOP_IDS] int32, the stop ids (-1: none)
     key    uint32 raw PRNG key data          ar    all-reduce buffers (sifar_buffers), else {}
+    start  [B] int32, each row's first slot  temp, top_p  float32, the sampling's values
 
 B is Decoder.rows: batch_size, or min_rows where that is larger (the extra rows copy the last
 sequence and are never returned).
 
 A step is `state = step(param_leaves, state)`: no host input, no new buffer, no Python scalar.
 Its executable is compiled ahead of time (exact in/out shardings, so no call re-places or
-re-checks anything) per cache capacity, attention bucket and Sampling. Attention runs over the
-smallest bucket (a power of two >= MIN_BUCKET, or the capacity) that holds the filled positions,
-so a step costs what the filled length costs, not the whole cache.
+re-checks anything) per cache capacity, attention bucket and sampling mode (greedy, temperature,
+top_p: the values are in the state). Attention runs over the smallest bucket (a power of two >=
+MIN_BUCKET, or the capacity) that holds the filled positions, so a step costs what the filled
+length costs, not the whole cache.
+
+Prompts are left-padded to a bucket (prompt_bucket: a power of two >= MIN_PROMPT_BUCKET), so a
+prefill compiles once per bucket, not once per prompt length, and prompts of different lengths
+share a batch: each row's `start` is its first real slot; the slots before it are never
+attended to and its tokens keep the positions (rotary angles) of the prompt run alone
+(attention.Step), so a row's tokens are those of its prompt alone. `Decoder.warmup(max_prompt_len,
+max_new_tokens, ...)` compiles every executable a request within those limits can need, in
+parallel; an executable compiled after it is logged and counted (compiles_after_warmup).
 
 The loops (`Decoder.decode(n, loop=...)`; all give the same tokens):
     sync       one step, read its token, repeat: what a user writes first
@@ -33,8 +43,12 @@ A stop token is seen by the host a step or two late; the tokens after it are not
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
+import logging
+import os
+import time
 from typing import Iterator, Optional, Sequence
 
 import jax
@@ -47,12 +61,16 @@ from .families import family_of
 from .random_weights import hash_uniform, mix32
 from .sharding import KV_LAYOUTS, cache_spec, check_kv_layout, default_kv_layout
 from .tp import ALLREDUCE_KINDS, FUSED_MODES, make_fused_add_norm
-from .sampling import Sampling, key_data, next_token
+from .sampling import MODES, Sampling, key_data, next_token
+
+log = logging.getLogger(__name__)
 
 MIN_BUCKET = 64  # smallest attention bucket and smallest cache (positions)
+MIN_PROMPT_BUCKET = 16  # shortest padded prompt
 LOOPS = ("sync", "stream", "pipelined", "on_device")
 ON_DEVICE_CHUNK = 16  # tokens per dispatch of the on_device loop
 SIFAR_KINDS = ("sifar", "sifar_buffers")  # all-reduce kinds that run sifar_jax (and call init)
+MAX_STOP_IDS = 8  # stop ids a request may give (Llama 3 instruct has 3): a fixed-size operand
 
 
 def make_mesh(tp: int, axis_name: str = "tp", devices: Optional[Sequence] = None) -> Mesh:
@@ -76,6 +94,23 @@ def bucket_up(n: int) -> int:
     while b < n:
         b *= 2
     return b
+
+
+def prompt_bucket(n: int) -> int:
+    """The length a prompt of n tokens is left-padded to: the smallest power of two >= n, at
+    least MIN_PROMPT_BUCKET."""
+    b = MIN_PROMPT_BUCKET
+    while b < n:
+        b *= 2
+    return b
+
+
+def prompt_buckets(max_prompt_len: int) -> list[int]:
+    """Every prompt bucket of prompts up to max_prompt_len tokens."""
+    out = [MIN_PROMPT_BUCKET]
+    while out[-1] < max_prompt_len:
+        out.append(out[-1] * 2)
+    return out
 
 
 def attention_buckets(capacity: int) -> list[int]:
@@ -108,17 +143,27 @@ def _random_like(leaves, seed: int, sharding):
         for i, a in enumerate(leaves)]
 
 
+def stop_ids(eos_id) -> tuple[int, ...]:
+    """eos_id (None, an id, or a sequence of ids) as a tuple of ids."""
+    if eos_id is None:
+        return ()
+    ids = tuple(int(e) for e in (np.ravel(eos_id) if np.ndim(eos_id) else [eos_id]))
+    if len(ids) > MAX_STOP_IDS:
+        raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {len(ids)}")
+    return ids
+
+
 @dataclasses.dataclass
 class _StopAt:
-    """Host side of the stop token: True once every sequence has produced it."""
+    """Host side of the stop ids: True once every sequence has produced one."""
 
-    eos: Optional[int]
+    eos: tuple
     done: np.ndarray
 
     def seen(self, tok: np.ndarray) -> bool:
-        if self.eos is None:
+        if not self.eos:
             return False
-        self.done |= tok == self.eos
+        self.done |= np.isin(tok, self.eos)
         return bool(self.done.all())
 
 
@@ -204,6 +249,8 @@ class Decoder:
         self._cache_sharding = NamedSharding(mesh, cache_spec(axis_name, self.kv_layout))
         self._forwards: dict = {}
         self._executables: dict = {}
+        self.warmed: Optional[dict] = None  # the limits of the last warmup()
+        self.compiles_after_warmup = 0  # executables compiled since, each logged
         self.sampling = Sampling()
         self.state: Optional[dict] = None
         self._capacity = 0
@@ -273,17 +320,19 @@ class Decoder:
             self._capacity = size
         b = self.rows
         self.state.update(pos=self._put(np.int32(0)), tok=self._put(np.zeros((b, 1), np.int32)),
-                          done=self._put(np.zeros(b, bool)), eos=self._put(np.int32(-1)),
-                          key=self._put(key_data(0)))
+                          done=self._put(np.zeros(b, bool)), eos=self._put(self._stop_array(())),
+                          key=self._put(key_data(0)), start=self._put(np.zeros(b, np.int32)),
+                          temp=self._put(np.float32(0)), top_p=self._put(np.float32(1)))
         self._pos, self._step = 0, (0, None)
 
     def seek(self, position: int, token) -> None:
         """Continue from `position` of the current cache (taken as the context, as it is) with
         `token` ([B] ints) as the last token. For benchmarks: a context without a prefill."""
         self._ensure_capacity(position + 1)
-        tok = self._padded(np.asarray(token, np.int32).reshape(self.batch_size, 1))
+        tok = self._padded(self._check_ids(token).reshape(self.batch_size, 1))
         self.state.update(pos=self._put(np.int32(position)), tok=self._put(tok),
-                          done=self._put(np.zeros(self.rows, bool)))
+                          done=self._put(np.zeros(self.rows, bool)),
+                          start=self._put(np.zeros(self.rows, np.int32)))
         self._pos, self._step = position, (0, None)
 
     def randomize_cache(self, seed: int = 0) -> None:
@@ -294,14 +343,61 @@ class Decoder:
         self.state["cache"] = jax.tree.unflatten(tree, _random_like(leaves, seed,
                                                                     self._cache_sharding))
 
+    def _check_ids(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens as int32, or a ValueError naming the first id outside [0, vocab_size) (an id
+        past the embedding table would be read as garbage, never as an error, on a device)."""
+        tokens = np.asarray(tokens)
+        if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"token ids must be integers, got {tokens.dtype}")
+        bad = (tokens < 0) | (tokens >= self.config.vocab_size)
+        if bad.any():
+            raise ValueError(f"token id {int(tokens[bad].flat[0])} is outside the vocabulary "
+                             f"[0, {self.config.vocab_size})")
+        return tokens.astype(np.int32)
+
     def _tokens(self, tokens) -> jax.Array:
-        tokens = np.asarray(tokens, np.int32)
+        tokens = self._check_ids(tokens)
         if tokens.ndim == 1:
             tokens = tokens[None, :] if self.batch_size == 1 else tokens[:, None]
         if tokens.ndim != 2 or tokens.shape[0] != self.batch_size:
             raise ValueError(f"tokens of shape {tokens.shape}: expected [batch_size="
                              f"{self.batch_size}, T]")
         return self._put(self._padded(tokens))
+
+    def _prompts(self, prompt) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [batch_size, T], lengths [batch_size]) of a prompt [B, T] (or [T] for batch
+        1), or of B sequences of different lengths (a list: each row's tokens first, then
+        zeros); ids checked."""
+        if isinstance(prompt, (list, tuple)) and prompt and all(
+                np.ndim(p) == 1 for p in prompt) and len({len(p) for p in prompt}) > 1:
+            if len(prompt) != self.batch_size:
+                raise ValueError(f"{len(prompt)} prompts for batch_size={self.batch_size}")
+            rows = [self._check_ids(p) for p in prompt]
+            lengths = np.array([len(r) for r in rows], np.int32)
+            if not lengths.min():
+                raise ValueError("empty prompt: a sequence needs at least one token")
+            tokens = np.zeros((len(rows), lengths.max()), np.int32)
+            for row, r in enumerate(rows):
+                tokens[row, :len(r)] = r
+            return tokens, lengths
+        tokens = self._check_ids(prompt)
+        if tokens.ndim == 1:
+            tokens = tokens[None, :] if self.batch_size == 1 else tokens[:, None]
+        if tokens.ndim != 2 or tokens.shape[0] != self.batch_size:
+            raise ValueError(f"prompt of shape {tokens.shape}: expected [batch_size="
+                             f"{self.batch_size}, T]")
+        if tokens.shape[1] == 0:
+            raise ValueError("empty prompt: a sequence needs at least one token")
+        return tokens, np.full(self.batch_size, tokens.shape[1], np.int32)
+
+    def _limit(self) -> int:
+        return self.max_seq_len or self.config.max_seq_len
+
+    def _prompt_width(self, t: int, reserve: int) -> int:
+        """The slots a prompt of t tokens takes: its bucket, or t itself where the bucket and
+        the reserve would not fit the cache's limit (an executable of its own)."""
+        width = prompt_bucket(t)
+        return width if width + reserve <= self._limit() else t
 
     def _padded(self, rows: np.ndarray) -> np.ndarray:
         """[batch_size, ...] host values -> [rows, ...]: the last real row repeated."""
@@ -322,56 +418,64 @@ class Decoder:
         self._ensure_capacity(end)
         return next(b for b in attention_buckets(self._capacity) if b >= end)
 
-    def _append(self, leaves, state, tokens, attend_len: int, sampling: Sampling) -> dict:
-        """Run tokens [B, T] at state["pos"]; choose the next token from the last logits."""
+    def _append(self, leaves, state, tokens, attend_len: int, mode: str) -> dict:
+        """Run tokens [B, T] at state["pos"]; choose the next token from the last logits
+        (sampling mode `mode`, its values from the state)."""
         params = jax.tree.unflatten(self._treedef, leaves)
         t = tokens.shape[1]
         positions = state["pos"] + jnp.arange(t, dtype=jnp.int32)
         logits, cache, ar = self._forward(attend_len, True)(params, state["cache"], tokens,
-                                                            positions, state["ar"])
-        nxt, key = next_token(logits[:, -1], state["key"], sampling)
-        nxt = jnp.where(state["done"], state["eos"], nxt)  # a finished sequence repeats eos
+                                                            positions, state["ar"], state["start"])
+        nxt, key = next_token(logits[:, -1], state["key"], mode, state["temp"], state["top_p"])
+        nxt = jnp.where(state["done"], state["tok"][:, 0], nxt)  # a finished row repeats its stop
         return dict(state, cache=cache, ar=ar, pos=state["pos"] + t, tok=nxt[:, None], key=key,
-                    done=state["done"] | (nxt == state["eos"]))
+                    done=state["done"] | jnp.any(nxt[:, None] == state["eos"][None, :], axis=1))
+
+    def _lower(self, fn, *args, outputs=()) -> "jax.stages.Lowered":
+        """fn(leaves, state, *args) lowered with the state donated and its shardings fixed on
+        the way in and out; `outputs`: shardings of further outputs; args: arrays or
+        ShapeDtypeStructs with shardings."""
+        shardings = lambda tree: jax.tree.map(lambda a: a.sharding, tree)  # noqa: E731
+        state_sh = shardings(self.state)
+        out_sh = (state_sh, *outputs) if outputs else state_sh
+        jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=out_sh,
+                         in_shardings=(shardings(self._leaves), state_sh,
+                                       *(shardings(a) for a in args)))
+        return jitted.lower(self._leaves, self.state, *args)
 
     def _compile(self, key, fn, *args, outputs=()):
-        """Ahead-of-time compile fn(leaves, state, *args) with the state donated and its
-        shardings fixed on the way in and out; `outputs`: shardings of further outputs."""
+        """The executable `key`, compiled ahead of time (see _lower) on first use. After a
+        warmup() a compile is logged and counted: the request is outside the warmed limits."""
         exe = self._executables.get(key)
         if exe is None:
-            shardings = lambda tree: jax.tree.map(lambda a: a.sharding, tree)  # noqa: E731
-            state_sh = shardings(self.state)
-            out_sh = (state_sh, *outputs) if outputs else state_sh
-            jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=out_sh,
-                             in_shardings=(shardings(self._leaves), state_sh,
-                                           *(shardings(a) for a in args)))
-            exe = self._executables[key] = jitted.lower(self._leaves, self.state, *args).compile()
+            if self.warmed is not None:
+                self.compiles_after_warmup += 1
+                log.warning("compiling %s %s: outside the limits of warmup(%s)", key[0], key[2:],
+                            ", ".join(f"{k}={v}" for k, v in self.warmed.items()))
+            exe = self._executables[key] = self._lower(fn, *args, outputs=outputs).compile()
         return exe
 
-    def compiled_step(self) -> "jax.stages.Compiled":
-        """The executable the next step runs (for inspection: .as_text())."""
-        limit, exe = self._step
-        if self._pos + 1 > limit:
-            n = self._bucket(self._pos + 1)
-            s = self.sampling
-            exe = self._compile(("step", self._capacity, n, s),
-                                lambda p, st: self._append(p, st, st["tok"], n, s))
-            self._step = (n, exe)
-        return exe
+    # Each executable as (key, fn, args, outputs) for _compile; warmup() compiles them ahead.
 
-    def compiled_chunk(self, k: int, early_exit: bool = False) -> "jax.stages.Compiled":
-        """The executable of k steps in one dispatch from the current position:
-        (leaves, state) -> (state, tokens [B, k]). fori_loop, or with early_exit a while_loop
-        that stops once every sequence has produced eos (unrun steps' tokens are eos)."""
-        n, s, b = self._bucket(self._pos + k), self.sampling, self.rows
+    def _step_spec(self, n: int, mode: str):
+        return (("step", self._capacity, n, mode),
+                lambda p, st: self._append(p, st, st["tok"], n, mode), (), ())
+
+    def _prefill_spec(self, n: int, width: int, mode: str):
+        tokens = jax.ShapeDtypeStruct((self.rows, width), jnp.int32, sharding=self._rep)
+        return (("prefill", self._capacity, n, width, mode),
+                lambda p, st, toks: self._append(p, st, toks, n, mode), (tokens,), ())
+
+    def _chunk_spec(self, n: int, mode: str, k: int, early_exit: bool):
+        b = self.rows
 
         def chunk(leaves, state):
             def body(i, carry):
                 st, toks = carry
-                st = self._append(leaves, st, st["tok"], n, s)
+                st = self._append(leaves, st, st["tok"], n, mode)
                 return st, jax.lax.dynamic_update_slice(toks, st["tok"], (0, i))
 
-            toks = jnp.full((b, k), state["eos"], jnp.int32)
+            toks = jnp.full((b, k), state["eos"][0], jnp.int32)
             if not early_exit:
                 return jax.lax.fori_loop(0, k, body, (state, toks))
             _, state, toks = jax.lax.while_loop(
@@ -379,8 +483,85 @@ class Decoder:
                 lambda c: (c[0] + 1, *body(c[0], (c[1], c[2]))), (jnp.int32(0), state, toks))
             return state, toks
 
-        return self._compile(("chunk", self._capacity, n, s, k, early_exit), chunk,
-                             outputs=(self._rep,))
+        return ("chunk", self._capacity, n, mode, k, early_exit), chunk, (), (self._rep,)
+
+    def _compile_spec(self, spec):
+        key, fn, args, outputs = spec
+        return self._compile(key, fn, *args, outputs=outputs)
+
+    def compiled_step(self) -> "jax.stages.Compiled":
+        """The executable the next step runs (for inspection: .as_text())."""
+        limit, exe = self._step
+        if self._pos + 1 > limit:
+            n = self._bucket(self._pos + 1)
+            exe = self._compile_spec(self._step_spec(n, self.sampling.mode))
+            self._step = (n, exe)
+        return exe
+
+    def compiled_chunk(self, k: int, early_exit: bool = False) -> "jax.stages.Compiled":
+        """The executable of k steps in one dispatch from the current position:
+        (leaves, state) -> (state, tokens [B, k]). fori_loop, or with early_exit a while_loop
+        that stops once every sequence has produced a stop id (unrun steps' tokens are the
+        first stop id)."""
+        n = self._bucket(self._pos + k)
+        return self._compile_spec(self._chunk_spec(n, self.sampling.mode, k, early_exit))
+
+    def warmup(self, max_prompt_len: int, max_new_tokens: int, *,
+               sampling: Sequence = ("greedy",), loops: Sequence[str] = ("stream",),
+               chunk: int = ON_DEVICE_CHUNK, early_exit: bool = False,
+               threads: Optional[int] = None) -> dict:
+        """Compile every executable a request of up to max_prompt_len prompt tokens and
+        max_new_tokens new ones can need, with the sampling modes (MODES, or Samplings) and
+        loops given: the prefill of each prompt bucket, the step (or the on_device loop's chunk
+        of `chunk` steps) of each attention bucket. Sizes the KV cache for the largest request
+        and keeps it, so no smaller request reallocates it. Traces them one by one, then
+        compiles them on `threads` threads (XLA compiles without the GIL; default: one per CPU).
+        Ends with a short run of each loop and mode (the small helper programs they call).
+        After it, an executable compiled for a request outside these limits is logged and
+        counted (compiles_after_warmup). Returns {"executables": compiled now, "seconds": ...}."""
+        t0 = time.perf_counter()
+        modes = sorted({m.mode if isinstance(m, Sampling) else m for m in sampling})
+        for m in modes:
+            if m not in MODES:
+                raise ValueError(f"sampling mode must be one of {MODES} (or a Sampling), got {m!r}")
+        for loop in loops:
+            if loop not in LOOPS:
+                raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
+        if max_prompt_len < 1 or max_new_tokens < 1:
+            raise ValueError(f"warmup needs max_prompt_len >= 1 and max_new_tokens >= 1, got "
+                             f"{max_prompt_len}, {max_new_tokens}")
+        reserve = max_new_tokens + (chunk if "on_device" in loops else 0)
+        widest = prompt_bucket(max_prompt_len)
+        if widest + reserve > self._limit():
+            raise ValueError(f"warmup: a {widest}-slot prompt bucket + {reserve} new tokens "
+                             f"exceed max_seq_len={self._limit()}")
+        self.warmed = None
+        self.reset(widest + reserve)
+        specs = []
+        for mode in modes:
+            specs += [self._prefill_spec(self._bucket(w), w, mode)
+                      for w in prompt_buckets(max_prompt_len)]
+            for n in attention_buckets(self._capacity):
+                if "on_device" in loops:
+                    specs.append(self._chunk_spec(n, mode, chunk, early_exit))
+                if set(loops) - {"on_device"}:
+                    specs.append(self._step_spec(n, mode))
+        todo = {}
+        for key, fn, args, outputs in specs:
+            if key not in self._executables and key not in todo:
+                todo[key] = self._lower(fn, *args, outputs=outputs)
+        workers = max(1, min(len(todo), threads or os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for key, exe in zip(todo, pool.map(lambda lowered: lowered.compile(), todo.values())):
+                self._executables[key] = exe
+        for mode in modes:
+            s = Sampling.of_mode(mode)
+            for loop in loops:
+                self.generate(np.zeros((self.batch_size, 1), np.int32), 2, loop=loop, chunk=chunk,
+                              early_exit=early_exit, temperature=s.temperature, top_p=s.top_p)
+        self.warmed = dict(max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
+                           sampling=tuple(modes), loops=tuple(loops))
+        return {"executables": len(todo), "seconds": time.perf_counter() - t0}
 
     # ---- steps --------------------------------------------------------------------------------
 
@@ -397,7 +578,7 @@ class Decoder:
             params = jax.tree.unflatten(self._treedef, leaves)
             positions = state["pos"] + jnp.arange(t, dtype=jnp.int32)
             logits, cache, ar = self._forward(n, False)(params, state["cache"], toks, positions,
-                                                        state["ar"])
+                                                        state["ar"], state["start"])
             return dict(state, cache=cache, ar=ar, pos=state["pos"] + t), logits
 
         exe = self._compile(("logits", self._capacity, n, t), logits_fn, tokens,
@@ -410,21 +591,57 @@ class Decoder:
         """Append one token per sequence ([B] or [B, 1]); logits [B, vocab]."""
         return self.prefill(np.asarray(token, np.int32).reshape(self.batch_size, 1))[:, 0]
 
-    def start(self, prompt, eos_id: Optional[int] = None, *, temperature: float = 0.0,
+    def _stop_array(self, ids: tuple) -> np.ndarray:
+        for e in ids:
+            if not 0 <= e < self.config.vocab_size:
+                raise ValueError(f"stop id {e} is outside the vocabulary [0, "
+                                 f"{self.config.vocab_size})")
+        return np.array(list(ids) + [-1] * (MAX_STOP_IDS - len(ids)), np.int32)
+
+    def start(self, prompt, eos_id=None, *, temperature: float = 0.0,
               top_p: float = 1.0, seed: int = 0, reserve: int = 1) -> None:
-        """New sequence: prefill `prompt` ([B, T], or [T] for batch 1) and choose the first new
-        token (in the state, not yet read). The cache holds at least T + reserve positions."""
-        tokens = self._tokens(prompt)
-        t = tokens.shape[1]
-        self.reset(t + max(reserve, 1))
-        self.sampling = Sampling(temperature, top_p)
-        self.state.update(eos=self._put(np.int32(-1 if eos_id is None else eos_id)),
-                          key=self._put(key_data(seed)))
-        n, s = self._bucket(t), self.sampling
-        exe = self._compile(("prefill", self._capacity, n, t, s),
-                            lambda p, st, toks: self._append(p, st, toks, n, s), tokens)
-        self.state = exe(self._leaves, self.state, tokens)
-        self._pos = t
+        """New sequences: prefill `prompt` ([B, T], or [T] for batch 1, or a list of B token
+        sequences of different lengths), each row left-padded to the bucket of the longest
+        (prompt_bucket), and choose the first new tokens (in the state, not yet read). Each
+        row's tokens are those of its prompt run alone (greedy; see the module docstring).
+        The cache holds at least the padded prompt + reserve positions."""
+        tokens, lengths = self._prompts(prompt)
+        stops = self._stop_array(stop_ids(eos_id))
+        sampling = Sampling(temperature, top_p)
+        reserve = max(reserve, 1)
+        width = self._prompt_width(tokens.shape[1], reserve)
+        pad = width - lengths  # left padding: every row's last prompt token in slot width - 1
+        padded = np.zeros((self.batch_size, width), np.int32)
+        for row, (toks, n) in enumerate(zip(tokens, lengths)):
+            padded[row, pad[row]:] = toks[:n]
+        self.reset(width + reserve)
+        self.sampling = sampling
+        self.state.update(eos=self._put(stops),
+                          key=self._put(key_data(seed)), start=self._put(self._padded(pad)),
+                          temp=self._put(np.float32(temperature)),
+                          top_p=self._put(np.float32(top_p)))
+        exe = self._compile_spec(self._prefill_spec(self._bucket(width), width, sampling.mode))
+        self.state = exe(self._leaves, self.state, self._put(self._padded(padded)))
+        self._pos = width
+
+    def prefill_allreduce(self, prompt_len: int) -> str:
+        """Which all-reduce a prefill of prompt_len tokens (padded to its bucket) runs: the
+        decoder's, or for sifar "psum (fallback: ...)" where its payload (rows x padded prompt
+        x hidden) does not fit sifar's slot (algorithm "auto" hands it to lax.psum; a named
+        algorithm raises instead)."""
+        kind = self._fwd_kw["allreduce"]
+        if kind not in SIFAR_KINDS:
+            return kind
+        import sifar_jax
+
+        dtype = jnp.dtype(self.config.dtype)
+        if dtype not in sifar_jax.SUPPORTED_DTYPES:
+            return f"psum (fallback: sifar does not reduce {dtype.name})"
+        payload = self.rows * prompt_bucket(prompt_len) * self.config.hidden_size * dtype.itemsize
+        slots = [c.slot_bytes for c in sifar_jax.communicators(self.axis_name)]
+        if slots and -(-payload // 16) * 16 > min(slots):
+            return f"psum (fallback: a {payload} B payload > sifar's {min(slots)} B slot)"
+        return kind
 
     def advance(self, n: int = 1) -> None:
         """Dispatch n steps (nothing is read back; the steps run as the device gets to them)."""
@@ -456,17 +673,18 @@ class Decoder:
 
     # ---- loops ----------------------------------------------------------------------------------
 
-    def decode(self, n: int, *, loop: str = "stream", eos_id: Optional[int] = None,
+    def decode(self, n: int, *, loop: str = "stream", eos_id=None,
                in_flight: int = 2, chunk: int = ON_DEVICE_CHUNK,
                early_exit: bool = False) -> Iterator[np.ndarray]:
         """Yield the next n tokens ([B] each) from the current state: first the token already
         chosen, then one per step, run by `loop` (LOOPS). Stops after the token with which every
-        sequence has produced eos_id (a finished sequence yields eos_id meanwhile).
+        sequence has produced eos_id (an id or a list of stop ids; a finished sequence repeats
+        its stop id meanwhile).
         in_flight: steps (stream) or chunks of `chunk` steps (on_device) dispatched ahead of the
         token being waited for."""
         if loop not in LOOPS:
             raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
-        stop = _StopAt(eos_id, np.zeros(self.batch_size, bool))
+        stop = _StopAt(stop_ids(eos_id), np.zeros(self.batch_size, bool))
         if loop == "sync":
             for i in range(n):
                 if i:
@@ -511,7 +729,7 @@ class Decoder:
                         self._pos = int(_host(self.state["pos"]))
                     return
 
-    def stream(self, prompt, max_new_tokens: int, eos_id: Optional[int] = None, *,
+    def stream(self, prompt, max_new_tokens: int, eos_id=None, *,
                temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                loop: str = "stream", in_flight: int = 2, chunk: int = ON_DEVICE_CHUNK,
                early_exit: bool = False) -> Iterator[np.ndarray]:
@@ -523,7 +741,7 @@ class Decoder:
         yield from self.decode(max_new_tokens, loop=loop, eos_id=eos_id, in_flight=in_flight,
                                chunk=chunk, early_exit=early_exit)
 
-    def generate(self, prompt, max_new_tokens: int, eos_id: Optional[int] = None, **kw) -> np.ndarray:
+    def generate(self, prompt, max_new_tokens: int, eos_id=None, **kw) -> np.ndarray:
         """The new tokens [B, n] (n <= max_new_tokens: up to and including the step at which
         every sequence has produced eos_id). Keywords as stream(); loop="stream" by default."""
         toks = list(self.stream(prompt, max_new_tokens, eos_id, **kw))

@@ -196,10 +196,11 @@ class ModelFamily:
                      prefetch_bytes: Optional[int] = None, gemm_rows: int = 1):
         """The TP forward as a pure function, ready for jax.jit:
 
-            forward(params, cache, tokens, positions, ar) -> (logits, cache, ar)
+            forward(params, cache, tokens, positions, ar, start=None) -> (logits, cache, ar)
 
         params/cache are global arrays sharded as param_shardings/init_cache (laid out by
-        layout); tokens [B, T] and positions [T] are replicated; logits [B, T (1 if last_only),
+        layout); tokens [B, T], positions [T] and start ([B], each row's first cache slot, see
+        attention.Step; None: 0) are replicated; logits [B, T (1 if last_only),
         vocab] come out split over vocab; `ar` is the all-reduce buffer pytree of the decode
         state ({} unless sifar_buffers; `ar_specs` its specs). attend_len: attention over that
         many cache positions (see attention.Step); kv_layout: the cache's
@@ -221,11 +222,11 @@ class ModelFamily:
             raise ValueError(f"fused must be one of {FUSED_MODES}, got {fused!r}")
         fused_fn = make_fused_add_norm(allreduce, algorithm, prefetch_bytes) if fused else None
 
-        def per_rank(params, cache, tokens, positions, ar):
+        def per_rank(params, cache, tokens, positions, ar, start):
             model = nnx.merge(graphdef, params)
             ctx = TPContext(axis_name, tp, reduce_fn, ar, make_allreduce_into(algorithm), fused_fn)
             logits, cache = model(tokens, positions, cache, ctx, last_only=last_only,
-                                  attend_len=attend_len, kv_layout=kv_layout,
+                                  attend_len=attend_len, kv_layout=kv_layout, start=start,
                                   gemm_rows=gemm_rows)
             if ctx.buffers and ctx.count % 2:
                 # The next step starts with buffer "a" again: an odd count would reuse the buffer
@@ -234,8 +235,13 @@ class ModelFamily:
                                  f"step, got {ctx.count}")
             return logits, cache, ctx.buffers
 
-        return jax.shard_map(
+        mapped = jax.shard_map(
             per_rank, mesh=mesh,
-            in_specs=(pspecs, cspec, P(), P(), aspecs),
+            in_specs=(pspecs, cspec, P(), P(), aspecs, P()),
             out_specs=(P(None, None, axis_name), cspec, aspecs),
             check_vma=True)
+
+        def forward(params, cache, tokens, positions, ar, start=None):
+            return mapped(params, cache, tokens, positions, ar, start)
+
+        return forward

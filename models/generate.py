@@ -1,132 +1,388 @@
-"""Generation from the command line: tokens printed as they come, then the time per output token.
+"""Generation from the command line: tokens printed as they come, then the time to the first token
+and the time per output token.
 
     python -m models.generate --preset tiny --tp 2 --tokens 32
-        [--allreduce psum|sifar|sifar_buffers|identity] [--algorithm auto] [--fused]
-        [--slot-bytes N] [--loop stream|sync|pipelined|on_device] [--eos ID]
-        [--temperature T --top-p P --seed S] [--checkpoint DIR]
+        [--allreduce sifar|psum|sifar_buffers|identity] [--algorithm auto] [--fused]
+        [--slot-bytes N] [--loop stream|sync|pipelined|on_device] [--eos ID ...]
+        [--temperature T --top-p P --seed S] [--prompt-ids ID ...]
+    python -m models.generate --checkpoint DIR --prompt "text" [--chat] --tokens 200
 
-Without --checkpoint the weights are random (the timing is what matters). On a CPU-only
-machine, XLA_FLAGS is given enough host devices for --tp before jax is imported.
+Without --checkpoint the weights are random (the timing is what matters). With a Hugging Face
+checkpoint that has a tokenizer.json, --prompt is text (--chat: as a user message in the
+checkpoint's chat template), the answer is printed as text while it is generated, and it stops
+at the checkpoint's stop ids (generation_config.json; --ignore-eos: never). On a CPU-only
+machine, XLA_FLAGS is given enough host devices for --tp before jax starts its backend. Every
+mistake in the arguments is one line `error: ...` on stderr and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
+ALLREDUCE_CHOICES = ("sifar", "psum", "sifar_buffers", "identity")  # = models.tp.ALLREDUCE_KINDS
+LOOP_CHOICES = ("stream", "sync", "pipelined", "on_device")  # = models.decode.LOOPS
+IDENTITY_NOTE = "(no communication: meaningless tokens, a timing bound)"
+TEXT_RULE = "-" * 40  # frames the generated text
 
-def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m models.generate", description=__doc__.split("\n")[0])
+
+class UserError(Exception):
+    """A mistake in the arguments or the environment: printed as one `error:` line, exit 2."""
+
+
+def _sifar_status() -> tuple[tuple, str | None]:
+    """(sifar_jax's algorithm names, None), or ((), why sifar_jax cannot be used here).
+    Importing jax does not start its backend, so XLA_FLAGS can still be set after this."""
+    try:
+        import sifar_jax
+    except Exception as e:  # noqa: BLE001 - extension not built, or a broken install
+        return (), f"import sifar_jax failed: {e}"
+    return tuple(sifar_jax.ALGORITHMS), None
+
+
+def _parser(algorithms: tuple, sifar_why: str | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m models.generate",
+                                description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # (the names are checked after jax is imported: every family's presets, models.families)
     p.add_argument("--preset", default="tiny",
                    help="model shapes, random weights (tiny, llama3_8b, ...)")
     p.add_argument("--checkpoint", help="Hugging Face checkpoint dir (config.json + safetensors; "
                                         "its model_type picks the family); overrides --preset")
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")
     p.add_argument("--tokens", type=int, default=32, help="tokens to generate")
-    p.add_argument("--prompt-len", type=int, default=8, help="random prompt length")
-    p.add_argument("--prompt", type=int, nargs="*", help="explicit prompt token ids")
-    p.add_argument("--allreduce", default="psum",
-                   choices=["psum", "sifar", "sifar_buffers", "identity"])
-    p.add_argument("--algorithm", default="auto", help="sifar algorithm (with --allreduce sifar)")
+    p.add_argument("--prompt-len", type=int, default=8,
+                   help="random prompt length (without --prompt or --prompt-ids)")
+    p.add_argument("--prompt", help="prompt text (needs --checkpoint with a tokenizer.json)")
+    p.add_argument("--chat", action="store_true",
+                   help="--prompt as a user message in the checkpoint's chat template")
+    p.add_argument("--prompt-ids", type=int, nargs="+", metavar="ID", help="prompt token ids")
+    default_ar = "psum" if sifar_why else "sifar"
+    p.add_argument("--allreduce", default=default_ar, choices=ALLREDUCE_CHOICES,
+                   help="sifar: sifar_jax's all-reduce; psum: lax.psum (XLA's); sifar_buffers: "
+                        "sifar with explicit dual buffers; identity " + IDENTITY_NOTE
+                        + (f". The default is psum here: {sifar_why}" if sifar_why else ""))
+    p.add_argument("--algorithm", default="auto", choices=("auto", *algorithms),
+                   help="sifar's algorithm (with --allreduce sifar*)")
     p.add_argument("--fused", action="store_true",
                    help="fused all-reduce + residual add + RMSNorm (with --allreduce sifar)")
     p.add_argument("--slot-bytes", type=int, help="sifar's slot size (largest payload served)")
-    p.add_argument("--loop", default="stream", choices=["stream", "sync", "pipelined", "on_device"])
-    p.add_argument("--eos", type=int, help="stop token id")
+    p.add_argument("--loop", default="stream", choices=LOOP_CHOICES,
+                   help="stream: steps run ahead of the host, tokens yielded as ready; sync: one "
+                        "step then its token; pipelined: tokens read at the end; on_device: 16 "
+                        "steps per dispatch in a device loop (all give the same tokens)")
+    p.add_argument("--eos", type=int, nargs="+", metavar="ID",
+                   help="stop token id(s) (default: the checkpoint's, none for random weights)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the checkpoint's stop ids (generate --tokens)")
+    p.add_argument("--show-ids", action="store_true",
+                   help="print token ids, not text, even with a tokenizer")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--dtype", help="override parameter/activation dtype (e.g. bfloat16)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]")
+    p.add_argument("--dtype", help="override parameter/activation dtype (a float dtype, e.g. "
+                                   "bfloat16)")
     p.add_argument("--max-seq-len", type=int, help="KV cache length (default: the request, "
                                                    "rounded up to a power of two)")
-    p.add_argument("--warmup", type=int, default=3, help="tokens excluded from the timing")
     p.add_argument("--seed", type=int, default=0, help="random weights, prompt and sampling")
-    return p.parse_args(argv)
+    p.add_argument("--compile-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="JAX's persistent compilation cache in $SIFAR_JAX_COMPILE_CACHE, else "
+                        "$XDG_CACHE_HOME/sifar-jax/jax-cache or ~/.cache/sifar-jax/jax-cache "
+                        "(models/compile_cache.py), so a second start reads what the first "
+                        "compiled; also off with SIFAR_JAX_NO_COMPILE_CACHE=1")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile every executable the request can need before it starts "
+                        "(Decoder.warmup); --no-warmup: compile as the request goes, stalls "
+                        "included")
+    return p
 
 
 def _ensure_host_devices(n: int) -> None:
-    # Must run before jax is imported. The flag only adds CPU devices, so it is harmless where a
-    # GPU is the default backend; an explicit count in XLA_FLAGS is respected.
+    # Must run before jax creates its backend. The flag only adds CPU devices, so it is harmless
+    # where a GPU is the default backend; an explicit count in XLA_FLAGS is respected.
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
+def _check_args(args) -> None:
+    """What can be checked before jax starts."""
+    if args.tp <= 0:
+        raise UserError(f"--tp must be >= 1, got {args.tp}")
+    if args.tokens <= 0:
+        raise UserError(f"--tokens must be >= 1, got {args.tokens}")
+    if args.prompt is None and args.prompt_ids is None and args.prompt_len <= 0:
+        raise UserError(f"--prompt-len must be >= 1, got {args.prompt_len}")
+    if args.prompt is not None and args.prompt_ids is not None:
+        raise UserError("give --prompt (text) or --prompt-ids, not both")
+    if args.prompt is not None and not args.checkpoint:
+        raise UserError("--prompt is text: it needs --checkpoint DIR with a tokenizer.json "
+                        "(token ids: --prompt-ids)")
+    if args.chat and args.prompt is None:
+        raise UserError("--chat applies the chat template to --prompt TEXT")
+    if args.eos is not None and args.ignore_eos:
+        raise UserError("--eos and --ignore-eos contradict each other")
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.slot_bytes is not None and args.slot_bytes <= 0:
+        raise UserError(f"--slot-bytes must be positive, got {args.slot_bytes}")
+    if args.max_seq_len is not None and args.max_seq_len <= 0:
+        raise UserError(f"--max-seq-len must be positive, got {args.max_seq_len}")
+    if args.checkpoint is not None:
+        if not os.path.isdir(args.checkpoint):
+            raise UserError(f"--checkpoint {args.checkpoint}: no such directory")
+        if not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
+            raise UserError(f"--checkpoint {args.checkpoint}: no config.json in it")
+    if args.fused and args.allreduce != "sifar":
+        raise UserError(f"--fused needs --allreduce sifar, got --allreduce {args.allreduce}")
+    if args.algorithm != "auto" and "sifar" not in args.allreduce:
+        raise UserError(f"--algorithm {args.algorithm} is sifar's; --allreduce is "
+                        f"{args.allreduce}")
+
+
+def _float_dtype(name: str) -> str:
+    import jax.numpy as jnp
+
+    try:
+        dt = jnp.dtype(name)
+    except TypeError:
+        raise UserError(f"--dtype {name!r} is not a dtype") from None
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise UserError(f"--dtype must be a float dtype (bfloat16, float16, float32), got {name}")
+    return dt.name
+
+
+def _model(args):
+    """(family, config) from --checkpoint or --preset, checked against --tp; nothing allocated."""
+    from .checkpoint import read_hf_config
+    from .families import family_for_checkpoint, presets
+
+    dtype = _float_dtype(args.dtype) if args.dtype else None
+    if args.checkpoint:
+        try:
+            family = family_for_checkpoint(args.checkpoint)
+            config = family.config_from_hf(read_hf_config(args.checkpoint), dtype=dtype)
+        except (ValueError, NotImplementedError, KeyError, OSError) as e:
+            raise UserError(f"--checkpoint {args.checkpoint}: {e}") from None
+    else:
+        if args.preset not in presets():
+            raise UserError(f"unknown --preset {args.preset!r}; choose from {sorted(presets())}")
+        family = presets()[args.preset]
+        config = family.preset(args.preset)
+        if dtype:
+            config = config.replace(dtype=dtype)
+    try:
+        family.layout(config, args.tp)  # the model's own tp check
+    except ValueError as e:
+        raise UserError(f"--tp {args.tp}: {e}") from None
+    return family, config
+
+
+def _tokenizer(args):
+    """The checkpoint's TextTokenizer, or None (no checkpoint, or no tokenizer.json in it)."""
+    from . import tokenizer
+
+    if not args.checkpoint or not tokenizer.has_tokenizer(args.checkpoint):
+        if args.prompt is not None:
+            raise UserError(f"--prompt is text, but {args.checkpoint} has no "
+                            f"{tokenizer.TOKENIZER_FILE} (token ids: --prompt-ids)")
+        return None
+    try:
+        return tokenizer.TextTokenizer(args.checkpoint)
+    except (ImportError, OSError, ValueError) as e:
+        raise UserError(f"--checkpoint {args.checkpoint}: tokenizer: {e}") from None
+
+
+def _prompt(args, config, rng, tok):
+    import numpy as np
+
+    if args.prompt is not None:
+        try:
+            ids = tok.encode(args.prompt, chat=args.chat)
+        except (ImportError, ValueError) as e:
+            raise UserError(str(e)) from None
+        if not ids:
+            raise UserError("--prompt encodes to no tokens")
+        what = "--prompt"
+    elif args.prompt_ids is not None:
+        ids, what = args.prompt_ids, "--prompt-ids"
+    else:
+        return rng.integers(0, config.vocab_size, args.prompt_len, dtype=np.int32)
+    bad = [t for t in ids if not 0 <= t < config.vocab_size]
+    if bad:
+        raise UserError(f"{what}: token id {bad[0]} is outside the vocabulary "
+                        f"[0, {config.vocab_size})")
+    return np.array(ids, np.int32)
+
+
+def _stop_ids(args, config):
+    """--eos, else the checkpoint's stop ids (unless --ignore-eos), else none."""
+    from .tokenizer import checkpoint_eos_ids
+
+    ids = args.eos if args.eos is not None else (
+        checkpoint_eos_ids(args.checkpoint) if args.checkpoint and not args.ignore_eos else [])
+    for e in ids:
+        if not 0 <= e < config.vocab_size:
+            raise UserError(f"stop id {e} (--eos or the checkpoint's) is outside the vocabulary "
+                            f"[0, {config.vocab_size})")
+    return ids or None
+
+
 def main(argv=None) -> int:
-    args = _parse(argv)
-    _ensure_host_devices(max(args.tp, 1))
+    started = time.perf_counter()
+    algorithms, sifar_why = _sifar_status()
+    args = _parser(algorithms, sifar_why).parse_args(argv)
+    try:
+        return _run(args, sifar_why, started)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args, sifar_why, started: float) -> int:
+    _check_args(args)
+    if "sifar" in args.allreduce and sifar_why:
+        raise UserError(f"--allreduce {args.allreduce}: {sifar_why}")
+    _ensure_host_devices(args.tp)
 
     import jax
     import numpy as np
 
-    from .decode import Decoder, make_mesh
-    from .families import family_for_checkpoint, preset, presets
+    from . import compile_cache, footprint
+    from .sampling import Sampling
+    from .decode import ON_DEVICE_CHUNK, Decoder, bucket_up, make_mesh, prompt_bucket
 
     if len(jax.devices()) < args.tp:
-        print(f"error: --tp {args.tp} but only {len(jax.devices())} {jax.default_backend()} "
-              f"devices", file=sys.stderr)
-        return 2
-    mesh = make_mesh(args.tp)
+        raise UserError(f"--tp {args.tp} but only {len(jax.devices())} {jax.default_backend()} "
+                        f"devices")
+    family, config = _model(args)
+    tok = _tokenizer(args)
+    stops = _stop_ids(args, config)
     rng = np.random.default_rng(args.seed)
-    prompt_len = len(args.prompt) if args.prompt else args.prompt_len
-    if args.checkpoint:
-        family = family_for_checkpoint(args.checkpoint)
-        config, params = family.load_hf_checkpoint(args.checkpoint, mesh, dtype=args.dtype)
-    else:
-        if args.preset not in presets():
-            print(f"error: unknown --preset {args.preset!r}; choose from {sorted(presets())}",
-                  file=sys.stderr)
-            return 2
-        family = presets()[args.preset]
-        config = preset(args.preset)
-        if args.dtype:
-            config = config.replace(dtype=args.dtype)
-        params = family.random_params(config, mesh, seed=args.seed)
-    # The decoder sizes the KV cache to each request (rounded up to a power of two); let the
-    # limit admit this one (+ the on-device loop's last chunk).
-    need = max(prompt_len + args.tokens + 16, args.max_seq_len or 0)
+    prompt = _prompt(args, config, rng, tok)
+    # The decoder sizes the KV cache to each request (the prompt padded to its bucket, rounded
+    # up to a power of two); let the limit admit this one (+ the on-device loop's last chunk).
+    need = max(prompt_bucket(prompt.size) + args.tokens + ON_DEVICE_CHUNK, args.max_seq_len or 0)
     config = config.replace(max_seq_len=max(config.max_seq_len, need))
-    prompt = (np.array(args.prompt, np.int32) if args.prompt
-              else rng.integers(0, config.vocab_size, prompt_len, dtype=np.int32))
+    capacity = args.max_seq_len or bucket_up(need)
+    if args.max_seq_len is not None and args.max_seq_len < prompt.size + args.tokens:
+        raise UserError(f"--max-seq-len {args.max_seq_len} cannot hold the prompt "
+                        f"({prompt.size}) + --tokens {args.tokens}")
+    devices = jax.devices()[:args.tp]
+    try:
+        footprint.check_fits(footprint.estimate(family, config, args.tp, 1, capacity,
+                                                prompt.size), devices)
+    except MemoryError as e:
+        raise UserError(str(e)) from None
 
     try:
-        dec = Decoder(config, mesh, params, family=family, allreduce=args.allreduce, algorithm=args.algorithm,
-                      fused=args.fused,
-                      slot_bytes=args.slot_bytes, max_seq_len=args.max_seq_len)
+        cache_dir = compile_cache.enable(off=not args.compile_cache)
+    except OSError as e:
+        raise UserError(f"compilation cache: {e} (--no-compile-cache turns it off)") from None
+    mesh = make_mesh(args.tp)
+    t_weights = time.perf_counter()
+    if args.checkpoint:
+        config, params = family.load_hf_checkpoint(args.checkpoint, mesh, config=config)
+    else:
+        params = family.random_params(config, mesh, seed=args.seed)
+    jax.block_until_ready(params)
+    weights_s = time.perf_counter() - t_weights
+    try:
+        dec = Decoder(config, mesh, params, family=family, allreduce=args.allreduce,
+                      algorithm=args.algorithm, fused=args.fused, slot_bytes=args.slot_bytes,
+                      max_seq_len=args.max_seq_len)
     except (ValueError, NotImplementedError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    kw = dict(eos_id=args.eos, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        raise UserError(str(e)) from None
+    kw = dict(eos_id=stops, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
               loop=args.loop)
-    t0 = time.perf_counter()
-    dec.generate(prompt, min(args.tokens, 20), **kw)  # compiles the prefill and the steps
-    compile_s = time.perf_counter() - t0
 
+    warmup = None
+    if args.warmup:
+        with compile_cache.CacheUse() as cache_use:
+            try:
+                warmup = dec.warmup(prompt.size, args.tokens, loops=(args.loop,),
+                                    sampling=(Sampling(args.temperature, args.top_p),))
+            except ValueError as e:  # e.g. a named sifar algorithm refusing the prefill's payload
+                raise UserError(str(e)) from None
+
+    ar = args.allreduce + (f"/{args.algorithm}" if "sifar" in args.allreduce else "")
+    if args.allreduce == "identity":
+        ar += " " + IDENTITY_NOTE
+    elif args.allreduce == "psum" and sifar_why:
+        ar += f" (sifar_jax unusable here: {sifar_why})"
     print(f"device: {jax.devices()[0].device_kind} x{args.tp} ({jax.default_backend()}), "
-          f"{family.name}: layers={config.num_layers} hidden={config.hidden_size} dtype={config.dtype}, "
-          f"allreduce={args.allreduce}" + (f"/{args.algorithm}" if "sifar" in args.allreduce else "")
-          + (" fused" if args.fused else "") + f", loop={args.loop}")
-    print("prompt:", " ".join(map(str, prompt)))
-    print("stream:", end=" ", flush=True)
-    tokens, stamps = [], []
+          f"{family.name}: layers={config.num_layers} hidden={config.hidden_size} "
+          f"dtype={config.dtype}, allreduce={ar}" + (" fused" if args.fused else "")
+          + f", loop={args.loop}")
+    print("compilation cache: " + (cache_dir or "off"))
+    if warmup:
+        print(f"warm-up: {warmup['seconds']:.1f} s, {cache_use.describe()} ({warmup['executables']}"
+              f" executables for prompts up to {prompt.size} tokens and {args.tokens} new ones)")
+    else:
+        print("warm-up: off (--no-warmup): the request compiles as it goes, stalls included")
+    if stops:
+        print("stop ids:", " ".join(map(str, stops)))
+    text = tok is not None and not args.show_ids
+    ttft = _time_to_first_token(dec, prompt, kw)
+    print(f"process start to first token: {time.perf_counter() - started - weights_s:.1f} s "
+          f"(+ {weights_s:.1f} s making or loading the weights)")
+    if text:
+        print(f"prompt ({prompt.size} tokens): {tok.decode(prompt)}")
+        print(TEXT_RULE)
+        stream = tok.stream(context=prompt)
+    else:
+        print("prompt:", " ".join(map(str, prompt)))
+        print("tokens:", end=" ", flush=True)
+    stamps = []
     t0 = time.perf_counter()
-    for tok in dec.stream(prompt, args.tokens, **kw):
+    for ids in dec.stream(prompt, args.tokens, **kw):
         stamps.append(time.perf_counter())
-        tokens.append(int(tok[0]))
-        print(tokens[-1], end=" ", flush=True)
-    print()
-    print("tokens:", " ".join(map(str, tokens)))
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])][args.warmup:]
-    print(f"compile + first run: {compile_s:.1f} s; prefill + first token: "
-          f"{(stamps[0] - t0) * 1e3:.3f} ms")
-    if gaps:  # the mean: on_device delivers its tokens a chunk at a time
-        print(f"time per output token: mean {(stamps[-1] - stamps[args.warmup]) / len(gaps) * 1e3:.3f}"
-              f" ms over {len(gaps)} tokens (gaps between tokens: median "
-              f"{statistics.median(gaps) * 1e3:.3f}, max {max(gaps) * 1e3:.3f})")
+        piece = stream.push(int(ids[0])) if text else f"{int(ids[0])} "
+        print(piece, end="", flush=True)
+    if text:
+        print(stream.flush())
+        print(TEXT_RULE)
+    else:
+        print()
+    _report_times(ttft, t0, stamps, prompt.size, args.loop, dec.prefill_allreduce(prompt.size))
     return 0
+
+
+def _time_to_first_token(dec, prompt, kw) -> float:
+    """Seconds from the request to its first token on the host: the prefill and the first
+    sampled token (the same for every loop: they differ only after it)."""
+    t0 = time.perf_counter()
+    dec.start(prompt, kw["eos_id"], temperature=kw["temperature"], top_p=kw["top_p"],
+              seed=kw["seed"])
+    dec.token()
+    return time.perf_counter() - t0
+
+
+def _report_times(ttft: float, t0: float, stamps: list, prompt_len: int, loop: str,
+                  prefill_allreduce: str) -> None:
+    """The time to first token, and the time per output token: the whole decode after the
+    first token divided by the tokens after it (true for every loop: pipelined and on_device
+    deliver their tokens late or a chunk at a time, so the gaps between them say nothing)."""
+    import statistics
+
+    from .decode import prompt_bucket
+
+    print(f"time to first token: {ttft * 1e3:.3f} ms (prefill of {prompt_len} tokens, padded to "
+          f"{prompt_bucket(prompt_len)}, all-reduce {prefill_allreduce}; then the first sampled "
+          f"token)")
+    n = len(stamps) - 1
+    if n < 1:
+        return
+    per_token = (stamps[-1] - t0 - ttft) / n
+    line = f"time per output token: {per_token * 1e3:.3f} ms over {n} tokens"
+    if loop in ("sync", "stream"):  # the gaps are the tokens' own times
+        gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+        line += (f" (gaps between tokens: median {statistics.median(gaps) * 1e3:.3f}, "
+                 f"max {max(gaps) * 1e3:.3f})")
+    print(line)
 
 
 if __name__ == "__main__":

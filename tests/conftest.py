@@ -15,6 +15,10 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # Generous default bound on every wait for a peer: 8 ranks share 2 cores on CI.
 os.environ.setdefault("SIFAR_TIMEOUT_S", "10")
+# The tools (models.generate, bench.decode) turn JAX's persistent compilation cache on in the
+# user's cache dir by default: never from the suite (and its subprocesses), unless a test does
+# it in a temporary directory (models/compile_cache.py).
+os.environ.setdefault("SIFAR_JAX_NO_COMPILE_CACHE", "1")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

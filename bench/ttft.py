@@ -1,0 +1,175 @@
+"""Time to first token (TTFT) of the decoder, per all-reduce variant of bench.decode, for prompts of
+given lengths: `python -m bench.decode --ttft 128,1024,4096` (with --quick on a CPU: 16,64).
+
+TTFT is what a user waits for: Decoder.start(prompt) (the prompt's prefill, its first token
+sampled on the device) and that token read on the host, after a first untimed run has compiled
+the prompt's bucket; the median over `samples` runs. Beside it, the floor: the prefill's matmul
+FLOPs (2 x parameters x prompt length, split over the TP ranks) at the device's dense bf16 rate,
+or the weights' bytes per rank at HBM bandwidth, whichever is larger (attention's own FLOPs and
+the KV cache's bytes are left out: a lower bound). Each record says which all-reduce the prefill
+ran: a prompt's payload (prompt x hidden) past sifar's slot runs lax.psum
+(Decoder.prefill_allreduce). Written as ttft-<host>.{json,md} beside bench.decode's results.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+
+from bench import common
+from models import families
+from models.decode import SIFAR_KINDS, Decoder, make_mesh, prompt_bucket
+from models.tp import FUSED_MODES
+
+DEFAULT_LENGTHS = {"gpu": (128, 1024, 4096), "cpu": (16, 64)}
+# Dense bf16 matmul rate per GPU (vendor peak, no sparsity), by device_kind substring.
+BF16_FLOPS_PER_S = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e12}
+
+
+def parse_lengths(text: Optional[str], platform: str) -> list[int]:
+    """'128,1024,4096' (or 'default': DEFAULT_LENGTHS of the platform) -> lengths."""
+    if text in (None, "", "default"):
+        return list(DEFAULT_LENGTHS["gpu" if platform == "gpu" else "cpu"])
+    lengths = [int(v) for v in str(text).replace(",", " ").split()]
+    if not lengths or min(lengths) < 1:
+        raise SystemExit(f"--ttft {text}: prompt lengths must be >= 1")
+    return lengths
+
+
+def device_flops(device) -> Optional[float]:
+    """The device's dense bf16 rate, None where unknown (CPUs)."""
+    if device.platform != "gpu":
+        return None
+    return next((v for k, v in BF16_FLOPS_PER_S.items() if k in device.device_kind), None)
+
+
+def param_count(params) -> int:
+    return sum(math.prod(a.shape) for a in jax.tree.leaves(params))
+
+
+def weight_bytes_per_rank(params) -> int:
+    """Every parameter's local shard on one rank (the prefill reads the whole model once)."""
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+               for a in jax.tree.leaves(params))
+
+
+def floor(n_params: int, weight_bytes: int, prompt_len: int, tp: int, flops: Optional[float],
+          hbm_bytes_per_s: float) -> dict:
+    """The prefill's lower bound per rank: its matmul FLOPs at `flops`, its weights' bytes at
+    `hbm_bytes_per_s`; floor_ms is the larger (None where the device's rate is unknown)."""
+    compute = None if flops is None else 2 * n_params * prompt_len / tp / flops * 1e3
+    weights = weight_bytes / hbm_bytes_per_s * 1e3
+    if compute is None:
+        return {"compute_floor_ms": None, "weights_floor_ms": round(weights, 4), "floor_ms": None,
+                "floor_bound": None}
+    return {"compute_floor_ms": round(compute, 4), "weights_floor_ms": round(weights, 4),
+            "floor_ms": round(max(compute, weights), 4),
+            "floor_bound": "compute" if compute >= weights else "weights"}
+
+
+def time_to_first_token(dec: Decoder, prompt: np.ndarray) -> float:
+    """Seconds from the request to its first token on the host."""
+    t0 = time.perf_counter()
+    dec.start(prompt)
+    dec.token()
+    return time.perf_counter() - t0
+
+
+def measure_variant(config, mesh, params, variant, lengths: Sequence[int], samples: int,
+                    seed: int, kv_layout=None, hbm_bytes_per_s: float = 4.3e12) -> list[dict]:
+    """One record per prompt length for one bench.decode variant (label, kind, algorithm,
+    fused[, prefetch_bytes])."""
+    label, kind, alg, fused = variant[:4]
+    tp = mesh.shape["tp"]
+    base = {"kind": "ttft", "allreduce": label, "tp": tp, "fused": bool(fused)}
+    try:
+        dec = Decoder(config, mesh, params, allreduce=kind, algorithm=alg, fused=fused,
+                      kv_layout=kv_layout, prefetch_bytes=variant[4] if len(variant) > 4 else None)
+    except (ValueError, NotImplementedError) as e:
+        return [dict(base, prompt_len=n, error=str(e)) for n in lengths]
+    rng = np.random.default_rng(seed)
+    n_params, wbytes = param_count(params), weight_bytes_per_rank(params)
+    flops = device_flops(mesh.devices.flat[0])
+    out = []
+    for n in lengths:
+        prompt = rng.integers(0, config.vocab_size, n, dtype=np.int32)
+        t0 = time.perf_counter()
+        time_to_first_token(dec, prompt)  # compiles this prompt's bucket
+        first_s = time.perf_counter() - t0
+        ms = [time_to_first_token(dec, prompt) * 1e3 for _ in range(samples)]
+        med = statistics.median(ms)
+        rec = dict(base, prompt_len=n, prompt_bucket=prompt_bucket(n),
+                   ttft_ms_median=round(med, 4), ttft_ms=[round(x, 4) for x in ms],
+                   first_call_s=round(first_s, 3), prefill_allreduce=dec.prefill_allreduce(n),
+                   params=n_params, weight_bytes_per_rank=wbytes, device_flops=flops,
+                   **floor(n_params, wbytes, n, tp, flops, hbm_bytes_per_s))
+        rec["floor_ratio"] = round(med / rec["floor_ms"], 2) if rec["floor_ms"] else None
+        out.append(rec)
+    del dec
+    return out
+
+
+def run(config, devices, tps: Sequence[int], variants: Sequence[tuple], lengths: Sequence[int],
+        samples: int, seed: int = 0, kv_layout=None, hbm_bytes_per_s: float = 4.3e12,
+        log=print) -> list[dict]:
+    """TTFT records for every TP size (TP=1: lax.psum only) and variant (the models' fused
+    modes only: bench.decode may still list retired ones)."""
+    variants = [v for v in variants if v[3] in FUSED_MODES]
+    config = config.replace(max_seq_len=max(config.max_seq_len, prompt_bucket(max(lengths)) + 64))
+    records = []
+    for tp in tps:
+        mesh = make_mesh(tp, devices=devices)
+        params = common.block(families.family_of(config).random_params(config, mesh, seed=seed))
+        here = [("psum", "psum", "auto", False)] if tp == 1 else variants
+        for variant in here:
+            recs = measure_variant(config, mesh, params, variant, lengths, samples, seed,
+                                   kv_layout, hbm_bytes_per_s)
+            records += recs
+            log(f"TTFT TP={tp} {variant[0]:>12}: " + ", ".join(
+                f"{r['prompt_len']} tokens {r['ttft_ms_median']:.2f} ms" if "error" not in r
+                else f"{r['prompt_len']}: {r['error']}" for r in recs))
+        del params
+        if any(v[1] in SIFAR_KINDS for v in here):
+            import sifar_jax
+
+            sifar_jax.shutdown()
+        jax.clear_caches()
+        gc.collect()
+    return records
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x:.3f}" if x < 10 else f"{x:.1f}"
+
+
+def table(records: Sequence[dict]) -> tuple[list[str], list[list]]:
+    headers = ["TP", "all-reduce", "prompt", "TTFT ms", "floor ms", "bound", "TTFT / floor",
+               "prefill all-reduce"]
+    rows = [[r["tp"], r["allreduce"], r["prompt_len"], _ms(r["ttft_ms_median"]), _ms(r["floor_ms"]),
+             r["floor_bound"] or "-", "-" if r["floor_ratio"] is None else f"{r['floor_ratio']:.2f}x",
+             r["prefill_allreduce"]]
+            for r in records if "error" not in r]
+    return headers, rows
+
+
+def write(records: Sequence[dict], out_dir, env: dict, notes: Sequence[str] = ()) -> tuple:
+    """ttft-<host>.json and .md in out_dir."""
+    host = env["host"]
+    json_path = common.write_json(common.results_path(out_dir, "ttft", host, ".json"), records)
+    headers, rows = table(records)
+    errors = [f"TP={r['tp']} {r['allreduce']} {r['prompt_len']}: {r['error']}"
+              for r in records if "error" in r]
+    sections = [("Time to first token (prefill + the first sampled token, read on the host)",
+                 common.markdown_table(headers, rows))]
+    if errors:
+        sections.append(("Not measured", "\n".join(f"- {e}" for e in errors)))
+    md_path = common.write_markdown(common.results_path(out_dir, "ttft", host, ".md"),
+                                    f"Time to first token on {host}", env, sections,
+                                    [__doc__.split("\n\n")[1].replace("\n", " ")] + list(notes))
+    return json_path, md_path
