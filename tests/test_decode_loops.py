@@ -478,6 +478,8 @@ def test_nothing_compiles_after_warmup(caplog):
                             chunk=CHUNK)
     # prefill per prompt bucket (3), a step and a chunk per attention bucket (3 + 3), per mode
     assert report["executables"] == 2 * (3 + 3 + 3) and during.count >= report["executables"]
+    # ... and each ran once (on GPUs its first run records its command buffer)
+    assert report["executed"] == report["executables"]
     assert dec.capacity == 256
     rng = np.random.default_rng(0)
     requests = [(1, "stream", {}), (9, "on_device", dict(temperature=0.7, top_p=0.9, seed=1)),
