@@ -43,7 +43,7 @@ import warnings
 import jax
 import numpy as np
 
-from . import _ext, _jax_compat, distributed
+from . import _ext, _jax_compat, architectures, distributed
 
 DEFAULT_SLOT_BYTES = 64 * 1024
 # Lanes per communicator: independent call chains (a scan body and its caller,
@@ -125,6 +125,9 @@ def _why_unsupported(groups: list[list], platform: str | None) -> str | None:
     if distributed.spans_processes(groups):
         return None  # decided with the other processes (sifar_jax.distributed)
     if platform == "cuda":
+        why = architectures.unsupported_gpus([d for g in groups for d in g])
+        if why is not None:
+            return why
         for g in groups:
             for a in g:
                 for b in g:
@@ -260,6 +263,9 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None,
                     reason, shared = shared, None
             if reason is not None:
                 _unsupported.setdefault(axis, []).append(Unsupported(axis, len(groups[0]), reason))
+                if reason.startswith(architectures.REASON_PREFIX):  # a GPU this build lacks
+                    warnings.warn(f"sifar_jax.init: axis {_label(axis)!r} falls back to lax.psum: "
+                                  f"{reason}", stacklevel=2)
                 continue
             key = _axis_key(axis)
             comm_id, processes = shared or (_ext.lib.create_comm(
@@ -320,8 +326,11 @@ def communicators_over(axes: tuple[str, ...]) -> list[Communicator]:
         return communicators(axes)
 
 
-def unsupported(axis_name) -> list[Unsupported]:
+def unsupported(axis_name=None) -> list[Unsupported]:
+    """The axes handed to lax.psum, and why (every axis when axis_name is None)."""
     with _lock:
+        if axis_name is None:
+            return [u for us in _unsupported.values() for u in us]
         return list(_unsupported.get(axis_name, []))
 
 
