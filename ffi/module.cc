@@ -41,6 +41,7 @@ void RegisterMulticastBindings(nb::module_& m);
 void RegisterMulticastTestingBindings(nb::module_& t);
 void RegisterTestingBindings(nb::module_& t);
 void RegisterPeerBindings(nb::module_& m);
+void RegisterBuildBindings(nb::module_& m);  // bindings/build_bindings.cc
 }  // namespace sifar
 
 #ifdef SIFAR_WITH_CUDA
@@ -246,6 +247,7 @@ NB_MODULE(_sifar, m) {
 
   RegisterMulticastBindings(m);
   RegisterPeerBindings(m);
+  RegisterBuildBindings(m);
   nb::module_ testing = m.def_submodule("testing", "Test-only hooks (sifar_jax._testing)");
   RegisterTestingBindings(testing);
   RegisterMulticastTestingBindings(testing);

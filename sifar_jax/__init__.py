@@ -7,10 +7,12 @@
 
 from . import algorithms, benchmarking, distributed, fused, testing
 from .algorithms import ALL as ALGORITHMS
+from .architectures import build_info
 from .buffers import DualBuffers, buffer_spec, make_buffers, sifar_psum_into
 from .comm import DEFAULT_SLOT_BYTES, communicators, init, shutdown, workspace_bytes
 from .errors import NotInitializedError, SifarError, UnboundAxisError
 from .fused import *  # noqa: F403 - the fused ops: fused.__all__ (psum_add_rmsnorm)
+from .info import info  # the function (python -m sifar_jax.info prints the same)
 from .multicast import MulticastDisabledError
 from .ordering import dispatch_lock
 from .plan import SUPPORTED_DTYPES
@@ -31,11 +33,13 @@ __all__ = [
     "algorithms",
     "benchmarking",
     "buffer_spec",
+    "build_info",
     "call_trace",
     "check",
     "communicators",
     "distributed",
     "dispatch_lock",
+    "info",
     "init",
     "make_buffers",
     "shutdown",

@@ -38,11 +38,12 @@ import dataclasses
 import math
 import os
 import threading
+import warnings
 
 import jax
 import numpy as np
 
-from . import _ext, _jax_compat, distributed
+from . import _ext, _jax_compat, architectures, distributed
 
 DEFAULT_SLOT_BYTES = 64 * 1024
 # Lanes per communicator: independent call chains (a scan body and its caller,
@@ -124,6 +125,9 @@ def _why_unsupported(groups: list[list], platform: str | None) -> str | None:
     if distributed.spans_processes(groups):
         return None  # decided with the other processes (sifar_jax.distributed)
     if platform == "cuda":
+        why = architectures.unsupported_gpus([d for g in groups for d in g])
+        if why is not None:
+            return why
         for g in groups:
             for a in g:
                 for b in g:
@@ -151,10 +155,11 @@ def wait_for_effects() -> None:
             pass
 
 
-def _drop_overlapping(axis: str, devices: set[int]) -> None:
+def _drop_overlapping(axis: str, devices: set[int]) -> list[Communicator]:
     """A device serves one communicator per axis name: a new mesh that reuses
-    devices under the same axis name replaces the communicators it overlaps."""
-    keep = []
+    devices under the same axis name replaces the communicators it overlaps.
+    Returns those it destroyed."""
+    keep, dropped = [], []
     for c in _comms.get(axis, []):
         if devices.isdisjoint(d for g in c.groups for d in g):
             keep.append(c)
@@ -162,7 +167,24 @@ def _drop_overlapping(axis: str, devices: set[int]) -> None:
             wait_for_effects()
             distributed.before_destroy([c.comm_id])
             _ext.lib.destroy_comm(c.comm_id)
+            dropped.append(c)
     _comms[axis] = keep
+    return dropped
+
+
+def _settings_text(groups, slot_bytes: int, lanes: int) -> str:
+    return f"devices {[list(g) for g in groups]}, slot_bytes={slot_bytes}, lanes={lanes}"
+
+
+def _warn_replaced(axis, old: list[Communicator], groups, slot_bytes: int, lanes: int) -> None:
+    """Says at the init that replaces communicators of `axis` what changed:
+    code traced before for the old ones must be traced again."""
+    was = "; ".join(_settings_text(c.groups, c.slot_bytes, c.lanes) for c in old)
+    warnings.warn(
+        f"sifar_jax.init: axis {_label(axis)!r} replaces its communicator ({was}) with a new one "
+        f"({_settings_text(groups, slot_bytes, lanes)}); functions traced before this init "
+        f"were planned for the old one: trace them again (a new jax.jit, or jax.clear_caches())",
+        stacklevel=3)
 
 
 def _round_slot(slot_bytes: int) -> int:
@@ -193,9 +215,10 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None,
          lanes: int | None = None) -> None:
     """Sets up a communicator for every axis of `mesh`. Idempotent.
 
-    Calling it with another mesh that reuses devices under the same axis name
-    replaces their communicators (functions traced for the old mesh then raise
-    a clear error until re-traced).
+    Calling it with another mesh that reuses devices under the same axis name,
+    or with other settings, replaces their communicators and warns then,
+    naming the axis and the old and new settings (functions traced for the old
+    ones raise a clear error when they run, until traced again).
 
     slot_bytes: the largest payload (per all-reduce, per device) served without
       falling back to `lax.psum`; rounded up to 16 bytes. Default 64 KiB; when
@@ -225,7 +248,9 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None,
             if any(c.groups == ids and (keep_slot or c.slot_bytes == slot_bytes)
                    and c.lanes == lanes for c in _comms.get(axis, [])):
                 continue  # already set up: init is idempotent
-            _drop_overlapping(axis, {d for g in ids for d in g})
+            replaced = _drop_overlapping(axis, {d for g in ids for d in g})
+            if replaced:
+                _warn_replaced(axis, replaced, ids, slot_bytes, lanes)
             reason = _why_unsupported(groups, platform)
             shared = None  # (comm id, processes) of an axis spanning processes
             if reason is None and distributed.spans_processes(groups):
@@ -238,6 +263,9 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None,
                     reason, shared = shared, None
             if reason is not None:
                 _unsupported.setdefault(axis, []).append(Unsupported(axis, len(groups[0]), reason))
+                if reason.startswith(architectures.REASON_PREFIX):  # a GPU this build lacks
+                    warnings.warn(f"sifar_jax.init: axis {_label(axis)!r} falls back to lax.psum: "
+                                  f"{reason}", stacklevel=2)
                 continue
             key = _axis_key(axis)
             comm_id, processes = shared or (_ext.lib.create_comm(
@@ -298,8 +326,11 @@ def communicators_over(axes: tuple[str, ...]) -> list[Communicator]:
         return communicators(axes)
 
 
-def unsupported(axis_name) -> list[Unsupported]:
+def unsupported(axis_name=None) -> list[Unsupported]:
+    """The axes handed to lax.psum, and why (every axis when axis_name is None)."""
     with _lock:
+        if axis_name is None:
+            return [u for us in _unsupported.values() for u in us]
         return list(_unsupported.get(axis_name, []))
 
 

@@ -56,7 +56,7 @@ import warnings
 
 import jax
 
-from . import _ext, _jax_compat
+from . import _ext, _jax_compat, architectures
 from .errors import SifarError
 
 INIT_TIMEOUT_S = float(os.environ.get("SIFAR_INIT_TIMEOUT_S", "120"))
@@ -255,6 +255,10 @@ def _why_not_here(platform: str, groups, mine, infos: dict[int, dict]) -> str:
                 f"{other[0]} on {hosts[other[0]].split('/')[0]}): lax.psum (NCCL) serves it")
     if platform != "cuda":
         return ""
+    why = architectures.unsupported_gpus(
+        [d for g in mine for d in groups[g] if d.process_index == me])
+    if why is not None:  # a GPU this build has no kernels for
+        return why
     bus_ids = {int(k): v for info in infos.values() for k, v in info["gpus"].items()}
     for g in mine:
         for a in groups[g]:

@@ -184,3 +184,33 @@ def test_teardown_waits_for_every_rank_before_freeing(algorithm):
     assert out["error"] is not None and "timed out" in out["error"], out
     assert out["destroy_s"] > 0.3, f"destroy returned while ranks were still waiting: {out}"
     assert out["done_before"], out
+
+
+# --------------------------------------------------------------- replacing --
+def test_init_that_replaces_a_communicator_says_so_at_init(cpu_mesh):
+    """A second init that replaces an axis's communicator warns then, naming
+    the axis and the old and new settings, not later when a function traced
+    for the old one runs; an init that keeps it (same settings, or the slot
+    omitted) and one after shutdown() replace nothing and say nothing."""
+    import warnings
+
+    mesh = cpu_mesh(2, slot_bytes=4096)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sifar_jax.init(mesh, slot_bytes=4096)  # idempotent
+        sifar_jax.init(mesh)  # the slot omitted: the axis keeps its own
+    [old] = sifar_jax.communicators("tp")
+    with pytest.warns(UserWarning) as caught:
+        sifar_jax.init(mesh, slot_bytes=8192, lanes=2)
+    [w] = [w for w in caught if "replaces" in str(w.message)]
+    text = str(w.message)
+    assert text.startswith("sifar_jax.init: axis 'tp' replaces its communicator"), text
+    assert "devices [[0, 1]], slot_bytes=4096, lanes=4" in text, text  # the old settings
+    assert "devices [[0, 1]], slot_bytes=8192, lanes=2" in text, text  # the new ones
+    assert w.filename == __file__, "the warning should point at the caller's init line"
+    [new] = sifar_jax.communicators("tp")
+    assert new.comm_id != old.comm_id and new.slot_bytes == 8192
+    sifar_jax.shutdown()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sifar_jax.init(mesh, slot_bytes=4096)  # nothing left to replace
