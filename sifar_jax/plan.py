@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ext, algorithms, comm, multicast, ordering
+from . import _ext, _jax_compat, algorithms, comm, multicast, ordering
 from .errors import NotInitializedError, UnboundAxisError
 
 LINE = 16  # bytes: the payload is moved in whole 16-byte lines
@@ -141,6 +141,15 @@ def unsupported_dtype(dtype, api: str, algorithm: str) -> TypeError:
     )
 
 
+def partially_manual(partitioned: tuple) -> str:
+    return (
+        f"the enclosing shard_map is not manual over the mesh axes {partitioned}: XLA partitions "
+        f"the call over them and would have to replicate it (jax.vmap over a shard_map on an "
+        f"explicit mesh, or shard_map(axis_names=...) of some axes only); a shard_map manual "
+        f"over every axis of more than one device lets sifar serve it"
+    )
+
+
 def too_large(nbytes: int, plan: Plan) -> str:
     return (
         f"payload of {nbytes} bytes exceeds the {plan.slot}-byte slot "
@@ -158,13 +167,27 @@ def axes_of(axis_name) -> tuple:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
+def _psum_unbound_text(axis_name, fallback: str) -> str:
+    """lax.psum's own words for an unbound axis ("Found an unbound axis name:
+    x. ..."), so that code matching them matches ours; `fallback` (JAX's
+    core text, "unbound axis name: x") if lax.psum says nothing here."""
+    try:
+        jax.eval_shape(lambda v: jax.lax.psum(v, axis_name), jax.ShapeDtypeStruct((), jnp.float32))
+    except NameError as e:
+        return str(e)
+    except Exception:  # noqa: BLE001 - any other complaint: JAX's core text will do
+        pass
+    return fallback
+
+
 def axis_size(axis_name, api: str = "sifar_psum") -> int:
     try:
         return int(jax.lax.axis_size(axis_name))
     except NameError as e:
         raise UnboundAxisError(
-            f"sifar_jax.{api}: axis {axis_name!r} is not bound here; call it inside "
-            f"jax.shard_map over a mesh that has this axis (or jax.vmap(..., axis_name=...))"
+            f"sifar_jax.{api}: {_psum_unbound_text(axis_name, str(e))} (axis {axis_name!r} is "
+            f"not bound here; call it inside jax.shard_map over a mesh that has this axis, or "
+            f"jax.vmap(..., axis_name=...))"
         ) from e
 
 
@@ -206,6 +229,10 @@ def route(axes: tuple, algorithm: str, api: str) -> tuple[Plan | Fallback, tuple
     """
     sizes = {a: axis_size(a, api) for a in axes}
     n = math.prod(sizes.values())
+    partitioned = _jax_compat.partitioned_axes()
+    if partitioned:
+        return fallback_or_raise(partially_manual(partitioned), algorithm=algorithm,
+                                 api=api), axes
     comms = _comms_for(axes, n)
     rest: tuple = ()
     reason = None

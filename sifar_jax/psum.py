@@ -51,11 +51,10 @@ def allreduce(payload, plan: Plan, repeat: int = 1):
 
 def _abstract_eval(payload, *order, plan, repeat):
     del order, repeat
-    vma = _jax_compat.varying_axes(payload) - set(plan.axes)
     # On XLA:CPU the call is side-effecting: it is kept even when its result is
     # unused, so a failed all-reduce still surfaces.
     effects = {_jax_compat.ALLREDUCE_EFFECT} if plan.platform == "cpu" else set()
-    return _jax_compat.with_varying(payload, vma), effects
+    return _jax_compat.psum_type(payload, plan.axes), effects
 
 
 def _lowering(ctx, payload, *order, plan, repeat):
@@ -152,7 +151,7 @@ def _same_type(got_aval, want) -> bool:
     return (
         jnp.dtype(got_aval.dtype) == jnp.dtype(want.dtype)
         and bool(got_aval.weak_type) == bool(want.weak_type)
-        and _jax_compat.varying_axes(got_aval) == _jax_compat.varying_axes(want)
+        and _jax_compat.axis_state(got_aval) == _jax_compat.axis_state(want)
     )
 
 
@@ -172,7 +171,6 @@ def _sort_leaves(leaves, want, mesh_axes, plan: Plan, algorithm: str, api: str):
             leaf = jax.lax.convert_element_type(leaf, leaf.dtype)  # lax.psum drops it
         leaves[i] = leaf
         aval = jax.typeof(leaf)
-        vma = _jax_compat.varying_axes(aval)
         nbytes = padded_bytes(leaf.size, leaf.dtype)
         if leaf.size == 0:
             to_psum[i] = None  # nothing to add; lax.psum gives the exact empty result
@@ -180,13 +178,16 @@ def _sort_leaves(leaves, want, mesh_axes, plan: Plan, algorithm: str, api: str):
             to_psum[i] = fallback_or_raise(
                 f"dtype {leaf.dtype} is not summed natively", algorithm=algorithm, api=api,
                 error=unsupported_dtype(leaf.dtype, api, algorithm)).reason
-        elif not _same_type(_jax_compat.with_varying(aval, vma - set(mesh_axes)), want[i]):
+        elif not _same_type(_jax_compat.psum_type(aval, mesh_axes), want[i]):
             to_psum[i] = f"lax.psum types {aval} differently"  # e.g. a type JAX added later
         elif nbytes > plan.slot:
             to_psum[i] = fallback_or_raise(too_large(nbytes, plan), algorithm=algorithm,
                                            api=api).reason
         else:
-            payloads.setdefault((jnp.dtype(leaf.dtype), aval.weak_type, vma), []).append(i)
+            # One payload per dtype and type (varying/unreduced axes): the
+            # primitive types its result from its one operand.
+            key = (jnp.dtype(leaf.dtype), aval.weak_type, _jax_compat.axis_state(aval))
+            payloads.setdefault(key, []).append(i)
     return payloads, to_psum
 
 
