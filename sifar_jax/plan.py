@@ -9,7 +9,8 @@ reason it cannot. What an op does with a Fallback follows one rule,
 `fallback_or_raise`:
 
 * algorithm="auto" falls back (to lax.psum, warning once with the reason:
-  `Fallback.psum`);
+  `Fallback.psum`), except where auto's table (sifar_jax.autotable) chose
+  lax.psum for the payload's size: a choice, without a warning (`choose`);
 * a named algorithm raises instead, naming it and the reason: nothing the
   user asked for is silently replaced.
 
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ext, _jax_compat, algorithms, comm, multicast, ordering
+from . import _ext, _jax_compat, algorithms, autotable, comm, multicast, ordering
 from .errors import NotInitializedError, UnboundAxisError
 
 LINE = 16  # bytes: the payload is moved in whole 16-byte lines
@@ -104,13 +105,20 @@ def warn_once(message: str, stacklevel: int = 1) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Fallback:
-    """Why sifar does not run this call; the op runs its fallback instead."""
+    """Why sifar does not run this call; the op runs its fallback instead.
+
+    chosen: auto's table handed the payload to lax.psum (a choice, not a
+    shortcoming): nothing to warn about."""
 
     reason: str
+    chosen: bool = False
 
     def warn(self, instead: str = "lax.psum", api: str | None = None,
              stacklevel: int = 1) -> None:
-        """Warns once per reason that `instead` runs; stacklevel 1 is the caller's line."""
+        """Warns once per reason that `instead` runs (not for a chosen
+        fallback); stacklevel 1 is the caller's line."""
+        if self.chosen:
+            return
         where = f"sifar_jax.{api}" if api else "sifar_jax"
         warn_once(f"{where}: falling back to {instead}: {self.reason}", stacklevel + 1)
 
@@ -155,6 +163,30 @@ def too_large(nbytes: int, plan: Plan) -> str:
         f"payload of {nbytes} bytes exceeds the {plan.slot}-byte slot "
         f"(raise it with sifar_jax.init(mesh, slot_bytes=...))"
     )
+
+
+def choose(plan: Plan, nbytes: int, api: str, what: str = "") -> Plan | Fallback:
+    """How one payload of `nbytes` (whole lines) runs under `plan`.
+
+    A named algorithm runs it while it fits the slot, else raises. "auto"
+    asks the auto table (sifar_jax.autotable) for this size and group size:
+    lax.psum (a chosen Fallback: no warning), or one of our algorithms while
+    the payload fits the slot (else the usual warning fallback); with no
+    table for these ranks, sifar while it fits the slot.
+    """
+    if plan.explicit:
+        if nbytes > plan.slot:
+            fallback_or_raise(what + too_large(nbytes, plan), algorithm=plan.algorithm, api=api)
+        return plan
+    pick = autotable.choice(plan.comms[0], plan.nranks, nbytes)
+    if pick == autotable.PSUM:
+        return Fallback(f"the auto table hands {nbytes}-byte payloads over {plan.nranks} ranks "
+                        f"to lax.psum", chosen=True)
+    if nbytes > plan.slot:
+        return Fallback(what + too_large(nbytes, plan))
+    if pick is not None and pick != plan.algorithm:
+        return dataclasses.replace(plan, algorithm=pick)
+    return plan
 
 
 def padded_bytes(size: int, dtype) -> int:
@@ -202,7 +234,8 @@ def _multicast_refusal(comms) -> str | None:
 
 def _pick(algorithm: str, comms) -> str:
     # "auto" only ever picks an algorithm that is correct by construction:
-    # sifar (multicast's flag check is the paper's, not exact).
+    # sifar (multicast's flag check is the paper's, not exact), or what the
+    # auto table chooses per payload (choose: exact algorithms only).
     return algorithms.SIFAR if algorithm == algorithms.AUTO else algorithm
 
 
@@ -283,8 +316,9 @@ def plan_array(x, axis_name, algorithm: str, api: str) -> Plan | Fallback:
     if isinstance(plan, Fallback):
         return plan
     padded = padded_bytes(x.size, dtype)
-    if padded > plan.slot:
-        return fallback_or_raise(too_large(padded, plan), algorithm=algorithm, api=api)
+    plan = choose(plan, padded, api)
+    if isinstance(plan, Fallback):
+        return plan
     pad = (padded - x.size * dtype.itemsize) // dtype.itemsize
     return dataclasses.replace(plan, pad=pad, chain=ordering.chain_id(x, plan.scope))
 

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ext, _jax_compat, algorithms, ordering
-from .plan import (SUPPORTED_DTYPES, Fallback, Plan, axes_of, axis_size, fallback_or_raise,
-                   padded_bytes, route, too_large, unsupported_dtype)
+from .plan import (SUPPORTED_DTYPES, Fallback, Plan, axes_of, axis_size, choose,
+                   fallback_or_raise, padded_bytes, route, unsupported_dtype)
 
 ad, batching, mlir = _jax_compat.ad, _jax_compat.batching, _jax_compat.mlir
 
@@ -94,13 +94,11 @@ def _batch(args, dims, *, plan, repeat):
         return allreduce(payload, plan, repeat), _jax_compat.NOT_MAPPED
     stacked = jnp.moveaxis(payload, dims[0], 0)
     flat = stacked.reshape(-1)
-    nbytes = flat.size * flat.dtype.itemsize
-    if nbytes > plan.slot:
-        fallback = fallback_or_raise("vmapped " + too_large(nbytes, plan),
-                                     algorithm=plan.requested, api="sifar_psum")
-        out = fallback.psum(flat, plan.axes, stacklevel=2)
+    chosen = choose(plan, flat.size * flat.dtype.itemsize, "sifar_psum", what="vmapped ")
+    if isinstance(chosen, Fallback):
+        out = chosen.psum(flat, plan.axes, stacklevel=2)
     else:
-        out = allreduce(flat, plan, repeat)
+        out = allreduce(flat, chosen, repeat)
     return out.reshape(stacked.shape), 0
 
 
@@ -180,9 +178,9 @@ def _sort_leaves(leaves, want, mesh_axes, plan: Plan, algorithm: str, api: str):
                 error=unsupported_dtype(leaf.dtype, api, algorithm)).reason
         elif not _same_type(_jax_compat.psum_type(aval, mesh_axes), want[i]):
             to_psum[i] = f"lax.psum types {aval} differently"  # e.g. a type JAX added later
-        elif nbytes > plan.slot:
-            to_psum[i] = fallback_or_raise(too_large(nbytes, plan), algorithm=algorithm,
-                                           api=api).reason
+        elif nbytes > plan.slot:  # named: raises; auto: the table's choice or a fallback
+            chosen = choose(plan, nbytes, api)
+            to_psum[i] = None if chosen.chosen else chosen.reason
         else:
             # One payload per dtype and type (varying/unreduced axes): the
             # primitive types its result from its one operand.
@@ -233,7 +231,11 @@ def _psum(x, axis_name, *, axis_index_groups, algorithm: str, api: str):
     for (dtype, _, _), idx in payloads.items():
         for group in _pack([leaves[i].size for i in idx], dtype, plan.slot):
             members = [idx[g] for g in group]
-            sums = _reduce_payload([leaves[i] for i in members], plan, rest)
+            chosen = choose(plan, padded_bytes(sum(leaves[i].size for i in members), dtype), api)
+            if isinstance(chosen, Fallback):  # auto's table: lax.psum at this size, no warning
+                to_psum.update(dict.fromkeys(members))
+                continue
+            sums = _reduce_payload([leaves[i] for i in members], chosen, rest)
             for i, out in zip(members, sums):
                 outs[i] = out
     if to_psum:
