@@ -254,8 +254,8 @@ def sifar_psum(x, axis_name, *, axis_index_groups=None, algorithm: str = algorit
 
     Use inside `jax.shard_map` (under `jax.jit`) after `sifar_jax.init(mesh)`.
 
-    Equal to lax.psum: the result's structure, shapes, dtypes, weak types and
-    varying axes (check_vma); its derivatives (jvp, grad, vjp,
+    Equal to lax.psum: the result's structure, shapes, dtypes, weak types,
+    varying and unreduced axes (check_vma, explicit sharding); its derivatives (jvp, grad, vjp,
     linear_transpose, higher orders: the tangent and the transpose are
     lax.psum's); vmap inside or around shard_map; the errors (an unbound axis
     raises `sifar_jax.UnboundAxisError`, a NameError).
@@ -269,8 +269,13 @@ def sifar_psum(x, axis_name, *, axis_index_groups=None, algorithm: str = algorit
 
     Hands to lax.psum (with algorithm="auto", warning once with the reason):
     other dtypes, payloads past the slot, axes that sifar_jax cannot serve,
-    `axis_index_groups`; vmap axis names and constants (no communication) go
-    to lax.psum silently. A named algorithm raises instead of falling back.
+    `axis_index_groups`, a shard_map manual over only some mesh axes (XLA
+    would replicate the call over the others: jax.vmap over a shard_map on an
+    explicit mesh); vmap axis names and constants (no communication) go to
+    lax.psum silently, and so do payloads the auto table gives to lax.psum
+    (sifar_jax.autotable: a choice by size). A named algorithm raises instead
+    of falling back. An operand unreduced over the axes (explicit sharding)
+    is summed by sifar and typed as lax.psum types it.
     """
     return _psum(x, axis_name, axis_index_groups=axis_index_groups, algorithm=algorithm,
                  api="sifar_psum")

@@ -14,9 +14,9 @@
 // payload padded to row_lines, the next power of two (FusedPaddedRowBytes):
 // the padding lines are zero on every rank, pulled like any line (so the
 // padded payload keeps BlockOfLine's ownership), add nothing to the sum of
-// squares and are never stored.  Rows of at most one block's lines lie in aligned segments of one block (a
-// segmented reduction: warp shuffles, then the row's warps through shared
-// memory).  Longer rows span row_blocks whole blocks, launched as one
+// squares and are never stored.  Rows of at most one block's lines lie in
+// aligned segments of one block (a segmented reduction: warp shuffles, then
+// the row's warps through shared memory).  Longer rows span row_blocks whole blocks, launched as one
 // thread-block cluster: each block stores its sum into every block's shared
 // memory (distributed shared memory), one cluster barrier, and every block adds
 // them in cluster-rank order.  Since a round of kMaxBlocks blocks
