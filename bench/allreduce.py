@@ -4,6 +4,7 @@ peers (torch NCCL, torch symmetric memory, XLA's one-shot kernel), in one run.
     python -m bench.allreduce                 # full run (GPU: the results the project commits)
     python -m bench.allreduce --quick         # a quick look (CPU / CI: well under a minute)
     python -m bench.allreduce --peers none --no-trace   # ours and lax.psum only
+    python -m bench.allreduce --sizes sweep --write-auto-table auto.json   # what "auto" runs
     python -m sifar_jax.launch -n 2 -- python -m bench.allreduce   # one process per GPU
 
 Levels (the "level" field of each record), each a per-all-reduce latency:
@@ -153,6 +154,11 @@ def parse_args(argv=None):
                    help="directory for the results (default: bench/results on GPUs, "
                         "bench/results/local on the CPU, which git ignores)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--write-auto-table", metavar="PATH", default=None,
+                   help="also write what algorithm='auto' should run per TP and size: the fastest "
+                        "of our exact algorithms and lax.psum at the jit level of this run, lax.psum "
+                        "above the default slot (sifar_jax.autotable); load it with "
+                        "sifar_jax.init(mesh, auto_table=PATH) or $SIFAR_AUTO_TABLE")
     return p.parse_args(argv)
 
 
@@ -786,6 +792,17 @@ def _plot_trace(ax, tp, trace_latencies):
     ax.legend(fontsize=7)
 
 
+def auto_table(records, env, kind: str):
+    """The auto table of this run (sifar_jax.autotable.from_records): for the
+    platform and the device kind it ran on."""
+    platform = "cuda" if kind == "gpu" else "cpu"
+    device = env.get("device_kind") or ""
+    return sifar_jax.autotable.from_records(
+        records, platform, device_kinds=(device,) if device else (),
+        source=f"bench.allreduce on {env.get('host', '?')}, {env.get('date', '?')} "
+               f"({sifar_jax.autotable.LEVEL} level)")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     # Before anything starts NCCL (lax.psum's too): no NVLink multicast, ever.
@@ -814,6 +831,13 @@ def main(argv=None) -> int:
     for p in paths:
         if p is not None:
             print(f"wrote {p}")
+    if args.write_auto_table:
+        try:
+            table = auto_table(records, env, kind)
+        except ValueError as e:
+            print(f"auto table not written: {e} (run with --levels including jit)", file=sys.stderr)
+            return 1
+        print(f"wrote {sifar_jax.autotable.write(table, args.write_auto_table)} (auto table)")
     for e in peer_out["errors"]:
         print(f"peer {e.get('algorithm')} tp={e.get('tp')}: {e['error']}", file=sys.stderr)
     if warnings_out:

@@ -100,6 +100,9 @@ NB_MODULE(_sifar, m) {
   // psum_add_rmsnorm: blocks one row spans, 0 where the fused kernel cannot run.
   m.def("fused_row_blocks", [](size_t row_bytes) { return FusedRowBlocks(row_bytes); },
         nb::arg("row_bytes"));
+  // psum_add_rmsnorm: a row's share of the payload (padded to a power of two of lines).
+  m.def("fused_padded_row_bytes",
+        [](size_t row_bytes) { return FusedPaddedRowBytes(row_bytes); }, nb::arg("row_bytes"));
   m.def(
       "workspace_bytes",
       [](size_t slot_bytes, int nranks, int lanes) {

@@ -50,6 +50,51 @@ def with_varying(aval, axes):
     return aval.update(vma=frozenset(axes))
 
 
+def psum_type(aval, axes):
+    """lax.psum's result type for a value of type `aval` reduced over `axes`:
+    neither varying nor unreduced over them any more (an unreduced value's
+    sum is lax.psum's `unreduced_psum`; reduced axes stay). The type rule of
+    our all-reduce primitive. `ManualAxisType.update` with `unreduced` exists
+    from 0.10 (checked 0.10.2, 0.11.x); 0.11 also carries `unreduced_kind`,
+    which must be None once nothing is unreduced (as its unreduced_psum sets
+    it); before 0.10 only `vma` existed."""
+    axes = frozenset(axes)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is None:
+        return aval.update(vma=frozenset(getattr(aval, "vma", ())) - axes)
+    changes = dict(varying=frozenset(mat.varying) - axes)
+    unreduced = frozenset(getattr(mat, "unreduced", ()))
+    if unreduced & axes:
+        changes["unreduced"] = unreduced - axes
+        if not changes["unreduced"] and hasattr(mat, "unreduced_kind"):
+            changes["unreduced_kind"] = None
+    return aval.update(manual_axis_type=mat.update(**changes))
+
+
+def axis_state(aval) -> tuple:
+    """(varying, unreduced, reduced) manual axes of a type: what lax.psum's
+    result type depends on beyond shape and dtype (unreduced/reduced exist
+    from jax 0.10; empty before)."""
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is None:
+        return (frozenset(getattr(aval, "vma", ())), frozenset(), frozenset())
+    return (frozenset(mat.varying), frozenset(getattr(mat, "unreduced", ())),
+            frozenset(getattr(mat, "reduced", ())))
+
+
+def partitioned_axes() -> tuple:
+    """Mesh axes of more than one device that are not manual here: inside a
+    shard_map that is manual over only some of its mesh's axes (axis_names=,
+    or jax.vmap over a shard_map on an explicit mesh), XLA partitions the body
+    over these, and would have to replicate a custom call across them. Public
+    API (`get_abstract_mesh`, 0.10.2 and 0.11.x)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    manual = frozenset(mesh.manual_axes)
+    return tuple(a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1)
+
+
 def manual_axes() -> frozenset:
     """Mesh axes that are manual here, i.e. bound by an enclosing shard_map
     (public API; a vmap axis name is not among them)."""

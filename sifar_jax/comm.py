@@ -43,7 +43,8 @@ import warnings
 import jax
 import numpy as np
 
-from . import _ext, _jax_compat, architectures, distributed
+
+from . import _ext, _jax_compat, architectures, autotable, distributed
 
 DEFAULT_SLOT_BYTES = 64 * 1024
 # Lanes per communicator: independent call chains (a scan body and its caller,
@@ -212,7 +213,7 @@ def workspace_bytes(slot_bytes: int = DEFAULT_SLOT_BYTES, nranks: int = 2,
 
 
 def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None,
-         lanes: int | None = None) -> None:
+         lanes: int | None = None, auto_table=None) -> None:
     """Sets up a communicator for every axis of `mesh`. Idempotent.
 
     Calling it with another mesh that reuses devices under the same axis name,
@@ -227,7 +228,13 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None,
     timeout_s: bound on every wait for a peer (default $SIFAR_TIMEOUT_S or 5 s).
     lanes: independent call chains that may be in flight at once (default 4):
       each lane holds its own epochs and dual slots (memory grows with it).
+    auto_table: a file written by `python -m bench.allreduce --write-auto-table`
+      (or a sifar_jax.autotable.Table): what algorithm="auto" runs per payload
+      size and group size, for the platform it was measured on, in place of
+      $SIFAR_AUTO_TABLE and the built-in table (sifar_jax.autotable).
     """
+    if auto_table is not None:
+        autotable.use(auto_table)
     lanes = _check_lanes(DEFAULT_LANES if lanes is None else lanes, "init")
     keep_slot = slot_bytes is None
     slot_bytes = _round_slot(DEFAULT_SLOT_BYTES if keep_slot else slot_bytes)

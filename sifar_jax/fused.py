@@ -10,14 +10,16 @@ disappear. It is an all-reduce call of the same communicator as `sifar_psum`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import _ext, _jax_compat, algorithms, ordering, psum
-from .plan import Fallback, Plan, plan_array, warn_once
+from .plan import Fallback, Plan, plan_array, too_large, warn_once
 
 __all__ = ["psum_add_rmsnorm"]  # the fused ops (sifar_jax exports them)
 
@@ -81,9 +83,17 @@ def _layout_refusal(x) -> str | None:
         return None
     return (
         f"a row of {x.shape[-1]} {jnp.dtype(x.dtype).name} elements ({row_bytes} bytes) is not a "
-        f"layout the fused kernel supports (a power-of-two number of 8-byte lines, 16 bytes to "
-        f"16 KB per row)"
+        f"layout the fused kernel supports (whole 16-byte lines, at most 16 KB once padded to a "
+        f"power of two of 8-byte lines)"
     )
+
+
+def fused_payload_bytes(x) -> int:
+    """The payload the fused kernel moves for x: every row padded to its share
+    (ffi/fused/fused.h, FusedPaddedRowBytes: a power of two of 8-byte lines)."""
+    row_bytes = x.shape[-1] * jnp.dtype(x.dtype).itemsize
+    rows = math.prod(x.shape[:-1])
+    return rows * int(_ext.lib.fused_padded_row_bytes(row_bytes))
 
 
 def _same_varying(*arrays):
@@ -151,7 +161,15 @@ def _plan(x, axis_name, algorithm: str) -> Plan | Fallback:
     why = _layout_refusal(x)
     if why is not None:
         return Fallback(why)
-    return plan_array(x, axis_name, algorithm, _API)
+    plan = plan_array(x, axis_name, algorithm, _API)
+    if isinstance(plan, Fallback):
+        return plan
+    nbytes = fused_payload_bytes(x)
+    if nbytes > plan.slot:  # only the fusion cannot run: sifar_psum can
+        return Fallback(f"rows padded to whole powers of two of lines: {too_large(nbytes, plan)}")
+    # The fused kernel is the sifar all-reduce (whatever auto's table would
+    # pick for the plain all-reduce of this size).
+    return dataclasses.replace(plan, algorithm=algorithms.SIFAR)
 
 
 def psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float,

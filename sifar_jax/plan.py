@@ -9,7 +9,8 @@ reason it cannot. What an op does with a Fallback follows one rule,
 `fallback_or_raise`:
 
 * algorithm="auto" falls back (to lax.psum, warning once with the reason:
-  `Fallback.psum`);
+  `Fallback.psum`), except where auto's table (sifar_jax.autotable) chose
+  lax.psum for the payload's size: a choice, without a warning (`choose`);
 * a named algorithm raises instead, naming it and the reason: nothing the
   user asked for is silently replaced.
 
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ext, algorithms, comm, multicast, ordering
+from . import _ext, _jax_compat, algorithms, autotable, comm, multicast, ordering
 from .errors import NotInitializedError, UnboundAxisError
 
 LINE = 16  # bytes: the payload is moved in whole 16-byte lines
@@ -104,13 +105,20 @@ def warn_once(message: str, stacklevel: int = 1) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Fallback:
-    """Why sifar does not run this call; the op runs its fallback instead."""
+    """Why sifar does not run this call; the op runs its fallback instead.
+
+    chosen: auto's table handed the payload to lax.psum (a choice, not a
+    shortcoming): nothing to warn about."""
 
     reason: str
+    chosen: bool = False
 
     def warn(self, instead: str = "lax.psum", api: str | None = None,
              stacklevel: int = 1) -> None:
-        """Warns once per reason that `instead` runs; stacklevel 1 is the caller's line."""
+        """Warns once per reason that `instead` runs (not for a chosen
+        fallback); stacklevel 1 is the caller's line."""
+        if self.chosen:
+            return
         where = f"sifar_jax.{api}" if api else "sifar_jax"
         warn_once(f"{where}: falling back to {instead}: {self.reason}", stacklevel + 1)
 
@@ -141,11 +149,44 @@ def unsupported_dtype(dtype, api: str, algorithm: str) -> TypeError:
     )
 
 
+def partially_manual(partitioned: tuple) -> str:
+    return (
+        f"the enclosing shard_map is not manual over the mesh axes {partitioned}: XLA partitions "
+        f"the call over them and would have to replicate it (jax.vmap over a shard_map on an "
+        f"explicit mesh, or shard_map(axis_names=...) of some axes only); a shard_map manual "
+        f"over every axis of more than one device lets sifar serve it"
+    )
+
+
 def too_large(nbytes: int, plan: Plan) -> str:
     return (
         f"payload of {nbytes} bytes exceeds the {plan.slot}-byte slot "
         f"(raise it with sifar_jax.init(mesh, slot_bytes=...))"
     )
+
+
+def choose(plan: Plan, nbytes: int, api: str, what: str = "") -> Plan | Fallback:
+    """How one payload of `nbytes` (whole lines) runs under `plan`.
+
+    A named algorithm runs it while it fits the slot, else raises. "auto"
+    asks the auto table (sifar_jax.autotable) for this size and group size:
+    lax.psum (a chosen Fallback: no warning), or one of our algorithms while
+    the payload fits the slot (else the usual warning fallback); with no
+    table for these ranks, sifar while it fits the slot.
+    """
+    if plan.explicit:
+        if nbytes > plan.slot:
+            fallback_or_raise(what + too_large(nbytes, plan), algorithm=plan.algorithm, api=api)
+        return plan
+    pick = autotable.choice(plan.comms[0], plan.nranks, nbytes)
+    if pick == autotable.PSUM:
+        return Fallback(f"the auto table hands {nbytes}-byte payloads over {plan.nranks} ranks "
+                        f"to lax.psum", chosen=True)
+    if nbytes > plan.slot:
+        return Fallback(what + too_large(nbytes, plan))
+    if pick is not None and pick != plan.algorithm:
+        return dataclasses.replace(plan, algorithm=pick)
+    return plan
 
 
 def padded_bytes(size: int, dtype) -> int:
@@ -158,13 +199,27 @@ def axes_of(axis_name) -> tuple:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
+def _psum_unbound_text(axis_name, fallback: str) -> str:
+    """lax.psum's own words for an unbound axis ("Found an unbound axis name:
+    x. ..."), so that code matching them matches ours; `fallback` (JAX's
+    core text, "unbound axis name: x") if lax.psum says nothing here."""
+    try:
+        jax.eval_shape(lambda v: jax.lax.psum(v, axis_name), jax.ShapeDtypeStruct((), jnp.float32))
+    except NameError as e:
+        return str(e)
+    except Exception:  # noqa: BLE001 - any other complaint: JAX's core text will do
+        pass
+    return fallback
+
+
 def axis_size(axis_name, api: str = "sifar_psum") -> int:
     try:
         return int(jax.lax.axis_size(axis_name))
     except NameError as e:
         raise UnboundAxisError(
-            f"sifar_jax.{api}: axis {axis_name!r} is not bound here; call it inside "
-            f"jax.shard_map over a mesh that has this axis (or jax.vmap(..., axis_name=...))"
+            f"sifar_jax.{api}: {_psum_unbound_text(axis_name, str(e))} (axis {axis_name!r} is "
+            f"not bound here; call it inside jax.shard_map over a mesh that has this axis, or "
+            f"jax.vmap(..., axis_name=...))"
         ) from e
 
 
@@ -179,7 +234,8 @@ def _multicast_refusal(comms) -> str | None:
 
 def _pick(algorithm: str, comms) -> str:
     # "auto" only ever picks an algorithm that is correct by construction:
-    # sifar (multicast's flag check is the paper's, not exact).
+    # sifar (multicast's flag check is the paper's, not exact), or what the
+    # auto table chooses per payload (choose: exact algorithms only).
     return algorithms.SIFAR if algorithm == algorithms.AUTO else algorithm
 
 
@@ -206,6 +262,10 @@ def route(axes: tuple, algorithm: str, api: str) -> tuple[Plan | Fallback, tuple
     """
     sizes = {a: axis_size(a, api) for a in axes}
     n = math.prod(sizes.values())
+    partitioned = _jax_compat.partitioned_axes()
+    if partitioned:
+        return fallback_or_raise(partially_manual(partitioned), algorithm=algorithm,
+                                 api=api), axes
     comms = _comms_for(axes, n)
     rest: tuple = ()
     reason = None
@@ -256,8 +316,9 @@ def plan_array(x, axis_name, algorithm: str, api: str) -> Plan | Fallback:
     if isinstance(plan, Fallback):
         return plan
     padded = padded_bytes(x.size, dtype)
-    if padded > plan.slot:
-        return fallback_or_raise(too_large(padded, plan), algorithm=algorithm, api=api)
+    plan = choose(plan, padded, api)
+    if isinstance(plan, Fallback):
+        return plan
     pad = (padded - x.size * dtype.itemsize) // dtype.itemsize
     return dataclasses.replace(plan, pad=pad, chain=ordering.chain_id(x, plan.scope))
 

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ext, _jax_compat, algorithms, ordering
-from .plan import (SUPPORTED_DTYPES, Fallback, Plan, axes_of, axis_size, fallback_or_raise,
-                   padded_bytes, route, too_large, unsupported_dtype)
+from .plan import (SUPPORTED_DTYPES, Fallback, Plan, axes_of, axis_size, choose,
+                   fallback_or_raise, padded_bytes, route, unsupported_dtype)
 
 ad, batching, mlir = _jax_compat.ad, _jax_compat.batching, _jax_compat.mlir
 
@@ -51,11 +51,10 @@ def allreduce(payload, plan: Plan, repeat: int = 1):
 
 def _abstract_eval(payload, *order, plan, repeat):
     del order, repeat
-    vma = _jax_compat.varying_axes(payload) - set(plan.axes)
     # On XLA:CPU the call is side-effecting: it is kept even when its result is
     # unused, so a failed all-reduce still surfaces.
     effects = {_jax_compat.ALLREDUCE_EFFECT} if plan.platform == "cpu" else set()
-    return _jax_compat.with_varying(payload, vma), effects
+    return _jax_compat.psum_type(payload, plan.axes), effects
 
 
 def _lowering(ctx, payload, *order, plan, repeat):
@@ -95,13 +94,11 @@ def _batch(args, dims, *, plan, repeat):
         return allreduce(payload, plan, repeat), _jax_compat.NOT_MAPPED
     stacked = jnp.moveaxis(payload, dims[0], 0)
     flat = stacked.reshape(-1)
-    nbytes = flat.size * flat.dtype.itemsize
-    if nbytes > plan.slot:
-        fallback = fallback_or_raise("vmapped " + too_large(nbytes, plan),
-                                     algorithm=plan.requested, api="sifar_psum")
-        out = fallback.psum(flat, plan.axes, stacklevel=2)
+    chosen = choose(plan, flat.size * flat.dtype.itemsize, "sifar_psum", what="vmapped ")
+    if isinstance(chosen, Fallback):
+        out = chosen.psum(flat, plan.axes, stacklevel=2)
     else:
-        out = allreduce(flat, plan, repeat)
+        out = allreduce(flat, chosen, repeat)
     return out.reshape(stacked.shape), 0
 
 
@@ -152,7 +149,7 @@ def _same_type(got_aval, want) -> bool:
     return (
         jnp.dtype(got_aval.dtype) == jnp.dtype(want.dtype)
         and bool(got_aval.weak_type) == bool(want.weak_type)
-        and _jax_compat.varying_axes(got_aval) == _jax_compat.varying_axes(want)
+        and _jax_compat.axis_state(got_aval) == _jax_compat.axis_state(want)
     )
 
 
@@ -172,7 +169,6 @@ def _sort_leaves(leaves, want, mesh_axes, plan: Plan, algorithm: str, api: str):
             leaf = jax.lax.convert_element_type(leaf, leaf.dtype)  # lax.psum drops it
         leaves[i] = leaf
         aval = jax.typeof(leaf)
-        vma = _jax_compat.varying_axes(aval)
         nbytes = padded_bytes(leaf.size, leaf.dtype)
         if leaf.size == 0:
             to_psum[i] = None  # nothing to add; lax.psum gives the exact empty result
@@ -180,13 +176,16 @@ def _sort_leaves(leaves, want, mesh_axes, plan: Plan, algorithm: str, api: str):
             to_psum[i] = fallback_or_raise(
                 f"dtype {leaf.dtype} is not summed natively", algorithm=algorithm, api=api,
                 error=unsupported_dtype(leaf.dtype, api, algorithm)).reason
-        elif not _same_type(_jax_compat.with_varying(aval, vma - set(mesh_axes)), want[i]):
+        elif not _same_type(_jax_compat.psum_type(aval, mesh_axes), want[i]):
             to_psum[i] = f"lax.psum types {aval} differently"  # e.g. a type JAX added later
-        elif nbytes > plan.slot:
-            to_psum[i] = fallback_or_raise(too_large(nbytes, plan), algorithm=algorithm,
-                                           api=api).reason
+        elif nbytes > plan.slot:  # named: raises; auto: the table's choice or a fallback
+            chosen = choose(plan, nbytes, api)
+            to_psum[i] = None if chosen.chosen else chosen.reason
         else:
-            payloads.setdefault((jnp.dtype(leaf.dtype), aval.weak_type, vma), []).append(i)
+            # One payload per dtype and type (varying/unreduced axes): the
+            # primitive types its result from its one operand.
+            key = (jnp.dtype(leaf.dtype), aval.weak_type, _jax_compat.axis_state(aval))
+            payloads.setdefault(key, []).append(i)
     return payloads, to_psum
 
 
@@ -232,7 +231,11 @@ def _psum(x, axis_name, *, axis_index_groups, algorithm: str, api: str):
     for (dtype, _, _), idx in payloads.items():
         for group in _pack([leaves[i].size for i in idx], dtype, plan.slot):
             members = [idx[g] for g in group]
-            sums = _reduce_payload([leaves[i] for i in members], plan, rest)
+            chosen = choose(plan, padded_bytes(sum(leaves[i].size for i in members), dtype), api)
+            if isinstance(chosen, Fallback):  # auto's table: lax.psum at this size, no warning
+                to_psum.update(dict.fromkeys(members))
+                continue
+            sums = _reduce_payload([leaves[i] for i in members], chosen, rest)
             for i, out in zip(members, sums):
                 outs[i] = out
     if to_psum:
@@ -251,8 +254,8 @@ def sifar_psum(x, axis_name, *, axis_index_groups=None, algorithm: str = algorit
 
     Use inside `jax.shard_map` (under `jax.jit`) after `sifar_jax.init(mesh)`.
 
-    Equal to lax.psum: the result's structure, shapes, dtypes, weak types and
-    varying axes (check_vma); its derivatives (jvp, grad, vjp,
+    Equal to lax.psum: the result's structure, shapes, dtypes, weak types,
+    varying and unreduced axes (check_vma, explicit sharding); its derivatives (jvp, grad, vjp,
     linear_transpose, higher orders: the tangent and the transpose are
     lax.psum's); vmap inside or around shard_map; the errors (an unbound axis
     raises `sifar_jax.UnboundAxisError`, a NameError).
@@ -266,8 +269,13 @@ def sifar_psum(x, axis_name, *, axis_index_groups=None, algorithm: str = algorit
 
     Hands to lax.psum (with algorithm="auto", warning once with the reason):
     other dtypes, payloads past the slot, axes that sifar_jax cannot serve,
-    `axis_index_groups`; vmap axis names and constants (no communication) go
-    to lax.psum silently. A named algorithm raises instead of falling back.
+    `axis_index_groups`, a shard_map manual over only some mesh axes (XLA
+    would replicate the call over the others: jax.vmap over a shard_map on an
+    explicit mesh); vmap axis names and constants (no communication) go to
+    lax.psum silently, and so do payloads the auto table gives to lax.psum
+    (sifar_jax.autotable: a choice by size). A named algorithm raises instead
+    of falling back. An operand unreduced over the axes (explicit sharding)
+    is summed by sifar and typed as lax.psum types it.
     """
     return _psum(x, axis_name, axis_index_groups=axis_index_groups, algorithm=algorithm,
                  api="sifar_psum")

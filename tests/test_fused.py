@@ -128,13 +128,16 @@ def make_data(rng, kind: str, n: int, tokens: int, hidden: int, dtype):
 def cases(dtype) -> list[tuple[int, int]]:
     """(hidden, tokens): rows inside a block (64, 128: segments of 16 and 32
     lines in 16-bit types) and over 2, 4 and 8 blocks' lines (16-bit: 2048,
-    4096, 8192; float32: 1024, 2048, 4096), every token count 1-4 at least
-    once (one compile per dtype and mesh: keep it small)."""
+    4096, 8192; float32: 1024, 2048, 4096), and rows that are not a power of
+    two of lines, padded in the payload (ffi/fused/fused.h): 5120 (10 KB in
+    16-bit types, padded to 8 blocks), 896 (within a block), 96 (within a
+    warp); float32 3584 (14 KB, 4 blocks' lines padded to 8). Every token
+    count 1-4 at least once (one compile per dtype and mesh: keep it small)."""
     if np.dtype(dtype).itemsize == 2:
         return [(64, 1), (64, 3), (128, 2), (128, 4), (2048, 3), (4096, 1), (4096, 4),
-                (8192, 3), (8192, 2)]
+                (8192, 3), (8192, 2), (5120, 2), (896, 3), (96, 1)]
     return [(64, 1), (64, 3), (128, 2), (128, 4), (1024, 2), (2048, 1), (4096, 1),
-            (4096, 4)]  # 8192: a fallback
+            (4096, 4), (3584, 1), (96, 3)]  # 8192: a fallback
 
 
 def fused_and_references(mesh, shapes):
@@ -200,6 +203,37 @@ def test_fused_matches_the_unfused_composition(cpu_mesh, n, dtype):
     # Reported, bounded loosely: XLA may normalise the unrounded sum.
     print(f"normed vs {xla.name}: {xla.differing} of {xla.total} differ, at most {xla.worst} ulp")
     assert xla.worst <= 4 * MAX_ULPS[dtype]
+
+
+# The hidden sizes of models whose rows are not a power of two of lines
+# (Qwen2.5-14B/32B and Llama-2-13B: 5120; Qwen2.5-7B: 3584; Qwen2.5-0.5B:
+# 896), and float32 rows: all fused, none falls back.
+MODEL_ROWS = [("bfloat16", 5120, 2), ("bfloat16", 3584, 1), ("bfloat16", 896, 4),
+              ("float16", 3584, 3), ("float32", 3584, 2), ("float32", 896, 1)]
+
+
+@pytest.mark.parametrize("dtype,hidden,tokens", MODEL_ROWS,
+                         ids=[f"{d}-{h}x{t}" for d, h, t in MODEL_ROWS])
+def test_model_hidden_sizes_are_fused(cpu_mesh, dtype, hidden, tokens, monkeypatch):
+    """The fused call itself runs (no fallback warning; the lowered program
+    calls the fused target) and matches the unfused composition and the
+    model's reference as every other row does."""
+    monkeypatch.setattr(plan, "warned", set())
+    n = 2
+    mesh = cpu_mesh(n, slot_bytes=SLOT)
+    dt = DTYPES[dtype]
+    f = fused_and_references(mesh, [(hidden, tokens)])
+    x, r, w = make_data(rng_for("model rows", dtype, hidden), "normal", n, tokens, hidden, dt)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="sifar_jax")
+        text = f.lower(x, r, w).as_text()
+    assert text.count(sifar_jax._ext.TARGETS.psum_add_rmsnorm) == 1
+    normed, new_res, sifar_res, sifar_norm = jax.device_get(f(x, r, w))[:4]
+    want_norm, want_res = model_reference(x, r, w)
+    assert same_bits(new_res[0], want_res) and same_bits(new_res[0], sifar_res[0])
+    assert same_bits(new_res[1], new_res[0]) and same_bits(normed[1], normed[0])
+    for ref in (want_norm, sifar_norm[0]):
+        assert ulps(normed[0], ref).max() <= MAX_ULPS[dtype]
 
 
 def test_payload_over_more_than_one_round_of_blocks(cpu_mesh):
@@ -340,8 +374,11 @@ def test_a_timed_out_fused_call_fails_both_outputs(cpu_mesh, hidden, tokens, fro
 # ------------------------------------------------------------------ fallbacks --
 FALLBACKS = {
     # case: (dtype, hidden, tokens, algorithm, slot_bytes, warnings expected)
-    "row_not_a_power_of_two": ("bfloat16", 96, 2, "auto", SLOT, ["not a layout"]),
+    "row_not_whole_lines": ("bfloat16", 12, 2, "auto", SLOT, ["not a layout"]),
     "row_over_8_blocks": ("float32", 8192, 1, "auto", SLOT, ["not a layout"]),
+    "padded_row_over_8_blocks": ("float32", 5120, 1, "auto", SLOT, ["not a layout"]),
+    # 30 KB fits a 32 KB slot (sifar_psum serves it), its padded rows (48 KB) do not.
+    "padded_payload_over_the_slot": ("bfloat16", 5120, 3, "auto", 32 * 1024, ["rows padded"]),
     "another_algorithm": ("bfloat16", 128, 2, "oneshot", SLOT, ["runs the sifar algorithm"]),
     "payload_over_the_slot": ("bfloat16", 4096, 1, "auto", 4096, ["exceeds", "exceeds"]),
 }

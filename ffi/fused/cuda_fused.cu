@@ -10,10 +10,13 @@
 //   s            = rsqrt(ss / hidden + eps)
 //   normed       = round(float(weight) * float(round(float(new_residual) * s)))
 //
-// A row is row_lines LL lines (8 payload bytes each), a power of two.  Rows
-// of at most one block's lines lie in aligned segments of one block (a
-// segmented reduction: warp shuffles, then the row's warps through shared
-// memory).  Longer rows span row_blocks whole blocks, launched as one
+// A row is data_lines LL lines (8 payload bytes each), laid out in the
+// payload padded to row_lines, the next power of two (FusedPaddedRowBytes):
+// the padding lines are zero on every rank, pulled like any line (so the
+// padded payload keeps BlockOfLine's ownership), add nothing to the sum of
+// squares and are never stored.  Rows of at most one block's lines lie in
+// aligned segments of one block (a segmented reduction: warp shuffles, then
+// the row's warps through shared memory).  Longer rows span row_blocks whole blocks, launched as one
 // thread-block cluster: each block stores its sum into every block's shared
 // memory (distributed shared memory), one cluster barrier, and every block adds
 // them in cluster-rank order.  Since a round of kMaxBlocks blocks
@@ -30,11 +33,14 @@ namespace sifar {
 namespace cuda {
 
 struct FusedArgs {
-  KernelArgs a;  // in: x, out: the new residual, nbytes: the payload
+  KernelArgs a;  // in: x, out: the new residual, nbytes: the padded payload
   const void* residual;
   const void* weight;
   void* normed;
-  uint32_t row_lines;   // LL lines per row, a power of two
+  size_t data_bytes;    // the buffers' size: x, residual and both outputs
+  uint32_t data_lines;  // LL lines of data per row
+  uint32_t row_lines;   // LL lines per padded row, a power of two >= data_lines
+  uint32_t row_shift;   // log2(row_lines)
   uint32_t row_blocks;  // blocks per row: the cluster size (1: rows within a block)
   uint32_t hidden;      // elements per row
   float eps;
@@ -57,12 +63,22 @@ __device__ __forceinline__ uint2 Pack(const float* v) {
   return make_uint2(Elem<T>::Round(v), Elem<T>::Round(v + Elem<T>::kPerWord));
 }
 
-// One thread's line of the three inputs.
+// Line `line` of the padded payload: whether it holds data, and where in the
+// (unpadded) buffers.
+__device__ __forceinline__ bool DataLine(const FusedArgs& f, size_t line, size_t& at) {
+  const uint32_t j = static_cast<uint32_t>(line) & (f.row_lines - 1);
+  at = (line >> f.row_shift) * f.data_lines + j;
+  return j < f.data_lines;
+}
+
+// One thread's line of the three inputs (zero on a padding line).
 struct FusedIn {
   uint2 x, residual, weight;
 };
 __device__ __forceinline__ FusedIn LoadFusedIn(const FusedArgs& f, size_t line) {
-  return {static_cast<const uint2*>(f.a.in)[line], static_cast<const uint2*>(f.residual)[line],
+  size_t at;
+  if (!DataLine(f, line, at)) return FusedIn{};
+  return {static_cast<const uint2*>(f.a.in)[at], static_cast<const uint2*>(f.residual)[at],
           static_cast<const uint2*>(f.weight)[line & (f.row_lines - 1)]};
 }
 
@@ -284,7 +300,8 @@ __device__ __forceinline__ bool FusedBlock(const FusedArgs& f) {
       }
       go = ok;
       if (!go) break;
-      if (mine) {
+      size_t at;
+      if (mine && DataLine(f, line, at)) {
         const float mean = __fdiv_rn(total, static_cast<float>(f.hidden));
         const float scale = rsqrtf(__fadd_rn(mean, f.eps));
         float g[K];
@@ -294,15 +311,15 @@ __device__ __forceinline__ bool FusedBlock(const FusedArgs& f) {
         Unpack<T>(Pack<T>(v), v);  // y rounded to the payload type, as the model does
 #pragma unroll
         for (int k = 0; k < K; ++k) v[k] = __fmul_rn(g[k], v[k]);
-        static_cast<uint2*>(a.out)[line] = new_residual;
-        static_cast<uint2*>(f.normed)[line] = Pack<T>(v);
+        static_cast<uint2*>(a.out)[at] = new_residual;
+        static_cast<uint2*>(f.normed)[at] = Pack<T>(v);
       }
     }
     if (!dropped) warp0_retried |= EndCall(w, kSifar, s);
   }
   if (!go) {  // the block (the cluster) failed: both outputs NaN, every line
-    FillNaN<T>(a.out, a.nbytes, threadIdx.x, kThreads);
-    FillNaN<T>(f.normed, a.nbytes, threadIdx.x, kThreads);
+    FillNaN<T>(a.out, f.data_bytes, threadIdx.x, kThreads);
+    FillNaN<T>(f.normed, f.data_bytes, threadIdx.x, kThreads);
   } else if (!dropped) {
     CommitBlock(w, kSifar, st, epoch, warp0_retried);
   }
@@ -364,22 +381,28 @@ void LoadRow() {
 // synchronisation; CUDA-graph safe).
 cudaError_t LaunchRankFused(const RankCall& c, const FusedCall& fused, cudaStream_t stream) {
   if (c.comm == nullptr || c.algorithm != kSifar || c.nbytes % fused.row_bytes != 0 ||
-      fused.row_blocks != FusedRowBlocks(fused.row_bytes) || fused.row_blocks == 0)
+      fused.row_blocks != FusedRowBlocks(fused.row_bytes) || fused.row_blocks == 0 ||
+      fused.padded_row_bytes != FusedPaddedRowBytes(fused.row_bytes))
     return cudaErrorInvalidValue;
   FusedArgs f{};
   f.a = MakeKernelArgs(c);
+  f.a.nbytes = c.nbytes / fused.row_bytes * fused.padded_row_bytes;  // the padded payload
   f.residual = fused.residual;
   f.weight = fused.weight;
   f.normed = fused.normed;
-  f.row_lines = static_cast<uint32_t>(fused.row_bytes / 8);
+  f.data_bytes = c.nbytes;
+  f.data_lines = static_cast<uint32_t>(fused.row_bytes / 8);
+  f.row_lines = static_cast<uint32_t>(fused.padded_row_bytes / 8);
+  f.row_shift = 0;
+  while ((1u << f.row_shift) < f.row_lines) ++f.row_shift;
   f.row_blocks = static_cast<uint32_t>(fused.row_blocks);
   f.hidden = static_cast<uint32_t>(fused.hidden);
   f.eps = fused.eps;
   f.prefetch = static_cast<const char*>(fused.prefetch);
   f.prefetch_bytes = fused.prefetch != nullptr ? fused.prefetch_bytes : 0;
-  // The plain kernel's grid for this payload: a multiple of the cluster size,
-  // since the payload is whole rows and kMaxBlocks whole clusters.
-  const int grid = BlocksFor(c.nbytes / 8, kThreads);
+  // The plain kernel's grid for the padded payload: a multiple of the cluster
+  // size, since the payload is whole rows and kMaxBlocks whole clusters.
+  const int grid = BlocksFor(f.a.nbytes / 8, kThreads);
   f.ar_blocks = static_cast<uint32_t>(grid);
   // Prefetch blocks: whole clusters after the all-reduce's.
   const int extra = f.prefetch_bytes == 0 ? 0

@@ -42,6 +42,7 @@ ffi::Error PlanFusedCall(int ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual,
                    AlgorithmName(algorithm) + "'");
   fused->hidden = weight.element_count();
   fused->row_bytes = weight.size_bytes();
+  fused->padded_row_bytes = FusedPaddedRowBytes(fused->row_bytes);
   fused->row_blocks = FusedRowBlocks(fused->row_bytes);
   if (fused->row_blocks == 0 || bytes % fused->row_bytes != 0)
     return Invalid("psum_add_rmsnorm: rows of " + std::to_string(fused->row_bytes) +
@@ -68,8 +69,17 @@ ffi::Error PlanFusedCall(int ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual,
     fused->prefetch = target->untyped_data();
     fused->prefetch_bytes = static_cast<size_t>(prefetch_bytes);
   }
-  return PlanCall(ordinal, x, new_residual, nullptr, axis_key, nranks, algorithm, repeat, chain,
-                  call);
+  ffi::Error err = PlanCall(ordinal, x, new_residual, nullptr, axis_key, nranks, algorithm,
+                            repeat, chain, call);
+  if (err.failure()) return err;
+  // The payload the kernel moves: every row padded (FusedPaddedRowBytes).
+  const size_t padded = bytes / fused->row_bytes * fused->padded_row_bytes;
+  if (padded > call->comm->slot_bytes())
+    return Invalid("psum_add_rmsnorm: rows of " + std::to_string(fused->row_bytes) +
+                   " bytes padded to " + std::to_string(fused->padded_row_bytes) +
+                   " make a payload of " + std::to_string(padded) + " bytes, over the slot of " +
+                   std::to_string(call->comm->slot_bytes()) + " bytes");
+  return ffi::Error::Success();
 }
 
 namespace {
@@ -100,12 +110,13 @@ float Round(Elem t, float v) {
   return cpu::HalfToF32(t, cpu::F32ToHalf(t, v));
 }
 
-// The fp32 sum of v[i]^2 over a row in the CUDA kernel's order: the
-// elements of each 8-byte line in order, then the lines of each warp's share
-// of the row as a pairwise tree (the kernel's shuffle butterfly), then the
-// row's warps of each block in order, then the blocks in order.
-float RowSumOfSquares(const float* v, size_t hidden, size_t per_line) {
-  const size_t lines = hidden / per_line;
+// The fp32 sum of v[i]^2 over a padded row (FusedPaddedRowBytes: the data,
+// then zeros) in the CUDA kernel's order: the elements of each 8-byte line in
+// order, then the lines of each warp's share of the row as a pairwise tree
+// (the kernel's shuffle butterfly), then the row's warps of each block in
+// order, then the blocks in order.
+float RowSumOfSquares(const float* v, size_t padded_hidden, size_t per_line) {
+  const size_t lines = padded_hidden / per_line;
   std::vector<float> t(lines);
   for (size_t l = 0; l < lines; ++l) {
     float s = 0.f;
@@ -131,14 +142,16 @@ float RowSumOfSquares(const float* v, size_t hidden, size_t per_line) {
 // `new_residual` holds allreduce(x) on entry; both outputs on return.
 void Epilogue(Elem t, const FusedCall& f, size_t rows, void* new_residual) {
   const size_t h = f.hidden;
-  const size_t per_line = 8 / (t == Elem::kF32 ? 4 : 2);
-  std::vector<float> v(h);
+  const size_t elem_bytes = t == Elem::kF32 ? 4 : 2;
+  const size_t per_line = 8 / elem_bytes;
+  // The row as the kernel lays it out: the data, then zeros (masked lanes).
+  std::vector<float> v(f.padded_row_bytes / elem_bytes, 0.f);
   for (size_t row = 0; row < rows; ++row) {
     const size_t at = row * h;
     for (size_t i = 0; i < h; ++i)
       v[i] = Store(t, new_residual, at + i,
                    Load(t, new_residual, at + i) + Load(t, f.residual, at + i));
-    const float ss = RowSumOfSquares(v.data(), h, per_line);
+    const float ss = RowSumOfSquares(v.data(), v.size(), per_line);
     const float scale = 1.f / std::sqrt(ss / static_cast<float>(h) + f.eps);
     for (size_t i = 0; i < h; ++i) {
       const float y = Round(t, v[i] * scale);

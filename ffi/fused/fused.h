@@ -12,21 +12,30 @@
 
 namespace sifar {
 
-// The fused call runs the sifar pull over rows of `hidden` elements,
-// row_bytes / 8 LL lines each, with protocol.h's line -> block ownership
-// (BlockOfLine).  A row's sum of squares is reduced where the row lies: in a
-// power-of-two fraction of one block (a segmented in-block reduction), or
-// over a power-of-two number of whole blocks, at most kMaxRowBlocks (one
-// thread-block cluster; 64 blocks hold whole clusters).  Returns the blocks
-// one row spans (1: the row lies within one block), or 0 where the fused
-// kernel cannot run (the caller falls back to the unfused composition).  The
-// CPU backend accepts the same rows, so both decide alike.
+// The fused call runs the sifar pull over rows of `hidden` elements
+// (row_bytes, whole 16-byte lines), each laid out in the payload padded to
+// FusedPaddedRowBytes: the next power of two of its 8-byte LL lines, the
+// lines past the row's data zero on every rank (masked lanes: they are
+// pulled like any line, add nothing to the sum of squares, and are never
+// stored).  The padded payload keeps protocol.h's line -> block ownership
+// (BlockOfLine).  A row's sum of squares is reduced where the padded row
+// lies: in a power-of-two fraction of one block (a segmented in-block
+// reduction), or over a power-of-two number of whole blocks, at most
+// kMaxRowBlocks (one thread-block cluster; 64 blocks hold whole clusters).
+// Returns the blocks one row spans (1: the row lies within one block), or 0
+// where the fused kernel cannot run (the caller falls back to the unfused
+// composition).  The CPU backend accepts the same rows, so both decide alike.
 constexpr int kMaxRowBlocks = 8;
 static_assert(kMaxBlocks % kMaxRowBlocks == 0, "a round of blocks holds whole clusters");
-SIFAR_HD int FusedRowBlocks(size_t row_bytes) {
+SIFAR_HD size_t FusedPaddedRowBytes(size_t row_bytes) {
   if (row_bytes == 0 || row_bytes % 16 != 0) return 0;  // whole 16-byte lines per row
-  const size_t lines = row_bytes / 8;
-  if ((lines & (lines - 1)) != 0) return 0;  // a power of two
+  size_t lines = 2;
+  while (lines * 8 < row_bytes) lines <<= 1;
+  return lines * 8;
+}
+SIFAR_HD int FusedRowBlocks(size_t row_bytes) {
+  const size_t lines = FusedPaddedRowBytes(row_bytes) / 8;
+  if (lines == 0) return 0;
   if (lines <= static_cast<size_t>(kLinesPerBlock)) return 1;
   const size_t blocks = lines / kLinesPerBlock;
   return blocks <= static_cast<size_t>(kMaxRowBlocks) ? static_cast<int>(blocks) : 0;
@@ -39,8 +48,9 @@ struct FusedCall {
   const void* weight = nullptr;
   void* normed = nullptr;
   size_t hidden = 0;     // elements per row (weight's size)
-  size_t row_bytes = 0;  // hidden * element size
-  int row_blocks = 0;    // FusedRowBlocks(row_bytes)
+  size_t row_bytes = 0;         // hidden * element size
+  size_t padded_row_bytes = 0;  // a row's share of the payload: FusedPaddedRowBytes(row_bytes)
+  int row_blocks = 0;           // FusedRowBlocks(row_bytes)
   float eps = 0.f;
   // The operand the next operation reads (a weight): its first
   // prefetch_bytes are prefetched into L2 while the all-reduce waits for its
@@ -51,7 +61,7 @@ struct FusedCall {
 
 // PlanCall's checks plus the fused ones: float types, one dtype and size for
 // x, residual and both outputs, weight one row, a row layout the kernel
-// supports (FusedRowBlocks), algorithm sifar; with prefetch_bytes > 0, the
+// supports (FusedRowBlocks) whose padded payload fits the slot, algorithm sifar; with prefetch_bytes > 0, the
 // first of `rest` is the operand to prefetch, at least that large and
 // 16-byte aligned (the others in `rest` only order the call).
 xla::ffi::Error PlanFusedCall(int ordinal, xla::ffi::AnyBuffer x, xla::ffi::AnyBuffer residual,
