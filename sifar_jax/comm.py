@@ -43,7 +43,6 @@ import warnings
 import jax
 import numpy as np
 
-
 from . import _ext, _jax_compat, architectures, autotable, distributed
 
 DEFAULT_SLOT_BYTES = 64 * 1024
