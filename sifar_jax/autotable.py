@@ -5,7 +5,10 @@ A table maps (group size, payload bytes) to one of our exact algorithms or to
 (max_bytes, choice) in ascending order: a payload of B bytes (whole 16-byte
 lines, as it is moved) takes the first row with B <= max_bytes, i.e. the
 measurement at the smallest measured size that is at least B; past the largest
-measured size it goes to lax.psum (nothing says ours is faster there). A group
+measured size a table written by the benchmark's sweep says lax.psum (its
+measurements end where ours stop paying), the built-in table keeps the rule
+before tables (nothing was measured there: the slot, which the user sets,
+decides). A group
 size the table does not list keeps the rule of the library before tables:
 sifar while the payload fits the slot.
 
@@ -57,6 +60,8 @@ class Table:
     rows: dict
     device_kinds: tuple = ()  # substrings of jax's device_kind it applies to; () any
     source: str = ""
+    # Past the largest measured size: PSUM, or None (the rule before tables).
+    past_last: str | None = PSUM
 
     def lookup(self, nranks: int, nbytes: int) -> str | None:
         """An algorithm name or PSUM; None where the table has no row for nranks."""
@@ -66,7 +71,7 @@ class Table:
         for max_bytes, choice in rows:
             if nbytes <= max_bytes:
                 return choice
-        return PSUM
+        return self.past_last
 
     def applies_to(self, platform: str, device_kind: str) -> bool:
         return platform == self.platform and (
@@ -78,6 +83,7 @@ class Table:
             "platform": self.platform,
             "device_kinds": list(self.device_kinds),
             "source": self.source,
+            "past_last": self.past_last,
             "entries": [{"nranks": n, "max_bytes": b, "choice": c}
                         for n in sorted(self.rows) for b, c in self.rows[n]],
         }
@@ -86,13 +92,15 @@ class Table:
 # Measured on 2x H200 (bench/results/allreduce-2xH200.json, jit level, TP=2):
 # sifar was the fastest of every algorithm and of lax.psum at each size from 4
 # to 64 KB (2.7-3.5 us against lax.psum's 8.6-13.9 us). Nothing was measured
-# above 64 KB: lax.psum there. tests/test_autotable.py rebuilds this table
-# from that file.
+# above 64 KB: there the slot decides, as before tables (a user who raised
+# slot_bytes, e.g. for prefill, keeps sifar). tests/test_autotable.py rebuilds
+# this table from that file.
 BUILTIN = Table(
     platform="cuda",
     rows={2: tuple((kb * 1024, algorithms.SIFAR) for kb in (4, 8, 16, 32, 64))},
     device_kinds=("H100", "H200"),
     source="bench/results/allreduce-2xH200.json (jit level, TP=2)",
+    past_last=None,
 )
 
 
@@ -117,8 +125,12 @@ def from_json(data: dict, where: str = "auto table") -> Table:
         rows.setdefault(n, {})[b] = c
     if not rows:
         raise ValueError(f"sifar_jax: {where}: no entries")
+    past_last = data.get("past_last", PSUM)
+    if past_last not in (PSUM, None):
+        raise ValueError(f"sifar_jax: {where}: past_last must be {PSUM!r} or null, "
+                         f"got {past_last!r}")
     return Table(platform, {n: tuple(sorted(r.items())) for n, r in rows.items()},
-                 tuple(data.get("device_kinds", ())), str(data.get("source", "")))
+                 tuple(data.get("device_kinds", ())), str(data.get("source", "")), past_last)
 
 
 def load(path) -> Table:

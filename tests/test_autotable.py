@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -60,8 +61,11 @@ def test_lookup_at_bucket_edges_and_group_sizes():
     t = autotable.BUILTIN
     for nbytes in (16, 4 * KB, 4 * KB + 16, 8 * KB, 40 * KB, 64 * KB):
         assert t.lookup(2, nbytes) == "sifar", nbytes
-    assert t.lookup(2, 64 * KB + 16) == autotable.PSUM  # past the largest measured size
-    assert t.lookup(2, 64 << 20) == autotable.PSUM
+    # past the largest measured size the built-in table keeps the rule before tables (the
+    # slot decides: nothing was measured there); a table from a sweep says lax.psum there
+    assert t.lookup(2, 64 * KB + 16) is None and t.lookup(2, 64 << 20) is None
+    swept = dataclasses.replace(t, past_last=autotable.PSUM)
+    assert swept.lookup(2, 64 * KB + 16) == autotable.PSUM
     assert t.lookup(4, 4 * KB) is None and t.lookup(8, 64 * KB) is None  # not measured
 
     mixed = cpu_table({2: ((4 * KB, "oneshot"), (16 * KB, "sifar"), (64 * KB, "psum")),
@@ -86,6 +90,8 @@ def test_file_round_trip_and_refusals(tmp_path):
                         device_kinds=("cpu",), source="a test")
     path = autotable.write(t, tmp_path / "auto.json")
     assert autotable.load(path) == t
+    kept = dataclasses.replace(t, past_last=None)
+    assert autotable.load(autotable.write(kept, tmp_path / "kept.json")) == kept
     data = json.loads((tmp_path / "auto.json").read_text())
     assert data["schema"] == autotable.SCHEMA
     bad = {"schema": "nope"}
