@@ -35,8 +35,31 @@ def rope_from_hf(d: dict[str, Any], default_theta: float = 10000.0
     return float(theta), scaling
 
 
+class AttentionConfig:
+    """What every family's config shares (a mixin of its frozen dataclass): the GQA geometry
+    checks, group_size and replace."""
+
+    def check_attention(self) -> None:
+        """Normalise rope_scaling and check the heads; call from __post_init__."""
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} not divisible by num_kv_heads "
+                             f"{self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    def replace(self, **kw):
+        return dataclasses.replace(self, **kw)
+
+
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(AttentionConfig):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -58,20 +81,7 @@ class LlamaConfig:
             if self.hidden_size % self.num_heads:
                 raise ValueError(f"hidden_size {self.hidden_size} not divisible by num_heads {self.num_heads}")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        if isinstance(self.rope_scaling, dict):
-            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} not divisible by num_kv_heads {self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head (GQA)."""
-        return self.num_heads // self.num_kv_heads
-
-    def replace(self, **kw) -> "LlamaConfig":
-        return dataclasses.replace(self, **kw)
+        self.check_attention()
 
     # ---- presets -------------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from flax import nnx
 
 from . import attention, sharding, transformer
 from .attention import Attention, Step
-from .config import RopeScaling, rope_from_hf
+from .config import AttentionConfig, RopeScaling, rope_from_hf
 from .family import ModelFamily
 from .tp import RMSNorm, TPContext, normal
 
@@ -52,7 +52,7 @@ SLICES_MAX = 16  # "slices": at most this many (token, slot) pairs get their own
 # ---- config -----------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3MoeConfig:
+class Qwen3MoeConfig(AttentionConfig):
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -72,25 +72,12 @@ class Qwen3MoeConfig:
     moe_impl: str = "gather"  # MOE_IMPLS: how the chosen experts are computed
 
     def __post_init__(self):
-        if isinstance(self.rope_scaling, dict):
-            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} not divisible by num_kv_heads {self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        self.check_attention()
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
                              f"[1, num_experts={self.num_experts}]")
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head (GQA)."""
-        return self.num_heads // self.num_kv_heads
-
-    def replace(self, **kw) -> "Qwen3MoeConfig":
-        return dataclasses.replace(self, **kw)
 
     # ---- presets -------------------------------------------------------------------------------
 
