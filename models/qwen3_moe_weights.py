@@ -21,7 +21,7 @@ import numpy as np
 
 from .checkpoint import Checkpoint
 from .qwen3_moe import Qwen3MoeConfig
-from .weights import attention_builders, attention_to_hf, hf_name
+from .weights import attention_to_hf, hf_name, stack_builders
 
 
 def expert_name(i: int, j: int, proj: str) -> str:
@@ -61,21 +61,11 @@ def hf_builders(config: Qwen3MoeConfig, ck: Checkpoint, kv_replicas: int = 1) ->
     def router(i, lo, hi):  # replicated
         return t(ck.read(hf_name("mlp.gate", i)))
 
-    def full(name):
-        return lambda lo, hi: ck.read(name)
-
-    out = {"embed": full("model.embed_tokens.weight"), "norm": {"weight": full("model.norm.weight")},
-           "layers": {}}
-    if not c.tie_word_embeddings:
-        out["lm_head"] = lambda lo, hi: t(ck.read("lm_head.weight", 0, lo, hi))
+    out = stack_builders(c, ck, kv_replicas, qk_norm=True)
     for i in range(c.num_layers):
-        out["layers"][i] = {
-            "input_norm": {"weight": full(hf_name("input_layernorm", i))},
-            "post_norm": {"weight": full(hf_name("post_attention_layernorm", i))},
-            "attn": attention_builders(c, ck, i, kv_replicas, qk_norm=True),
-            "moe": {"router": functools.partial(router, i),
-                    "gate_up": functools.partial(gate_up, i), "down": functools.partial(down, i)},
-        }
+        out["layers"][i]["moe"] = {"router": functools.partial(router, i),
+                                   "gate_up": functools.partial(gate_up, i),
+                                   "down": functools.partial(down, i)}
     return out
 
 

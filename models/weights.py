@@ -97,19 +97,29 @@ def hf_builders(config: LlamaConfig, ck: Checkpoint, kv_replicas: int = 1) -> di
     def down(i, lo, hi):
         return t(ck.read(hf_name("mlp.down_proj", i), 1, lo, hi))
 
+    out = stack_builders(c, ck, kv_replicas)
+    for i in range(c.num_layers):
+        out["layers"][i]["mlp"] = {"gate_up": functools.partial(gate_up, i),
+                                   "down": functools.partial(down, i)}
+    return out
+
+
+def stack_builders(config, ck: Checkpoint, kv_replicas: int = 1, *, qk_norm: bool = False) -> dict:
+    """The builders (see hf_builders) of what every family's stack holds: the embedding, the
+    final norm, the LM head (untied), and per layer its two norms and its attention; a family
+    adds its layers' MLP (or MoE) entries."""
     def full(name):
         return lambda lo, hi: ck.read(name)
 
     out = {"embed": full("model.embed_tokens.weight"), "norm": {"weight": full("model.norm.weight")},
            "layers": {}}
     if not config.tie_word_embeddings:
-        out["lm_head"] = lambda lo, hi: t(ck.read("lm_head.weight", 0, lo, hi))
-    for i in range(c.num_layers):
+        out["lm_head"] = lambda lo, hi: np.ascontiguousarray(ck.read("lm_head.weight", 0, lo, hi).T)
+    for i in range(config.num_layers):
         out["layers"][i] = {
             "input_norm": {"weight": full(hf_name("input_layernorm", i))},
             "post_norm": {"weight": full(hf_name("post_attention_layernorm", i))},
-            "attn": attention_builders(c, ck, i, kv_replicas),
-            "mlp": {"gate_up": functools.partial(gate_up, i), "down": functools.partial(down, i)},
+            "attn": attention_builders(config, ck, i, kv_replicas, qk_norm=qk_norm),
         }
     return out
 
