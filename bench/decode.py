@@ -818,7 +818,7 @@ def breakdown_rows(records) -> tuple[list[str], list[list]]:
     from bench.probes import step_kernels
 
     headers = (["TP", "all-reduce"] + [k.replace("_", "-") + " us" for k in step_kernels.BREAKDOWN]
-               + ["idle us", "span us", "kernels", "by name only"])
+               + ["idle us", "overlap us", "span us", "kernels", "by name only"])
     rows, seen = [], set()
     for r in records:
         b = r.get("breakdown")
@@ -831,7 +831,8 @@ def breakdown_rows(records) -> tuple[list[str], list[list]]:
             continue
         rows.append([r["tp"], r["allreduce"]]
                     + [f"{b[f'{k}_us']:.1f}" for k in step_kernels.BREAKDOWN]
-                    + [f"{b['idle_us']:.1f}", f"{b['span_us']:.1f}", f"{b['kernels']:g}",
+                    + [f"{b['idle_us']:.1f}", f"{b.get('overlap_us', 0.0):.1f}",
+                       f"{b['span_us']:.1f}", f"{b['kernels']:g}",
                        f"{b['unmatched']:g}"])
     return headers, rows
 

@@ -732,3 +732,11 @@ def test_step_breakdown_follows_weights_through_command_buffers():
     b = sk.breakdown(kernels, 1, kinds)
     assert (b["matmul_us"], b["all_reduce_us"], b["other_us"]) == (10.0, 5.0, 5.0)
     assert b["unmatched"] == 1 and b["idle_us"] == pytest.approx(31.0 - 20.0)
+    assert b["overlap_us"] == 0.0
+    # A command buffer runs independent kernels at once: overlap is counted apart, idle is the
+    # time with no kernel running (on 1x H200 the old span - busy printed -87.5 us per step)
+    both = [("gemm_fusion_dot_7", 0, 10_000), ("loop_multiply_fusion.4", 4_000, 10_000),
+            ("add.9", 20_000, 2_000)]
+    b = sk.breakdown(both, 1, kinds)
+    assert b["busy_us"] == 22.0 and b["span_us"] == 22.0
+    assert b["idle_us"] == pytest.approx(6.0) and b["overlap_us"] == pytest.approx(6.0)

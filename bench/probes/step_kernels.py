@@ -239,8 +239,11 @@ def kernel_kind(name: str, hlo_op: str | None, kinds: dict[str, str]) -> str | N
 
 
 def breakdown(kernels, steps: int, kinds: dict[str, str]) -> dict:
-    """Microseconds per step by BREAKDOWN kind, and idle = span - busy, of profiled kernels
-    [(name, start_ns, duration_ns[, hlo_op])] classified by hlo_kinds' map."""
+    """Microseconds per step by BREAKDOWN kind, of profiled kernels [(name, start_ns,
+    duration_ns[, hlo_op])] classified by hlo_kinds' map; idle = the span's time with no kernel
+    running, overlap = kernel time that ran beside another kernel (a command buffer runs
+    independent kernels concurrently), so busy = span - idle + overlap and neither is ever
+    negative."""
     us = dict.fromkeys(BREAKDOWN, 0.0)
     unmatched = 0
     for k in kernels:
@@ -252,8 +255,18 @@ def breakdown(kernels, steps: int, kinds: dict[str, str]) -> dict:
     busy = sum(k[2] for k in kernels) / 1e3
     span = ((max(k[1] + k[2] for k in kernels) - min(k[1] for k in kernels)) / 1e3
             if kernels else 0.0)
+    covered, end = 0, None  # the union of the kernels' intervals, in ns
+    for _, start, dur, *_ in sorted(kernels, key=lambda k: k[1]):
+        if end is None or start >= end:
+            covered += dur
+            end = start + dur
+        elif start + dur > end:
+            covered += start + dur - end
+            end = start + dur
+    covered /= 1e3
     out = {f"{kind}_us": round(v / steps, 1) for kind, v in us.items()}
-    out.update(idle_us=round((span - busy) / steps, 1), busy_us=round(busy / steps, 1),
+    out.update(idle_us=round((span - covered) / steps, 1),
+               overlap_us=round((busy - covered) / steps, 1), busy_us=round(busy / steps, 1),
                span_us=round(span / steps, 1), kernels=round(len(kernels) / steps, 1),
                unmatched=round(unmatched / steps, 1))
     return out
