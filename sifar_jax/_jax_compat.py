@@ -50,6 +50,15 @@ def with_varying(aval, axes):
     return aval.update(vma=frozenset(axes))
 
 
+def same_varying(*arrays) -> list:
+    """The operands cast to one varying-axes type, their union (an FFI call requires it under
+    check_vma; JAX may or may not insert these casts itself)."""
+    vmas = [varying_axes(jax.typeof(a)) for a in arrays]
+    union = frozenset().union(*vmas)
+    return [a if v == union else jax.lax.pcast(a, tuple(sorted(union - v)), to="varying")
+            for a, v in zip(arrays, vmas)]
+
+
 def psum_type(aval, axes):
     """lax.psum's result type for a value of type `aval` reduced over `axes`:
     neither varying nor unreduced over them any more (an unreduced value's

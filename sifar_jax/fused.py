@@ -96,15 +96,6 @@ def fused_payload_bytes(x) -> int:
     return rows * int(_ext.lib.fused_padded_row_bytes(row_bytes))
 
 
-def _same_varying(*arrays):
-    """The operands cast to one varying-axes type (an FFI call requires it
-    under check_vma; JAX may or may not insert these casts itself)."""
-    vmas = [_jax_compat.varying_axes(jax.typeof(a)) for a in arrays]
-    union = frozenset().union(*vmas)
-    return [a if v == union else jax.lax.pcast(a, tuple(sorted(union - v)), to="varying")
-            for a, v in zip(arrays, vmas)]
-
-
 def _result_types(x, residual, weight, axis_name, flat):
     """(normed, new_residual) as flat arrays typed exactly as `residual +
     lax.psum(x)` and its norm would be: invariant over axis_name unless the
@@ -232,7 +223,8 @@ def psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float,
         # unused, so a failed all-reduce still surfaces.
         has_side_effect=(plan.platform == "cpu"),
     )
-    flat, res, weight, *after = _same_varying(flat, res, weight, *ordering.operands(flat))
+    flat, res, weight, *after = _jax_compat.same_varying(flat, res, weight,
+                                                         *ordering.operands(flat))
     target, nbytes = prefetch_operand(prefetch, prefetch_bytes, flat)
     operands = [flat, res, weight, *target, *after]
     normed, new_residual = call(*operands, **plan.attrs(), eps=np.float32(eps),
