@@ -740,3 +740,15 @@ def test_step_breakdown_follows_weights_through_command_buffers():
     b = sk.breakdown(both, 1, kinds)
     assert b["busy_us"] == 22.0 and b["span_us"] == 22.0
     assert b["idle_us"] == pytest.approx(6.0) and b["overlap_us"] == pytest.approx(6.0)
+
+def test_matvec_speed_probe_quick(tmp_path, capsys):
+    """bench.probes.matvec_speed runs every variant and checks each against float64."""
+    import json
+
+    from bench.probes import matvec_speed
+
+    out = tmp_path / "mv.json"
+    assert matvec_speed.main(["--quick", "--targets", "264,528/0.1", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert {r["variant"] for r in results} >= {"xla1", "xla2", "gather2", "matvec@528/0.1"}
+    assert all(r["rel_err"] < 1e-5 for r in results)  # float32 on the CPU

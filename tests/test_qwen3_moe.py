@@ -113,7 +113,8 @@ def _prefill_and_steps(dec, seq) -> np.ndarray:
 
 # ---- against transformers ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tp,impl", [(1, "gather"), (2, "gather"), (4, "gather"), (2, "ragged")])
+@pytest.mark.parametrize("tp,impl", [(1, "gather"), (2, "gather"), (4, "gather"), (2, "ragged"),
+                                     (2, "matvec")])
 def test_logits_match_transformers(hf, loaded, tp, impl):
     """Prefill (8 tokens: the dense-over-experts path of "gather") and teacher-forced decode
     steps (1 token: the gathered experts) against HF's forward, at TP 1, 2 and 4 (TP=4 > 2 KV
