@@ -108,16 +108,19 @@ def jax_version() -> str:
     return out.stdout.strip()
 
 
+JAX_URL = "https://github.com/jax-ml/jax.git"
+
+
 def read_tests(files, ref: str, jax_git: str | None, jax_tests: str | None,
-               work: Path) -> dict[str, str]:
+               work: Path, url: str = JAX_URL) -> dict[str, str]:
     """The text of tests/<file> at `ref`, from a git dir, a directory, or a clone."""
     if jax_tests:
         return {f: (Path(jax_tests) / f).read_text() for f in files}
     if not jax_git:
         clone = work / "jax-src"
-        print(f"cloning jax-ml/jax at {ref} ...", flush=True)
-        subprocess.run(["git", "clone", "-q", "--depth", "1", "--branch", ref,
-                        "https://github.com/jax-ml/jax.git", str(clone)], check=True)
+        print(f"cloning {url} at {ref} ...", flush=True)
+        subprocess.run(["git", "clone", "-q", "--depth", "1", "--branch", ref, url, str(clone)],
+                       check=True)
         jax_git = str(clone / ".git")
     return {f: subprocess.run(["git", f"--git-dir={jax_git}", "show", f"{ref}:tests/{f}"],
                               capture_output=True, text=True, check=True).stdout
@@ -190,6 +193,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jax-git", help="a git dir of jax-ml/jax holding the tag jax-v<version> "
                     "(default: a shallow clone from GitHub)")
+    ap.add_argument("--jax-url", default=JAX_URL, help="where to clone jax from (default: %(default)s)")
     ap.add_argument("--jax-tests", help="a directory holding the test files instead")
     ap.add_argument("--ref", help="the git ref to read (default jax-v<installed version>)")
     ap.add_argument("--files", nargs="+", default=list(DEFAULT_FILES),
@@ -205,7 +209,7 @@ def main(argv=None) -> int:
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="jax_psum_suite_"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        texts = read_tests(args.files, ref, args.jax_git, args.jax_tests, work)
+        texts = read_tests(args.files, ref, args.jax_git, args.jax_tests, work, args.jax_url)
         kept_by_file, names_psum = {}, {}
         for name, text in texts.items():
             text, n = swap(text)
