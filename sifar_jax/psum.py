@@ -1,8 +1,11 @@
 """`sifar_psum`: the drop-in `lax.psum` inside `shard_map`.
 
-The all-reduce is one JAX primitive, `sifar_allreduce`, over a flat payload of
-whole 16-byte lines (one payload per dtype, the leaves of a pytree
-concatenated). The primitive carries lax.psum's type and calculus:
+The all-reduce is one JAX primitive, `sifar_allreduce`, over one payload per
+dtype (a single array as it is, the leaves of a pytree concatenated). Its
+lowering flattens and zero-pads the payload to whole 16-byte lines for the FFI
+call and slices the result back, so that a jaxpr holds the all-reduce alone,
+where lax.psum's holds psum (and its transpose is psum's transpose alone). The
+primitive carries lax.psum's type and calculus:
 
 * type: the result varies over the input's varying axes minus the reduced
   ones, exactly as lax.psum's (so shard_map(check_vma=True) refuses a wrong
@@ -20,10 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
 
 from . import _ext, _jax_compat, algorithms, ordering
 from .plan import (SUPPORTED_DTYPES, Fallback, Plan, axes_of, axis_size, choose,
@@ -37,7 +43,7 @@ allreduce_p = _jax_compat.Primitive("sifar_allreduce")
 
 
 def allreduce(payload, plan: Plan, repeat: int = 1):
-    """One all-reduce of a 1-D payload of whole lines, chained after the
+    """One all-reduce of a payload (any shape), chained after the
     previous all-reduce of the jaxpr it is traced into (sifar_jax.ordering).
 
     The transformation rules below bind through here again, one level down,
@@ -57,10 +63,35 @@ def _abstract_eval(payload, *order, plan, repeat):
     return _jax_compat.psum_type(payload, plan.axes), effects
 
 
+def _i64s(values) -> ir.DenseI64ArrayAttr:
+    return ir.DenseI64ArrayAttr.get([int(v) for v in values])
+
+
+def _tensor_type(value, shape) -> ir.RankedTensorType:
+    """A tensor type of `shape` with `value`'s element type."""
+    return ir.RankedTensorType.get(list(shape), ir.RankedTensorType(value.type).element_type)
+
+
 def _lowering(ctx, payload, *order, plan, repeat):
-    # The ordering operands are passed along and never read by the handler.
+    """The FFI call on a 1-D payload of whole 16-byte lines: any other shape is
+    flattened and zero-padded here and the result sliced back (in the HLO, not
+    in the jaxpr). The ordering operands are passed along and never read."""
     rule = jax.ffi.ffi_lowering(_ext.TARGETS.allreduce, has_side_effect=plan.platform == "cpu")
-    return rule(ctx, payload, *order, **plan.attrs(repeat))
+    aval_in, aval_out = ctx.avals_in[0], ctx.avals_out[0]
+    size = math.prod(aval_in.shape)
+    lines = padded_bytes(size, aval_in.dtype) // jnp.dtype(aval_in.dtype).itemsize
+    if tuple(aval_in.shape) == (lines,):
+        return rule(ctx, payload, *order, **plan.attrs(repeat))
+    flat = hlo.reshape(_tensor_type(payload, (size,)), payload)
+    if lines != size:
+        zero = mlir.ir_constant(np.zeros((), aval_in.dtype))
+        flat = hlo.pad(flat, zero, _i64s([0]), _i64s([lines - size]), _i64s([0]))
+    lined = ctx.replace(avals_in=[aval_in.update(shape=(lines,)), *ctx.avals_in[1:]],
+                        avals_out=[aval_out.update(shape=(lines,))])
+    (out,) = rule(lined, flat, *order, **plan.attrs(repeat))
+    if lines != size:
+        out = hlo.slice(out, _i64s([0]), _i64s([size]), _i64s([1]))
+    return [hlo.reshape(_tensor_type(out, aval_out.shape), out)]
 
 
 def _impl(*args, plan, repeat):
@@ -93,13 +124,11 @@ def _batch(args, dims, *, plan, repeat):
     if dims[0] is _jax_compat.NOT_MAPPED:
         return allreduce(payload, plan, repeat), _jax_compat.NOT_MAPPED
     stacked = jnp.moveaxis(payload, dims[0], 0)
-    flat = stacked.reshape(-1)
-    chosen = choose(plan, flat.size * flat.dtype.itemsize, "sifar_psum", what="vmapped ")
+    nbytes = padded_bytes(stacked.size, stacked.dtype)
+    chosen = choose(plan, nbytes, "sifar_psum", what="vmapped ")
     if isinstance(chosen, Fallback):
-        out = chosen.psum(flat, plan.axes, stacklevel=2)
-    else:
-        out = allreduce(flat, chosen, repeat)
-    return out.reshape(stacked.shape), 0
+        return chosen.psum(stacked, plan.axes, stacklevel=2), 0
+    return allreduce(stacked, chosen, repeat), 0
 
 
 allreduce_p.def_effectful_abstract_eval(_abstract_eval)
@@ -127,17 +156,13 @@ def _pack(sizes: list[int], dtype, slot: int) -> list[list[int]]:
 
 def _reduce_payload(leaves: list, plan: Plan, rest: tuple) -> list:
     """All-reduces leaves of one dtype and type as one payload; returns them."""
-    dtype = leaves[0].dtype
-    flats = [leaf.reshape(-1) for leaf in leaves]
-    payload = flats[0] if len(flats) == 1 else jnp.concatenate(flats)
-    pad = (padded_bytes(payload.size, dtype) // dtype.itemsize) - payload.size
-    if pad:
-        payload = jnp.pad(payload, (0, pad))
+    if len(leaves) == 1:  # as it is: the lowering flattens and pads it
+        out = allreduce(leaves[0], plan)
+        return [jax.lax.psum(out, rest) if rest else out]
+    payload = jnp.concatenate([leaf.reshape(-1) for leaf in leaves])
     out = allreduce(payload, plan)
     if rest:  # axes whose devices sifar cannot reach
         out = jax.lax.psum(out, rest)
-    if not pad and len(leaves) == 1:
-        return [out.reshape(leaves[0].shape)]
     outs, start = [], 0
     for leaf in leaves:
         outs.append(out[start : start + leaf.size].reshape(leaf.shape))

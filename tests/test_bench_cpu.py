@@ -752,3 +752,40 @@ def test_matvec_speed_probe_quick(tmp_path, capsys):
     results = json.loads(out.read_text())["results"]
     assert {r["variant"] for r in results} >= {"xla1", "xla2", "gather2", "matvec@528/0.1"}
     assert all(r["rel_err"] < 1e-5 for r in results)  # float32 on the CPU
+
+
+JAX_TEST_LIKE = '''from __future__ import annotations
+import jax
+from jax import lax
+
+
+class T:
+  @parameterized.parameters([lax.psum, lax.pmax])
+  def test_value(self, collective):
+    return collective
+
+  def test_call(self):
+    self.assertEqual(eqn.primitive.name, 'psum_invariant')
+    return jax.lax.psum(x, 'i') + lax.psum_scatter(x, 'i') + lax.psum(x, 'j')
+
+  def test_other(self):
+    self.assertIn('psum_invariant', str(lax.psum_p))
+'''
+
+
+def test_jax_psum_suite_swaps_lax_psum_and_keeps_the_tests_that_call_it():
+    """bench.probes.jax_psum_suite: every lax.psum / jax.lax.psum (a call or a value) becomes
+    the swapped psum, psum_scatter and psum_p stay; the tests that never call it are renamed
+    away from pytest, and a string naming a psum primitive is noticed."""
+    from bench.probes import jax_psum_suite as suite
+
+    text, n = suite.swap(JAX_TEST_LIKE)
+    assert n == 3
+    assert text.splitlines()[1] == "import _sifar_swap  # sifar_psum in lax.psum's place"
+    assert "_sifar_swap.psum(x, 'i') + lax.psum_scatter(x, 'i')" in text
+    assert "[_sifar_swap.psum, lax.pmax]" in text and "str(lax.psum_p)" in text
+    text, kept, names_psum = suite.select(text)
+    assert kept == ["T.test_value", "T.test_call"]
+    assert "def _not_psum_test_other(self):" in text and "def test_call(self):" in text
+    assert names_psum == {"T.test_value": False, "T.test_call": True}
+    assert suite.base_name("f.T.test_value_collective=psum", kept) == "T.test_value"

@@ -256,3 +256,34 @@ def test_unbound_axis_says_what_lax_psum_says(clean):
     assert str(lax_error.value) in str(ours.value)
     assert "Found an unbound axis name: x" in str(ours.value)
     assert isinstance(ours.value, NameError) and isinstance(ours.value, ValueError)
+
+
+# -------------------------------------------------------- jaxpr structure --
+def _body(closed_jaxpr) -> list[str]:
+    """The primitive names in the body of a jaxpr's one shard_map."""
+    (smap,) = closed_jaxpr.jaxpr.eqns
+    return [e.primitive.name for e in smap.params["jaxpr"].eqns]
+
+
+@pytest.mark.parametrize("shape", [(1,), (3, 5), (4,)], ids=["pad", "reshape+pad", "lines"])
+@pytest.mark.parametrize("out_spec", [P(), P("x")], ids=["fan-in", "implicit-fan-out"])
+def test_jaxpr_holds_the_all_reduce_alone(clean, shape, out_spec):
+    """JAX's test_fanin_psum_transposes_to_fanout and
+    test_psum_with_implicit_fanout_self_transposes: the body holds the
+    all-reduce where lax.psum's holds psum, and nothing else (the payload is
+    flattened and padded to whole lines in the lowering, not in the jaxpr),
+    so the transpose (vjp) is equation for equation lax.psum's. Values equal."""
+    mesh = clean(4, axis_names=("x",))
+    x = np.arange(4 * int(np.prod(shape)), dtype=np.float32).reshape(4 * shape[0], *shape[1:])
+    jaxprs, values = {}, {}
+    for name, psum in PSUMS.items():
+        f = jax.shard_map(lambda v, psum=psum: psum(v, "x"), mesh=mesh, in_specs=P("x"),
+                          out_specs=out_spec)
+        out, vjp = jax.vjp(f, x)
+        jaxprs[name] = (_body(jax.make_jaxpr(f)(x)), _body(jax.make_jaxpr(vjp)(out)))
+        values[name] = (jax.jit(f)(x), vjp(out)[0])
+    (fwd, bwd), (lax_fwd, lax_bwd) = jaxprs["sifar"], jaxprs["lax"]
+    assert fwd == ["sifar_allreduce" if "psum" in p else p for p in lax_fwd], (fwd, lax_fwd)
+    assert bwd == lax_bwd, (bwd, lax_bwd)
+    for got, want in zip(values["sifar"], values["lax"]):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
