@@ -1,6 +1,6 @@
 """Per-call device trace of sifar all-reduces: mis-speculation and tail latency.
 
-The library's trace, `sifar_jax.call_trace(axis_name)` (sifar_jax/stats.py), is a
+The library's trace, `sifar_jax.call_trace(axis_name)` (src/sifar_jax/stats.py), is a
 context manager yielding an object whose `.records()` (read after the block)
 returns a numpy structured array with one record per call and rank: group,
 rank, epoch, chain, algorithm, start_ns, end_ns (%globaltimer on GPUs, the host's

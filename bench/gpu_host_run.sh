@@ -88,7 +88,7 @@ log "host ($([[ $quick == 1 ]] && echo quick || echo full) suite: ${steps[*]}; b
   echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '-')"
   # The device tool copies the working tree, not always its .git: the sources' own hash
   # says which code ran (compare with the same command in a checkout).
-  echo "sources: $(find ffi sifar_jax models bench/*.py CMakeLists.txt pyproject.toml -type f \
+  echo "sources: $(find ffi src/sifar_jax models bench/*.py CMakeLists.txt pyproject.toml -type f \
     \( -name '*.py' -o -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh' -o -name '*.txt' \
     -o -name '*.toml' \) 2>/dev/null | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-12)"
   "$PYTHON" - <<'PY'

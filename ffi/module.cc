@@ -81,7 +81,7 @@ NB_MODULE(_sifar, m) {
 #undef SIFAR_CUDA_CAPSULE
     return d;
   });
-  // ... and as {op: target name}: the names sifar_jax calls (sifar_jax/_ext.py, TARGETS).
+  // ... and as {op: target name}: the names sifar_jax calls (src/sifar_jax/_ext.py, TARGETS).
   m.def("targets", [] {
     nb::dict d;
 #define SIFAR_TARGET_NAME(op, name, cpu, cuda, preload) d[#op] = name;

@@ -1,7 +1,7 @@
 // The one table of FFI targets: every op the extension exports, with its
 // handler per platform and the function that loads its CUDA kernels.  The
 // module registers the handlers from it (module.cc: handlers(), targets()),
-// sifar_jax reads the target names from there (sifar_jax/_ext.py, TARGETS),
+// sifar_jax reads the target names from there (src/sifar_jax/_ext.py, TARGETS),
 // and `init` loads every op's kernels through it (PreloadCudaKernels).
 //
 //   X(op, target name, CPU handler, CUDA handler, CUDA kernel preload)

@@ -1,4 +1,4 @@
-"""Which GPUs a build serves (sifar_jax/architectures.py), decided on the CPU
+"""Which GPUs a build serves (src/sifar_jax/architectures.py), decided on the CPU
 with made-up compute capabilities, and what init does on a GPU the build has
 no kernels for (issue 26, item 1)."""
 

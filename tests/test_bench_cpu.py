@@ -144,7 +144,9 @@ def test_benchmarks_run_without_matplotlib(tmp_path):
     hidden = tmp_path / "hide"
     (hidden / "matplotlib").mkdir(parents=True)
     (hidden / "matplotlib" / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
-    env = dict(os.environ, PYTHONPATH=str(hidden))
+    # Prepended: a checkout run without an install finds sifar_jax through PYTHONPATH=src.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(hidden), os.environ.get("PYTHONPATH")])))
     for cmd, name in ((["bench.decode", "--quick", "--tp", "2", "--no-sweep", "--loops",
                         "pipelined", "--allreduce", "psum,identity", "--baselines", "none"],
                        "decode"),

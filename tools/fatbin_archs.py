@@ -1,7 +1,7 @@
 """Lists the GPU code a shared object (or a wheel's) carries: per architecture,
 SASS or PTX, and how many kernels each holds.
 
-    python tools/fatbin_archs.py sifar_jax/_sifar*.so
+    python tools/fatbin_archs.py build/*/_sifar*.so      # what `pip install -e .` built
     python tools/fatbin_archs.py dist/sifar_jax-*.whl
 
 Reads the fatbins nvcc embeds (magic 0xBA55ED50; entry kind 1 = PTX, 2 = ELF

@@ -21,7 +21,7 @@ LOG="$OUT/run.log"; : >"$LOG"
 T0=$(date +%s)
 log() { echo "=== $(date -u +%H:%M:%S) (+$(( $(date +%s) - T0 ))s) $*" | tee -a "$LOG"; }
 quiet() { grep -v "^[WI][0-9]\{4\}" | tee -a "$LOG"; }
-log "sources: $({ find ffi -type f | sort | xargs cat; cat sifar_jax/*.py models/*.py bench/*.py bench/probes/*.py; } | sha1sum | cut -c1-12)"
+log "sources: $({ find ffi -type f | sort | xargs cat; cat src/sifar_jax/*.py models/*.py bench/*.py bench/probes/*.py; } | sha1sum | cut -c1-12)"
 nvidia-smi -L | tee -a "$LOG"
 build() {  # the flags are always passed: CMake keeps a cached value otherwise
   log "build ${1:--DSIFAR_DEFAULTS}"

@@ -16,7 +16,7 @@
 
 namespace sifar {
 
-// The attributes every all-reduce call carries (sifar_jax/plan.py, Plan.attrs),
+// The attributes every all-reduce call carries (src/sifar_jax/plan.py, Plan.attrs),
 // appended to a handler's binding.
 template <typename Binding>
 auto WithAllReduceAttrs(Binding binding) {

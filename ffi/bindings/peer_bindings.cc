@@ -50,7 +50,7 @@ void RegisterPeerBindings(nb::module_& m) {
              w.MapPeer(g, r, std::string(handle.c_str(), handle.size()));
            })
       .def("unpublish", &PeerWorkspaces::Unpublish)
-      // Pooling (sifar_jax/distributed.py): wait for this process's devices;
+      // Pooling (src/sifar_jax/distributed.py): wait for this process's devices;
       // zero its ranks' memory for reuse; unmap the peers'; free everything.
       .def("synchronize", &PeerWorkspaces::Synchronize, nb::call_guard<nb::gil_scoped_release>())
       .def("reset", &PeerWorkspaces::Reset, nb::call_guard<nb::gil_scoped_release>())

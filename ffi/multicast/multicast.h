@@ -40,7 +40,7 @@
 namespace sifar {
 
 // ------------------------------------------------------------------ guard --
-// Keep in sync with sifar_jax/multicast.py (a test compares them).
+// Keep in sync with src/sifar_jax/multicast.py (a test compares them).
 constexpr const char* kMulticastEnableVar = "SIFAR_ENABLE_MULTICAST";
 struct DisablingVar {
   const char* name;

@@ -284,7 +284,7 @@ void Comm::ReturnMemory() {
       if (ord >= 0) backend_->Synchronize(ord);
   if (peers_) {
     // Not pooled here: the shared workspaces and error records belong to
-    // `peers_`, which sifar_jax/distributed.py pools, reuses or frees
+    // `peers_`, which src/sifar_jax/distributed.py pools, reuses or frees
     // together with the other processes.
     peers_.reset();
     return;

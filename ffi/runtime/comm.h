@@ -3,7 +3,7 @@
 // process-wide pool (host memory for XLA:CPU, device memory for CUDA) and the
 // registry maps the device ordinal an FFI handler runs on to its (group, rank).
 //
-// Life cycle (docs: sifar_jax/comm.py):
+// Life cycle (docs: src/sifar_jax/comm.py):
 // - Workspaces and error records are never freed while the process runs
 //   (unless asked to): an executable compiled before shutdown() may hold
 //   their addresses (kernel arguments recorded into a CUDA graph) and run

@@ -5,7 +5,7 @@
 // the handles of the other processes' ranks.  The kernels then get every
 // rank's workspace pointer exactly as in one process: the protocol does not
 // know where a workspace came from.  The handles travel through
-// jax.distributed's key-value store (sifar_jax/distributed.py; docs/design.md,
+// jax.distributed's key-value store (src/sifar_jax/distributed.py; docs/design.md,
 // Processes).
 #pragma once
 
@@ -56,7 +56,7 @@ void UnpublishAll();
 // records of this process's ranks.  Shared by the Python set-up and the
 // communicator (enable_shared_from_this: nanobind then hands C++ the object's
 // own shared_ptr, not one holding a Python reference).  It outlives its
-// communicator: sifar_jax/distributed.py pools it at shutdown (an executable
+// communicator: src/sifar_jax/distributed.py pools it at shutdown (an executable
 // compiled before may replay into it) and hands it to the next communicator
 // of the same layout once every process agrees (docs/design.md, Processes).
 class PeerWorkspaces : public std::enable_shared_from_this<PeerWorkspaces> {

@@ -2,7 +2,7 @@
 // object per rank (shm_open + mmap).  The object is unlinked as soon as every
 // process has mapped it, so it lives exactly as long as its mappings; a
 // process that dies before that leaves a name behind, which the next start
-// removes (sifar_jax/distributed.py: clean_stale_shared_memory).
+// removes (src/sifar_jax/distributed.py: clean_stale_shared_memory).
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
