@@ -159,3 +159,80 @@ def test_cuda_kernel_matches_cpu_handler_bits(dtype, shape):
     auto = jax.jit(lambda x, w, ids: mv.matvec(x, w, ids, plan=plan))  # auto: the kernel
     np.testing.assert_array_equal(np.asarray(auto(*jax.device_put((x, w, ids), gpus[0])))
                                   .view(np.uint8), got.view(np.uint8))
+
+
+# ---- moe_experts: two kernel calls with the SwiGLU and combine epilogues ---------------------------
+
+def moe_operands(t, k, e, h, i, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
+    w = rng.random((t, k)).astype(np.float32)
+    w /= w.sum(1, keepdims=True)
+    gate_up = (rng.standard_normal((e, h, 2, i)) * h ** -0.5).astype(np.float32)
+    down = (rng.standard_normal((e, i, h)) * i ** -0.5).astype(np.float32)
+    return tuple(jnp.asarray(a, dtype) if a.dtype != np.int32 else jnp.asarray(a)
+                 for a in (x, w, ids, gate_up, down))
+
+
+def moe_float64(x, w, ids, gate_up, down):
+    x, w, gate_up, down = (np.asarray(a, np.float64) for a in (x, w, gate_up, down))
+    ids = np.asarray(ids)
+    out = np.zeros((x.shape[0], x.shape[1]))
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            g = np.einsum("h,hcf->cf", x[t], gate_up[ids[t, j]])
+            a = g[0] / (1 + np.exp(-g[0])) * g[1]
+            out[t] += w[t, j] * (a @ down[ids[t, j]])
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,k", [(1, 2), (3, 3)])
+def test_moe_experts_kernel_on_cpu(dtype, t, k):
+    args = moe_operands(t, k, 6, 64, 24, dtype, seed=t + k)
+    want = moe_float64(*args)
+    scale = np.abs(want).max()
+    tol = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 5e-3}[dtype]
+    for impl in ("kernel", "xla"):
+        got = jax.jit(lambda *a: mv.moe_experts(*a, impl=impl))(*args)
+        assert got.shape == (t, 64) and got.dtype == args[0].dtype
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol * scale)
+
+
+def test_moe_experts_user_errors():
+    x, w, ids, gate_up, down = moe_operands(1, 2, 4, 32, 8, "float32")
+    with pytest.raises(ValueError, match="expects x"):
+        mv.moe_experts(x, w, ids, gate_up.reshape(4, 32, 16), down)
+    with pytest.raises(ValueError, match="impl must be"):
+        mv.moe_experts(x, w, ids, gate_up, down, impl="cuda")
+    with pytest.raises(TypeError, match="cannot run"):
+        mv.moe_experts(x.astype(jnp.bfloat16), w, ids, gate_up, down, impl="kernel")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 8, 128, 2048, 768), (1, 8, 128, 2048, 384),
+                                   (2, 3, 6, 64, 24)], ids=lambda s: "x".join(map(str, s)))
+def test_cuda_moe_experts_match_cpu_handler(dtype, shape):
+    """The CUDA kernels against the CPU handler: the same sums; exp may differ in its last bit
+    between the two, so an output may differ by one unit in the last place."""
+    gpus = gpu_device_list()
+    if not gpus or "cuda" not in mv._ext.PLATFORMS:
+        pytest.skip("needs a CUDA GPU and the CUDA build")
+    t, k, e, h, i = shape
+    args = moe_operands(t, k, e, h, i, dtype, seed=h + i)
+    f = jax.jit(lambda *a: mv.moe_experts(*a, impl="kernel"))
+    got = np.asarray(f(*jax.device_put(args, gpus[0])), np.float64)
+    cpu = np.asarray(f(*jax.device_put(args, jax.devices("cpu")[0])), np.float64)
+    ulp = np.spacing(np.abs(cpu).astype(np.dtype(dtype) if dtype != "bfloat16" else np.float32))
+    if dtype == "bfloat16":
+        ulp = ulp * 2.0 ** 16  # float32 spacing -> bfloat16's (8 bits of mantissa fewer)
+    assert np.all(np.abs(got - cpu) <= ulp), np.abs(got - cpu).max()
+    assert np.mean(got == cpu) > 0.99
+    want = moe_float64(*args)
+    tol = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 5e-3}[dtype]
+    np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max())
+    auto = jax.jit(lambda *a: mv.moe_experts(*a))  # auto: the kernel on CUDA
+    np.testing.assert_array_equal(np.asarray(auto(*jax.device_put(args, gpus[0])), np.float64),
+                                  got)
