@@ -22,7 +22,7 @@
   /* (x, residual, weight[, prefetch]) -> (normed, new_residual): + residual add, RMSNorm */  \
   X(psum_add_rmsnorm, "sifar_psum_add_rmsnorm", CpuPsumAddRmsNorm, CudaPsumAddRmsNorm,        \
     PreloadFusedKernels)                                                                  \
-  /* (x, w [E, K, N], ids [M], scale) -> (y, workspace): batch-1 x @ w[ids], epilogue */       \
+  /* (x [M, K], w [E, K, N], ids [M]) -> (y [M, N], workspace): batch-1 x @ w[ids] */         \
   X(matvec, "sifar_matvec", CpuMatVec, CudaMatVec, PreloadMatVecKernels)
 
 namespace sifar {

@@ -27,11 +27,10 @@ model):
             "gather".
   "ragged"  the (token, expert) pairs sorted by expert and both projections as
             jax.lax.ragged_dot over the experts' groups, at every token count.
-  "matvec"  (default) at few tokens, sifar_jax.matvec.moe_experts: both projections of every
-            (token, slot) pair as one kernel call each, reading each chosen expert's weights
-            where they lie (no gathered copy), SwiGLU and the routing weights applied in the
-            calls (CUDA; XLA's ops elsewhere: the same products as "gather"); more tokens: as
-            "gather". On one H200 (TP=1, KV 1K) a
+  "matvec"  (default) at few tokens, both projections of every (token, slot) pair as one
+            sifar_jax.matvec call each: a streaming kernel that reads each chosen expert's
+            weights where they lie, no gathered copy (CUDA; XLA's ops elsewhere: the same
+            products as "gather"); more tokens: as "gather". On one H200 (TP=1, KV 1K) a
             step took 3.918 ms against "gather"'s 6.061 (docs/performance.md).
 All give the same numbers up to float summation order.
 """
@@ -229,12 +228,16 @@ def experts_slices(x, weights, ids, gate_up, down, rows: int = 1):
 
 
 def experts_matvec(x, weights, ids, gate_up, down):
-    """As experts_gather, through sifar_jax.matvec.moe_experts: two kernel calls that read the
-    chosen experts' weights in place, SwiGLU and the routing weights' combination applied as
-    the products are summed (CUDA; XLA's ops elsewhere)."""
-    from sifar_jax.matvec import moe_experts  # lazily: the models work without the extension
+    """As experts_gather, each projection of all (token, slot) pairs as one sifar_jax.matvec call
+    that reads the chosen experts' weights in place (the kernel on CUDA, XLA's ops elsewhere)."""
+    from sifar_jax.matvec import matvec  # lazily: the models work without the extension built
 
-    return moe_experts(x, weights, ids, gate_up, down)
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    xs = jnp.repeat(x, k, axis=0)  # [N*k, hidden], row m is token m // k
+    h = matvec(xs, gate_up, flat)  # [N*k, 2, I]
+    y = matvec(_swiglu(h), down, flat)  # [N*k, hidden]
+    return jnp.einsum("nkh,nk->nh", y.reshape(n, k, -1), weights)
 
 
 def experts_dense(x, weights, ids, gate_up, down):

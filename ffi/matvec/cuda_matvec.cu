@@ -50,12 +50,9 @@ struct Args {
   const void* x;
   const void* w;
   const int32_t* ids;
-  const void* scale;
   void* y;
   float* workspace;
-  int64_t k, n, e, splits, x_div, group;
-  int epilogue;
-  bool direct;  // splits == 1 and kPlain: the block writes y itself
+  int64_t k, n, e, splits;
 };
 
 // Block (tile, split, m): the split's partial sums of its tile's columns
@@ -74,7 +71,7 @@ __global__ void __launch_bounds__(kThreads) MatVecKernel(Args a) {
   const int64_t k1 = min(a.k, k0 + rows);
   int64_t e = a.ids[m];
   e = e < 0 ? 0 : (e >= a.e ? a.e - 1 : e);
-  const T* x = static_cast<const T*>(a.x) + (m / a.x_div) * a.k;
+  const T* x = static_cast<const T*>(a.x) + m * a.k;
   const T* w = static_cast<const T*>(a.w) + e * a.k * a.n + n0;
 
   float acc[V];
@@ -106,7 +103,7 @@ __global__ void __launch_bounds__(kThreads) MatVecKernel(Args a) {
     if (n0 < a.n) {
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        if (a.direct)
+        if (a.splits == 1)
           static_cast<T*>(a.y)[m * a.n + n0 + j] = FromFloat<T>(acc[j]);
         else
           a.workspace[(m * a.splits + split) * a.n + n0 + j] = acc[j];
@@ -123,7 +120,7 @@ __global__ void __launch_bounds__(kThreads) MatVecKernel(Args a) {
       float sum = group_sums[0][i];
 #pragma unroll
       for (int g = 1; g < kGroups; ++g) sum += group_sums[g][i];
-      if (a.direct)
+      if (a.splits == 1)
         static_cast<T*>(a.y)[m * a.n + col] = FromFloat<T>(sum);
       else
         a.workspace[(m * a.splits + split) * a.n + col] = sum;
@@ -131,36 +128,16 @@ __global__ void __launch_bounds__(kThreads) MatVecKernel(Args a) {
   }
 }
 
-// Row m's column col: the splits' partial sums added in split order, rounded once.
-template <typename T>
-__device__ __forceinline__ float SumOfSplits(const Args& a, int64_t m, int64_t col) {
-  const float* p = a.workspace + m * a.splits * a.n + col;
-  float sum = p[0];
-  for (int64_t s = 1; s < a.splits; ++s) sum += p[s * a.n];
-  return ToFloat(FromFloat<T>(sum));
-}
-
-// y's element i, by the call's epilogue (matvec.h, Epilogue).
+// y[m, col] = the splits' partial sums added in split order, rounded once.
 template <typename T>
 __global__ void __launch_bounds__(kReduceThreads) AddSplitsKernel(Args a, int64_t total) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kReduceThreads + threadIdx.x;
   if (i >= total) return;
-  float out;
-  if (a.epilogue == matvec::kSwiGlu) {
-    const int64_t half = a.n / 2, m = i / half, c = i % half;
-    const float g = SumOfSplits<T>(a, m, c), u = SumOfSplits<T>(a, m, half + c);
-    out = (g / (1.0f + expf(-g))) * u;
-  } else if (a.epilogue == matvec::kCombine) {
-    const int64_t t = i / a.n, col = i % a.n;
-    out = 0.0f;
-    for (int64_t j = 0; j < a.group; ++j) {
-      const int64_t m = t * a.group + j;
-      out = fmaf(ToFloat(static_cast<const T*>(a.scale)[m]), SumOfSplits<T>(a, m, col), out);
-    }
-  } else {
-    out = SumOfSplits<T>(a, i / a.n, i % a.n);
-  }
-  static_cast<T*>(a.y)[i] = FromFloat<T>(out);
+  const int64_t m = i / a.n, col = i % a.n;
+  const float* p = a.workspace + m * a.splits * a.n + col;
+  float sum = p[0];
+  for (int64_t s = 1; s < a.splits; ++s) sum += p[s * a.n];
+  static_cast<T*>(a.y)[i] = FromFloat<T>(sum);
 }
 
 template <typename T, int kLanes>
@@ -174,8 +151,7 @@ cudaError_t LaunchLanes(const MatVecCall& c, const Args& a, cudaStream_t stream)
 
 template <typename T>
 cudaError_t Launch(const MatVecCall& c, cudaStream_t stream) {
-  Args a{c.x, c.w, c.ids, c.scale, c.y, c.workspace, c.k, c.n, c.e, c.splits,
-         c.x_div, c.group, c.epilogue, c.Direct()};
+  Args a{c.x, c.w, c.ids, c.y, c.workspace, c.k, c.n, c.e, c.splits};
   cudaError_t e;
   switch (c.lanes) {
     case 32: e = LaunchLanes<T, 32>(c, a, stream); break;
@@ -184,8 +160,8 @@ cudaError_t Launch(const MatVecCall& c, cudaStream_t stream) {
     case 256: e = LaunchLanes<T, 256>(c, a, stream); break;
     default: return cudaErrorInvalidValue;
   }
-  if (e != cudaSuccess || c.Direct()) return e;
-  const int64_t total = c.Outputs();
+  if (e != cudaSuccess || c.splits == 1) return e;
+  const int64_t total = c.m * c.n;
   AddSplitsKernel<T><<<static_cast<unsigned>((total + kReduceThreads - 1) / kReduceThreads),
                        kReduceThreads, 0, stream>>>(a, total);
   return cudaGetLastError();
@@ -207,13 +183,11 @@ void LoadKernels() {
 namespace {
 
 ffi::Error CudaMatVecImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                          ffi::AnyBuffer w, ffi::AnyBuffer ids, ffi::AnyBuffer scale,
-                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> workspace,
-                          int64_t splits, int64_t lanes, int64_t x_div, int64_t epilogue,
-                          int64_t group) {
+                          ffi::AnyBuffer w, ffi::AnyBuffer ids, ffi::Result<ffi::AnyBuffer> y,
+                          ffi::Result<ffi::AnyBuffer> workspace, int64_t splits,
+                          int64_t lanes) {
   MatVecCall call;
-  ffi::Error err = PlanMatVec(x, w, ids, scale, *y, *workspace, splits, lanes, x_div, epilogue,
-                              group, &call);
+  ffi::Error err = PlanMatVec(x, w, ids, *y, *workspace, splits, lanes, &call);
   if (err.failure()) return err;
   err = UseDevice(ordinal);
   if (err.failure()) return err;
@@ -240,14 +214,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaMatVec, CudaMatVecImpl,
                                   .Arg<ffi::AnyBuffer>()  // x [M, K]
                                   .Arg<ffi::AnyBuffer>()  // w [E, K, N]
                                   .Arg<ffi::AnyBuffer>()  // ids [M] int32
-                                  .Arg<ffi::AnyBuffer>()  // scale [M] (kCombine)
-                                  .Ret<ffi::AnyBuffer>()  // y (Epilogue)
+                                  .Ret<ffi::AnyBuffer>()  // y [M, N]
                                   .Ret<ffi::AnyBuffer>()  // workspace [M, splits, N] float32
                                   .Attr<int64_t>("splits")
-                                  .Attr<int64_t>("lanes")
-                                  .Attr<int64_t>("x_div")
-                                  .Attr<int64_t>("epilogue")
-                                  .Attr<int64_t>("group"),
+                                  .Attr<int64_t>("lanes"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace sifar

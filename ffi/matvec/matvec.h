@@ -19,10 +19,7 @@
 //     (one fma per element, float32);
 //   - the block adds its groups' sums in group order: the split's partial sum;
 //   - a second pass adds the splits' partial sums in split order and rounds to
-//     T once (splits == 1 without an epilogue: the block writes y itself), then
-//     applies the call's epilogue (Epilogue below), so that an MoE layer's
-//     experts are two calls: gate_up with SwiGLU, down with the routing
-//     weights' combination.
+//     T once (splits == 1: the block writes y itself).
 #pragma once
 
 #include <cstdint>
@@ -45,15 +42,6 @@ constexpr bool ValidLanes(int64_t lanes) {
   return lanes == 32 || lanes == 64 || lanes == 128 || lanes == 256;
 }
 
-// What the second pass writes, from the rounded sums s[m][col] (T(.): a
-// rounding to the element type, silu(v) = v / (1 + exp(-v)) in float32):
-enum Epilogue : int {
-  kPlain = 0,    // y [M, N]        = T(s)
-  kSwiGlu = 1,   // y [M, N/2]      = T(silu(T(s[m][c])) * T(s[m][N/2 + c])): gate, then up
-  kCombine = 2,  // y [M/group, N]  = T(sum over j < group, in order, of
-                 //                     fma(scale[t*group + j], T(s[t*group + j][col]), .))
-};
-
 // The K rows of split s: [SplitBegin(s), SplitBegin(s + 1)).
 SIFAR_HD int64_t SplitRows(int64_t k, int64_t splits) { return (k + splits - 1) / splits; }
 
@@ -71,30 +59,21 @@ inline const char* Refusal(int64_t m, int64_t k, int64_t n, int64_t e, int64_t s
 
 }  // namespace matvec
 
-// One call, checked: row m (of M = ids' length) is x[m / x_div] [K] @
-// w[ids[m]] ([E, K, N]); the split sums in workspace [M, splits, N] (float32;
-// unused when splits == 1 and the epilogue is matvec::kPlain); y as the epilogue says.
+// One call, checked: y [M, N] = x [M, K] @ w[ids] ([E, K, N]), the split
+// sums in workspace [M, splits, N] (float32; unused when splits == 1).
 struct MatVecCall {
   Elem elem = Elem::kF32;
   int64_t m = 0, k = 0, n = 0, e = 0, splits = 1, lanes = 32;
-  int64_t x_div = 1, group = 1;
-  int epilogue = matvec::kPlain;
   const void* x = nullptr;
   const void* w = nullptr;
   const int32_t* ids = nullptr;  // clamped to [0, E) where read
-  const void* scale = nullptr;   // [M], matvec::kCombine's weights
   void* y = nullptr;
   float* workspace = nullptr;
-  bool Direct() const { return splits == 1 && epilogue == matvec::kPlain; }  // no second pass
-  int64_t Outputs() const {  // elements of y
-    return epilogue == matvec::kSwiGlu ? m * (n / 2) : epilogue == matvec::kCombine ? (m / group) * n : m * n;
-  }
 };
 
 // The checks both backends run (shapes, dtypes, alignment); fills *call.
 xla::ffi::Error PlanMatVec(xla::ffi::AnyBuffer x, xla::ffi::AnyBuffer w, xla::ffi::AnyBuffer ids,
-                           xla::ffi::AnyBuffer scale, xla::ffi::AnyBuffer y,
-                           xla::ffi::AnyBuffer workspace, int64_t splits, int64_t lanes,
-                           int64_t x_div, int64_t epilogue, int64_t group, MatVecCall* call);
+                           xla::ffi::AnyBuffer y, xla::ffi::AnyBuffer workspace, int64_t splits,
+                           int64_t lanes, MatVecCall* call);
 
 }  // namespace sifar

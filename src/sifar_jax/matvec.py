@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _ext, _jax_compat
 
-__all__ = ["matvec", "matvec_plan", "moe_experts"]
+__all__ = ["matvec", "matvec_plan"]
 
 DTYPES = tuple(jnp.dtype(n) for n in ("float32", "bfloat16", "float16"))
 IMPLS = ("auto", "kernel", "xla")
@@ -71,29 +71,17 @@ def _reference(x, w3, ids):
     return jnp.einsum("mk,mkn->mn", x, ws, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-# The kernel's second pass (ffi/matvec/matvec.h, Epilogue).
-PLAIN, SWIGLU, COMBINE = 0, 1, 2
-
-
-def _kernel(x, w3, ids, lanes: int, splits: int, *, x_div: int = 1, epilogue: int = PLAIN,
-            scale=None, group: int = 1):
-    """One FFI call: row m = x[m // x_div] @ w3[ids[m]], then the epilogue."""
-    m, n = ids.shape[0], w3.shape[2]
-    out_shape = {PLAIN: (m, n), SWIGLU: (m, n // 2), COMBINE: (m // group, n)}[epilogue]
-    if scale is None:
-        scale = jnp.zeros((1,), x.dtype)
+def _kernel(x, w3, ids, lanes: int, splits: int):
+    m, n = x.shape[0], w3.shape[2]
     # Under shard_map the operands get one varying type and the results that type.
-    x, w3, ids, scale = _jax_compat.same_varying(x, w3, ids, scale)
+    x, w3, ids = _jax_compat.same_varying(x, w3, ids)
     like = jax.typeof(x)
-    direct = splits == 1 and epilogue == PLAIN
-    ws_shape = (1,) if direct else (m, splits, n)
+    ws_shape = (m, splits, n) if splits > 1 else (1,)
     call = jax.ffi.ffi_call(
         _ext.TARGETS.matvec,
-        (like.update(shape=out_shape),
-         like.update(shape=ws_shape, dtype=jnp.dtype(jnp.float32))),
+        (like.update(shape=(m, n)), like.update(shape=ws_shape, dtype=jnp.dtype(jnp.float32))),
     )
-    y, _ = call(x, w3, ids, scale, splits=np.int64(splits), lanes=np.int64(lanes),
-                x_div=np.int64(x_div), epilogue=np.int64(epilogue), group=np.int64(group))
+    y, _ = call(x, w3, ids, splits=np.int64(splits), lanes=np.int64(lanes))
     return y
 
 
@@ -167,65 +155,3 @@ def matvec(x: jax.Array, w: jax.Array, ids: jax.Array | None = None, *, impl: st
         y = jax.lax.platform_dependent(cuda=lambda: _kernel(x, w3, idx, lanes, splits),
                                        default=lambda: _reference(x, w3, ids))
     return y.reshape(x.shape[:1] + out_dims)
-
-
-def _swiglu(h):
-    return jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
-
-
-def _moe_reference(x, weights, ids, gate_up, down):
-    """moe_experts with XLA's ops (the chosen experts' slices gathered)."""
-    n, k = ids.shape
-    flat = ids.reshape(-1)
-    xs = jnp.repeat(x, k, axis=0)
-    h = jnp.einsum("mh,mhcf->mcf", xs, jnp.take(gate_up, flat, axis=0, mode="clip"))
-    y = jnp.einsum("mf,mfh->mh", _swiglu(h), jnp.take(down, flat, axis=0, mode="clip"))
-    return jnp.einsum("nkh,nk->nh", y.reshape(n, k, -1), weights)
-
-
-def _moe_kernel(x, weights, ids, gate_up, down):
-    n, k = ids.shape
-    e, hidden, _, width = gate_up.shape
-    item = jnp.dtype(x.dtype).itemsize
-    flat = ids.reshape(-1).astype(jnp.int32)
-    act = _kernel(x, gate_up.reshape(e, hidden, 2 * width), flat,
-                  *matvec_plan(n * k, hidden, 2 * width, item), x_div=k, epilogue=SWIGLU)
-    return _kernel(act, down, flat, *matvec_plan(n * k, width, hidden, item),
-                   epilogue=COMBINE, scale=weights.reshape(-1).astype(x.dtype), group=k)
-
-
-def moe_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
-                down: jax.Array, *, impl: str = "auto") -> jax.Array:
-    """An MoE layer's routed experts at a few tokens, each chosen expert read where it lies:
-    out[t] = sum_j weights[t, j] * (swiglu(x[t] @ gate_up[ids[t, j]]) @ down[ids[t, j]]).
-
-    x [T, hidden]; weights, ids [T, k]; gate_up [E, hidden, 2, I] (gate, then up); down
-    [E, I, hidden] -> [T, hidden] in x's dtype. On CUDA (impl "auto") two kernel calls: the
-    gate/up products with SwiGLU applied as they are summed, then the down products combined
-    with the routing weights (each product rounded to x's dtype as a dot's result would be);
-    elsewhere XLA's ops. impl "kernel": the kernel everywhere (the CPU handler off CUDA).
-    """
-    if impl not in IMPLS:
-        raise ValueError(f"sifar_jax.moe_experts: impl must be one of {IMPLS}, got {impl!r}")
-    n, k = ids.shape
-    if (x.ndim != 2 or weights.shape != ids.shape or gate_up.ndim != 4 or gate_up.shape[2] != 2
-            or gate_up.shape[1] != x.shape[1] or down.shape != (gate_up.shape[0],
-                                                                 gate_up.shape[3], x.shape[1])
-            or ids.shape[0] != x.shape[0]):
-        raise ValueError(f"sifar_jax.moe_experts: expects x [T, H], weights/ids [T, k], gate_up "
-                         f"[E, H, 2, I], down [E, I, H]; got {x.shape}, {weights.shape}/"
-                         f"{ids.shape}, {gate_up.shape}, {down.shape}")
-    why = (_kernel_refusal(x, 2 * gate_up.shape[3]) or _kernel_refusal(x, x.shape[1])
-           or (None if len({jnp.dtype(a.dtype) for a in (x, weights, gate_up, down)}) == 1
-               else "operands of different dtypes"))
-    if impl == "xla" or (why is not None and impl == "auto"):
-        return _moe_reference(x, weights, ids, gate_up, down)
-    if why is not None:
-        raise TypeError(f"sifar_jax.moe_experts: the kernel cannot run {why}; use impl='auto'")
-    if impl == "kernel":
-        return _moe_kernel(x, weights, ids, gate_up, down)
-    if "cuda" not in _ext.PLATFORMS:
-        return _moe_reference(x, weights, ids, gate_up, down)
-    return jax.lax.platform_dependent(
-        cuda=lambda: _moe_kernel(x, weights, ids, gate_up, down),
-        default=lambda: _moe_reference(x, weights, ids, gate_up, down))
