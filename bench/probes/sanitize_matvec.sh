@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer's memcheck, racecheck and synccheck on sifar_jax.matvec's CUDA kernels
-# (every lanes width, split and unsplit K, a column tail, clipped ids, both epilogues of
-# moe_experts), small cases on one GPU. Every buffer is its own allocation
+# (every lanes width, split and unsplit K, a column tail, clipped ids, the MoE experts' two
+# calls), small cases on one GPU. Every buffer is its own allocation
 # (XLA_PYTHON_CLIENT_ALLOCATOR=platform), so memcheck sees an access past any of them.
 #   bash bench/probes/sanitize_matvec.sh        (from the repository root, sifar-jax installed)
 set -uo pipefail
@@ -10,6 +10,7 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 read -r -d '' CODE <<'PY'
 import jax, jax.numpy as jnp, numpy as np
 from sifar_jax import matvec as mv
+from models import qwen3_moe
 rng = np.random.default_rng(0)
 for dt in ("float32", "bfloat16"):
     x = jnp.asarray(rng.standard_normal((3, 130)), dt)
@@ -22,7 +23,7 @@ for dt in ("float32", "bfloat16"):
     e_ids = jnp.asarray([[0, 4, 5], [2, 2, 1]], jnp.int32)
     gate_up = jnp.asarray(rng.standard_normal((6, 64, 2, 24)), dt)
     down = jnp.asarray(rng.standard_normal((6, 24, 64)), dt)
-    jax.block_until_ready(mv.moe_experts(xs, wts, e_ids, gate_up, down, impl="kernel"))
+    jax.block_until_ready(qwen3_moe.experts_matvec(xs, wts, e_ids, gate_up, down))
 print("sanitize_matvec: all calls ran")
 PY
 fail=0
