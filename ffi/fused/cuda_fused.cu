@@ -655,8 +655,8 @@ void LoadRow() {
 
 cudaError_t LaunchRankFused(const RankCall& c, const FusedCall& fused, cudaStream_t stream,
                             FusedLaunch& l) {
-  if (c.comm == nullptr || c.algorithm != kSifar || c.nbytes % fused.row_bytes != 0 ||
-      fused.row_blocks != FusedRowBlocks(fused.row_bytes) || fused.row_blocks == 0 ||
+  if (c.comm == nullptr || c.algorithm != kSifar || fused.row_blocks == 0 ||
+      fused.row_blocks != FusedRowBlocks(fused.row_bytes) || c.nbytes % fused.row_bytes != 0 ||
       fused.padded_row_bytes != FusedPaddedRowBytes(fused.row_bytes))
     return cudaErrorInvalidValue;
   FusedArgs f{};
