@@ -103,6 +103,8 @@ NB_MODULE(_sifar, m) {
   // psum_add_rmsnorm: a row's share of the payload (padded to a power of two of lines).
   m.def("fused_padded_row_bytes",
         [](size_t row_bytes) { return FusedPaddedRowBytes(row_bytes); }, nb::arg("row_bytes"));
+  // psum_add_rmsnorm: the longest row the fused kernel holds, once padded.
+  m.def("fused_max_row_bytes", [] { return kMaxFusedRowBytes; });
   m.def(
       "workspace_bytes",
       [](size_t slot_bytes, int nranks, int lanes) {

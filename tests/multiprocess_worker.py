@@ -20,7 +20,8 @@ through `python -m sifar_jax.launch` (every process runs this same program).
             init with the same slot (pooled memory reused) and with another
             (pooled memory kept), beside new functions, exactly
     fused   psum_add_rmsnorm over processes: rows in a block, over 2, 4 and 8
-            blocks' lines (clusters on GPUs) and over two rounds of blocks;
+            blocks' lines (clusters on GPUs), over 16 and 64 (32 and 128 KB
+            padded) and over two rounds of blocks;
             then fused and plain calls of other sizes interleaved on one chain
             across the tag wrap under skew:
             new_residual bit-identical to the rank-order reference, normed
@@ -467,10 +468,12 @@ def run_fused(args) -> None:
     dt = tf.DTYPES["bfloat16"]
     count = tf.UlpCount("the float64 model reference", "bfloat16")
 
-    # Every row layout in one jit; 5120, 3584 and 896 are rows padded to a power of two of
-    # lines (the fused call must serve them: a fallback to the unfused composition is an error).
+    # Every row layout in one jit; 5120, 3584, 896, 12288 and 40960 are rows padded to a power
+    # of two of lines; 16384, 12288 and 40960 rows over 16 KB (16 and 64 blocks' lines: thread
+    # blocks running 2 and 8 of the protocol's blocks). The fused call must serve them all: a
+    # fallback to the unfused composition is an error.
     shapes = [(64, 3), (2048, 3), (4096, 1), (4096, 4), (8192, 2), (4096, 20), (5120, 2),
-              (3584, 3), (896, 1)]
+              (3584, 3), (896, 1), (16384, 2), (12288, 3), (40960, 1)]
     k = len(shapes)
     warnings.filterwarnings("error", message=".*falling back.*")
     warnings.filterwarnings("error", message=".*unfused.*")

@@ -10,8 +10,10 @@ fixture of test_ordering runs every test on both.
   rounded sum, in at most 0.1% of the elements (float32: within a few ulp,
   counted).
 - Hidden sizes 64 and 128 (rows inside one block), rows of 2, 4 and 8
-  blocks' lines (clusters of 2, 4 and 8 blocks on GPUs), 1-4 tokens, TP
-  2/4/8, three dtypes; payloads over more than one round of blocks.
+  blocks' lines (clusters of 2, 4 and 8 blocks on GPUs), rows of 16, 32 and 64
+  blocks' lines (32-128 KB: clusters of 8 thread blocks each running 2, 4 or 8
+  of the protocol's blocks), 1-5 tokens, TP 2/4/8, three dtypes; payloads over
+  more than one round of blocks.
 - Fused and plain calls interleaved on one communicator (one chain, a scan
   body's chain, across the tag wrap, under skew) stay exact; a timed-out call
   fails both outputs; fallbacks warn once and keep the semantics; the result
@@ -128,16 +130,19 @@ def make_data(rng, kind: str, n: int, tokens: int, hidden: int, dtype):
 def cases(dtype) -> list[tuple[int, int]]:
     """(hidden, tokens): rows inside a block (64, 128: segments of 16 and 32
     lines in 16-bit types) and over 2, 4 and 8 blocks' lines (16-bit: 2048,
-    4096, 8192; float32: 1024, 2048, 4096), and rows that are not a power of
-    two of lines, padded in the payload (ffi/fused/fused.h): 5120 (10 KB in
-    16-bit types, padded to 8 blocks), 896 (within a block), 96 (within a
-    warp); float32 3584 (14 KB, 4 blocks' lines padded to 8). Every token
-    count 1-4 at least once (one compile per dtype and mesh: keep it small)."""
+    4096, 8192; float32: 1024, 2048, 4096), rows over 16 and 32 blocks' lines
+    (16-bit: 16384, 12288 padded to 16 blocks; float32: 8192, 16384, and 5120
+    padded to 16 blocks), and rows that are not a power of two of lines,
+    padded in the payload (ffi/fused/fused.h): 5120 (10 KB in 16-bit types,
+    padded to 8 blocks), 896 (within a block), 96 (within a warp); float32
+    3584 (14 KB, 4 blocks' lines padded to 8). Every token count 1-4 at least
+    once (one compile per dtype and mesh: keep it small). 64-block rows need a
+    larger slot: test_payload_over_more_than_one_round_of_blocks."""
     if np.dtype(dtype).itemsize == 2:
         return [(64, 1), (64, 3), (128, 2), (128, 4), (2048, 3), (4096, 1), (4096, 4),
-                (8192, 3), (8192, 2), (5120, 2), (896, 3), (96, 1)]
+                (8192, 3), (8192, 2), (5120, 2), (896, 3), (96, 1), (16384, 2), (12288, 1)]
     return [(64, 1), (64, 3), (128, 2), (128, 4), (1024, 2), (2048, 1), (4096, 1),
-            (4096, 4), (3584, 1), (96, 3)]  # 8192: a fallback
+            (4096, 4), (3584, 1), (96, 3), (8192, 2), (16384, 1), (5120, 1)]
 
 
 def fused_and_references(mesh, shapes):
@@ -207,9 +212,13 @@ def test_fused_matches_the_unfused_composition(cpu_mesh, n, dtype):
 
 # The hidden sizes of models whose rows are not a power of two of lines
 # (Qwen2.5-14B/32B and Llama-2-13B: 5120; Qwen2.5-7B: 3584; Qwen2.5-0.5B:
-# 896), and float32 rows: all fused, none falls back.
+# 896), the large models' rows over 16 KB (Llama-3-70B's 8192 in float32,
+# 12288 of 175B-class models, Llama-3.1-405B's 16384), and float32 rows: all
+# fused, none falls back.
 MODEL_ROWS = [("bfloat16", 5120, 2), ("bfloat16", 3584, 1), ("bfloat16", 896, 4),
-              ("float16", 3584, 3), ("float32", 3584, 2), ("float32", 896, 1)]
+              ("float16", 3584, 3), ("float32", 3584, 2), ("float32", 896, 1),
+              ("float32", 8192, 1), ("bfloat16", 12288, 1), ("bfloat16", 16384, 2),
+              ("float16", 12288, 2), ("float32", 16384, 1), ("float32", 5120, 2)]
 
 
 @pytest.mark.parametrize("dtype,hidden,tokens", MODEL_ROWS,
@@ -238,11 +247,14 @@ def test_model_hidden_sizes_are_fused(cpu_mesh, dtype, hidden, tokens, monkeypat
 
 def test_payload_over_more_than_one_round_of_blocks(cpu_mesh):
     """Payloads past 64 blocks x 256 lines: every block runs two rounds (a
-    partial last block for the short rows), clusters included."""
+    partial last block for the short rows), clusters included; rows of 16
+    blocks (16384: 4 rows a round, the second round partial) and of 64 blocks
+    (40960, 80 KB padded to 128 KB: a row a round, 8 of the protocol's blocks
+    per thread block)."""
     n = 2
     mesh = cpu_mesh(n, slot_bytes=256 * 1024)
     dt = DTYPES["bfloat16"]
-    shapes = [(4096, 20), (64, 1100)]
+    shapes = [(4096, 20), (64, 1100), (16384, 5), (40960, 2)]
     f = fused_and_references(mesh, shapes)
     rng = rng_for("rounds")
     data = [make_data(rng, "normal", n, t, h, dt) for h, t in shapes]
@@ -269,14 +281,15 @@ def chain_reference(xs, zs, r0, w):
     return outs
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_fused_and_plain_calls_interleave_on_one_communicator(cpu_mesh, n):
+@pytest.mark.parametrize("n,hidden", [(2, 4096), (4, 4096), (2, 16384)])
+def test_fused_and_plain_calls_interleave_on_one_communicator(cpu_mesh, n, hidden):
     """Fused and plain calls alternate on one chain, and a scan body's fused
     chain (another lane) runs beside them; under skew and across the tag wrap
     (4 epoch bits: a wrap every 14 calls) every result stays exact. A small
     plain call (one block) between them moves the first block's epoch ahead of
-    the other blocks of its row, so a row's blocks wrap at different calls."""
-    hidden, tokens, steps = 4096, 2, 6  # 16 KB: past XLA:CPU's in-order threshold for small thunks
+    the other blocks of its row, so a row's blocks wrap at different calls
+    (hidden 16384: also the two protocol blocks that one thread block runs)."""
+    tokens, steps = 2, 6  # 16 KB and more: past XLA:CPU's in-order threshold for small thunks
     mesh = cpu_mesh(n, slot_bytes=SLOT)
     dt = DTYPES["bfloat16"]
 
@@ -333,12 +346,15 @@ def test_fused_and_plain_calls_interleave_on_one_communicator(cpu_mesh, n):
 
 
 # -------------------------------------------------------------------- failure --
-@pytest.mark.parametrize("hidden,tokens,from_block", [(4096, 2, 1), (4096, 2, 4), (64, 3, 0)])
+@pytest.mark.parametrize("hidden,tokens,from_block", [(4096, 2, 1), (4096, 2, 4), (64, 3, 0),
+                                                      (16384, 2, 9), (16384, 2, 16)])
 def test_a_timed_out_fused_call_fails_both_outputs(cpu_mesh, hidden, tokens, from_block):
     """Rank 1's blocks from `from_block` on never arrive. On GPUs every element
     of both of rank 0's outputs must be NaN, also where a whole cluster (a
-    row) succeeded (from_block 4: the first row's cluster); the CPU backend
-    raises. Either way check() then reports the timeout."""
+    row) succeeded (from_block 4: the first row's cluster; 16: the first
+    32 KB row's); from_block 9 drops one of the two protocol blocks a thread
+    block runs. The CPU backend raises. Either way check() then reports the
+    timeout."""
     n = 2
     mesh = cpu_mesh(n, slot_bytes=SLOT)
     dt = DTYPES["bfloat16"]
@@ -375,10 +391,13 @@ def test_a_timed_out_fused_call_fails_both_outputs(cpu_mesh, hidden, tokens, fro
 FALLBACKS = {
     # case: (dtype, hidden, tokens, algorithm, slot_bytes, warnings expected)
     "row_not_whole_lines": ("bfloat16", 12, 2, "auto", SLOT, ["not a layout"]),
-    "row_over_8_blocks": ("float32", 8192, 1, "auto", SLOT, ["not a layout"]),
-    "padded_row_over_8_blocks": ("float32", 5120, 1, "auto", SLOT, ["not a layout"]),
+    # 160 KB: over one round of blocks (128 KB), in a slot sifar_psum serves it from.
+    "row_over_a_round_of_blocks": ("float32", 40960, 1, "auto", 256 * 1024, ["not a layout"]),
     # 30 KB fits a 32 KB slot (sifar_psum serves it), its padded rows (48 KB) do not.
     "padded_payload_over_the_slot": ("bfloat16", 5120, 3, "auto", 32 * 1024, ["rows padded"]),
+    # 72 KB fits an 80 KB slot, its rows padded to 16 blocks (96 KB) do not.
+    "wide_padded_payload_over_the_slot": ("bfloat16", 12288, 3, "auto", 80 * 1024,
+                                          ["rows padded"]),
     "another_algorithm": ("bfloat16", 128, 2, "oneshot", SLOT, ["runs the sifar algorithm"]),
     "payload_over_the_slot": ("bfloat16", 4096, 1, "auto", 4096, ["exceeds", "exceeds"]),
 }

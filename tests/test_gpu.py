@@ -488,14 +488,14 @@ VR_DTYPES = {  # name: (numpy dtype, Elem index in elem_type.h)
 }
 
 
-def _virtual_ranks_or_skip(nranks: int):
+def _virtual_ranks_or_skip(nranks: int, slot: int = SLOT):
     from sifar_jax import _testing
 
     if DRY_RUN_ON_CPU or not sifar_jax._ext.lib.built_with_cuda():
         pytest.skip("virtual ranks need the CUDA backend")
     if not devices():
         pytest.skip("virtual ranks need one CUDA GPU")
-    return _testing.VirtualRanks(0, nranks, SLOT, VR_TIMEOUT_S)
+    return _testing.VirtualRanks(0, nranks, slot, VR_TIMEOUT_S)
 
 
 def rank_order_reference(x: np.ndarray) -> np.ndarray:
@@ -561,6 +561,95 @@ def test_virtual_ranks_bit_exact(nranks, algorithm):
     print(f"\nvirtual ranks N={nranks} {algorithm}: {runs} runs of {k} all-reduces, retries {retries}")
     assert runs > 0
     assert not fails, "\n".join(fails[:20])
+
+
+# ------------------------------------------- virtual ranks: psum_add_rmsnorm --
+# The fused kernel at N = 2, 4, 8 ranks on one GPU (VirtualRanks.run_fused:
+# LaunchRankFused, the CUDA handler's launch path): rows within a block, over
+# 2-8 blocks (clusters), over 16-64 blocks (32-128 KB: thread blocks running 2,
+# 4 or 8 of the protocol's blocks), padded rows, every dtype, with and without
+# skew, several calls back to back. new_residual bit-identical to the
+# rank-order reference, normed within test_fused's ulp bounds.
+VR_FUSED_SLOT = 256 * 1024
+VR_FUSED_ITERATIONS = 4
+VR_FUSED_ROWS = {  # dtype: (hidden, rows); rows cut down to what stays resident
+    "bfloat16": [(64, 3), (4096, 2), (5120, 2), (12288, 2), (16384, 2), (40960, 1)],
+    "float16": [(896, 2), (8192, 1), (16384, 1)],
+    "float32": [(3584, 2), (8192, 2), (16384, 1), (24576, 1)],
+}
+VR_FUSED_MAX_THREAD_BLOCKS = 64  # all ranks together: 8 clusters of 8
+
+
+def fused_thread_blocks(hidden: int, itemsize: int, rows: int) -> int:
+    """Thread blocks of one rank's fused launch (ffi/fused/cuda_fused.cu,
+    LaunchRankFused): the protocol's blocks of the padded rows, `group` to a
+    thread block."""
+    lib = sifar_jax._ext.lib
+    row_blocks = lib.fused_row_blocks(hidden * itemsize)
+    blocks = min(-(-rows * lib.fused_padded_row_bytes(hidden * itemsize) // 2048), 64)
+    return blocks // (row_blocks // min(row_blocks, 8))
+
+
+def _vr_fused_check_all(vr, nranks: int, count, fails: list[str]) -> int:
+    """Every skew x dtype x row of VR_FUSED_ROWS on `vr`; returns the runs.
+    Stops at the first failed call: the communicator is failed from then on."""
+    import test_fused as tf
+
+    k, runs = VR_FUSED_ITERATIONS, 0
+    for skew_ns in VR_SKEW_NS:
+        vr.set_skew(skew_ns, nranks)
+        for name, rows_list in VR_FUSED_ROWS.items():
+            dtype, elem = VR_DTYPES[name]
+            for hidden, rows in rows_list:
+                while rows > 1 and (fused_thread_blocks(hidden, dtype.itemsize, rows) * nranks
+                                    > VR_FUSED_MAX_THREAD_BLOCKS):
+                    rows -= 1
+                seed = zlib.crc32(repr(("fused", nranks, skew_ns, name, hidden, rows)).encode())
+                rng = np.random.default_rng(seed)
+                x = rng.standard_normal((k, nranks, rows, hidden)).astype(dtype)
+                r = (2 * rng.standard_normal((rows, hidden))).astype(dtype)
+                w = (1 + 0.1 * rng.standard_normal(hidden)).astype(dtype)
+                normed, new_res, failure, calls, retried, timeouts = vr.run_fused(
+                    elem, x.tobytes(), r.tobytes(), w.tobytes(), hidden, rows, tf.EPS, k)
+                runs += 1
+                what = f"N={nranks} {name} hidden={hidden} rows={rows} skew={skew_ns} ns"
+                if failure or timeouts:
+                    fails.append(f"{what}: {failure or f'{timeouts} timeouts'}")
+                    return runs
+                if calls != k * nranks:
+                    fails.append(f"{what}: {calls} calls counted, want {k * nranks}")
+                normed = np.frombuffer(normed, dtype).reshape(k, nranks, rows, hidden)
+                new_res = np.frombuffer(new_res, dtype).reshape(k, nranks, rows, hidden)
+                for it in range(k):
+                    want_norm, want_res = tf.model_reference(x[it], r, w)
+                    for q in range(nranks):
+                        if not tf.same_bits(new_res[it, q], want_res):
+                            fails.append(f"{what}: iteration {it} rank {q}: new_residual differs "
+                                         f"from the rank-order reference")
+                        if not tf.same_bits(normed[it, q], normed[it, 0]):
+                            fails.append(f"{what}: iteration {it}: normed differs between ranks")
+                        count[name].add(normed[it, q], want_norm)
+    return runs
+
+
+@pytest.mark.parametrize("nranks", [2, 4, 8])
+def test_virtual_ranks_fused_rows(nranks):
+    import test_fused as tf
+
+    vr = _virtual_ranks_or_skip(nranks, VR_FUSED_SLOT)
+    count = {name: tf.UlpCount("the float64 model reference", name) for name in VR_FUSED_ROWS}
+    fails: list[str] = []
+    try:
+        with hang_guard(900):
+            runs = _vr_fused_check_all(vr, nranks, count, fails)
+    finally:
+        vr.close()
+    print(f"\nvirtual ranks N={nranks} psum_add_rmsnorm: {runs} runs of "
+          f"{VR_FUSED_ITERATIONS} calls")
+    assert runs > 0
+    assert not fails, "\n".join(fails[:20])
+    for c in count.values():
+        c.check()
 
 
 # ------------------------------------------------------------------ multicast --

@@ -1,7 +1,8 @@
 // `sifar_jax._testing.VirtualRanks` (CUDA builds): N ranks of one
 // communicator on ONE GPU, for the N > 2 tests where no N-GPU host exists.
 // Each rank has its own workspace on that device and its own stream; every
-// call goes through LaunchRankAllReduce, the CUDA handler's own launch path.
+// call goes through LaunchRankAllReduce (or LaunchRankFused for
+// psum_add_rmsnorm), the CUDA handlers' own launch paths.
 // Grids are kept small enough that all N ranks' blocks are resident at once
 // (a spinning block whose peer cannot be scheduled would only time out).
 #include <cuda_runtime.h>
@@ -21,6 +22,8 @@
 #include "allreduce/plan.h"
 #include "core/cuda_check.h"
 #include "core/protocol.h"
+#include "fused/fused.h"
+#include "fused/launch.h"
 #include "runtime/comm.h"
 
 namespace nb = nanobind;
@@ -132,6 +135,91 @@ class VirtualRanks {
             d[kTimeouts]};
   }
 
+  // psum_add_rmsnorm's kernel: `iterations` fused calls of `rows` rows of
+  // `hidden` elements per rank, launched as Run launches.  x: [iteration][rank]
+  // [rows * hidden]; residual ([rows * hidden]) and weight ([hidden]) the same
+  // for every rank and iteration.  Returns (normed, new_residual) as
+  // [iteration][rank][rows * hidden], then Run's failure and stats (sifar's).
+  std::tuple<nb::bytes, nb::bytes, std::string, uint64_t, uint64_t, uint64_t> RunFused(
+      int elem, nb::bytes x, nb::bytes residual, nb::bytes weight, size_t hidden, size_t rows,
+      float eps, int iterations) {
+    Comm& comm = Live();
+    if (elem != static_cast<int>(Elem::kF32) && elem != static_cast<int>(Elem::kBf16) &&
+        elem != static_cast<int>(Elem::kF16))
+      throw std::invalid_argument("VirtualRanks: psum_add_rmsnorm takes float32, bfloat16, float16");
+    const size_t esize = elem == static_cast<int>(Elem::kF32) ? 4 : 2;
+    FusedCall fused;
+    fused.hidden = hidden;
+    fused.row_bytes = hidden * esize;
+    fused.padded_row_bytes = FusedPaddedRowBytes(fused.row_bytes);
+    fused.row_blocks = FusedRowBlocks(fused.row_bytes);
+    fused.eps = eps;
+    const size_t nbytes = rows * fused.row_bytes;
+    if (rows == 0 || fused.row_blocks == 0)
+      throw std::invalid_argument("VirtualRanks: rows the fused kernel does not hold");
+    if (rows * fused.padded_row_bytes > comm.slot_bytes())
+      throw std::invalid_argument("VirtualRanks: the padded rows exceed the slot");
+    // Every rank's thread blocks resident together (at most one per SM in total).
+    const int blocks = BlocksFor(rows * fused.padded_row_bytes / 8, kThreadsPerBlock);
+    const int thread_blocks = blocks / FusedBlocksPerThreadBlock(fused.row_blocks);
+    if (thread_blocks * nranks_ > sms_)
+      throw std::invalid_argument("VirtualRanks: " + std::to_string(nranks_) + " ranks of " +
+                                  std::to_string(thread_blocks) + " thread blocks exceed " +
+                                  std::to_string(sms_) + " SMs");
+    if (iterations < 1 || static_cast<size_t>(iterations) * nranks_ > 1024)
+      throw std::invalid_argument("VirtualRanks: iterations x nranks must be 1..1024 (launch queue)");
+    const size_t total = static_cast<size_t>(iterations) * nranks_ * nbytes;
+    if (x.size() != total || residual.size() != nbytes || weight.size() != fused.row_bytes)
+      throw std::invalid_argument("VirtualRanks: x, residual or weight has the wrong size");
+    std::vector<char> normed(total), new_residual(total);
+    const auto before = comm.Stats();
+    {
+      nb::gil_scoped_release release;
+      OnDevice on(ordinal_);
+      // in_: x, then residual and weight; out_: new_residual, then normed.
+      Reserve(2 * total + nbytes + fused.row_bytes);
+      char* res = in_ + total;
+      char* w = res + nbytes;
+      SIFAR_CUDA_CHECK(cudaMemcpy(in_, x.c_str(), total, cudaMemcpyHostToDevice));
+      SIFAR_CUDA_CHECK(cudaMemcpy(res, residual.c_str(), nbytes, cudaMemcpyHostToDevice));
+      SIFAR_CUDA_CHECK(cudaMemcpy(w, weight.c_str(), fused.row_bytes, cudaMemcpyHostToDevice));
+      SIFAR_CUDA_CHECK(cudaMemset(out_, 0xff, 2 * total));  // NaN: an unwritten line cannot pass
+      SIFAR_CUDA_CHECK(cudaDeviceSynchronize());
+      fused.residual = res;
+      fused.weight = w;
+      for (int k = 0; k < iterations; ++k)
+        for (int r = 0; r < nranks_; ++r) {
+          const size_t at = (static_cast<size_t>(k) * nranks_ + r) * nbytes;
+          RankCall c;
+          c.comm = &comm;
+          c.group = 0;
+          c.rank = r;
+          c.elem = static_cast<Elem>(elem);
+          c.algorithm = kSifar;
+          c.repeat = 1;
+          c.chain = kHarnessChain;
+          c.lane_at = comm.layout().LaneAt(LaneOf(kHarnessChain, comm.layout().lanes));
+          c.in = in_ + at;
+          c.out = out_ + at;
+          c.nbytes = nbytes;
+          FusedCall f = fused;
+          f.normed = out_ + total + at;
+          FusedLaunch shape;
+          SIFAR_CUDA_CHECK(LaunchRankFused(c, f, streams_[r], shape));
+        }
+      for (cudaStream_t s : streams_) SIFAR_CUDA_CHECK(cudaStreamSynchronize(s));
+      SIFAR_CUDA_CHECK(cudaMemcpy(new_residual.data(), out_, total, cudaMemcpyDeviceToHost));
+      SIFAR_CUDA_CHECK(cudaMemcpy(normed.data(), out_ + total, total, cudaMemcpyDeviceToHost));
+    }
+    const auto after = comm.Stats();
+    uint64_t d[kNumStats] = {};
+    for (size_t r = 0; r < after.size(); ++r)
+      for (int f = 0; f < kNumStats; ++f) d[f] += after[r][kSifar][f] - before[r][kSifar][f];
+    return {nb::bytes(normed.data(), normed.size()),
+            nb::bytes(new_residual.data(), new_residual.size()), DescribeFailure(comm), d[kCalls],
+            d[kRetries], d[kTimeouts]};
+  }
+
  private:
   Comm& Live() {
     if (!comm_) throw std::runtime_error("VirtualRanks: closed");
@@ -168,6 +256,9 @@ void RegisterGpuTestingBindings(nb::module_& t) {
       .def("set_skew", &VirtualRanks::SetSkew, nb::arg("max_ns"), nb::arg("seed"))
       .def("run", &VirtualRanks::Run, nb::arg("algorithm"), nb::arg("elem"), nb::arg("inputs"),
            nb::arg("nbytes"), nb::arg("iterations"))
+      .def("run_fused", &VirtualRanks::RunFused, nb::arg("elem"), nb::arg("x"),
+           nb::arg("residual"), nb::arg("weight"), nb::arg("hidden"), nb::arg("rows"),
+           nb::arg("eps"), nb::arg("iterations"))
       .def("close", &VirtualRanks::Close);
 }
 

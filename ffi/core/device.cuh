@@ -289,14 +289,18 @@ __device__ void FillNaN(void* out, size_t nbytes, uint32_t first = threadIdx.x &
 // Every rank's block `blockIdx.x` has written `value` (of this chain), and
 // this block's earlier writes to its own workspace are visible to them.
 // Block-wide.
-__device__ inline bool AllRanksReachedValue(const Ws& w, CallState& s, uint32_t value) {
+// `block`: the protocol's block (BlockOfLine) whose barrier words these are,
+// blockIdx.x except where one thread block runs several (the fused kernel's
+// wide rows).
+__device__ inline bool AllRanksReachedValueOf(const Ws& w, CallState& s, uint32_t value,
+                                              uint32_t block) {
   __syncthreads();
   const int t = threadIdx.x;
   bool ok = true;
   if (t < w.a.nranks && t != w.a.rank) {
     const uint32_t chain = ChainTag(w.a.chain);
-    StoreReleaseSys64(w.barrier(t) + blockIdx.x * kMaxRanks + w.a.rank, BarrierWord(chain, value));
-    const uint64_t* f = w.barrier(w.a.rank) + blockIdx.x * kMaxRanks + t;
+    StoreReleaseSys64(w.barrier(t) + block * kMaxRanks + w.a.rank, BarrierWord(chain, value));
+    const uint64_t* f = w.barrier(w.a.rank) + block * kMaxRanks + t;
     for (uint32_t spins = 0; !BarrierReached(LoadAcquireSys64(f), chain, value); ++spins)
       if (Expired(w, s, t, spins)) {
         ok = false;
@@ -304,6 +308,9 @@ __device__ inline bool AllRanksReachedValue(const Ws& w, CallState& s, uint32_t 
       }
   }
   return __syncthreads_and(ok) != 0;
+}
+__device__ __forceinline__ bool AllRanksReachedValue(const Ws& w, CallState& s, uint32_t value) {
+  return AllRanksReachedValueOf(w, s, value, blockIdx.x);
 }
 __device__ inline bool AllRanksReached(const Ws& w, CallState& s, uint32_t phase) {
   return AllRanksReachedValue(w, s, BarrierValue(s.epoch, phase));
@@ -313,21 +320,27 @@ __device__ inline bool AllRanksReached(const Ws& w, CallState& s, uint32_t phase
 // use the two skipped epochs' values, every rank zeroes the tagged words and
 // flags of this block's lines in both slots of its own workspace, over the
 // whole slot (a rare large payload may have left old words past today's size).
-__device__ inline bool ClearTaggedAtWrap(const Ws& w, CallState& s) {
-  if (!AllRanksReachedValue(w, s, BarrierValue(s.epoch - 2, kTop))) return false;
+// `block` as in AllRanksReachedValueOf.
+__device__ inline bool ClearTaggedAtWrapOf(const Ws& w, CallState& s, uint32_t block) {
+  if (!AllRanksReachedValueOf(w, s, BarrierValue(s.epoch - 2, kTop), block)) return false;
   const KernelArgs& a = w.a;
   const size_t lines = a.lay.slot.slot_bytes / 8;  // LL lines of one source region
   for (uint32_t parity = 0; parity < 2; ++parity) {
     for (int src = 0; src < a.nranks; ++src) {
       uint64_t* region = w.ll_of(a.rank, src, parity);
-      SIFAR_FOR_EACH_LINE(line, lines) { StoreLL(region + 2 * line, 0, 0); }
+      for (size_t line = static_cast<size_t>(block) * kThreads + threadIdx.x; line < lines;
+           line += kRoundLines)
+        StoreLL(region + 2 * line, 0, 0);
     }
     if (threadIdx.x == 0)
       StoreStrong(reinterpret_cast<uint32_t*>(w.slot_of(a.rank, parity) + a.lay.slot.flags) +
-                      blockIdx.x, 0u);
+                      block, 0u);
   }
   __threadfence_system();
-  return AllRanksReachedValue(w, s, BarrierValue(s.epoch - 1, kTop));
+  return AllRanksReachedValueOf(w, s, BarrierValue(s.epoch - 1, kTop), block);
+}
+__device__ __forceinline__ bool ClearTaggedAtWrap(const Ws& w, CallState& s) {
+  return ClearTaggedAtWrapOf(w, s, blockIdx.x);
 }
 
 // ------------------------------------------------------- tagged pull ----
@@ -405,6 +418,84 @@ __device__ __forceinline__ bool PullLine(const Ws& w, CallState& s, size_t line,
   return true;
 }
 
+// Several LL lines of one thread at once, each of its own block (the fused
+// kernel's wide rows run several of the protocol's blocks per thread block):
+// PublishLine publishes a line of the block at `epoch` (tag `tag`); PollLines
+// then keeps one load in flight per peer word of every line of a chunk of C
+// (so their remote round trips overlap, where PullLine's per-line loop would
+// add them up) and re-reads only the stale words.  A word once fresh stays so
+// until this call of its block ends (a peer rewrites that slot two epochs
+// later, after this block's next call), so the loaded words are the results.
+// Lines whose bit in `want` is clear are not read (sum = mine).  The poll depth
+// and gap (PullLine's knobs) do not apply.  False: this thread timed out
+// (s.failed_peer) or saw the communicator fail.
+__device__ __forceinline__ void PublishLine(const Ws& w, size_t line, uint32_t epoch, uint32_t tag,
+                                            uint2 mine) {
+  StoreLL(w.ll(w.a.rank, w.a.rank, epoch) + 2 * line, PackLL(mine.x, tag), PackLL(mine.y, tag));
+}
+template <typename T, int NR, int C>
+__device__ __forceinline__ bool PollLines(const Ws& w, CallState& s, uint32_t want,
+                                          const size_t (&line)[C], const uint32_t (&epoch)[C],
+                                          const uint32_t (&tag)[C], const uint2 (&mine)[C],
+                                          uint2 (&sum)[C]) {
+  const KernelArgs& a = w.a;
+  uint32_t missing[C];  // bit 2p+k of line i: word k of peer p not yet seen fresh
+  uint64_t v[C][NR][2];
+#pragma unroll
+  for (int i = 0; i < C; ++i) {
+    missing[i] = 0;
+    if ((want >> i) & 1u) {
+#pragma unroll
+      for (int p = 0; p < NR; ++p)
+        if (p < a.nranks && p != a.rank) missing[i] |= 3u << (2 * p);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < C; ++i)
+#pragma unroll
+    for (int p = 0; p < NR; ++p)
+      if ((missing[i] >> (2 * p)) & 3u) LoadLL(w.ll(p, p, epoch[i]) + 2 * line[i], v[i][p][0], v[i][p][1]);
+  for (uint32_t spins = 0;; ++spins) {
+    uint32_t left = 0;
+    int peer = -1;  // a peer still missing (the failure record's)
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+#pragma unroll
+      for (int p = 0; p < NR; ++p)
+#pragma unroll
+        for (int k = 0; k < 2; ++k)
+          if (((missing[i] >> (2 * p + k)) & 1u) && LLTag(v[i][p][k]) == tag[i])
+            missing[i] &= ~(1u << (2 * p + k));
+      if (missing[i] && peer < 0) peer = (__ffs(missing[i]) - 1) / 2;
+      left |= missing[i];
+    }
+    if (!left) break;
+    s.retried = true;  // mis-speculation: this wave was (partly) stale
+#pragma unroll
+    for (int i = 0; i < C; ++i)
+#pragma unroll
+      for (int p = 0; p < NR; ++p)
+        if ((missing[i] >> (2 * p)) & 3u) LoadLL(w.ll(p, p, epoch[i]) + 2 * line[i], v[i][p][0], v[i][p][1]);
+    if (Expired(w, s, peer, spins)) return false;
+  }
+#pragma unroll
+  for (int i = 0; i < C; ++i) {
+    sum[i] = mine[i];
+    if (!((want >> i) & 1u)) continue;
+    Acc<T> acc[2 * Elem<T>::kPerWord];
+#pragma unroll
+    for (int p = 0; p < NR; ++p) {
+      if (p >= a.nranks) break;
+      const uint32_t w0 = p == a.rank ? mine[i].x : LLData(v[i][p][0]);
+      const uint32_t w1 = p == a.rank ? mine[i].y : LLData(v[i][p][1]);
+      Elem<T>::Add(acc, w0, p == 0);
+      Elem<T>::Add(acc + Elem<T>::kPerWord, w1, p == 0);
+    }
+    sum[i] = make_uint2(Elem<T>::Round(acc), Elem<T>::Round(acc + Elem<T>::kPerWord));
+  }
+  return true;
+}
+
 // ------------------------------------------------------- call framing ----
 // Shared by every portable kernel (AllReduceKernel, FusedKernel).
 //
@@ -419,7 +510,8 @@ struct BlockStart {
   uint64_t calls;  // block 0: this lane's count for the algorithm
   uint64_t start_ns;
   __device__ bool failed() const { return c0.x != 0; }
-  // testing.drop_rank: this block never arrives.
+  // testing.drop_rank: this block (the protocol's `block`) never arrives.
+  __device__ bool dropped_at(uint32_t block) const { return c0.w != 0 && block + 1 >= c0.w; }
   __device__ bool dropped() const { return c0.w != 0 && blockIdx.x + 1 >= c0.w; }
   __device__ uint32_t mask() const { return EpochMask(c1.w); }
 };
@@ -427,19 +519,29 @@ struct BlockStart {
 // Thread 0: the loads issued together into registers (one memory latency:
 // the "memory" clobbers keep each shared store after every load), while the
 // other threads already load their input.
-__device__ __forceinline__ void ReadBlockStart(const Ws& w, int alg, BlockStart& b) {
+// `block`: the protocol's block whose epoch is read (blockIdx.x but in the
+// fused kernel's wide rows): an index, or ThisBlock.
+struct ThisBlock {  // blockIdx.x, read where it is used (as the plain kernels always did)
+  __device__ __forceinline__ operator uint32_t() const { return blockIdx.x; }
+};
+template <typename Block>
+__device__ __forceinline__ void ReadBlockStartOf(const Ws& w, int alg, BlockStart& b,
+                                                 Block block) {
   const Control* ctl = w.ctl(w.a.rank);
   const uint4 c0 = LoadStrong16(ctl);
   const uint4 c1 = LoadStrong16(&ctl->poll_depth);
   const uint64_t timeout_ns = LoadLLWord(&ctl->timeout_ns);
-  const uint32_t epoch = LoadStrong(w.epochs() + blockIdx.x);
-  const uint64_t calls = blockIdx.x == 0 ? LoadLLWord(w.calls(alg)) : 0;
+  const uint32_t epoch = LoadStrong(w.epochs() + static_cast<uint32_t>(block));
+  const uint64_t calls = static_cast<uint32_t>(block) == 0 ? LoadLLWord(w.calls(alg)) : 0;
   b.c0 = c0;
   b.c1 = c1;
   b.timeout_ns = timeout_ns;
   b.epoch = epoch;
   b.calls = calls;
   b.start_ns = GlobalTimerNs();
+}
+__device__ __forceinline__ void ReadBlockStart(const Ws& w, int alg, BlockStart& b) {
+  ReadBlockStartOf(w, alg, b, ThisBlock{});
 }
 
 // Starts one call of this block: the next epoch, its tag, a fresh call
@@ -482,11 +584,12 @@ __device__ __forceinline__ bool EndCall(const Ws& w, int alg, const CallState& s
 // Thread 0 of a block whose calls all completed: the block's epoch, and on
 // block 0 the lane's call count (a plain store beside the epoch's: no atomic
 // on the fast path) and the call trace.
-__device__ __forceinline__ void CommitBlock(const Ws& w, int alg, const BlockStart& st,
-                                            uint32_t epoch, bool retried) {
+// `block`: the protocol's block (blockIdx.x but in the fused kernel's wide rows).
+__device__ __forceinline__ void CommitBlockOf(const Ws& w, int alg, const BlockStart& st,
+                                              uint32_t epoch, bool retried, uint32_t block) {
   if (threadIdx.x != 0) return;
-  w.epochs()[blockIdx.x] = epoch;
-  if (blockIdx.x != 0) return;
+  w.epochs()[block] = epoch;
+  if (block != 0) return;
   *w.calls(alg) = st.calls + static_cast<uint64_t>(w.a.repeat);
   if (st.c1.z) {  // the call trace (testing / benchmarks)
     TraceRing* ring = w.trace();
@@ -499,6 +602,10 @@ __device__ __forceinline__ void CommitBlock(const Ws& w, int alg, const BlockSta
     r.algorithm = alg;
     r.retried = retried;
   }
+}
+__device__ __forceinline__ void CommitBlock(const Ws& w, int alg, const BlockStart& st,
+                                            uint32_t epoch, bool retried) {
+  CommitBlockOf(w, alg, st, epoch, retried, blockIdx.x);
 }
 
 }  // namespace cuda

@@ -16,17 +16,24 @@
 // padded payload keeps BlockOfLine's ownership), add nothing to the sum of
 // squares and are never stored.  Rows of at most one block's lines lie in
 // aligned segments of one block (a segmented reduction: warp shuffles, then
-// the row's warps through shared memory).  Longer rows span row_blocks whole blocks, launched as one
-// thread-block cluster: each block stores its sum into every block's shared
-// memory (distributed shared memory), one cluster barrier, and every block adds
-// them in cluster-rank order.  Since a round of kMaxBlocks blocks
-// holds whole clusters, the line -> block ownership stays BlockOfLine's.
+// the row's warps through shared memory).  Rows of 2-8 blocks span row_blocks
+// whole blocks, launched as one thread-block cluster: each block stores its
+// sum into every block's shared memory (distributed shared memory), one
+// cluster barrier, and every block adds them in cluster-rank order.  Rows of
+// 16-64 blocks (over 16 KB) are one cluster of 8 thread blocks too, each
+// running `group` consecutive blocks of the protocol (FusedWideBlock).  Since
+// a round of kMaxBlocks blocks holds whole rows, the line -> block ownership
+// stays BlockOfLine's.
 #include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
 
 #include "allreduce/launch.h"
 #include "core/cuda_check.h"
 #include "core/device.cuh"
 #include "fused/fused.h"
+#include "fused/launch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace sifar {
@@ -41,12 +48,13 @@ struct FusedArgs {
   uint32_t data_lines;  // LL lines of data per row
   uint32_t row_lines;   // LL lines per padded row, a power of two >= data_lines
   uint32_t row_shift;   // log2(row_lines)
-  uint32_t row_blocks;  // blocks per row: the cluster size (1: rows within a block)
+  uint32_t row_blocks;  // blocks per row (1: rows within a block); up to 8, the cluster size
   uint32_t hidden;      // elements per row
   float eps;
   const char* prefetch;  // the next operation's operand (never read here), or null
   size_t prefetch_bytes;
-  uint32_t ar_blocks;    // the all-reduce's blocks; the grid's others only prefetch
+  uint32_t ar_blocks;    // the all-reduce's thread blocks; the grid's others only prefetch
+  uint32_t group;        // the protocol's blocks per thread block: 1, or 2-8 (FusedWideBlock)
 };
 
 // ------------------------------------------------------------- numbers ----
@@ -145,8 +153,8 @@ __device__ __forceinline__ void StoreClusterShared(const void* local, uint32_t r
 // exchange k's.
 struct RowShared {
   float warp_sums[2][kThreads / 32];
-  float part[2][kMaxRowBlocks];        // the cluster's blocks' row sums, by cluster rank
-  uint32_t part_ok[2][kMaxRowBlocks];  // and whether each block's lines all succeeded
+  float part[2][kMaxClusterBlocks];        // the cluster's blocks' row sums, by cluster rank
+  uint32_t part_ok[2][kMaxClusterBlocks];  // and whether each block's lines all succeeded
 };
 
 // The sum of `v` over this thread's row within the block, in a fixed order
@@ -327,22 +335,262 @@ __device__ __forceinline__ bool FusedBlock(const FusedArgs& f) {
   return go;
 }
 
+// ---------------------------------------------------------- wide rows ----
+// Rows of 16-64 blocks' lines (32-128 KB padded: float32 hidden 8192-32768,
+// 16-bit 12288-65536).  Every line keeps its owning block (BlockOfLine), so
+// such a row's lines belong to 16-64 of the protocol's blocks: more than a
+// portable cluster holds (8 thread blocks).  So each thread block runs
+// `group` = row_blocks / 8 consecutive blocks of the protocol (from block0 =
+// blockIdx.x * group), each with its own epoch, tag, wrap, barriers, drop and
+// commit, exactly as a thread block of its own would: one line of each per
+// thread and round, published together and polled together (PollLines, in
+// chunks of kPollChunk lines); the row's 8 thread blocks are one cluster.
+// A block whose lines are all padding (hidden 12288: a quarter of its 32 KB)
+// still publishes and pulls them: each call of a block must see its peers'
+// words, or its next call could overwrite a slot they still read.
+// The row's sum has the narrower rows' order (the CPU reference's): per
+// protocol block, its warps' butterflies added in order, then the row's blocks
+// in order, every block's sum exchanged through distributed shared memory.
+constexpr uint32_t kMaxGroup = kMaxRowBlocks / kMaxClusterBlocks;
+constexpr uint32_t kPollChunk = 4;  // v[4][NR][2]: the registers of PullLine's deepest poll
+static_assert(kMaxGroup % kPollChunk == 0, "whole chunks");
+
+struct WideShared {
+  BlockStart start[kMaxGroup];                   // each protocol block's start
+  float warp_sums[2][kMaxGroup][kThreads / 32];  // by exchange parity, as RowShared's
+  float part[2][kMaxRowBlocks];                  // the row's blocks' sums, in row order
+  uint32_t part_ok[2][kMaxClusterBlocks];        // each thread block's outcome, by cluster rank
+};
+
+// Line `line` of x or the residual (`buf`), or of the weight: zero on a padding line.
+__device__ __forceinline__ uint2 LoadDataLine(const FusedArgs& f, const void* buf, size_t line) {
+  size_t at;
+  return DataLine(f, line, at) ? static_cast<const uint2*>(buf)[at] : make_uint2(0u, 0u);
+}
+__device__ __forceinline__ uint2 LoadWeightLine(const FusedArgs& f, size_t line) {
+  size_t at;
+  return DataLine(f, line, at) ? static_cast<const uint2*>(f.weight)[line & (f.row_lines - 1)]
+                               : make_uint2(0u, 0u);
+}
+
+// FusedBlock for the wide rows: the same calls, outcomes and outputs.
+// Block-uniform; every thread block of a cluster calls it.
 template <typename T, int NR>
+__device__ __forceinline__ bool FusedWideBlock(const FusedArgs& f) {
+  constexpr int K = kLineElems<T>;
+  const KernelArgs& a = f.a;
+  const Ws w{a};
+  __shared__ WideShared sh;
+  const uint32_t group = f.group;
+  const uint32_t block0 = blockIdx.x * group;
+  const uint32_t cluster_rank = blockIdx.x % kMaxClusterBlocks;  // 1-D clusters along the grid
+  const size_t nlines = a.nbytes / 8;
+  // The thread's line of block block0 + i in the round from `round`: round + i * kThreads + t.
+  // The first round's x, loaded while the control words are in flight.
+  uint2 first[kMaxGroup];
+#pragma unroll
+  for (uint32_t i = 0; i < kMaxGroup; ++i)
+    first[i] = i < group
+                   ? LoadDataLine(f, a.in, static_cast<size_t>(block0 + i) * kThreads + threadIdx.x)
+                   : make_uint2(0u, 0u);
+  if (threadIdx.x < group) ReadBlockStartOf(w, kSifar, sh.start[threadIdx.x], block0 + threadIdx.x);
+  __syncthreads();
+  // As FusedBlock, per protocol block: a dropped one pulls nothing (its sums
+  // are this rank's partials), one of a failed communicator fails; every
+  // thread block keeps its part in every cluster exchange.
+  uint32_t epoch[kMaxGroup];
+  uint32_t dropped = 0;  // bit i: block block0 + i is dropped (testing.drop_rank)
+  bool ok = true;        // block-uniform; cluster-uniform after each exchange
+#pragma unroll
+  for (uint32_t i = 0; i < kMaxGroup; ++i) {
+    epoch[i] = 0;
+    if (i >= group) continue;
+    epoch[i] = sh.start[i].epoch;
+    if (sh.start[i].dropped_at(block0 + i)) dropped |= 1u << i;
+    else if (sh.start[i].failed()) ok = false;
+  }
+  const bool all_dropped = dropped == (1u << group) - 1u;
+  const uint32_t mask = sh.start[0].mask();  // one Control word for all blocks
+  const uint32_t chain = ChainTag(a.chain);
+  bool go = true;  // cluster-uniform: every exchange so far was ok
+  CallState s{};
+  s.timeout_ns = sh.start[0].timeout_ns;
+  s.failed_peer = -1;
+  bool warp0_retried = false;
+  // As FusedBlock: no remote store into a thread block before it runs.
+  bool started_pending = true;
+  ClusterArriveRelaxed();
+  uint32_t exchange = 0;
+  for (int it = 0; it < a.repeat && go; ++it) {
+    // Each protocol block starts its call (block-uniform, in block order: the
+    // peers' thread blocks run the same blocks in the same order).
+#pragma unroll
+    for (uint32_t i = 0; i < kMaxGroup; ++i) {
+      if (i >= group || !ok || ((dropped >> i) & 1u)) continue;
+      const bool wraps = NextCall(w, sh.start[i], epoch[i], s);
+      if (i == 0) InjectSkew(w, sh.start[i], epoch[i]);  // one skew per thread block
+      if (wraps) ok = ClearTaggedAtWrapOf(w, s, block0 + i);  // block-wide
+      if (!ok && s.failed_peer >= 0) RecordFailure(w, kSifar, s);
+    }
+    // Rounds of kRoundLines: the same count for every thread block of a
+    // cluster (the payload is whole rows, a round whole rows).
+    for (size_t round = static_cast<size_t>(block0) * kThreads; round < nlines;
+         round += kRoundLines) {
+      const bool first_round = round < kRoundLines;
+      // Every block's line: x and the residual loaded together, then x published.
+      uint2 x[kMaxGroup], residual[kMaxGroup];
+#pragma unroll
+      for (uint32_t i = 0; i < kMaxGroup; ++i) {
+        x[i] = residual[i] = make_uint2(0u, 0u);
+        if (i >= group) continue;
+        const size_t line = round + i * kThreads + threadIdx.x;
+        x[i] = first_round ? first[i] : LoadDataLine(f, a.in, line);
+        residual[i] = LoadDataLine(f, f.residual, line);
+      }
+      const bool pulling = ok;  // this thread's lines so far all succeeded
+#pragma unroll
+      for (uint32_t i = 0; i < kMaxGroup; ++i)
+        if (i < group && pulling && !((dropped >> i) & 1u))
+          PublishLine(w, round + i * kThreads + threadIdx.x, epoch[i],
+                      Tag(chain, epoch[i], mask), x[i]);
+      // The sums (this rank's partial on a dropped block's line), the new
+      // residual and its squares, chunk by chunk.
+      uint2 new_residual[kMaxGroup];
+      float ss[kMaxGroup];
+#pragma unroll
+      for (uint32_t c = 0; c < kMaxGroup; c += kPollChunk) {
+        if (c >= group) break;
+        size_t line[kPollChunk];
+        uint32_t ep[kPollChunk], tag[kPollChunk];
+        uint2 mine[kPollChunk], sum[kPollChunk];
+        uint32_t want = 0;
+#pragma unroll
+        for (uint32_t j = 0; j < kPollChunk; ++j) {
+          const uint32_t i = c + j;
+          line[j] = round + i * kThreads + threadIdx.x;
+          ep[j] = epoch[i];
+          tag[j] = Tag(chain, epoch[i], mask);
+          mine[j] = sum[j] = x[i];
+          if (i < group && pulling && !((dropped >> i) & 1u)) want |= 1u << j;
+        }
+        if (want != 0 && ok) {
+          const bool pulled = PollLines<T, NR, kPollChunk>(w, s, want, line, ep, tag, mine, sum);
+          if (!pulled && s.failed_peer >= 0) RecordFailure(w, kSifar, s);
+          ok = pulled;
+        }
+#pragma unroll
+        for (uint32_t j = 0; j < kPollChunk; ++j) {
+          const uint32_t i = c + j;
+          if (i >= group) continue;
+          float v[K], r[K];
+          Unpack<T>(sum[j], v);
+          Unpack<T>(residual[i], r);
+#pragma unroll
+          for (int k = 0; k < K; ++k) v[k] = __fadd_rn(v[k], r[k]);
+          new_residual[i] = Pack<T>(v);
+          Unpack<T>(new_residual[i], v);  // the rounded value is what the norm sees
+          float q = 0.f;
+#pragma unroll
+          for (int k = 0; k < K; ++k) q = __fadd_rn(q, __fmul_rn(v[k], v[k]));
+          ss[i] = q;
+        }
+      }
+      // The weight, in flight during the exchange.
+      uint2 weight[kMaxGroup];
+#pragma unroll
+      for (uint32_t i = 0; i < kMaxGroup; ++i)
+        weight[i] = i < group ? LoadWeightLine(f, round + i * kThreads + threadIdx.x)
+                              : make_uint2(0u, 0u);
+      // Each block's sum: its lanes' butterfly, then its warps in order.
+      const uint32_t parity = exchange++ & 1u;
+#pragma unroll
+      for (uint32_t i = 0; i < kMaxGroup; ++i) {
+        if (i >= group) break;
+        float v = ss[i];
+#pragma unroll
+        for (uint32_t o = 1; o < 32; o <<= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+        if ((threadIdx.x & 31u) == 0) sh.warp_sums[parity][i][threadIdx.x / 32] = v;
+      }
+      ok = __syncthreads_and(ok) != 0;
+      if (started_pending) {
+        ClusterWait();
+        started_pending = false;
+      }
+      // Thread i * 8 + b sends block block0 + i's sum (and thread b this
+      // thread block's outcome) into cluster block b's shared memory, at the
+      // block's place along the row.
+      if (threadIdx.x < group * kMaxClusterBlocks) {
+        const uint32_t i = threadIdx.x / kMaxClusterBlocks, to = threadIdx.x % kMaxClusterBlocks;
+        float t = sh.warp_sums[parity][i][0];
+        for (uint32_t k = 1; k < kThreads / 32; ++k) t = __fadd_rn(t, sh.warp_sums[parity][i][k]);
+        StoreClusterShared(&sh.part[parity][cluster_rank * group + i], to, __float_as_uint(t));
+        if (i == 0) StoreClusterShared(&sh.part_ok[parity][cluster_rank], to, ok ? 1u : 0u);
+      }
+      ClusterArrive();
+      ClusterWait();
+      float total = sh.part[parity][0];
+      for (uint32_t b = 1; b < group * kMaxClusterBlocks; ++b)
+        total = __fadd_rn(total, sh.part[parity][b]);
+      bool all_ok = sh.part_ok[parity][0] != 0;
+      for (uint32_t b = 1; b < kMaxClusterBlocks; ++b)
+        all_ok = all_ok && sh.part_ok[parity][b] != 0;
+      ok = all_ok;
+      go = ok;
+      if (!go) break;
+      const float mean = __fdiv_rn(total, static_cast<float>(f.hidden));
+      const float scale = rsqrtf(__fadd_rn(mean, f.eps));
+#pragma unroll
+      for (uint32_t i = 0; i < kMaxGroup; ++i) {
+        size_t at;
+        if (i >= group || !DataLine(f, round + i * kThreads + threadIdx.x, at)) continue;
+        float v[K], g[K];
+        Unpack<T>(new_residual[i], v);
+        Unpack<T>(weight[i], g);
+#pragma unroll
+        for (int k = 0; k < K; ++k) v[k] = __fmul_rn(v[k], scale);
+        Unpack<T>(Pack<T>(v), v);  // y rounded to the payload type, as the model does
+#pragma unroll
+        for (int k = 0; k < K; ++k) v[k] = __fmul_rn(g[k], v[k]);
+        static_cast<uint2*>(a.out)[at] = new_residual[i];
+        static_cast<uint2*>(f.normed)[at] = Pack<T>(v);
+      }
+    }
+    if (!all_dropped) warp0_retried |= EndCall(w, kSifar, s);
+  }
+  if (!go) {  // the cluster failed: both outputs NaN, every line
+    FillNaN<T>(a.out, f.data_bytes, threadIdx.x, kThreads);
+    FillNaN<T>(f.normed, f.data_bytes, threadIdx.x, kThreads);
+  } else {
+#pragma unroll
+    for (uint32_t i = 0; i < kMaxGroup; ++i)
+      if (i < group && !((dropped >> i) & 1u))
+        CommitBlockOf(w, kSifar, sh.start[i], epoch[i], warp0_retried, block0 + i);
+  }
+  if (started_pending) ClusterWait();  // every arrive is waited for
+  return go;
+}
+
+// WIDE: rows of 16-64 blocks (FusedWideBlock); else FusedBlock's rows.
+template <typename T, int NR, bool WIDE>
 __global__ void __launch_bounds__(kThreads) FusedKernel(FusedArgs f) {
   if (blockIdx.x >= f.ar_blocks) {  // whole clusters of their own: no barrier to meet
     PrefetchShare(f);
     return;
   }
-  FusedBlock<T, NR>(f);
+  if constexpr (WIDE) {
+    FusedWideBlock<T, NR>(f);
+  } else {
+    FusedBlock<T, NR>(f);
+  }
 }
 
 }  // namespace cuda
 }  // namespace sifar
 
 // ------------------------------------------------------- launch, handler ----
-// One instance per element type and rank bound; rows longer than a block
-// launched as thread-block clusters (cudaLaunchKernelEx, which CUDA graphs
-// capture like any launch).
+// One instance per element type, rank bound and row width; rows longer than a
+// block launched as thread-block clusters (cudaLaunchKernelEx, which CUDA
+// graphs capture like any launch).
 namespace ffi = xla::ffi;
 
 namespace sifar {
@@ -356,32 +604,59 @@ using cuda::kThreads;
 // a loss.
 constexpr int kPrefetchBlocks = 16;
 
-template <typename T, int NR>
-cudaError_t LaunchNR(const FusedArgs& f, int grid, cudaStream_t stream) {
+template <typename T, int NR, bool WIDE>
+cudaError_t LaunchNR(const FusedArgs& f, const FusedLaunch& l, cudaStream_t stream) {
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = cuda::RowClusterLaunch(grid, f.row_blocks, stream, attr);
-  return cudaLaunchKernelEx(&cfg, cuda::FusedKernel<T, NR>, f);
+  const cudaLaunchConfig_t cfg = cuda::RowClusterLaunch(l.grid, l.cluster, stream, attr);
+  return cudaLaunchKernelEx(&cfg, cuda::FusedKernel<T, NR, WIDE>, f);
+}
+template <typename T, bool WIDE>
+cudaError_t LaunchWidth(const FusedArgs& f, const FusedLaunch& l, cudaStream_t stream) {
+  if (f.a.nranks <= 2) return LaunchNR<T, 2, WIDE>(f, l, stream);
+  if (f.a.nranks <= 4) return LaunchNR<T, 4, WIDE>(f, l, stream);
+  return LaunchNR<T, 8, WIDE>(f, l, stream);
 }
 template <typename T>
-cudaError_t Launch(const FusedArgs& f, int grid, cudaStream_t stream) {
-  if (f.a.nranks <= 2) return LaunchNR<T, 2>(f, grid, stream);
-  if (f.a.nranks <= 4) return LaunchNR<T, 4>(f, grid, stream);
-  return LaunchNR<T, 8>(f, grid, stream);
+cudaError_t Launch(const FusedArgs& f, const FusedLaunch& l, cudaStream_t stream) {
+  return l.group > 1 ? LaunchWidth<T, true>(f, l, stream) : LaunchWidth<T, false>(f, l, stream);
 }
 
+// Loads a kernel now and checks that its widest cluster can run on this
+// device: clusters of 8 of its thread blocks, each with its registers and
+// shared memory (a portable size on sm_90 and sm_100, so this only fails on a
+// device or build that breaks that promise, and then clearly, at init).
+template <typename T, int NR, bool WIDE>
+void LoadKernel() {
+  const auto kernel = cuda::FusedKernel<T, NR, WIDE>;
+  cudaFuncAttributes attr;
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  cudaLaunchAttribute cluster;
+  const cudaLaunchConfig_t cfg =
+      cuda::RowClusterLaunch(kMaxClusterBlocks, kMaxClusterBlocks, nullptr, cluster);
+  int clusters = 0;
+  SIFAR_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
+  if (clusters < 1)
+    throw std::runtime_error(
+        "sifar_jax: psum_add_rmsnorm's kernel cannot run clusters of " +
+        std::to_string(kMaxClusterBlocks) + " thread blocks of " + std::to_string(kThreads) +
+        " threads on this device (" + std::to_string(attr.numRegs) + " registers per thread)");
+}
 template <typename T>
 void LoadRow() {
-  cudaFuncAttributes attr;
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedKernel<T, 2>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedKernel<T, 4>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::FusedKernel<T, 8>));
+  LoadKernel<T, 2, false>();
+  LoadKernel<T, 4, false>();
+  LoadKernel<T, 8, false>();
+  LoadKernel<T, 2, true>();
+  LoadKernel<T, 4, true>();
+  LoadKernel<T, 8, true>();
 }
 
-// Enqueues the fused kernel of a call planned by PlanFusedCall (no host
-// synchronisation; CUDA-graph safe).
-cudaError_t LaunchRankFused(const RankCall& c, const FusedCall& fused, cudaStream_t stream) {
-  if (c.comm == nullptr || c.algorithm != kSifar || c.nbytes % fused.row_bytes != 0 ||
-      fused.row_blocks != FusedRowBlocks(fused.row_bytes) || fused.row_blocks == 0 ||
+}  // namespace
+
+cudaError_t LaunchRankFused(const RankCall& c, const FusedCall& fused, cudaStream_t stream,
+                            FusedLaunch& l) {
+  if (c.comm == nullptr || c.algorithm != kSifar || fused.row_blocks == 0 ||
+      fused.row_blocks != FusedRowBlocks(fused.row_bytes) || c.nbytes % fused.row_bytes != 0 ||
       fused.padded_row_bytes != FusedPaddedRowBytes(fused.row_bytes))
     return cudaErrorInvalidValue;
   FusedArgs f{};
@@ -395,25 +670,39 @@ cudaError_t LaunchRankFused(const RankCall& c, const FusedCall& fused, cudaStrea
   f.row_lines = static_cast<uint32_t>(fused.padded_row_bytes / 8);
   f.row_shift = 0;
   while ((1u << f.row_shift) < f.row_lines) ++f.row_shift;
-  f.row_blocks = static_cast<uint32_t>(fused.row_blocks);
+  l.cluster = static_cast<uint32_t>(FusedClusterBlocks(fused.row_blocks));
+  l.group = static_cast<uint32_t>(FusedBlocksPerThreadBlock(fused.row_blocks));
+  f.row_blocks = l.group > 1 ? l.cluster : static_cast<uint32_t>(fused.row_blocks);
+  f.group = l.group;
   f.hidden = static_cast<uint32_t>(fused.hidden);
   f.eps = fused.eps;
   f.prefetch = static_cast<const char*>(fused.prefetch);
   f.prefetch_bytes = fused.prefetch != nullptr ? fused.prefetch_bytes : 0;
-  // The plain kernel's grid for the padded payload: a multiple of the cluster
-  // size, since the payload is whole rows and kMaxBlocks whole clusters.
-  const int grid = BlocksFor(f.a.nbytes / 8, kThreads);
+  // The plain kernel's blocks for the padded payload (whole rows: a multiple
+  // of the row's blocks, since kMaxBlocks holds whole rows), `group` of them
+  // per thread block: whole clusters.
+  const int blocks = BlocksFor(f.a.nbytes / 8, kThreads);
+  if (l.group < 1 || l.group > cuda::kMaxGroup || l.cluster < 1 ||
+      l.cluster > static_cast<uint32_t>(kMaxClusterBlocks) ||
+      blocks % (l.group * l.cluster) != 0)
+    return cudaErrorInvalidValue;
+  const int grid = blocks / static_cast<int>(l.group);
   f.ar_blocks = static_cast<uint32_t>(grid);
   // Prefetch blocks: whole clusters after the all-reduce's.
-  const int extra = f.prefetch_bytes == 0 ? 0
-                    : (kPrefetchBlocks + f.row_blocks - 1) / f.row_blocks * f.row_blocks;
+  const int extra = f.prefetch_bytes == 0
+                        ? 0
+                        : (kPrefetchBlocks + static_cast<int>(l.cluster) - 1) /
+                              static_cast<int>(l.cluster) * static_cast<int>(l.cluster);
+  l.grid = grid + extra;
   switch (c.elem) {
-    case Elem::kF32: return Launch<float>(f, grid + extra, stream);
-    case Elem::kBf16: return Launch<__nv_bfloat16>(f, grid + extra, stream);
-    case Elem::kF16: return Launch<__half>(f, grid + extra, stream);
+    case Elem::kF32: return Launch<float>(f, l, stream);
+    case Elem::kBf16: return Launch<__nv_bfloat16>(f, l, stream);
+    case Elem::kF16: return Launch<__half>(f, l, stream);
     default: return cudaErrorInvalidValue;
   }
 }
+
+namespace {
 
 ffi::Error CudaPsumAddRmsNormImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                   ffi::AnyBuffer residual, ffi::AnyBuffer weight,
@@ -430,7 +719,17 @@ ffi::Error CudaPsumAddRmsNormImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
   if (call.nbytes == 0) return ffi::Error::Success();
   err = UseDevice(ordinal);
   if (err.failure()) return err;
-  return Launched(LaunchRankFused(call, fused, stream));
+  FusedLaunch l;
+  const cudaError_t e = LaunchRankFused(call, fused, stream, l);
+  if (e == cudaSuccess) return ffi::Error::Success();
+  cudaGetLastError();  // a failed launch is reported here, not to the next CUDA call
+  return ffi::Error(
+      ffi::ErrorCode::kInternal,
+      "sifar_jax: psum_add_rmsnorm: kernel launch failed (rows of " +
+          std::to_string(fused.row_bytes) + " bytes, " + std::to_string(fused.row_blocks) +
+          " blocks per row: " + std::to_string(l.grid) + " thread blocks in clusters of " +
+          std::to_string(l.cluster) + ", " + std::to_string(l.group) +
+          " blocks each): " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
 }
 
 }  // namespace

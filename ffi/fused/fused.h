@@ -18,15 +18,24 @@ namespace sifar {
 // lines past the row's data zero on every rank (masked lanes: they are
 // pulled like any line, add nothing to the sum of squares, and are never
 // stored).  The padded payload keeps protocol.h's line -> block ownership
-// (BlockOfLine).  A row's sum of squares is reduced where the padded row
-// lies: in a power-of-two fraction of one block (a segmented in-block
-// reduction), or over a power-of-two number of whole blocks, at most
-// kMaxRowBlocks (one thread-block cluster; 64 blocks hold whole clusters).
-// Returns the blocks one row spans (1: the row lies within one block), or 0
-// where the fused kernel cannot run (the caller falls back to the unfused
-// composition).  The CPU backend accepts the same rows, so both decide alike.
-constexpr int kMaxRowBlocks = 8;
-static_assert(kMaxBlocks % kMaxRowBlocks == 0, "a round of blocks holds whole clusters");
+// (BlockOfLine), so a padded row lies in a power-of-two fraction of one
+// block, or over a power-of-two number of whole blocks, at most one round of
+// them (kMaxRowBlocks: 64 blocks of 256 lines, 128 KB).  A row's sum of
+// squares is reduced where it lies: a segmented in-block reduction; or one
+// thread-block cluster of FusedClusterBlocks thread blocks (2-8, at most the
+// portable cluster size), each running FusedBlocksPerThreadBlock of the
+// protocol's blocks: 1 for rows of up to 8 blocks (16 KB), 2-8 for rows of
+// 16-64 blocks (32-128 KB; their epochs, tags and barriers, one line of each
+// per thread).
+// FusedRowBlocks returns the protocol's blocks one row spans (1: the row lies
+// within one block), or 0 where the fused kernel cannot run (the caller falls
+// back to the unfused composition).  The CPU backend accepts the same rows, so
+// both decide alike.
+constexpr int kMaxClusterBlocks = 8;
+constexpr int kMaxRowBlocks = kMaxBlocks;
+static_assert(kMaxBlocks % kMaxClusterBlocks == 0, "a round of blocks holds whole clusters");
+// The longest row the fused kernel holds, padded: one round of blocks.
+constexpr size_t kMaxFusedRowBytes = static_cast<size_t>(kMaxRowBlocks) * kLinesPerBlock * 8;
 SIFAR_HD size_t FusedPaddedRowBytes(size_t row_bytes) {
   if (row_bytes == 0 || row_bytes % 16 != 0) return 0;  // whole 16-byte lines per row
   size_t lines = 2;
@@ -40,6 +49,14 @@ SIFAR_HD int FusedRowBlocks(size_t row_bytes) {
   const size_t blocks = lines / kLinesPerBlock;
   return blocks <= static_cast<size_t>(kMaxRowBlocks) ? static_cast<int>(blocks) : 0;
 }
+// Thread blocks per cluster for rows of `row_blocks` protocol blocks (1: no
+// cluster), and protocol blocks per thread block (1 but for rows over 16 KB).
+SIFAR_HD int FusedClusterBlocks(int row_blocks) {
+  return row_blocks < kMaxClusterBlocks ? row_blocks : kMaxClusterBlocks;
+}
+SIFAR_HD int FusedBlocksPerThreadBlock(int row_blocks) {
+  return row_blocks / FusedClusterBlocks(row_blocks);
+}
 
 // The fused call's operands beyond the all-reduce's (RankCall: x -> the new
 // residual), checked and resolved by PlanFusedCall.
@@ -50,7 +67,7 @@ struct FusedCall {
   size_t hidden = 0;     // elements per row (weight's size)
   size_t row_bytes = 0;         // hidden * element size
   size_t padded_row_bytes = 0;  // a row's share of the payload: FusedPaddedRowBytes(row_bytes)
-  int row_blocks = 0;           // FusedRowBlocks(row_bytes)
+  int row_blocks = 0;           // FusedRowBlocks(row_bytes): the protocol's blocks per row
   float eps = 0.f;
   // The operand the next operation reads (a weight): its first
   // prefetch_bytes are prefetched into L2 while the all-reduce waits for its

@@ -81,10 +81,11 @@ def _layout_refusal(x) -> str | None:
     row_bytes = x.shape[-1] * jnp.dtype(x.dtype).itemsize
     if _ext.lib.fused_row_blocks(row_bytes) > 0:
         return None
+    limit = int(_ext.lib.fused_max_row_bytes())
     return (
         f"a row of {x.shape[-1]} {jnp.dtype(x.dtype).name} elements ({row_bytes} bytes) is not a "
-        f"layout the fused kernel supports (whole 16-byte lines, at most 16 KB once padded to a "
-        f"power of two of 8-byte lines)"
+        f"layout the fused kernel supports (whole 16-byte lines, at most {limit // 1024} KB once "
+        f"padded to a power of two of 8-byte lines)"
     )
 
 
