@@ -102,6 +102,17 @@ def rel_err(got, want) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
+def measure(set_name: str, variant: str, f, fargs, want, nbytes: int, args) -> dict:
+    """One variant: its first layer's error against float64, its time per layer; printed."""
+    err = rel_err(f(*fargs)[0], want)
+    sec = time_fn(f, fargs, args.runs)
+    r = dict(set=set_name, variant=variant, us_per_layer=sec / args.layers * 1e6,
+             tb_per_s=nbytes / sec / 1e12, rel_err=err)
+    print(f"{set_name:12s} {variant:12s} {r['us_per_layer']:8.1f} us/layer "
+          f"{r['tb_per_s']:5.2f} TB/s  rel err {err:.1e}", flush=True)
+    return r
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.probes.matvec_speed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -140,13 +151,7 @@ def main(argv=None) -> int:
         for v in variants_d:
             name, _, t = v.partition("@")
             f = dense_variant(name, t or None)
-            err = rel_err(f(x, weights)[0], want)
-            sec = time_fn(f, (x, weights), args.runs)
-            r = dict(set=set_name, variant=v, us_per_layer=sec / args.layers * 1e6,
-                     tb_per_s=nbytes / sec / 1e12, rel_err=err)
-            results.append(r)
-            print(f"{set_name:12s} {v:12s} {r['us_per_layer']:8.1f} us/layer "
-                  f"{r['tb_per_s']:5.2f} TB/s  rel err {err:.1e}", flush=True)
+            results.append(measure(set_name, v, f, (x, weights), want, nbytes, args))
         del weights
 
     for set_name, m in ({} if args.only == "dense" else
@@ -173,13 +178,8 @@ def main(argv=None) -> int:
         for v in variants_m:
             name, _, t = v.partition("@")
             f = moe_variant(name, t or None)
-            err = rel_err(f(x, weights, ids, layers)[0], want)
-            sec = time_fn(f, (x, weights, ids, layers), args.runs)
-            r = dict(set=set_name, variant=v, us_per_layer=sec / args.layers * 1e6,
-                     tb_per_s=nbytes / sec / 1e12, rel_err=err)
-            results.append(r)
-            print(f"{set_name:12s} {v:12s} {r['us_per_layer']:8.1f} us/layer "
-                  f"{r['tb_per_s']:5.2f} TB/s  rel err {err:.1e}", flush=True)
+            results.append(measure(set_name, v, f, (x, weights, ids, layers), want, nbytes,
+                                   args))
         del layers
     if args.out:
         with open(args.out, "w") as fh:

@@ -110,18 +110,7 @@ class VirtualRanks {
       for (int k = 0; k < iterations; ++k)
         for (int r = 0; r < nranks_; ++r) {
           const size_t at = (static_cast<size_t>(k) * nranks_ + r) * nbytes;
-          RankCall c;
-          c.comm = &comm;
-          c.group = 0;
-          c.rank = r;
-          c.elem = static_cast<Elem>(elem);
-          c.algorithm = algorithm;
-          c.repeat = 1;
-          c.chain = kHarnessChain;
-          c.lane_at = comm.layout().LaneAt(LaneOf(kHarnessChain, comm.layout().lanes));
-          c.in = in_ + at;
-          c.out = out_ + at;
-          c.nbytes = nbytes;
+          RankCall c = HarnessCall(comm, r, elem, algorithm, at, nbytes);
           SIFAR_CUDA_CHECK(LaunchRankAllReduce(c, streams_[r]));
         }
       for (cudaStream_t s : streams_) SIFAR_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -190,18 +179,7 @@ class VirtualRanks {
       for (int k = 0; k < iterations; ++k)
         for (int r = 0; r < nranks_; ++r) {
           const size_t at = (static_cast<size_t>(k) * nranks_ + r) * nbytes;
-          RankCall c;
-          c.comm = &comm;
-          c.group = 0;
-          c.rank = r;
-          c.elem = static_cast<Elem>(elem);
-          c.algorithm = kSifar;
-          c.repeat = 1;
-          c.chain = kHarnessChain;
-          c.lane_at = comm.layout().LaneAt(LaneOf(kHarnessChain, comm.layout().lanes));
-          c.in = in_ + at;
-          c.out = out_ + at;
-          c.nbytes = nbytes;
+          RankCall c = HarnessCall(comm, r, elem, kSifar, at, nbytes);
           FusedCall f = fused;
           f.normed = out_ + total + at;
           FusedLaunch shape;
@@ -225,6 +203,23 @@ class VirtualRanks {
     if (!comm_) throw std::runtime_error("VirtualRanks: closed");
     return *comm_;
   }
+  // Rank r's call of the harness's chain on its slice [at, at + nbytes) of the buffers.
+  RankCall HarnessCall(Comm& comm, int r, int elem, int algorithm, size_t at, size_t nbytes) {
+    RankCall c;
+    c.comm = &comm;
+    c.group = 0;
+    c.rank = r;
+    c.elem = static_cast<Elem>(elem);
+    c.algorithm = algorithm;
+    c.repeat = 1;
+    c.chain = kHarnessChain;
+    c.lane_at = comm.layout().LaneAt(LaneOf(kHarnessChain, comm.layout().lanes));
+    c.in = in_ + at;
+    c.out = out_ + at;
+    c.nbytes = nbytes;
+    return c;
+  }
+
   void Reserve(size_t bytes) {
     if (bytes <= capacity_) return;
     if (in_) cudaFree(in_);
