@@ -249,21 +249,28 @@ __device__ __forceinline__ bool Expired(const Ws& w, CallState& s, int peer, uin
   return (spins & 15u) == 15u && ExpiredNow(w, s, peer);
 }
 
-// The first thread of this rank to time out describes the failure; every rank
-// of the group is told to fail fast.
-__device__ inline void RecordFailure(const Ws& w, int algorithm, const CallState& s) {
+// The first thread of this rank to time out describes the failure (the
+// protocol block and its epoch: a thread block that runs several protocol
+// blocks names the one it was waiting for); every rank of the group is told
+// to fail fast.
+__device__ inline void RecordFailureOf(const Ws& w, int algorithm, const CallState& s,
+                                       uint32_t block, uint32_t epoch) {
   if (atomicCAS(&w.ctl(w.a.rank)->error_claimed, 0u, 1u) == 0u) {
     ErrorRecord* e = w.a.err;
     e->algorithm = algorithm;
     e->rank = w.a.rank;
     e->peer = s.failed_peer;
-    e->epoch = s.epoch;
-    e->block = blockIdx.x;
+    e->epoch = epoch;
+    e->block = block;
     e->chain = w.a.chain;
     __threadfence_system();
     StoreStrong(&e->failed, 1u);
   }
   for (int r = 0; r < w.a.nranks; ++r) StoreStrong(&w.ctl(r)->failed, 1u);
+}
+// The same for the protocol block this thread block is (one block per thread block).
+__device__ inline void RecordFailure(const Ws& w, int algorithm, const CallState& s) {
+  RecordFailureOf(w, algorithm, s, blockIdx.x, s.epoch);
 }
 
 // Lines of this block, round by round: the same ownership for every size.

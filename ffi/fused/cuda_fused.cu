@@ -430,7 +430,7 @@ __device__ __forceinline__ bool FusedWideBlock(const FusedArgs& f) {
       const bool wraps = NextCall(w, sh.start[i], epoch[i], s);
       if (i == 0) InjectSkew(w, sh.start[i], epoch[i]);  // one skew per thread block
       if (wraps) ok = ClearTaggedAtWrapOf(w, s, block0 + i);  // block-wide
-      if (!ok && s.failed_peer >= 0) RecordFailure(w, kSifar, s);
+      if (!ok && s.failed_peer >= 0) RecordFailureOf(w, kSifar, s, block0 + i, epoch[i]);
     }
     // Rounds of kRoundLines: the same count for every thread block of a
     // cluster (the payload is whole rows, a round whole rows).
@@ -475,7 +475,9 @@ __device__ __forceinline__ bool FusedWideBlock(const FusedArgs& f) {
         }
         if (want != 0 && ok) {
           const bool pulled = PollLines<T, NR, kPollChunk>(w, s, want, line, ep, tag, mine, sum);
-          if (!pulled && s.failed_peer >= 0) RecordFailure(w, kSifar, s);
+          // The chunk's first polled block is named (its blocks are polled together).
+          if (!pulled && s.failed_peer >= 0)
+            RecordFailureOf(w, kSifar, s, block0 + c + __ffs(want) - 1, ep[__ffs(want) - 1]);
           ok = pulled;
         }
 #pragma unroll
