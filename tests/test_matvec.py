@@ -109,6 +109,8 @@ def test_user_errors_at_trace_time():
         mv.matvec(x[0], w, ids)
     with pytest.raises(ValueError, match="does not match w's K"):
         mv.matvec(x[:, :16], w, ids)
+    with pytest.raises(ValueError, match="a stack of weights .* needs ids"):
+        mv.matvec(x, w)  # ids forgotten
     with pytest.raises(ValueError, match="ids must be integers"):
         mv.matvec(x, w, ids.astype(jnp.float32))
     with pytest.raises(TypeError, match="one dtype"):

@@ -95,8 +95,10 @@ def _check(x, w, ids):
         raise ValueError(f"sifar_jax.matvec: w must be [{'E, ' if lead else ''}K, N, ...], "
                          f"got shape {w.shape}")
     if w.shape[lead] != x.shape[1]:
+        hint = ("; a stack of weights [E, K, N] needs ids" if ids is None and w.ndim >= 3
+                and w.shape[1] == x.shape[1] else "")
         raise ValueError(f"sifar_jax.matvec: x [M, K={x.shape[1]}] does not match w's K "
-                         f"{w.shape[lead]} (w shape {w.shape})")
+                         f"{w.shape[lead]} (w shape {w.shape}){hint}")
     if ids is not None:
         if ids.shape != x.shape[:1] or not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"sifar_jax.matvec: ids must be integers of shape [M={x.shape[0]}], "
