@@ -586,13 +586,21 @@ def peer_tables(records, comp, sizes):
             rows.append(row)
         verdict = ["sifar ahead of every peer", ""]
         for b in sizes:
-            at = [c for c in cs if c["bytes"] == b and c["ratio"] is not None]
+            here = [c for c in cs if c["bytes"] == b]
+            at = [c for c in here if c["ratio"] is not None]
+            # A peer (or sifar) whose median is not resolved above its noise decides nothing.
+            unresolved = sorted({c["peer"] for c in here if c["ratio"] is None})
             if not at:
-                verdict.append("-")
+                verdict.append("not resolved" if unresolved else "-")
                 continue
             worst = min(at, key=lambda c: c["ratio"])
-            ok = worst["ratio"] > 1.0
-            verdict.append(f"{'yes' if ok else '**no**'}, {worst['ratio']:.2f}x vs {worst['peer']}")
+            if worst["ratio"] <= 1.0:
+                verdict.append(f"**no**, {worst['ratio']:.2f}x vs {worst['peer']}")
+            elif unresolved:
+                verdict.append(f"yes vs the resolved peers ({worst['ratio']:.2f}x vs "
+                               f"{worst['peer']}); not resolved vs {', '.join(unresolved)}")
+            else:
+                verdict.append(f"yes, {worst['ratio']:.2f}x vs {worst['peer']}")
         rows.append(verdict)
         out.append((tp, headers, rows))
     return out

@@ -397,6 +397,11 @@ def test_comparison_ratios_and_target_verdict():
     assert v["verdict"] == "missed" and v["behind"][0]["peer"] == peers.XLA_ONE_SHOT
     (tp, headers, rows) = allreduce.peer_tables(recs, comp, [8192])[0]
     assert rows[0][:2] == ["sifar", "jit"] and rows[-1][2].startswith("yes, 2.00x")
+    # A peer not resolved above its noise is named, never counted as beaten.
+    noisy = recs + [_rec(peers.TORCH_NCCL, "jit", 8192, None)]
+    (_, _, rows) = allreduce.peer_tables(noisy, allreduce.comparison(noisy), [8192])[0]
+    assert rows[-1][2].startswith("yes vs the resolved peers (2.00x")
+    assert rows[-1][2].endswith(f"not resolved vs {peers.TORCH_NCCL}")
 
 
 # ------------------------------------------------- latencies within their noise --
