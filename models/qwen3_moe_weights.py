@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import numpy as np
 
 from .checkpoint import Checkpoint
 from .qwen3_moe import Qwen3MoeConfig
-from .weights import attention_to_hf, hf_name, stack_builders
+from .weights import hf_name, host, stack_builders, stack_to_hf
 
 
 def expert_name(i: int, j: int, proj: str) -> str:
@@ -75,19 +74,12 @@ def to_hf_tensors(params: dict, config: Qwen3MoeConfig, *, fused_experts: bool =
     fused_experts, transformers 5's fused layout). Gathers to the host: for tests and small
     models."""
     c = config
-    get = lambda a: np.asarray(jax.device_get(a))  # noqa: E731
-    out = {"model.embed_tokens.weight": get(params["embed"]),
-           "model.norm.weight": get(params["norm"]["weight"])}
-    if not c.tie_word_embeddings:
-        out["lm_head.weight"] = get(params["lm_head"]).T
+    out = stack_to_hf(params, c)
     for i in range(c.num_layers):
         p = params["layers"][i]
-        out.update(attention_to_hf(p["attn"], c, i))
-        out[hf_name("input_layernorm", i)] = get(p["input_norm"]["weight"])
-        out[hf_name("post_attention_layernorm", i)] = get(p["post_norm"]["weight"])
-        out[hf_name("mlp.gate", i)] = get(p["moe"]["router"]).T
-        gu = get(p["moe"]["gate_up"])  # [E, H, 2, I]
-        dn = get(p["moe"]["down"])  # [E, I, H]
+        out[hf_name("mlp.gate", i)] = host(p["moe"]["router"]).T
+        gu = host(p["moe"]["gate_up"])  # [E, H, 2, I]
+        dn = host(p["moe"]["down"])  # [E, I, H]
         if fused_experts:
             out[fused_name(i, "gate_up_proj")] = np.concatenate(
                 [gu[:, :, 0].transpose(0, 2, 1), gu[:, :, 1].transpose(0, 2, 1)], axis=1)

@@ -61,21 +61,25 @@ def attention_builders(config, ck: Checkpoint, i: int, kv_replicas: int = 1, *,
     return out
 
 
+def host(a) -> np.ndarray:
+    """A (global) parameter gathered to the host."""
+    return np.asarray(jax.device_get(a))
+
+
 def attention_to_hf(attn: dict, config, i: int) -> dict[str, np.ndarray]:
     """Layer i's attention parameters (global; KV heads possibly replicated, see
     attention_builders) -> HF-named numpy tensors, each KV head once."""
     c = config
     H, d = c.hidden_size, c.head_dim
-    get = lambda a: np.asarray(jax.device_get(a))  # noqa: E731
-    qkv = get(attn["qkv"])  # [H, kv * r, g / r + 2, d]
+    qkv = host(attn["qkv"])  # [H, kv * r, g / r + 2, d]
     r, g = qkv.shape[1] // c.num_kv_heads, qkv.shape[2] - 2
     out = {hf_name("self_attn.q_proj", i): qkv[:, :, :g].reshape(H, c.num_heads * d).T,
            hf_name("self_attn.k_proj", i): qkv[:, ::r, g].reshape(H, c.num_kv_heads * d).T,
            hf_name("self_attn.v_proj", i): qkv[:, ::r, g + 1].reshape(H, c.num_kv_heads * d).T,
-           hf_name("self_attn.o_proj", i): get(attn["o"]).reshape(c.num_heads * d, H).T}
+           hf_name("self_attn.o_proj", i): host(attn["o"]).reshape(c.num_heads * d, H).T}
     for norm in ("q_norm", "k_norm"):
         if norm in attn:
-            out[hf_name(f"self_attn.{norm}", i)] = get(attn[norm]["weight"])
+            out[hf_name(f"self_attn.{norm}", i)] = host(attn[norm]["weight"])
     return out
 
 
@@ -124,24 +128,33 @@ def stack_builders(config, ck: Checkpoint, kv_replicas: int = 1, *, qk_norm: boo
     return out
 
 
-def to_hf_tensors(params: dict, config: LlamaConfig) -> dict[str, np.ndarray]:
-    """Our (global) parameters -> HF-named numpy tensors. Gathers to the host: for tests and small
-    models. Parameters laid out with replicated KV heads (LLAMA.layout) give each head once."""
+def stack_to_hf(params: dict, config) -> dict[str, np.ndarray]:
+    """The stack's HF-named tensors every family writes (the inverse of stack_builders):
+    embedding, final norm, LM head, and each layer's attention and two norms. A family's writer
+    adds its MLP's."""
     c = config
-    get = lambda a: np.asarray(jax.device_get(a))
-    out = {"model.embed_tokens.weight": get(params["embed"]),
-           "model.norm.weight": get(params["norm"]["weight"])}
+    out = {"model.embed_tokens.weight": host(params["embed"]),
+           "model.norm.weight": host(params["norm"]["weight"])}
     if not c.tie_word_embeddings:
-        out["lm_head.weight"] = get(params["lm_head"]).T
+        out["lm_head.weight"] = host(params["lm_head"]).T
     for i in range(c.num_layers):
         p = params["layers"][i]
         out.update(attention_to_hf(p["attn"], c, i))
-        gu = get(p["mlp"]["gate_up"])  # [H, 2, F]
+        out[hf_name("input_layernorm", i)] = host(p["input_norm"]["weight"])
+        out[hf_name("post_attention_layernorm", i)] = host(p["post_norm"]["weight"])
+    return out
+
+
+def to_hf_tensors(params: dict, config: LlamaConfig) -> dict[str, np.ndarray]:
+    """Our (global) parameters -> HF-named numpy tensors. Gathers to the host: for tests and small
+    models. Parameters laid out with replicated KV heads (LLAMA.layout) give each head once."""
+    out = stack_to_hf(params, config)
+    for i in range(config.num_layers):
+        mlp = params["layers"][i]["mlp"]
+        gu = host(mlp["gate_up"])  # [H, 2, F]
         out[hf_name("mlp.gate_proj", i)] = gu[:, 0].T
         out[hf_name("mlp.up_proj", i)] = gu[:, 1].T
-        out[hf_name("mlp.down_proj", i)] = get(p["mlp"]["down"]).T
-        out[hf_name("input_layernorm", i)] = get(p["input_norm"]["weight"])
-        out[hf_name("post_attention_layernorm", i)] = get(p["post_norm"]["weight"])
+        out[hf_name("mlp.down_proj", i)] = host(mlp["down"]).T
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
