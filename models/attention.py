@@ -23,12 +23,6 @@ from flax import nnx
 from .sharding import KV_LAYOUTS
 from .tp import RMSNorm, normal, project
 
-# How a decoding step (one new token per sequence) attends: "xla" the einsums below; "sifar"
-# sifar_jax.decode_attention (RoPE, cache write and flash-decoding in two CUDA kernels of ours on
-# GPUs, the same math in XLA's ops elsewhere); "sifar_kernel" its kernels on every platform (the
-# CPU handler's loops off GPUs: tests). Steps of several tokens (prefill) always run the einsums.
-ATTN_IMPLS = ("xla", "sifar", "sifar_kernel")
-
 # Which dimension of each attention parameter is split over the tp axis, and each one's fan-in
 # from its shape (random init); a family's tables include these.
 TP_DIM = {"qkv": 1, "o": 0}
@@ -86,8 +80,7 @@ class Step:
     so that prompts of different lengths end at the same slot) are never attended to, and its
     token in slot p is at position p - start (its rotary angle), as in a run of that row alone.
     cos/sin: the rotary factors, [T, head_dim], or [B, T, head_dim] with start. gemm_rows: the
-    rows a single-row projection runs with (tp.project). attn_impl: ATTN_IMPLS, how a step of
-    one token attends."""
+    rows a single-row projection runs with (tp.project)."""
 
     positions: jax.Array
     cos: jax.Array
@@ -96,16 +89,14 @@ class Step:
     kv_layout: str = "bshd"
     start: Optional[jax.Array] = None
     gemm_rows: int = 1
-    attn_impl: str = "xla"
 
     @classmethod
     def at(cls, config: Any, positions: jax.Array, attend_len: Optional[int] = None,
            kv_layout: str = "bshd", start: Optional[jax.Array] = None,
-           gemm_rows: int = 1, attn_impl: str = "xla") -> "Step":
-        check_attn_impl(attn_impl)
+           gemm_rows: int = 1) -> "Step":
         rope_positions = positions if start is None else positions[None, :] - start[:, None]
         cos, sin = rope_cos_sin(rope_positions, rope_inv_freq(config))
-        return cls(positions, cos, sin, attend_len, kv_layout, start, gemm_rows, attn_impl)
+        return cls(positions, cos, sin, attend_len, kv_layout, start, gemm_rows)
 
     def rope(self, x: jax.Array) -> jax.Array:
         """The rotary embedding of x [B, T, heads..., head_dim]."""
@@ -121,11 +112,6 @@ class Step:
         if self.start is None:
             return causal
         return (causal[None] & (slots[None, None, :] >= self.start[:, None, None]))[:, None, None]
-
-
-def check_attn_impl(attn_impl: str) -> None:
-    if attn_impl not in ATTN_IMPLS:
-        raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
 
 
 def _to_cache(x, dims: str, dtype):
@@ -162,10 +148,6 @@ class Attention(nnx.Module):
         q, k, v = qkv[..., :g, :], qkv[..., g, :], qkv[..., g + 1, :]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-            if step.attn_impl != "xla":
-                qkv = jnp.concatenate([q, k[..., None, :], v[..., None, :]], axis=-2)
-        if step.attn_impl != "xla" and x.shape[1] == 1:
-            return self._decode(qkv[:, 0], kv_cache, step, x.shape)
         q, k = step.rope(q), step.rope(k)
 
         # write this step's keys/values in place (the cache is donated), then attend over a
@@ -188,19 +170,4 @@ class Attention(nnx.Module):
         out = jnp.einsum(f"bkgts,{dims}->btkgd", probs, va, preferred_element_type=jnp.float32)
         out = out.astype(x.dtype).reshape(*x.shape[:2], -1, d)  # heads in (kv group, group) order
         partial = project("bthd,hdm->btm", out, self.o[...], step.gemm_rows)  # row-parallel partial
-        return partial, {"k": kc, "v": vc}
-
-    def _decode(self, qkv, kv_cache: dict, step: Step, x_shape):
-        """One token per sequence through sifar_jax.decode_attention: qkv [B, KV, G + 2, D]
-        before the rotary embedding."""
-        from sifar_jax.attention import decode_attention  # lazily: models run without the extension
-
-        n = None if step.attend_len is None else step.attend_len
-        cos, sin = (step.cos[:, 0], step.sin[:, 0]) if step.cos.ndim == 3 else (step.cos, step.sin)
-        out, kc, vc = decode_attention(
-            qkv, kv_cache["k"], kv_cache["v"], step.positions[0], cos, sin, length=n,
-            start=step.start, layout=step.kv_layout,
-            impl="kernel" if step.attn_impl == "sifar_kernel" else "auto")
-        out = out.reshape(x_shape[0], 1, -1, self.head_dim)  # heads in (kv group, group) order
-        partial = project("bthd,hdm->btm", out, self.o[...], step.gemm_rows)
         return partial, {"k": kc, "v": vc}

@@ -56,7 +56,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .attention import check_attn_impl
 from .family import ModelConfig, ModelFamily
 from .families import family_of
 from .random_weights import hash_uniform, mix32
@@ -80,13 +79,6 @@ def make_mesh(tp: int, axis_name: str = "tp", devices: Optional[Sequence] = None
     if len(devices) < tp:
         raise ValueError(f"tp={tp} needs {tp} devices, only {len(devices)} available")
     return Mesh(np.array(devices[:tp]), (axis_name,))
-
-
-def default_attn_impl(mesh: Mesh) -> str:
-    """How a decoding step attends (attention.ATTN_IMPLS): "sifar" on GPUs (RoPE, the cache write
-    and attention in sifar_jax.decode_attention's two kernels, where XLA:GPU ran about ten per
-    layer: docs/performance.md), "xla" elsewhere (the model's einsums, as in a prefill)."""
-    return "sifar" if mesh.devices.flat[0].platform == "gpu" else "xla"
 
 
 def default_gemm_rows(mesh: Mesh) -> int:
@@ -200,8 +192,7 @@ class Decoder:
     tie (as any change of batch can); sampled tokens also depend on the row count (the random
     draws are per row). gemm_rows: the cheaper form of the same gain: only a single row's
     projections run as that many rows (tp.project), attention and the cache keep one row
-    (None: default_gemm_rows, 2 on GPUs). attn_impl: how a one-token step attends
-    (attention.ATTN_IMPLS; None: default_attn_impl, "sifar" on GPUs).
+    (None: default_gemm_rows, 2 on GPUs).
     """
 
     def __init__(self, config: ModelConfig, mesh: Mesh, params, *,
@@ -209,8 +200,7 @@ class Decoder:
                  algorithm: str = "auto", fused=False, slot_bytes: Optional[int] = None,
                  axis_name: str = "tp", batch_size: int = 1, max_seq_len: Optional[int] = None,
                  kv_layout: Optional[str] = None, min_rows: int = 1,
-                 prefetch_bytes: Optional[int] = None, gemm_rows: Optional[int] = None,
-                 attn_impl: Optional[str] = None):
+                 prefetch_bytes: Optional[int] = None, gemm_rows: Optional[int] = None):
         if allreduce not in ALLREDUCE_KINDS:
             raise ValueError(f"allreduce must be one of {ALLREDUCE_KINDS}, got {allreduce!r}")
         if slot_bytes is not None and allreduce not in SIFAR_KINDS:
@@ -227,8 +217,6 @@ class Decoder:
         if gemm_rows < 1:
             raise ValueError(f"gemm_rows must be >= 1, got {gemm_rows}")
         self.gemm_rows = gemm_rows
-        self.attn_impl = attn_impl or default_attn_impl(mesh)
-        check_attn_impl(self.attn_impl)
         self.rows = max(batch_size, min_rows)  # rows on the device: batch_size real, then copies
         self.max_seq_len = max_seq_len  # None: sized per request
         self.tp = mesh.shape[axis_name]
@@ -253,8 +241,7 @@ class Decoder:
                 ar_specs = {"a": spec, "b": spec}
         self._fwd_kw = dict(allreduce=allreduce, algorithm=algorithm, fused=fused,
                             prefetch_bytes=prefetch_bytes, axis_name=axis_name, ar_specs=ar_specs,
-                            kv_layout=self.kv_layout, gemm_rows=gemm_rows,
-                            attn_impl=self.attn_impl)
+                            kv_layout=self.kv_layout, gemm_rows=gemm_rows)
         self.params = self._place(params)
         # flattened once: every call passes this list (no per-call flattening of a nested dict)
         self._leaves, self._treedef = jax.tree.flatten(self.params)

@@ -372,8 +372,6 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny model (CPU)")
     p.add_argument("--preset", default=None,
                    help="model shapes, any family's preset (default: llama3_8b; tiny with --quick)")
-    p.add_argument("--attn-impl", default=None,
-                   help="Decoder(attn_impl=) (default: models.decode.default_attn_impl)")
     p.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = p.parse_args(argv)
     # Here, not at the top: bench.decode imports this module (--breakdown), and a second copy of
@@ -396,8 +394,7 @@ def main(argv=None) -> int:
                "steps": args.steps, "context": args.context, "variants": {}}
     for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
         variant = VARIANTS[name]
-        dec = bd.make_decoder(config, mesh, params, variant, 1, args.context, 0,
-                              attn_impl=args.attn_impl)
+        dec = bd.make_decoder(config, mesh, params, variant, 1, args.context, 0)
         dec.seek(args.context - args.steps - 8, bd.start_tokens(config, 1, 0))
         dec.advance(3)  # compiled and warm
         dec.token()

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# compute-sanitizer's memcheck, racecheck and synccheck on sifar_jax.matvec's CUDA kernels
+# (every lanes width, split and unsplit K, a column tail, clipped ids, the MoE experts' two
+# calls), small cases on one GPU. Every buffer is its own allocation
+# (XLA_PYTHON_CLIENT_ALLOCATOR=platform), so memcheck sees an access past any of them.
+#   bash bench/probes/sanitize_matvec.sh        (from the repository root, sifar-jax installed)
+set -uo pipefail
+export XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="--xla_gpu_enable_command_buffer="
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+read -r -d '' CODE <<'PY'
+import jax, jax.numpy as jnp, numpy as np
+from sifar_jax import matvec as mv
+from models import qwen3_moe
+rng = np.random.default_rng(0)
+for dt in ("float32", "bfloat16"):
+    x = jnp.asarray(rng.standard_normal((3, 130)), dt)
+    w = jnp.asarray(rng.standard_normal((4, 130, 264)), dt)
+    ids = jnp.asarray([0, 3, 9], jnp.int32)  # 9: clipped to 3
+    for plan in ((32, 1), (64, 3), (128, 5), (256, 2)):
+        jax.block_until_ready(mv.matvec(x, w, ids, impl="kernel", plan=plan))
+    xs = jnp.asarray(rng.standard_normal((2, 64)), dt)
+    wts = jnp.asarray(rng.random((2, 3)), dt)
+    e_ids = jnp.asarray([[0, 4, 5], [2, 2, 1]], jnp.int32)
+    gate_up = jnp.asarray(rng.standard_normal((6, 64, 2, 24)), dt)
+    down = jnp.asarray(rng.standard_normal((6, 24, 64)), dt)
+    jax.block_until_ready(qwen3_moe.experts_matvec(xs, wts, e_ids, gate_up, down))
+print("sanitize_matvec: all calls ran")
+PY
+fail=0
+for tool in memcheck racecheck synccheck; do
+  echo "=== compute-sanitizer --tool $tool"
+  compute-sanitizer --tool "$tool" --error-exitcode 7 python3 -c "$CODE" 2>&1 \
+    | grep -v "^[WIE][0-9]\{4\}" | tail -4
+  rc=${PIPESTATUS[0]}
+  echo "$tool exit status $rc"
+  [ "$rc" -eq 0 ] || fail=1
+done
+exit $fail
