@@ -138,7 +138,9 @@ def parse_args(argv=None):
                         "'none': no baseline rows)")
     p.add_argument("--fused", choices=("auto", "on", "off"), default="auto",
                    help="one more row: sifar fused with the residual add and RMSNorm (auto: when "
-                        "sifar_jax.psum_add_rmsnorm exists; on: required)")
+                        "sifar_jax.psum_add_rmsnorm exists; on: required, and at TP=1 too, where "
+                        "the fused call is a residual add + RMSNorm kernel of ours in place of "
+                        "XLA's add, reduce and multiply fusions)")
     p.add_argument("--prefetch-mib", nargs="+", type=float, default=None,
                    help="one more fused row per size 'sifar+fused:pf<MiB>': the fused call "
                         "prefetching that much of the next matmul's weight into L2 (0: none); "
@@ -286,6 +288,7 @@ def settings(args, platform: str, n_devices: int) -> dict:
         "kv_layout": None if args.kv_layout == "auto" else args.kv_layout,
         "min_rows": max(1, args.min_rows),
         "gemm_rows": args.gemm_rows,
+        "fused_tp1": args.fused == "on",
         "sweep_all": args.sweep_all,
         "baselines": None,  # below, from the variants
         "breakdown": args.breakdown and gpu,
@@ -357,14 +360,16 @@ def _chunks(s) -> int:
 
 def cases(s) -> list[tuple[int, int, int, tuple, list[str]]]:
     """[(tp, batch, context, variant, loops)]: the loops at batch 1 and the first context, the
-    sweep elsewhere (and its loops added at that point). TP=1 runs only lax.psum; the fused and
+    sweep elsewhere (and its loops added at that point). TP=1 runs only lax.psum (and the fused
+    rows with --fused on: one rank's add + RMSNorm kernel); the fused and
     the baseline rows only at the loops' point unless --sweep-all-variants (the sweep compares
     psum, sifar and identity, and each variant costs a compile per point)."""
     base = (1, s["context"][0])
     points = [base] + [(b, c) for c in s["context"] for b in s["batch"] if (b, c) != base]
     out = []
     for tp in s["tp"]:
-        variants = [("psum", "psum", "auto", False)] if tp == 1 else s["variants"]
+        variants = s["variants"] if tp > 1 else [("psum", "psum", "auto", False)] + (
+            [v for v in s["variants"] if v[3]] if s.get("fused_tp1") else [])
         for b, c in points:
             loops = s["loops"] + [x for x in s["sweep_loops"] if x not in s["loops"]] \
                 if (b, c) == base else s["sweep_loops"]

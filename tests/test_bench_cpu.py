@@ -589,6 +589,19 @@ def test_decode_baseline_rows_come_by_default_and_only_at_the_loops_point():
     assert none["baselines"] == [] and "sifar:oneshot" not in [v[0] for v in none["variants"]]
 
 
+
+def test_decode_runs_the_fused_rows_at_tp1_only_when_asked():
+    """At TP=1 only lax.psum by default; with --fused on also the fused call (one rank: a
+    residual add + RMSNorm kernel in place of XLA's fusions), at the loops' point."""
+    from bench import decode as bd
+
+    def tp1(argv):
+        s = bd.settings(bd.parse_args(["--quick", "--tp", "1", *argv]), "cpu", 8)
+        return {v[0] for tp, b, c, v, _ in bd.cases(s) if tp == 1}
+
+    assert tp1([]) == {"psum"}
+    assert tp1(["--fused", "on"]) == {"psum", "sifar+fused"}
+
 def test_decode_names_the_baseline_and_carries_the_floor(tmp_path, capsys):
     """bench.decode on the CPU: the in-decoder oneshot and twoshot rows run by default, the faster
     is named "baseline" in every record at its point and in the markdown, every record carries
