@@ -208,16 +208,9 @@ void PreloadMatVecKernels() {
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaMatVec, CudaMatVecImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // x [M, K]
-                                  .Arg<ffi::AnyBuffer>()  // w [E, K, N]
-                                  .Arg<ffi::AnyBuffer>()  // ids [M] int32
-                                  .Ret<ffi::AnyBuffer>()  // y [M, N]
-                                  .Ret<ffi::AnyBuffer>()  // workspace [M, splits, N] float32
-                                  .Attr<int64_t>("splits")
-                                  .Attr<int64_t>("lanes"),
+                              WithMatVecOperands(ffi::Ffi::Bind()
+                                                     .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                     .Ctx<ffi::DeviceOrdinal>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace sifar

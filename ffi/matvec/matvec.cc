@@ -117,13 +117,6 @@ ffi::Error CpuMatVecImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer ids,
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuMatVec, CpuMatVecImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // x [M, K]
-                                  .Arg<ffi::AnyBuffer>()  // w [E, K, N]
-                                  .Arg<ffi::AnyBuffer>()  // ids [M] int32
-                                  .Ret<ffi::AnyBuffer>()  // y [M, N]
-                                  .Ret<ffi::AnyBuffer>()  // workspace [M, splits, N] float32
-                                  .Attr<int64_t>("splits")
-                                  .Attr<int64_t>("lanes"));
+                              WithMatVecOperands(ffi::Ffi::Bind()));
 
 }  // namespace sifar

@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include "core/elem_type.h"
 #include "core/protocol.h"  // SIFAR_HD
@@ -70,6 +71,20 @@ struct MatVecCall {
   void* y = nullptr;
   float* workspace = nullptr;
 };
+
+// The operands and attributes both backends' handlers bind (src/sifar_jax/matvec.py, _kernel),
+// appended to a binding (the CUDA one starts with its stream and device).
+template <typename Binding>
+auto WithMatVecOperands(Binding binding) {
+  return std::move(binding)
+      .template Arg<xla::ffi::AnyBuffer>()  // x [M, K]
+      .template Arg<xla::ffi::AnyBuffer>()  // w [E, K, N]
+      .template Arg<xla::ffi::AnyBuffer>()  // ids [M] int32
+      .template Ret<xla::ffi::AnyBuffer>()  // y [M, N]
+      .template Ret<xla::ffi::AnyBuffer>()  // workspace [M, splits, N] float32
+      .template Attr<int64_t>("splits")
+      .template Attr<int64_t>("lanes");
+}
 
 // The checks both backends run (shapes, dtypes, alignment); fills *call.
 xla::ffi::Error PlanMatVec(xla::ffi::AnyBuffer x, xla::ffi::AnyBuffer w, xla::ffi::AnyBuffer ids,
