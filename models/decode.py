@@ -15,7 +15,10 @@ on an H200 than a token kept in the state):
 B is Decoder.rows: batch_size, or min_rows where that is larger (the extra rows copy the last
 sequence and are never returned).
 
-A step is `state = step(param_leaves, state)`: no host input, no new buffer, no Python scalar.
+A step is `state, token = step(param_leaves, state)`: no host input, no Python scalar, no new
+device buffer; `token` [B] is the chosen token again, written by the step to pinned host memory
+(where the backend has it), which the host reads in ~10 us where the state's device token took
+~250-550 us on an H200 host: the waited loop's largest cost after the device's step.
 Its executable is compiled ahead of time (exact in/out shardings, so no call re-places or
 re-checks anything) per cache capacity, attention bucket and sampling mode (greedy, temperature,
 top_p: the values are in the state). Attention runs over the smallest bucket (a power of two >=
@@ -122,10 +125,23 @@ def attention_buckets(capacity: int) -> list[int]:
     return out + [capacity]
 
 
+def _host_memory_kind(mesh: Mesh) -> str:
+    """"pinned_host" where this backend's devices have it (a result XLA writes to host memory
+    the host reads without a device-to-host copy of its own), else "device"."""
+    kinds = {m.kind for m in mesh.local_devices[0].addressable_memories()}
+    return "pinned_host" if "pinned_host" in kinds else "device"
+
+
 def _host(a) -> np.ndarray:
     """A replicated array's value on the host: every process holds it whole (with one process per
     GPU, np.asarray refuses an array that spans other processes' devices)."""
     return np.asarray(a if a.is_fully_addressable else a.addressable_data(0))
+
+
+def _with_token(state: dict):
+    """A step's outputs: its state and its token [B] again, as a result of its own (written to
+    the decoder's _tok_sharding: pinned host memory where the backend has it)."""
+    return state, state["tok"][:, 0]
 
 
 @jax.jit
@@ -246,6 +262,11 @@ class Decoder:
         # flattened once: every call passes this list (no per-call flattening of a nested dict)
         self._leaves, self._treedef = jax.tree.flatten(self.params)
         self._rep = NamedSharding(mesh, P())
+        # Each step also writes its token [rows] to pinned host memory where the backend has it:
+        # on an H200 host reading a 4-byte result took ~250-550 us from device memory and ~10 us
+        # from pinned host memory (bench.probes.dispatch_cost, waited_step), a waited step's
+        # largest cost after the device's.
+        self._tok_sharding = NamedSharding(mesh, P(), memory_kind=_host_memory_kind(mesh))
         self._cache_sharding = NamedSharding(mesh, cache_spec(axis_name, self.kv_layout))
         self._forwards: dict = {}
         self._executables: dict = {}
@@ -256,6 +277,7 @@ class Decoder:
         self._capacity = 0
         self._pos = 0  # host mirror of state["pos"]: picks buckets, checks bounds, never synced
         self._step = (0, None)  # (bucket limit, executable) of the current step
+        self._last_tok: Optional[jax.Array] = None  # the last step's token copy (_tok_sharding)
 
     def _place(self, params):
         _, abstract = self.family.abstract_model(self.layout)
@@ -323,7 +345,7 @@ class Decoder:
                           done=self._put(np.zeros(b, bool)), eos=self._put(self._stop_array(())),
                           key=self._put(key_data(0)), start=self._put(np.zeros(b, np.int32)),
                           temp=self._put(np.float32(0)), top_p=self._put(np.float32(1)))
-        self._pos, self._step = 0, (0, None)
+        self._pos, self._step, self._last_tok = 0, (0, None), None
 
     def seek(self, position: int, token) -> None:
         """Continue from `position` of the current cache (taken as the context, as it is) with
@@ -333,7 +355,7 @@ class Decoder:
         self.state.update(pos=self._put(np.int32(position)), tok=self._put(tok),
                           done=self._put(np.zeros(self.rows, bool)),
                           start=self._put(np.zeros(self.rows, np.int32)))
-        self._pos, self._step = position, (0, None)
+        self._pos, self._step, self._last_tok = position, (0, None), None
 
     def randomize_cache(self, seed: int = 0) -> None:
         """Fill the whole KV cache with random values in (-1, 1) (for benchmarks, with seek)."""
@@ -459,12 +481,14 @@ class Decoder:
 
     def _step_spec(self, n: int, mode: str):
         return (("step", self._capacity, n, mode),
-                lambda p, st: self._append(p, st, st["tok"], n, mode), (), ())
+                lambda p, st: _with_token(self._append(p, st, st["tok"], n, mode)), (),
+                (self._tok_sharding,))
 
     def _prefill_spec(self, n: int, width: int, mode: str):
         tokens = jax.ShapeDtypeStruct((self.rows, width), jnp.int32, sharding=self._rep)
         return (("prefill", self._capacity, n, width, mode),
-                lambda p, st, toks: self._append(p, st, toks, n, mode), (tokens,), ())
+                lambda p, st, toks: _with_token(self._append(p, st, toks, n, mode)), (tokens,),
+                (self._tok_sharding,))
 
     def _chunk_spec(self, n: int, mode: str, k: int, early_exit: bool):
         b = self.rows
@@ -483,7 +507,7 @@ class Decoder:
                 lambda c: (c[0] + 1, *body(c[0], (c[1], c[2]))), (jnp.int32(0), state, toks))
             return state, toks
 
-        return ("chunk", self._capacity, n, mode, k, early_exit), chunk, (), (self._rep,)
+        return ("chunk", self._capacity, n, mode, k, early_exit), chunk, (), (self._tok_sharding,)
 
     def _compile_spec(self, spec):
         key, fn, args, outputs = spec
@@ -641,7 +665,8 @@ class Decoder:
                           temp=self._put(np.float32(temperature)),
                           top_p=self._put(np.float32(top_p)))
         exe = self._compile_spec(self._prefill_spec(self._bucket(width), width, sampling.mode))
-        self.state = exe(self._leaves, self.state, self._put(self._padded(padded)))
+        self.state, self._last_tok = exe(self._leaves, self.state,
+                                         self._put(self._padded(padded)))
         self._pos = width
 
     def prefill_allreduce(self, prompt_len: int) -> str:
@@ -669,7 +694,7 @@ class Decoder:
             limit, exe = self._step
             if self._pos + 1 > limit:
                 exe = self.compiled_step()
-            self.state = exe(self._leaves, self.state)
+            self.state, self._last_tok = exe(self._leaves, self.state)
             self._pos += 1
 
     def advance_on_device(self, k: int, early_exit: bool = False) -> jax.Array:
@@ -677,17 +702,21 @@ class Decoder:
         whose copy to the host has started; the first batch_size rows are the sequences')."""
         exe = self.compiled_chunk(k, early_exit)
         self.state, toks = exe(self._leaves, self.state)
+        self._last_tok = None  # token() reads the state's
         self._pos += k  # with early_exit an upper bound: only ever used to pick larger buckets
         toks.copy_to_host_async()
         return toks
 
     def token(self) -> np.ndarray:
         """The last chosen token of each sequence, [B] (waits for it)."""
+        if self._last_tok is not None:
+            return _host(self._last_tok)[: self.batch_size]
         return _host(self.state["tok"])[: self.batch_size, 0]
 
     def _snapshot(self) -> jax.Array:
-        # The state's token is donated to the next step: fetch a copy, asynchronously.
-        tok = _peek(self.state["tok"])
+        """The last chosen tokens [rows] as an array of their own (the state's token is donated
+        to the next step), its copy to the host started."""
+        tok = self._last_tok if self._last_tok is not None else _peek(self.state["tok"])
         tok.copy_to_host_async()
         return tok
 

@@ -519,6 +519,33 @@ def test_layer_tail_probe_runs_on_the_cpu(tmp_path):
     assert all(np.isfinite(v["median"]) for v in data["us_per_tail"].values())
 
 
+def test_waited_step_probe_runs_on_the_cpu(tmp_path):
+    """bench.probes.waited_step splits a waited step and times the argument-only executables;
+    the token is read from its pinned host copy, and the state is where it was afterwards."""
+    from bench.probes import waited_step
+
+    out = tmp_path / "waited.json"
+    assert waited_step.main(["--quick", "--steps", "4", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["token_memory"] == "pinned_host"
+    for key in ("waited_us", "waited_early_copy_us"):
+        assert set(data[key]) == {"dispatch", "wait", "read", "total"}
+        assert all(v > 0 for v in data[key].values())
+    assert data["pipelined_us"] > 0 and data["null_all_us"]["dispatch"] > 0
+
+
+def test_dispatch_cost_probe_runs_on_the_cpu(tmp_path):
+    """bench.probes.dispatch_cost times every argument count, donated or not, and every read."""
+    from bench.probes import dispatch_cost
+
+    out = tmp_path / "dispatch.json"
+    assert dispatch_cost.main(["--calls", "3", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [(c["n"], c["donate"]) for c in data["calls"]] == [
+        (n, d) for d in (False, True) for n in dispatch_cost.COUNTS]
+    assert {"asarray_us", "async_copy_us", "device_get_us"} <= set(data["read"])
+
+
 def test_l2_reuse_probe_runs_on_the_cpu(capsys):
     """bench.probes.l2_reuse runs its chain and says when there is no GPU profile to read."""
     from bench.probes import l2_reuse

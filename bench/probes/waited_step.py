@@ -1,0 +1,153 @@
+"""Probe: where a waited (sync) decode step's time goes beyond the device's step.
+
+A sync step is `advance()` (the host dispatches the compiled step: the decoder's parameter
+leaves and its state, ~270 arrays at 8B shapes), the device's step, then `token()` (the token's
+copy to the host). Issue 22 asks sync <= 1.25x pipelined; at TP=1 it measured 1.31x. This splits
+each waited step into
+
+    dispatch  advance() returning (host: argument handling, launch)
+    wait      the state's token ready after that (device: the step, and whatever the launch
+              left to do)
+    read      token() once the token is ready (the copy to the host)
+
+and times executables that take the same arguments and do nearly nothing (pos + 1, the state
+donated as the step's is), which is the per-call cost of the arguments alone:
+
+    null_all    the parameter leaves and the state
+    null_state  the state only
+
+The device's own step is the pipelined time (back-to-back steps). Run it once per XLA setting to
+compare (e.g. XLA_FLAGS=--xla_gpu_enable_command_buffer= for command buffers off).
+
+    python -m bench.probes.waited_step                    # GPU host: llama3_8b, TP=1
+    python -m bench.probes.waited_step --quick            # CPU: the tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import jax
+
+from bench import common
+
+
+def _median_us(xs) -> float:
+    return round(statistics.median(xs) * 1e6, 1)
+
+
+def time_waited(dec, steps: int, early_copy: bool = False) -> dict:
+    """Median dispatch / wait / read microseconds of `steps` waited steps (early_copy: the
+    token's copy to the host issued right after the dispatch)."""
+    parts = {"dispatch": [], "wait": [], "read": [], "total": []}
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        dec.advance()
+        t1 = time.perf_counter()
+        tok = dec._last_tok if dec._last_tok is not None else dec.state["tok"]  # token()'s
+        if early_copy:
+            tok.copy_to_host_async()
+        tok.block_until_ready()
+        t2 = time.perf_counter()
+        dec.token()
+        t3 = time.perf_counter()
+        for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+            parts[k].append(v)
+    return {k: _median_us(v) for k, v in parts.items()}
+
+
+def time_null(dec, with_leaves: bool, calls: int) -> dict:
+    """Median dispatch and dispatch-to-ready microseconds of an executable with the decoder's
+    arguments (or its state only) that adds 1 to pos."""
+    def bump_all(leaves, st):
+        return dict(st, pos=st["pos"] + 1)
+
+    def bump_state(st):
+        return dict(st, pos=st["pos"] + 1)
+
+    if with_leaves:
+        exe = dec._lower(bump_all).compile()
+        call = lambda: exe(dec._leaves, dec.state)  # noqa: E731
+    else:
+        shardings = jax.tree.map(lambda a: a.sharding, dec.state)
+        exe = jax.jit(bump_state, donate_argnums=0, in_shardings=(shardings,),
+                      out_shardings=shardings).lower(dec.state).compile()
+        call = lambda: exe(dec.state)  # noqa: E731
+    dispatch, total = [], []
+    for i in range(calls + 3):
+        t0 = time.perf_counter()
+        dec.state = call()
+        t1 = time.perf_counter()
+        dec.state["pos"].block_until_ready()
+        t2 = time.perf_counter()
+        if i >= 3:
+            dispatch.append(t1 - t0)
+            total.append(t2 - t0)
+    dec.state = dict(dec.state, pos=dec.state["pos"] - (calls + 3))  # back where it was
+    return {"dispatch": _median_us(dispatch), "total": _median_us(total)}
+
+
+def time_pipelined(dec, short: int = 4, long_: int = 20, samples: int = 5) -> float:
+    out = []
+    for _ in range(samples):
+        run = []
+        for k in (short, long_):
+            t0 = time.perf_counter()
+            dec.advance(k)
+            dec.token()
+            run.append(time.perf_counter() - t0)
+        out.append((run[1] - run[0]) / (long_ - short))
+    return _median_us(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.probes.waited_step", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--variant", default="psum", help="a bench.probes.step_kernels variant")
+    p.add_argument("--steps", type=int, default=40, help="waited steps timed")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--preset", default=None, help="default: llama3_8b (tiny with --quick)")
+    p.add_argument("--quick", action="store_true", help="tiny model (CPU)")
+    p.add_argument("--out", default=None, help="JSON path (default: print only)")
+    args = p.parse_args(argv)
+    from bench import decode as bd
+    from bench.probes.step_kernels import VARIANTS
+    from models import families, make_mesh
+
+    platform, devices = common.bench_devices(min_gpus=1)
+    gpu = platform == "gpu"
+    preset = args.preset or ("tiny" if args.quick or not gpu else "llama3_8b")
+    config = bd.PRESETS[preset]().replace(dtype="bfloat16" if gpu else "float32",
+                                          max_seq_len=args.context)
+    mesh = make_mesh(args.tp, devices=devices[:args.tp])
+    params = families.family_of(config).random_params(config, mesh, seed=0)
+    dec = bd.make_decoder(config, mesh, params, VARIANTS[args.variant], 1, args.context, 0)
+    need = 3 + 2 * args.steps + 5 * 24 + 8  # warm-up, waited steps, pipelined samples
+    dec.seek(args.context - need, bd.start_tokens(config, 1, 0))
+    dec.advance(3)  # compiled and warm
+    dec.token()
+    r = {"host": common.host_tag(devices), "tp": args.tp, "preset": preset,
+         "variant": args.variant, "context": args.context,
+         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+         "arrays_per_step": len(dec._leaves) + len(jax.tree.leaves(dec.state)),
+         "token_memory": dec._tok_sharding.memory_kind,
+         "waited_us": time_waited(dec, args.steps),
+         "waited_early_copy_us": time_waited(dec, args.steps, early_copy=True),
+         "pipelined_us": time_pipelined(dec),
+         "null_all_us": time_null(dec, True, args.steps),
+         "null_state_us": time_null(dec, False, args.steps)}
+    r["waited_over_pipelined"] = round(r["waited_us"]["total"] / r["pipelined_us"], 3)
+    for k, v in r.items():
+        print(f"{k}: {v}", flush=True)
+    if args.out:
+        print(f"wrote {common.write_json(Path(args.out), r)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
