@@ -71,6 +71,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from models import compile_cache, families, hlo  # noqa: E402
+from models.attention import ATTN_IMPLS  # noqa: E402
 from models.sharding import KV_LAYOUTS  # noqa: E402
 from models.tp import ALLREDUCE_KINDS, fused_add_norm_available  # noqa: E402
 from models.decode import LOOPS, SIFAR_KINDS, Decoder, make_mesh  # noqa: E402
@@ -181,6 +182,9 @@ def parse_args(argv=None):
     p.add_argument("--gemm-rows", type=int, default=None,
                    help="Decoder(gemm_rows=): the rows a batch-1 step's projections run with "
                         "(default: models.decode.default_gemm_rows, 2 on GPUs)")
+    p.add_argument("--attn-impl", choices=ATTN_IMPLS, default=None,
+                   help="Decoder(attn_impl=): how a step of one token attends (default: "
+                        "models.decode.default_attn_impl, JAX's Pallas decode kernel on GPUs)")
     p.add_argument("--no-trace", action="store_true",
                    help="skip the per-call all-reduce trace of the sifar variants")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (CPU, CI)")
@@ -288,6 +292,7 @@ def settings(args, platform: str, n_devices: int) -> dict:
         "kv_layout": None if args.kv_layout == "auto" else args.kv_layout,
         "min_rows": max(1, args.min_rows),
         "gemm_rows": args.gemm_rows,
+        "attn_impl": args.attn_impl,
         "fused_tp1": args.fused == "on",
         "sweep_all": args.sweep_all,
         "baselines": None,  # below, from the variants
@@ -425,7 +430,7 @@ def _counter_delta(before, after) -> dict:
 # ------------------------------------------------------------------- set-up --
 def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: int,
                  kv_layout: str | None = None, min_rows: int = 1,
-                 gemm_rows: int | None = None):
+                 gemm_rows: int | None = None, attn_impl: str | None = None):
     """A Decoder whose cache of `context` positions is filled with random values. sifar's slot
     is widened where a step's payload (batch x hidden) would not fit the default."""
     _, kind, alg, fused = variant[:4]
@@ -437,7 +442,8 @@ def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: 
         slot = payload if payload > sifar_jax.DEFAULT_SLOT_BYTES else None
     dec = Decoder(config, mesh, params, allreduce=kind, algorithm=alg, fused=fused,
                   slot_bytes=slot, batch_size=batch, max_seq_len=context, kv_layout=kv_layout,
-                  min_rows=min_rows, prefetch_bytes=prefetch_of(variant), gemm_rows=gemm_rows)
+                  min_rows=min_rows, prefetch_bytes=prefetch_of(variant), gemm_rows=gemm_rows,
+                  attn_impl=attn_impl)
     dec.reset(context)
     dec.randomize_cache(seed)
     return dec
@@ -580,7 +586,7 @@ def run_variant(config, mesh, params, case, s, bar) -> list[dict]:
     t0 = time.perf_counter()
     bar.set_postfix_str(f"{where}: set-up")
     dec = make_decoder(config, mesh, params, variant, batch, context, s["seed"], s["kv_layout"],
-                       s["min_rows"], s.get("gemm_rows"))
+                       s["min_rows"], s.get("gemm_rows"), s.get("attn_impl"))
     first = start_tokens(config, batch, s["seed"])
     setup_s = time.perf_counter() - t0
     timed = []
@@ -599,7 +605,7 @@ def run_variant(config, mesh, params, case, s, bar) -> list[dict]:
     weights = streamed_bytes_per_rank(config, params, tp)
     kv = kv_cache_bytes_per_rank(config, context, tp, batch)
     common_fields = {"setup_s": round(setup_s, 2), "kv_layout": dec.kv_layout, "rows": dec.rows,
-                     "gemm_rows": dec.gemm_rows,
+                     "gemm_rows": dec.gemm_rows, "attn_impl": dec.attn_impl,
                      "weights_bytes_per_rank": weights, "kv_bytes_per_rank": kv,
                      "floor_ms": float(f"{floor_ms(weights, kv):.4g}")}
     if kind in SIFAR_KINDS:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .pallas_attention import decode_attention
 from .sharding import KV_LAYOUTS
 from .tp import RMSNorm, normal, project
 
@@ -69,6 +70,17 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 # ---- what every layer of one forward call shares ---------------------------------------------------
 
+# How a step of one new token per row attends: "xla" the einsums of Attention.__call__, "pallas"
+# JAX's Pallas flash-decoding kernel (models.pallas_attention; where it does not apply, and for
+# steps of several tokens, the einsums run).
+ATTN_IMPLS = ("xla", "pallas")
+
+
+def check_attn_impl(attn_impl: str) -> None:
+    if attn_impl not in ATTN_IMPLS:
+        raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     """The positions one forward call fills and how its layers read the cache (trace-time only).
@@ -80,7 +92,8 @@ class Step:
     so that prompts of different lengths end at the same slot) are never attended to, and its
     token in slot p is at position p - start (its rotary angle), as in a run of that row alone.
     cos/sin: the rotary factors, [T, head_dim], or [B, T, head_dim] with start. gemm_rows: the
-    rows a single-row projection runs with (tp.project)."""
+    rows a single-row projection runs with (tp.project). attn_impl: ATTN_IMPLS, how a step of
+    one token attends."""
 
     positions: jax.Array
     cos: jax.Array
@@ -89,14 +102,16 @@ class Step:
     kv_layout: str = "bshd"
     start: Optional[jax.Array] = None
     gemm_rows: int = 1
+    attn_impl: str = "xla"
 
     @classmethod
     def at(cls, config: Any, positions: jax.Array, attend_len: Optional[int] = None,
            kv_layout: str = "bshd", start: Optional[jax.Array] = None,
-           gemm_rows: int = 1) -> "Step":
+           gemm_rows: int = 1, attn_impl: str = "xla") -> "Step":
+        check_attn_impl(attn_impl)
         rope_positions = positions if start is None else positions[None, :] - start[:, None]
         cos, sin = rope_cos_sin(rope_positions, rope_inv_freq(config))
-        return cls(positions, cos, sin, attend_len, kv_layout, start, gemm_rows)
+        return cls(positions, cos, sin, attend_len, kv_layout, start, gemm_rows, attn_impl)
 
     def rope(self, x: jax.Array) -> jax.Array:
         """The rotary embedding of x [B, T, heads..., head_dim]."""
@@ -163,11 +178,15 @@ class Attention(nnx.Module):
         ka = jax.lax.slice_in_dim(kc, 0, n, axis=s_axis)
         va = jax.lax.slice_in_dim(vc, 0, n, axis=s_axis)
 
-        scores = jnp.einsum(f"btkgd,{dims}->bkgts", q, ka, preferred_element_type=jnp.float32)
-        scores = scores * (d ** -0.5)
-        scores = jnp.where(step.visible(n), scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(va.dtype)
-        out = jnp.einsum(f"bkgts,{dims}->btkgd", probs, va, preferred_element_type=jnp.float32)
+        out = None
+        if step.attn_impl == "pallas" and x.shape[1] == 1 and step.kv_layout == "bhsd":
+            out = decode_attention(q[:, 0], kc, vc, step.positions[0], step.start, n)
+        if out is None:
+            scores = jnp.einsum(f"btkgd,{dims}->bkgts", q, ka, preferred_element_type=jnp.float32)
+            scores = scores * (d ** -0.5)
+            scores = jnp.where(step.visible(n), scores, jnp.finfo(jnp.float32).min)
+            probs = jax.nn.softmax(scores, axis=-1).astype(va.dtype)
+            out = jnp.einsum(f"bkgts,{dims}->btkgd", probs, va, preferred_element_type=jnp.float32)
         out = out.astype(x.dtype).reshape(*x.shape[:2], -1, d)  # heads in (kv group, group) order
         partial = project("bthd,hdm->btm", out, self.o[...], step.gemm_rows)  # row-parallel partial
         return partial, {"k": kc, "v": vc}

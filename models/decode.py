@@ -59,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .attention import check_attn_impl
 from .family import ModelConfig, ModelFamily
 from .families import family_of
 from .random_weights import hash_uniform, mix32
@@ -89,6 +90,13 @@ def default_gemm_rows(mesh: Mesh) -> int:
     streams a one-row projection's weights ~1.3x slower than a two-row one's (H200, TP=2 per-rank
     Llama-8B shapes, docs/performance.md); 1 elsewhere."""
     return 2 if mesh.devices.flat[0].platform == "gpu" else 1
+
+
+def default_attn_impl(mesh: Mesh) -> str:
+    """How a step of one token attends (attention.ATTN_IMPLS): "pallas" on GPUs (JAX's Pallas
+    flash-decoding kernel: 4.240 -> 4.154-4.162 ms per Llama-8B step at KV 1K on one H200,
+    models.pallas_attention), "xla" elsewhere (the kernel would run in Pallas' interpreter)."""
+    return "pallas" if mesh.devices.flat[0].platform == "gpu" else "xla"
 
 
 def bucket_up(n: int) -> int:
@@ -208,7 +216,8 @@ class Decoder:
     tie (as any change of batch can); sampled tokens also depend on the row count (the random
     draws are per row). gemm_rows: the cheaper form of the same gain: only a single row's
     projections run as that many rows (tp.project), attention and the cache keep one row
-    (None: default_gemm_rows, 2 on GPUs).
+    (None: default_gemm_rows, 2 on GPUs). attn_impl: how a step of one token attends
+    (attention.ATTN_IMPLS; None: default_attn_impl, "pallas" on GPUs).
     """
 
     def __init__(self, config: ModelConfig, mesh: Mesh, params, *,
@@ -216,7 +225,8 @@ class Decoder:
                  algorithm: str = "auto", fused=False, slot_bytes: Optional[int] = None,
                  axis_name: str = "tp", batch_size: int = 1, max_seq_len: Optional[int] = None,
                  kv_layout: Optional[str] = None, min_rows: int = 1,
-                 prefetch_bytes: Optional[int] = None, gemm_rows: Optional[int] = None):
+                 prefetch_bytes: Optional[int] = None, gemm_rows: Optional[int] = None,
+                 attn_impl: Optional[str] = None):
         if allreduce not in ALLREDUCE_KINDS:
             raise ValueError(f"allreduce must be one of {ALLREDUCE_KINDS}, got {allreduce!r}")
         if slot_bytes is not None and allreduce not in SIFAR_KINDS:
@@ -233,6 +243,8 @@ class Decoder:
         if gemm_rows < 1:
             raise ValueError(f"gemm_rows must be >= 1, got {gemm_rows}")
         self.gemm_rows = gemm_rows
+        self.attn_impl = attn_impl or default_attn_impl(mesh)
+        check_attn_impl(self.attn_impl)
         self.rows = max(batch_size, min_rows)  # rows on the device: batch_size real, then copies
         self.max_seq_len = max_seq_len  # None: sized per request
         self.tp = mesh.shape[axis_name]
@@ -257,7 +269,8 @@ class Decoder:
                 ar_specs = {"a": spec, "b": spec}
         self._fwd_kw = dict(allreduce=allreduce, algorithm=algorithm, fused=fused,
                             prefetch_bytes=prefetch_bytes, axis_name=axis_name, ar_specs=ar_specs,
-                            kv_layout=self.kv_layout, gemm_rows=gemm_rows)
+                            kv_layout=self.kv_layout, gemm_rows=gemm_rows,
+                            attn_impl=self.attn_impl)
         self.params = self._place(params)
         # flattened once: every call passes this list (no per-call flattening of a nested dict)
         self._leaves, self._treedef = jax.tree.flatten(self.params)

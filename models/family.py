@@ -193,7 +193,8 @@ class ModelFamily:
                      algorithm: str = "auto", fused=False, axis_name: str = "tp",
                      last_only: bool = False, attend_len: Optional[int] = None,
                      ar_specs: Any = None, kv_layout: str = "bshd",
-                     prefetch_bytes: Optional[int] = None, gemm_rows: int = 1):
+                     prefetch_bytes: Optional[int] = None, gemm_rows: int = 1,
+                     attn_impl: str = "xla"):
         """The TP forward as a pure function, ready for jax.jit:
 
             forward(params, cache, tokens, positions, ar, start=None) -> (logits, cache, ar)
@@ -207,8 +208,9 @@ class ModelFamily:
         (sharding.KV_LAYOUTS). fused=True (allreduce="sifar"): all-reduce + residual add +
         RMSNorm as one sifar_jax.psum_add_rmsnorm call, which brings the first prefetch_bytes of
         the next matmul's weight into L2 while it waits (None: sifar_jax's default; 0: no
-        prefetch). gemm_rows: the rows a single-row projection runs with (tp.project). Works for
-        a 1-device mesh (tp=1) too.
+        prefetch). gemm_rows: the rows a single-row projection runs with (tp.project).
+        attn_impl: how a step of one token attends (attention.ATTN_IMPLS). Works for a 1-device
+        mesh (tp=1) too.
         """
         tp = mesh.shape[axis_name]
         layout = self.layout(config, tp)
@@ -227,7 +229,7 @@ class ModelFamily:
             ctx = TPContext(axis_name, tp, reduce_fn, ar, make_allreduce_into(algorithm), fused_fn)
             logits, cache = model(tokens, positions, cache, ctx, last_only=last_only,
                                   attend_len=attend_len, kv_layout=kv_layout, start=start,
-                                  gemm_rows=gemm_rows)
+                                  gemm_rows=gemm_rows, attn_impl=attn_impl)
             if ctx.buffers and ctx.count % 2:
                 # The next step starts with buffer "a" again: an odd count would reuse the buffer
                 # the last all-reduce wrote, which dual buffering forbids.
@@ -239,7 +241,9 @@ class ModelFamily:
             per_rank, mesh=mesh,
             in_specs=(pspecs, cspec, P(), P(), aspecs, P()),
             out_specs=(P(None, None, axis_name), cspec, aspecs),
-            check_vma=True)
+            # JAX's Pallas decode kernel declares no varying axes for its results, which
+            # check_vma=True refuses: the pallas forward is traced without that check.
+            check_vma=attn_impl != "pallas")
 
         def forward(params, cache, tokens, positions, ar, start=None):
             return mapped(params, cache, tokens, positions, ar, start)

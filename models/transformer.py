@@ -58,13 +58,14 @@ class CausalLM(nnx.Module):
 
     def __call__(self, tokens, positions, cache, tp: TPContext, last_only: bool = False,
                  attend_len: Optional[int] = None, kv_layout: str = "bshd",
-                 start: Optional[jax.Array] = None, gemm_rows: int = 1):
+                 start: Optional[jax.Array] = None, gemm_rows: int = 1, attn_impl: str = "xla"):
         """tokens [B, T] int32; positions [T] int32, contiguous, shared by the batch (the cache
         is written at positions[0]); cache: list over layers of {"k","v"}; attend_len,
-        kv_layout, start (each row's first slot), gemm_rows: see attention.Step. Returns (local
+        kv_layout, start (each row's first slot), gemm_rows, attn_impl: see attention.Step.
+        Returns (local
         logits [B, T or 1, vocab/tp] float32, new cache)."""
         x = jnp.take(self.embed[...], tokens, axis=0)
-        step = Step.at(self.config, positions, attend_len, kv_layout, start, gemm_rows)
+        step = Step.at(self.config, positions, attend_len, kv_layout, start, gemm_rows, attn_impl)
         layers = list(self.layers)
         next_norms = [layer.input_norm for layer in layers[1:]] + [self.norm]
         # The LM head's local shard; the tied embedding's rows are a slice (not prefetched).

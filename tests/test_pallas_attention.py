@@ -1,0 +1,116 @@
+"""models.pallas_attention: a decoding step's attention through JAX's Pallas flash-decoding
+kernel (Pallas' interpreter off GPUs), against a float64 reference and in the decoder against the
+einsums (tiny preset, 8 host CPU devices from conftest.py)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sifar_jax
+from models import Decoder, LlamaConfig, make_mesh, random_params
+from models.attention import Step
+from models.decode import LOOPS, default_attn_impl
+from models.pallas_attention import decode_attention, split_length
+
+
+def _reference(q, k, v, pos, start):
+    """float64 attention of q [B, KV, G, D] over slots start[b]..pos of k/v [B, KV, S, D]."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    b, kv, g, d = q.shape
+    out = np.zeros((b, kv, g, d))
+    for r in range(b):
+        keys, vals = k[r, :, start[r]:pos + 1], v[r, :, start[r]:pos + 1]  # [KV, n, D]
+        s = np.einsum("kgd,knd->kgn", q[r], keys) / np.sqrt(d)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        out[r] = np.einsum("kgn,knd->kgd", p / p.sum(-1, keepdims=True), vals)
+    return out.reshape(b, kv * g, d)
+
+
+# On GPUs the kernel's float32 dots run as TF32 (Triton's default): a float32 bound of ~1e-3.
+F32_TOL = 5e-3 if jax.default_backend() == "gpu" else 2e-5
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, F32_TOL), (jnp.bfloat16, 3e-2)])
+@pytest.mark.parametrize("b,kv,g,cap,n,pos", [
+    (1, 2, 4, 256, 256, 255),  # the whole cache, last slot
+    (1, 2, 1, 1024, 128, 0),  # one slot seen; the bucket smaller than the cache
+    (2, 1, 8, 512, 512, 300),  # splits past pos return at once
+    (3, 4, 2, 128, 64, 40)])
+def test_kernel_matches_float64(dtype, tol, b, kv, g, cap, n, pos):
+    rng = np.random.default_rng(cap + pos)
+    d = 64
+    q = rng.uniform(-2, 2, (b, kv, g, d))
+    k, v = rng.uniform(-2, 2, (2, b, kv, cap, d))
+    start = np.minimum(np.arange(b) * 7, pos).astype(np.int32)
+    # Slots a row does not see hold large garbage, which must not reach its output (finite: the
+    # kernel masks their scores; it loads the blocks that hold pos or start).
+    k[:, :, pos + 1:] = v[:, :, pos + 1:] = 1e4
+    for r in range(b):
+        k[r, :, : start[r]] = v[r, :, : start[r]] = -1e4
+    got = decode_attention(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+                           jnp.int32(pos), jnp.asarray(start), n)
+    assert got is not None and got.shape == (b, kv * g, d)
+    want = _reference(np.asarray(jnp.asarray(q, dtype), np.float64),
+                      np.asarray(jnp.asarray(k, dtype), np.float64),
+                      np.asarray(jnp.asarray(v, dtype), np.float64), pos, start)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol, rtol=tol)
+
+
+def test_split_length_needs_an_even_split_of_the_cache():
+    assert split_length(1024, 1024) == 64 and split_length(16384, 16384) == 1024
+    assert split_length(4096, 64) == 64  # a small bucket: one split of it
+    assert split_length(1000, 1024) is None  # 1000 slots do not split into parts of 64
+    q = jnp.zeros((1, 1, 1, 16))
+    kc = jnp.zeros((1, 1, 1000, 16))
+    assert decode_attention(q, kc, kc, jnp.int32(3), None, 1000) is None
+
+
+def test_attn_impl_is_checked_and_defaults_to_xla_off_gpus():
+    with pytest.raises(ValueError, match="attn_impl must be one of"):
+        Step.at(LlamaConfig.tiny(), jnp.arange(1), attn_impl="flash")
+    assert default_attn_impl(make_mesh(1)) == ("pallas" if jax.default_backend() == "gpu"
+                                              else "xla")
+
+
+PROMPT = np.array([5, 17, 3, 250, 99, 7, 42, 128], np.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _params(tp):
+    config = LlamaConfig.tiny()
+    mesh = make_mesh(tp)
+    return config, mesh, random_params(config, mesh, seed=5)
+
+
+@pytest.mark.parametrize("tp,allreduce", [(1, "psum"), (2, "psum"), (2, "sifar")])
+def test_decoder_gives_the_einsums_tokens_in_every_loop(tp, allreduce):
+    if len(jax.devices()) < tp:
+        pytest.skip(f"needs {tp} devices")
+    config, mesh, params = _params(tp)
+    got = {}
+    for impl in ("xla", "pallas"):
+        sifar_jax.shutdown()
+        dec = Decoder(config, mesh, params, allreduce=allreduce, kv_layout="bhsd",
+                      attn_impl=impl, max_seq_len=256)
+        got[impl] = {loop: dec.generate(PROMPT, 12, loop=loop, chunk=4) for loop in LOOPS}
+        dec.start(PROMPT)
+        got[impl]["logits"] = np.asarray(dec.step(dec.token()))
+    sifar_jax.shutdown()
+    for loop in LOOPS:
+        np.testing.assert_array_equal(got["pallas"][loop], got["xla"][loop], err_msg=loop)
+    tol = 1e-4 if jax.default_backend() == "cpu" else F32_TOL  # (TF32 in the kernel on GPUs)
+    np.testing.assert_allclose(got["pallas"]["logits"], got["xla"]["logits"], atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Triton kernel runs on GPUs only")
+def test_gpu_step_runs_the_triton_kernel():
+    """On a GPU the default decoder's step holds the Pallas kernel (a Triton custom call) and the
+    prefill does not (several tokens: the einsums)."""
+    config, mesh, params = _params(1)
+    dec = Decoder(config, mesh, params, max_seq_len=256)
+    assert dec.attn_impl == "pallas" and dec.kv_layout == "bhsd"
+    dec.start(PROMPT)
+    assert "triton" in dec.compiled_step().as_text().lower()
