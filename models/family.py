@@ -243,7 +243,7 @@ class ModelFamily:
             out_specs=(P(None, None, axis_name), cspec, aspecs),
             # JAX's Pallas decode kernel declares no varying axes for its results, which
             # check_vma=True refuses: the pallas forward is traced without that check.
-            check_vma=attn_impl != "pallas" and not __import__("os").environ.get("NORM_EXPERIMENT"))
+            check_vma=attn_impl != "pallas")
 
         def forward(params, cache, tokens, positions, ar, start=None):
             return mapped(params, cache, tokens, positions, ar, start)

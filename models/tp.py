@@ -99,10 +99,6 @@ def unfused_psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float,
     """The contract of `sifar_jax.psum_add_rmsnorm`, as three separate ops:
     new_residual = residual + allreduce(x) (in x.dtype, rounded once), normed = rms_norm(it).
     Returns (normed, new_residual)."""
-    import os
-    if os.environ.get("NORM_EXPERIMENT"):
-        from .pallas_norm import add_rmsnorm
-        return add_rmsnorm(allreduce(x, axis_name), residual, weight, eps=eps)
     new_residual = residual + allreduce(x, axis_name)
     return rms_norm(new_residual, weight, eps), new_residual
 
