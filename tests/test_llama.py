@@ -211,10 +211,14 @@ def test_rope_frequencies_match_reference():
     assert ((ratio > 1) & ~np.isclose(ratio, 4.0)).any()
 
 
-@pytest.mark.parametrize("tp", [1, 2, 8])  # tp=8 > num_kv_heads=4: each KV head on 2 ranks
-def test_prefill_and_decode_match_numpy_reference(loaded, sequence, reference, tp):
+@pytest.mark.parametrize("tp,attn", [(1, "xla"), (2, "xla"), (8, "xla"), (1, "pallas"),
+                                     (8, "pallas")])  # tp=8 > num_kv_heads=4: each KV head on 2 ranks
+def test_prefill_and_decode_match_numpy_reference(loaded, sequence, reference, tp, attn):
+    """attn="pallas": the steps attend through JAX's Pallas decode kernel (its interpreter off
+    GPUs; the bhsd cache layout it reads)."""
     mesh, config, params = loaded(tp)
-    dec = Decoder(config, mesh, params)
+    kw = dict(attn_impl="pallas", kv_layout="bhsd") if attn == "pallas" else {}
+    dec = Decoder(config, mesh, params, **kw)
     n_prompt, n_steps = 8, 8
     prefill = np.asarray(dec.prefill(sequence[None, :n_prompt]))[0]
     assert_close_ref(prefill, reference[:n_prompt])

@@ -163,14 +163,17 @@ def sifar_clean():
 
 @pytest.mark.skipif(_sifar_missing() is not None, reason=str(_sifar_missing()))
 def test_every_allreduce_gives_transformers_greedy_tokens(hf, loaded, sifar_clean):
-    """TP=2: lax.psum, sifar, sifar fused with the residual add and RMSNorm, and the in-decoder
-    one-shot baseline (sifar:oneshot) produce HF's greedy tokens, each in another decode loop
+    """TP=2: lax.psum (with XLA's attention and with the Pallas decode kernel), sifar, sifar
+    fused with the residual add and RMSNorm, and the in-decoder one-shot baseline
+    (sifar:oneshot) produce HF's greedy tokens, each in another decode loop
     (so every loop runs the MoE too, at no extra compile)."""
     _, model, seq, _ = hf
     mesh, config, params = loaded(2)
     prompt = seq[:PROMPT]
     want = _hf_greedy(model, prompt, NEW)
     variants = {"psum": (dict(allreduce="psum"), "on_device"),
+                "psum+pallas": (dict(allreduce="psum", attn_impl="pallas", kv_layout="bhsd"),
+                                "stream"),
                 "sifar": (dict(allreduce="sifar"), "pipelined"),
                 "sifar+fused": (dict(allreduce="sifar", fused=True), "stream"),
                 "sifar:oneshot": (dict(allreduce="sifar", algorithm="oneshot"), "sync")}
