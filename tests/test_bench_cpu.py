@@ -483,6 +483,11 @@ def test_step_kernel_probe_sums_per_step_by_kind():
     assert sk.kind_of("input_reduce_fusion_49") == "reduction"
     assert sk.kind_of("ncclDevKernel_AllGather_RING_LL") == "nccl"
     assert sk.kind_of("loop_multiply_fusion_126") == "other"
+    assert sk.kind_of("mha_forward") == "attention"  # the Pallas decode kernel's name
+    # a kernel no HLO instruction names: by its name (the Pallas kernel counts as attention)
+    b = sk.breakdown([("mha_forward", 0, 4_000), ("gemm_fusion_dot_1", 5_000, 10_000),
+                      ("loop_add_fusion", 16_000, 1_000)], steps=1, kinds={})
+    assert (b["attention_us"], b["matmul_us"], b["other_us"], b["unmatched"]) == (4.0, 10.0, 1.0, 3)
     kernels = [("gemm_fusion_dot_1", 0, 30_000), ("input_reduce_fusion_2", 31_000, 2_000),
                ("AllReduceKernel_sifar", 34_000, 3_000), ("AllReduceKernel_sifar", 38_000, 5_000),
                ("gemm_fusion_dot_1", 50_000, 30_000), ("input_reduce_fusion_2", 81_000, 2_000),

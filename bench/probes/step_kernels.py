@@ -57,6 +57,8 @@ def kind_of(kernel: str) -> str:
         return "sifar"
     if "nccl" in k:
         return "nccl"
+    if any(t in k for t in ("mha_forward", "flash", "attention")):  # e.g. the Pallas decode kernel
+        return "attention"
     if any(t in k for t in ("gemm", "dot", "cublas", "cutlass", "xmma", "matmul")):
         return "matmul"
     if "reduce" in k or "reduction" in k:
@@ -250,7 +252,7 @@ def breakdown(kernels, steps: int, kinds: dict[str, str]) -> dict:
         kind = kernel_kind(k[0], k[3] if len(k) > 3 else None, kinds)
         if kind is None:
             unmatched += 1
-            kind = "matmul" if kind_of(k[0]) == "matmul" else "other"
+            kind = {"matmul": "matmul", "attention": "attention"}.get(kind_of(k[0]), "other")
         us[kind] += k[2] / 1e3
     busy = sum(k[2] for k in kernels) / 1e3
     span = ((max(k[1] + k[2] for k in kernels) - min(k[1] for k in kernels)) / 1e3
