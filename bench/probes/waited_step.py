@@ -36,6 +36,9 @@ import jax
 from bench import common
 
 
+PIPELINED = {"warmup": 0, "samples": 5}  # bench.decode.time_pipelined's settings here
+
+
 def _median_us(xs) -> float:
     return round(statistics.median(xs) * 1e6, 1)
 
@@ -91,19 +94,6 @@ def time_null(dec, with_leaves: bool, calls: int) -> dict:
     return {"dispatch": _median_us(dispatch), "total": _median_us(total)}
 
 
-def time_pipelined(dec, short: int = 4, long_: int = 20, samples: int = 5) -> float:
-    out = []
-    for _ in range(samples):
-        run = []
-        for k in (short, long_):
-            t0 = time.perf_counter()
-            dec.advance(k)
-            dec.token()
-            run.append(time.perf_counter() - t0)
-        out.append((run[1] - run[0]) / (long_ - short))
-    return _median_us(out)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.probes.waited_step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -138,7 +128,7 @@ def main(argv=None) -> int:
          "token_memory": dec._tok_sharding.memory_kind,
          "waited_us": time_waited(dec, args.steps),
          "waited_early_copy_us": time_waited(dec, args.steps, early_copy=True),
-         "pipelined_us": time_pipelined(dec),
+         "pipelined_us": _median_us(bd.time_pipelined(dec, PIPELINED)[0]),
          "null_all_us": time_null(dec, True, args.steps),
          "null_state_us": time_null(dec, False, args.steps)}
     r["waited_over_pipelined"] = round(r["waited_us"]["total"] / r["pipelined_us"], 3)
