@@ -15,7 +15,7 @@ Two parts, per TP size (TP=1 runs only lax.psum, the reference: nothing to reduc
    from host timestamps:
      sync       one step, then wait for its token: the median of per-step times
      stream     Decoder.decode(loop="stream"): the median gap between consecutive tokens
-     pipelined  steps dispatched back to back, the token kept on the device: the difference
+     pipelined  steps dispatched back to back, the tokens read once at the end: the difference
                 of runs of 20 and 4 steps over (20 - 4), the median over the samples (today's TPOT)
      on_device  K = --chunk tokens per dispatch in a lax.fori_loop, streamed: the median gap
                 between consecutive chunks / K
@@ -1021,7 +1021,7 @@ def floor_note(s) -> str:
 METHOD_NOTE = (
     "TPOT per loop (tokens/s = batch / TPOT): sync, the median of one step followed by reading "
     "its token; stream, the median gap between consecutive tokens of Decoder.decode(loop="
-    "'stream'); pipelined, steps dispatched back to back with the token kept on the device, from "
+    "'stream'); pipelined, steps dispatched back to back with the tokens read once at the end, from "
     f"the difference of runs of {PIPELINE_STEPS[1]} and {PIPELINE_STEPS[0]} steps (the device-bound "
     "step time); on_device, the median gap between chunks of K tokens run in one lax.fori_loop "
     "dispatch, / K. vs psum: tokens/s relative to lax.psum at the same TP, loop, batch and KV "

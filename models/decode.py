@@ -15,10 +15,11 @@ on an H200 than a token kept in the state):
 B is Decoder.rows: batch_size, or min_rows where that is larger (the extra rows copy the last
 sequence and are never returned).
 
-A step is `state, token = step(param_leaves, state)`: no host input, no Python scalar, no new
-device buffer; `token` [B] is the chosen token again, written by the step to pinned host memory
-(where the backend has it), which the host reads in ~10 us where the state's device token took
-~250-550 us on an H200 host: the waited loop's largest cost after the device's step.
+A step is `state, token = step(param_leaves, state)`: no host input, no Python scalar;
+`token` [B] is the chosen token again, written by the step to pinned host memory (where the
+backend has it: then the step makes no new device buffer), which the host read in 10-45 us
+where the state's device token took ~250-550 us on an H200 host: the waited loop's largest cost
+after the device's step.
 Its executable is compiled ahead of time (exact in/out shardings, so no call re-places or
 re-checks anything) per cache capacity, attention bucket and sampling mode (greedy, temperature,
 top_p: the values are in the state). Attention runs over the smallest bucket (a power of two >=
@@ -276,8 +277,8 @@ class Decoder:
         self._leaves, self._treedef = jax.tree.flatten(self.params)
         self._rep = NamedSharding(mesh, P())
         # Each step also writes its token [rows] to pinned host memory where the backend has it:
-        # on an H200 host reading a 4-byte result took ~250-550 us from device memory and ~10 us
-        # from pinned host memory (bench.probes.dispatch_cost, waited_step), a waited step's
+        # on an H200 host reading a 4-byte result took ~250-550 us from device memory and 10-45
+        # us from pinned host memory (bench.probes.dispatch_cost, waited_step), a waited step's
         # largest cost after the device's.
         self._tok_sharding = NamedSharding(mesh, P(), memory_kind=_host_memory_kind(mesh))
         self._cache_sharding = NamedSharding(mesh, cache_spec(axis_name, self.kv_layout))

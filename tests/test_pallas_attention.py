@@ -13,7 +13,7 @@ import sifar_jax
 from models import Decoder, LlamaConfig, make_mesh, random_params
 from models.attention import Step
 from models.decode import LOOPS, default_attn_impl
-from models.pallas_attention import decode_attention, split_length
+from models.pallas_attention import applies, decode_attention, split_length
 
 
 def _reference(q, k, v, pos, start):
@@ -38,13 +38,16 @@ F32_TOL = 5e-3 if jax.default_backend() == "gpu" else 2e-5
     (1, 2, 4, 256, 256, 255),  # the whole cache, last slot
     (1, 2, 1, 1024, 128, 0),  # one slot seen; the bucket smaller than the cache
     (2, 1, 8, 512, 512, 300),  # splits past pos return at once
-    (3, 4, 2, 128, 64, 40)])
+    (3, 4, 2, 128, 64, 40),
+    (2, 1, 4, 4096, 4096, 3000),  # 256-slot splits: two kernel blocks each, row 1 from slot 300
+    (1, 2, 4, 3072, 3072, 3071),  # a capacity that is no power of two: 24 splits of 128
+    (1, 1, 2, 1536, 1024, 700)])
 def test_kernel_matches_float64(dtype, tol, b, kv, g, cap, n, pos):
     rng = np.random.default_rng(cap + pos)
     d = 64
     q = rng.uniform(-2, 2, (b, kv, g, d))
     k, v = rng.uniform(-2, 2, (2, b, kv, cap, d))
-    start = np.minimum(np.arange(b) * 7, pos).astype(np.int32)
+    start = np.minimum(np.arange(b) * (300 if cap == 4096 else 7), pos).astype(np.int32)
     # Slots a row does not see hold large garbage, which must not reach its output (finite: the
     # kernel masks their scores; it loads the blocks that hold pos or start).
     k[:, :, pos + 1:] = v[:, :, pos + 1:] = 1e4
@@ -62,10 +65,22 @@ def test_kernel_matches_float64(dtype, tol, b, kv, g, cap, n, pos):
 def test_split_length_needs_an_even_split_of_the_cache():
     assert split_length(1024, 1024) == 64 and split_length(16384, 16384) == 1024
     assert split_length(4096, 64) == 64  # a small bucket: one split of it
+    assert split_length(3072, 3072) == 128  # a power of two (Triton's blocks), 24 splits
     assert split_length(1000, 1024) is None  # 1000 slots do not split into parts of 64
+    assert split_length(1 << 17, 1024) is None  # 2048 parts: the einsums over the bucket
     q = jnp.zeros((1, 1, 1, 16))
     kc = jnp.zeros((1, 1, 1000, 16))
     assert decode_attention(q, kc, kc, jnp.int32(3), None, 1000) is None
+
+
+def test_the_kernel_applies_to_power_of_two_heads_in_the_cache_dtype():
+    kc = jnp.zeros((1, 1, 256, 64), jnp.bfloat16)
+    assert applies(jnp.zeros((1, 1, 4, 64), jnp.bfloat16), kc, 256)
+    assert not applies(jnp.zeros((1, 1, 4, 64), jnp.float32), kc, 256)  # another dtype
+    k80 = jnp.zeros((1, 1, 256, 80), jnp.bfloat16)
+    assert not applies(jnp.zeros((1, 1, 4, 80), jnp.bfloat16), k80, 256)  # head size 80
+    assert decode_attention(jnp.zeros((1, 1, 4, 80), jnp.bfloat16), k80, k80, jnp.int32(3), None,
+                            256) is None
 
 
 def test_attn_impl_is_checked_and_defaults_to_xla_off_gpus():
@@ -85,12 +100,40 @@ def _params(tp):
     return config, mesh, random_params(config, mesh, seed=5)
 
 
+def _pallas_calls(dec, kind):
+    """Pallas kernels in the jaxpr of the decoder's step ("step") or of a 4-token prefill."""
+    if kind == "step":
+        _, fn, args, _ = dec._step_spec(dec._bucket(dec._pos + 1), "greedy")
+    else:
+        _, fn, args, _ = dec._prefill_spec(dec._bucket(dec._pos + 4), 4, "greedy")
+    return _count(jax.make_jaxpr(fn)(dec._leaves, dec.state, *args).jaxpr, "pallas_call")
+
+
+def _count(jaxpr, name: str) -> int:
+    """Equations of primitive `name` in jaxpr and every jaxpr it calls, once per call site."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == name
+        for sub in _params_jaxprs(eqn.params):
+            n += _count(sub, name)
+    return n
+
+
+def _params_jaxprs(params):
+    for v in params.values():
+        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+            if hasattr(x, "eqns"):
+                yield x
+            elif hasattr(x, "jaxpr") and hasattr(x.jaxpr, "eqns"):
+                yield x.jaxpr
+
+
 @pytest.mark.parametrize("tp,allreduce", [(1, "psum"), (2, "psum"), (2, "sifar")])
 def test_decoder_gives_the_einsums_tokens_in_every_loop(tp, allreduce):
     if len(jax.devices()) < tp:
         pytest.skip(f"needs {tp} devices")
     config, mesh, params = _params(tp)
-    got = {}
+    got, kernels = {}, {}
     for impl in ("xla", "pallas"):
         sifar_jax.shutdown()
         dec = Decoder(config, mesh, params, allreduce=allreduce, kv_layout="bhsd",
@@ -98,19 +141,20 @@ def test_decoder_gives_the_einsums_tokens_in_every_loop(tp, allreduce):
         got[impl] = {loop: dec.generate(PROMPT, 12, loop=loop, chunk=4) for loop in LOOPS}
         dec.start(PROMPT)
         got[impl]["logits"] = np.asarray(dec.step(dec.token()))
+        kernels[impl] = (_pallas_calls(dec, "step"), _pallas_calls(dec, "prefill"))
     sifar_jax.shutdown()
     for loop in LOOPS:
         np.testing.assert_array_equal(got["pallas"][loop], got["xla"][loop], err_msg=loop)
+    assert kernels == {"xla": (0, 0), "pallas": (config.num_layers, 0)}  # (step, prefill)
     tol = 1e-4 if jax.default_backend() == "cpu" else F32_TOL  # (TF32 in the kernel on GPUs)
     np.testing.assert_allclose(got["pallas"]["logits"], got["xla"]["logits"], atol=tol, rtol=tol)
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Triton kernel runs on GPUs only")
-def test_gpu_step_runs_the_triton_kernel():
-    """On a GPU the default decoder's step holds the Pallas kernel (a Triton custom call) and the
-    prefill does not (several tokens: the einsums)."""
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the default is pallas on GPUs only")
+def test_gpu_default_decoder_attends_through_the_kernel():
+    """On a GPU the default decoder's step holds one Pallas kernel per layer, its prefill none."""
     config, mesh, params = _params(1)
     dec = Decoder(config, mesh, params, max_seq_len=256)
     assert dec.attn_impl == "pallas" and dec.kv_layout == "bhsd"
     dec.start(PROMPT)
-    assert "triton" in dec.compiled_step().as_text().lower()
+    assert (_pallas_calls(dec, "step"), _pallas_calls(dec, "prefill")) == (config.num_layers, 0)
