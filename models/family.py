@@ -237,15 +237,20 @@ class ModelFamily:
                                  f"step, got {ctx.count}")
             return logits, cache, ctx.buffers
 
-        mapped = jax.shard_map(
-            per_rank, mesh=mesh,
-            in_specs=(pspecs, cspec, P(), P(), aspecs, P()),
-            out_specs=(P(None, None, axis_name), cspec, aspecs),
-            # JAX's Pallas decode kernel declares no varying axes for its results, which
-            # check_vma=True refuses: the pallas forward is traced without that check.
-            check_vma=attn_impl != "pallas")
+        def mapped(check_vma: bool):
+            return jax.shard_map(
+                per_rank, mesh=mesh,
+                in_specs=(pspecs, cspec, P(), P(), aspecs, P()),
+                out_specs=(P(None, None, axis_name), cspec, aspecs), check_vma=check_vma)
+
+        checked = mapped(True)
+        # JAX's Pallas decode kernel declares no varying axes for its results, which
+        # check_vma=True refuses: a one-token call that may run it is traced without the check
+        # (calls of several tokens, prefills, keep it: they run the einsums).
+        one_token = mapped(False) if attn_impl == "pallas" else checked
 
         def forward(params, cache, tokens, positions, ar, start=None):
-            return mapped(params, cache, tokens, positions, ar, start)
+            fn = one_token if tokens.shape[1] == 1 else checked
+            return fn(params, cache, tokens, positions, ar, start)
 
         return forward

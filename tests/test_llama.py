@@ -338,6 +338,15 @@ def test_shard_map_checks_varying_axes(loaded):
                                 np.zeros(1, np.int32), {})
     maps = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
     assert maps and all(e.params["check_vma"] for e in maps)
+    # With the Pallas decode kernel (its results carry no varying axes) only a one-token call
+    # is traced without the check; a prefill keeps it.
+    fwd = LLAMA.make_forward(config, mesh, attn_impl="pallas", kv_layout="bhsd")
+    cache = LLAMA.init_cache(config, mesh, 1, 64, kv_layout="bhsd")
+    for t, want in ((1, False), (4, True)):
+        jaxpr = jax.make_jaxpr(fwd)(params, cache, np.zeros((1, t), np.int32),
+                                    np.arange(t, dtype=np.int32), {})
+        maps = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
+        assert maps and all(e.params["check_vma"] is want for e in maps), t
 
 
 def test_errors(loaded):
