@@ -175,13 +175,12 @@ class Attention(nnx.Module):
         kc = jax.lax.dynamic_update_slice(kv_cache["k"], _to_cache(k, dims, kv_cache["k"].dtype), at)
         vc = jax.lax.dynamic_update_slice(kv_cache["v"], _to_cache(v, dims, kv_cache["v"].dtype), at)
         n = kc.shape[s_axis] if step.attend_len is None else step.attend_len
-        ka = jax.lax.slice_in_dim(kc, 0, n, axis=s_axis)
-        va = jax.lax.slice_in_dim(vc, 0, n, axis=s_axis)
-
         out = None
         if step.attn_impl == "pallas" and x.shape[1] == 1 and step.kv_layout == "bhsd":
             out = decode_attention(q[:, 0], kc, vc, step.positions[0], step.start, n)
         if out is None:
+            ka = jax.lax.slice_in_dim(kc, 0, n, axis=s_axis)
+            va = jax.lax.slice_in_dim(vc, 0, n, axis=s_axis)
             scores = jnp.einsum(f"btkgd,{dims}->bkgts", q, ka, preferred_element_type=jnp.float32)
             scores = scores * (d ** -0.5)
             scores = jnp.where(step.visible(n), scores, jnp.finfo(jnp.float32).min)

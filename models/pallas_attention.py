@@ -46,11 +46,17 @@ def split_length(capacity: int, attend_len: int) -> Optional[int]:
     return split
 
 
+def _kernel_split(q: jax.Array, kc: jax.Array, attend_len: int) -> Optional[int]:
+    """The split length decode_attention runs the kernel with, or None where it does not."""
+    d = q.shape[-1]
+    if d < 16 or d & (d - 1) or q.dtype != kc.dtype:
+        return None
+    return split_length(kc.shape[2], attend_len)
+
+
 def applies(q: jax.Array, kc: jax.Array, attend_len: int) -> bool:
     """Whether decode_attention runs the kernel for these operands (else it returns None)."""
-    d = q.shape[-1]
-    return (d >= 16 and d & (d - 1) == 0 and q.dtype == kc.dtype
-            and split_length(kc.shape[2], attend_len) is not None)
+    return _kernel_split(q, kc, attend_len) is not None
 
 
 def decode_attention(q: jax.Array, kc: jax.Array, vc: jax.Array, pos: jax.Array,
@@ -63,10 +69,10 @@ def decode_attention(q: jax.Array, kc: jax.Array, vc: jax.Array, pos: jax.Array,
     rounding the einsums do not make; the final division is float32, and so is the result)."""
     from jax.experimental.pallas.ops.gpu import decode_attention as pallas_decode
 
-    if not applies(q, kc, attend_len):
+    split = _kernel_split(q, kc, attend_len)
+    if split is None:
         return None
     b, kv, g, d = q.shape
-    split = split_length(kc.shape[2], attend_len)
     kv_len = jnp.broadcast_to(pos + 1, (b,)).astype(jnp.int32)
     return pallas_decode.gqa(q.reshape(b, kv * g, d), jnp.swapaxes(kc, 1, 2),
                              jnp.swapaxes(vc, 1, 2), start_idx=start, kv_seq_len=kv_len,
