@@ -1,46 +1,64 @@
-"""A decoding step's attention through JAX's own Pallas flash-decoding kernel.
+"""A decoding step's attention through the kernel of JAX's Pallas flash-decoding op.
 
 At batch 1 XLA:GPU runs a step's attention as six kernels per layer (the scores' dot, the
-softmax's max and sum, a convert, the values' dot, a transpose); with
-`jax.experimental.pallas.ops.gpu.decode_attention.gqa` it is one Triton kernel (~3.9 us per layer
-at Llama-8B shapes, KV 1K, one H200) and a few small fusions that merge its splits. Measured on
-that host, TP=1, lax.psum, pipelined: 4.240 -> 4.154-4.162 ms at KV 1K, 4.926 -> 4.796 at KV 16K
-(docs/performance.md). The cache write and the rotary embedding stay XLA's.
+softmax's max and sum, a convert, the values' dot, a transpose). Here it is two: the kernel body
+of `jax.experimental.pallas.ops.gpu.decode_attention` (one Triton program per row, kv head and
+split of the cache, ~3.9 us per layer at Llama-8B shapes, KV 1K, one H200), launched by our own
+pallas_call on the bhsd cache in place, and one Pallas program per (row, kv head) that merges the
+splits' partial results (the library's `gqa` merges them in three XLA fusions). The split count
+follows the kv heads (TARGET_PROGRAMS: TP=2's 4 kv heads per rank get twice TP=1's splits) and
+each program keeps three key/value blocks in flight (NUM_STAGES). Measured on that host,
+pipelined, lax.psum, paired in one process (docs/performance.md): against the library's `gqa`,
+TP=1 4.153 -> 4.117 ms at KV 1K, TP=2's per-rank shapes 2.531 -> 2.481 at 1K and 3.044 -> 2.763
+at 16K. The cache write and the rotary embedding stay XLA's.
 
-The kernel reads the cache in place only in the "bhsd" layout ([B, kv heads, S, D]: the library
-takes [B, S, kv heads, D] and swaps the axes back, two transposes XLA cancels); it splits the
-whole cache into `k_splits` equal parts, of which those past the last filled slot return at once,
-so the cache's capacity must be a multiple of the split length, in at most MAX_SPLITS parts.
-Elsewhere (and for head sizes that are not powers of two) the einsums run (`decode_attention`
-returns None). Slots a row does not see are masked by their scores, not left
-unread (the kernel loads whole blocks): they must hold finite values, as the cache always does
-(zeros, or keys and values of earlier tokens).
+The kernel reads the cache in place only in the "bhsd" layout ([B, kv heads, S, D]); it splits the
+whole cache into equal parts, of which those past the last filled slot return at once, so the
+cache's capacity must be a multiple of the split length, in at most MAX_SPLITS parts. Elsewhere
+(and for head sizes that are not powers of two) the einsums run (`decode_attention` returns
+None). Slots a row does not see are masked by their scores, not left unread (the kernel loads
+whole blocks): they must hold finite values, as the cache always does (zeros, or keys and values
+of earlier tokens).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-SPLITS = 16  # parts per attention bucket: the best of 4, 8, 16 at KV 1K and of 8, 16 at 16K
+TARGET_PROGRAMS = 128  # kernel programs (rows x kv heads x splits) per bucket: at 8 kv heads
+#                       and batch 1, 16 splits, the best of 4, 8, 16 at KV 1K and of 8, 16 at 16K
 MIN_SPLIT = 64  # slots per part at least
 MAX_SPLITS = 128  # parts per cache at most: every part, even one past pos, writes a partial
 #                   result the merge reads (8 KB per part and row at Llama-8B's 32 heads): a
 #                   small fill of a large cache runs the einsums over its bucket instead
 BLOCK = 128  # slots per step of the kernel's loop at most
+NUM_WARPS = 4  # the kernel's warps per program (the library's default; 8 was slower at 16K)
+NUM_STAGES = 3  # key/value blocks in flight per program (the library's 2: TP=2 shapes at 16K
+#                 2.84 -> 2.76 ms per step), as far as SMEM_BUDGET holds them
+SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipelined blocks may take (H100/H200: 227 KB)
+BLOCK_H = 16  # query heads per kernel program (Triton's dots need 16 rows; fewer are masked)
 
 
 def _pow2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def split_length(capacity: int, attend_len: int) -> Optional[int]:
+def _is_pow2(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
+def split_length(capacity: int, attend_len: int, rows_heads: int = 8) -> Optional[int]:
     """Slots per kernel split (a power of two: Triton's blocks are) for a bucket of attend_len
-    slots in a cache of `capacity`, or None where the cache does not split evenly into at most
-    MAX_SPLITS parts."""
-    split = min(_pow2_floor(max(MIN_SPLIT, attend_len // SPLITS)), _pow2_floor(attend_len))
+    slots in a cache of `capacity` read by rows_heads (batch rows x kv heads) programs per split,
+    or None where the cache does not split evenly into at most MAX_SPLITS parts. The bucket is
+    cut into about TARGET_PROGRAMS / rows_heads parts, so that fewer kv heads per rank (TP=2)
+    still give the GPU enough programs."""
+    parts = max(1, TARGET_PROGRAMS // rows_heads)
+    split = min(_pow2_floor(max(MIN_SPLIT, attend_len // parts)), _pow2_floor(attend_len))
     if capacity % split or capacity // split > MAX_SPLITS:
         return None
     return split
@@ -49,9 +67,9 @@ def split_length(capacity: int, attend_len: int) -> Optional[int]:
 def _kernel_split(q: jax.Array, kc: jax.Array, attend_len: int) -> Optional[int]:
     """The split length decode_attention runs the kernel with, or None where it does not."""
     d = q.shape[-1]
-    if d < 16 or d & (d - 1) or q.dtype != kc.dtype:
+    if d < 16 or not _is_pow2(d) or q.dtype != kc.dtype:
         return None
-    return split_length(kc.shape[2], attend_len)
+    return split_length(kc.shape[2], attend_len, q.shape[0] * q.shape[1])
 
 
 def applies(q: jax.Array, kc: jax.Array, attend_len: int) -> bool:
@@ -59,22 +77,93 @@ def applies(q: jax.Array, kc: jax.Array, attend_len: int) -> bool:
     return _kernel_split(q, kc, attend_len) is not None
 
 
+def pipeline_stages(block_k: int, d: int, itemsize: int) -> int:
+    """Key/value blocks the kernel keeps in flight: NUM_STAGES where SMEM_BUDGET holds them
+    (a stage is a key and a value block), fewer for long heads or wide dtypes, at least one."""
+    return max(1, min(NUM_STAGES, SMEM_BUDGET // (2 * block_k * d * itemsize)))
+
+
+def _partials(q, kc, vc, start, kv_len, split: int, interpret: bool):
+    """Each split's unnormalised output o [B, KV, splits, G, D] float32 and its rows' score
+    maximum m and exp-sum l [B, KV, splits, G], from the library's kernel body (one program per
+    (row, kv head, head block, split); a split past kv_len or before start returns at once)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+    from jax.experimental.pallas.ops.gpu.decode_attention import attn_forward_kernel
+
+    g, d = q.shape[2:]
+    splits = kc.shape[2] // split
+    block_k = min(BLOCK, split)
+    stages = pipeline_stages(block_k, d, kc.dtype.itemsize)
+    kernel = functools.partial(attn_forward_kernel, sm_scale=d ** -0.5, block_k=block_k,
+                               block_h=BLOCK_H, num_heads=g)
+
+    def one(q, k, v, start, kv_len):  # q [G, D], k and v [S, D], start and kv_len []
+        k, v = (x.reshape(splits, split, d) for x in (k, v))
+        return pl.pallas_call(
+            kernel, grid=(pl.cdiv(g, BLOCK_H), splits),
+            in_specs=[pl.BlockSpec((BLOCK_H, d), lambda i, j: (i, 0)),
+                      pl.BlockSpec((None, split, d), lambda i, j: (j, 0, 0)),
+                      pl.BlockSpec((None, split, d), lambda i, j: (j, 0, 0)),
+                      pl.BlockSpec((), lambda i, j: ()), pl.BlockSpec((), lambda i, j: ())],
+            out_specs=[pl.BlockSpec((None, BLOCK_H, d), lambda i, j: (j, i, 0)),
+                       pl.BlockSpec((None, BLOCK_H), lambda i, j: (j, i)),
+                       pl.BlockSpec((None, BLOCK_H), lambda i, j: (j, i))],
+            out_shape=[jax.ShapeDtypeStruct((splits, g, d), jnp.float32),
+                       jax.ShapeDtypeStruct((splits, g), jnp.float32),
+                       jax.ShapeDtypeStruct((splits, g), jnp.float32)],
+            compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=stages),
+            interpret=interpret, name="decode_attention_splits")(q, k, v, start, kv_len)
+
+    o, l, m = jax.vmap(jax.vmap(one))(q, kc, vc, start, kv_len)
+    return o, m, l
+
+
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref):
+    """One (row, kv head): the splits' partial results [splits, G, D] merged and normalised."""
+    m = m_ref[...]
+    w = jnp.exp(m - m.max(axis=0)[None, :])  # a split that saw no slot: m = min, weight 0
+    total = (l_ref[...] * w).sum(axis=0)
+    out = (o_ref[...] * w[:, :, None]).sum(axis=0) / total[:, None]
+    out_ref[...] = out.astype(out_ref.dtype)
+
+
+def _merge(o, m, l, dtype, interpret: bool):
+    """[B, KV, G, D] in dtype from _partials' outputs: one Pallas program per (row, kv head)
+    where the splits and the group are powers of two (Triton's tensors are), else XLA's ops
+    (three fusions: the library's merge)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    splits, g, d = o.shape[2:]
+    if _is_pow2(splits) and _is_pow2(g):
+        call = pl.pallas_call(
+            _merge_kernel, out_shape=jax.ShapeDtypeStruct((g, d), dtype),
+            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+            interpret=interpret, name="decode_attention_merge")
+        return jax.vmap(jax.vmap(call))(o, m, l)
+    # the same arithmetic; the barrier keeps the maximum its own kernel, as the library does
+    # (its TODO b/389925439: invalid values without it)
+    top = jax.lax.optimization_barrier(m.max(axis=2))
+    w = jnp.exp(m - top[:, :, None])
+    total = (l * w).sum(axis=2)
+    return ((o * w[..., None]).sum(axis=2) / total[..., None]).astype(dtype)
+
+
 def decode_attention(q: jax.Array, kc: jax.Array, vc: jax.Array, pos: jax.Array,
                      start: Optional[jax.Array], attend_len: int) -> Optional[jax.Array]:
     """Attention of one new token per row: q [B, kv heads, group, D] (rotated), kc/vc the
     written caches [B, kv heads, S, D]; slot s of row b is seen where start[b] <= s <= pos.
-    Returns [B, kv heads * group, D] (heads in (kv head, group) order), or None where the
-    kernel does not apply (`applies`: D a power of two >= 16, q in the cache's dtype, and
-    split_length). Each split's partial result is stored and merged in q's dtype (bf16 adds a
-    rounding the einsums do not make; the final division is float32, and so is the result)."""
-    from jax.experimental.pallas.ops.gpu import decode_attention as pallas_decode
-
+    Returns [B, kv heads * group, D] (heads in (kv head, group) order) in q's dtype, or None
+    where the kernel does not apply (`applies`: D a power of two >= 16, q in the cache's dtype,
+    and split_length). Each split's partial result is kept in float32 and merged in float32."""
     split = _kernel_split(q, kc, attend_len)
     if split is None:
         return None
     b, kv, g, d = q.shape
+    interpret = jax.default_backend() != "gpu"
+    start = jnp.zeros((b,), jnp.int32) if start is None else start.astype(jnp.int32)
     kv_len = jnp.broadcast_to(pos + 1, (b,)).astype(jnp.int32)
-    return pallas_decode.gqa(q.reshape(b, kv * g, d), jnp.swapaxes(kc, 1, 2),
-                             jnp.swapaxes(vc, 1, 2), start_idx=start, kv_seq_len=kv_len,
-                             k_splits=kc.shape[2] // split, block_k=min(BLOCK, split),
-                             interpret=jax.default_backend() != "gpu")
+    per_head = lambda x: jnp.broadcast_to(x[:, None], (b, kv))  # noqa: E731
+    o, m, l = _partials(q, kc, vc, per_head(start), per_head(kv_len), split, interpret)
+    return _merge(o, m, l, q.dtype, interpret).reshape(b, kv * g, d)

@@ -13,7 +13,8 @@ import sifar_jax
 from models import Decoder, LlamaConfig, make_mesh, random_params
 from models.attention import Step
 from models.decode import LOOPS, default_attn_impl
-from models.pallas_attention import applies, decode_attention, split_length
+from models.pallas_attention import (SMEM_BUDGET, applies, decode_attention, pipeline_stages,
+                                     split_length)
 
 
 def _reference(q, k, v, pos, start):
@@ -68,9 +69,21 @@ def test_split_length_needs_an_even_split_of_the_cache():
     assert split_length(3072, 3072) == 128  # a power of two (Triton's blocks), 24 splits
     assert split_length(1000, 1024) is None  # 1000 slots do not split into parts of 64
     assert split_length(1 << 17, 1024) is None  # 2048 parts: the einsums over the bucket
+    # fewer kv heads (TP=2's 4 per rank) or more rows: as many programs in more or fewer parts
+    assert split_length(16384, 16384, rows_heads=4) == 512
+    assert split_length(16384, 16384, rows_heads=32) == 4096
+    assert split_length(1024, 1024, rows_heads=4) == 64  # MIN_SPLIT
     q = jnp.zeros((1, 1, 1, 16))
     kc = jnp.zeros((1, 1, 1000, 16))
     assert decode_attention(q, kc, kc, jnp.int32(3), None, 1000) is None
+
+
+def test_pipelined_blocks_fit_in_shared_memory():
+    assert pipeline_stages(128, 128, 2) == 3  # Llama's heads in bf16: 3 x 64 KB
+    for block_k, d, itemsize in ((128, 256, 2), (128, 128, 4), (64, 64, 2), (128, 512, 4)):
+        stages = pipeline_stages(block_k, d, itemsize)
+        assert stages >= 1
+        assert stages == 1 or stages * 2 * block_k * d * itemsize <= SMEM_BUDGET
 
 
 def test_the_kernel_applies_to_power_of_two_heads_in_the_cache_dtype():
@@ -145,7 +158,8 @@ def test_decoder_gives_the_einsums_tokens_in_every_loop(tp, allreduce):
     sifar_jax.shutdown()
     for loop in LOOPS:
         np.testing.assert_array_equal(got["pallas"][loop], got["xla"][loop], err_msg=loop)
-    assert kernels == {"xla": (0, 0), "pallas": (config.num_layers, 0)}  # (step, prefill)
+    # (step, prefill): per layer the kernel and the merge of its splits
+    assert kernels == {"xla": (0, 0), "pallas": (2 * config.num_layers, 0)}
     tol = 1e-4 if jax.default_backend() == "cpu" else F32_TOL  # (TF32 in the kernel on GPUs)
     np.testing.assert_allclose(got["pallas"]["logits"], got["xla"]["logits"], atol=tol, rtol=tol)
 
