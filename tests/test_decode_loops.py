@@ -429,7 +429,7 @@ def test_generate_cli_streams_tokens(capsys, monkeypatch, extra, sifar_clean):
     from models import compile_cache, generate
 
     monkeypatch.setenv(compile_cache.ENV_OFF, "1")  # never the user's cache from the suite
-
+    _need(2)  # the CLI runs --tp 2 (on a 1-GPU host it rightly refuses)
     if "--fused" in extra and fused_add_norm_available() is not None:
         pytest.skip(fused_add_norm_available())
     assert generate.main(["--tp", "2", "--tokens", "12", "--prompt-ids", *map(str, PROMPT),

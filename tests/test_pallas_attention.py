@@ -166,9 +166,10 @@ def test_decoder_gives_the_einsums_tokens_in_every_loop(tp, allreduce):
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the default is pallas on GPUs only")
 def test_gpu_default_decoder_attends_through_the_kernel():
-    """On a GPU the default decoder's step holds one Pallas kernel per layer, its prefill none."""
+    """On a GPU the default decoder's step holds two Pallas kernels per layer (the splits and
+    their merge), its prefill none."""
     config, mesh, params = _params(1)
     dec = Decoder(config, mesh, params, max_seq_len=256)
     assert dec.attn_impl == "pallas" and dec.kv_layout == "bhsd"
     dec.start(PROMPT)
-    assert (_pallas_calls(dec, "step"), _pallas_calls(dec, "prefill")) == (config.num_layers, 0)
+    assert (_pallas_calls(dec, "step"), _pallas_calls(dec, "prefill")) == (2 * config.num_layers, 0)
