@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -549,6 +550,20 @@ def test_dispatch_cost_probe_runs_on_the_cpu(tmp_path):
     assert [(c["n"], c["donate"]) for c in data["calls"]] == [
         (n, d) for d in (False, True) for n in dispatch_cost.COUNTS]
     assert {"asarray_us", "async_copy_us", "device_get_us"} <= set(data["read"])
+
+
+def test_xla_options_probe_times_each_option_set_and_reports_unknown_ones(capsys):
+    """bench.probes.xla_options compiles the step once per option set (the options reach the
+    compile: an option XLA does not know is reported, not fatal) and times each one."""
+    from bench.probes import xla_options
+
+    assert xla_options.parse_options("a=true,b=3,c=LHS,d=false") == {
+        "a": True, "b": 3, "c": "LHS", "d": False}
+    assert xla_options.main(["--quick", "--samples", "2",
+                             "--options", ";no_such_xla_option=1"]) == 0
+    out = capsys.readouterr().out
+    assert "[no_such_xla_option=1]: not compiled" in out
+    assert re.search(r"\[defaults\]: \d+\.\d+ ms/step pipelined", out)
 
 
 def test_l2_reuse_probe_runs_on_the_cpu(capsys):
