@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# compute-sanitizer's memcheck, racecheck and synccheck on the decode attention's Pallas kernels
+# (models/pallas_attention.py: the splits' kernel and their merge; the XLA merge where the splits
+# are not a power of two), small cases on one GPU: float32 and bfloat16, groups of 1, 4 and 8
+# query heads, rows starting past slot 0, a bucket smaller than the cache. Every buffer is its
+# own allocation (XLA_PYTHON_CLIENT_ALLOCATOR=platform), so memcheck sees an access past any.
+#   bash bench/probes/sanitize_attention.sh     (from the repository root; no build needed)
+set -uo pipefail
+export PYTHONPATH="${PYTHONPATH:-}:src:." XLA_PYTHON_CLIENT_ALLOCATOR=platform
+export XLA_FLAGS="--xla_gpu_enable_command_buffer="
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+read -r -d '' CODE <<'PY'
+import jax, jax.numpy as jnp, numpy as np
+from models.pallas_attention import decode_attention
+rng = np.random.default_rng(0)
+for dt in (jnp.float32, jnp.bfloat16):
+    for b, kv, g, cap, n, pos in ((1, 2, 4, 256, 256, 255), (2, 1, 8, 512, 512, 300),
+                                  (1, 2, 1, 1024, 128, 70), (1, 1, 4, 384, 384, 200)):
+        q = jnp.asarray(rng.standard_normal((b, kv, g, 64)), dt)
+        k, v = (jnp.asarray(rng.standard_normal((b, kv, cap, 64)), dt) for _ in range(2))
+        start = jnp.asarray(np.arange(b) * 5, jnp.int32)
+        out = decode_attention(q, k, v, jnp.int32(pos), start, n)
+        assert out is not None and bool(jnp.isfinite(out).all())
+print("sanitize_attention: all calls ran")
+PY
+fail=0
+for tool in memcheck racecheck synccheck; do
+  echo "=== compute-sanitizer --tool $tool"
+  compute-sanitizer --tool "$tool" --error-exitcode 7 python3 -c "$CODE" 2>&1 \
+    | grep -v "^[WIE][0-9]\{4\}" | tail -4
+  rc=${PIPESTATUS[0]}
+  echo "$tool exit status $rc"
+  [ "$rc" -eq 0 ] || fail=1
+done
+exit $fail
