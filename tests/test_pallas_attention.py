@@ -42,7 +42,9 @@ F32_TOL = 5e-3 if jax.default_backend() == "gpu" else 2e-5
     (3, 4, 2, 128, 64, 40),
     (2, 1, 4, 4096, 4096, 3000),  # 256-slot splits: two kernel blocks each, row 1 from slot 300
     (1, 2, 4, 3072, 3072, 3071),  # a capacity that is no power of two: 24 splits of 128
-    (1, 1, 2, 1536, 1024, 700)])
+    (1, 1, 2, 1536, 1024, 700),
+    (1, 1, 32, 256, 256, 200),  # two programs of 16 query heads per split
+    (1, 2, 6, 256, 256, 130)])  # a group that is no power of two: XLA's merge
 def test_kernel_matches_float64(dtype, tol, b, kv, g, cap, n, pos):
     rng = np.random.default_rng(cap + pos)
     d = 64
