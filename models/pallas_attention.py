@@ -12,13 +12,13 @@ pipelined, lax.psum, paired in one process (docs/performance.md): against the li
 TP=1 4.153 -> 4.117 ms at KV 1K, TP=2's per-rank shapes 2.531 -> 2.481 at 1K and 3.044 -> 2.763
 at 16K. The cache write and the rotary embedding stay XLA's.
 
-The kernel reads the cache in place only in the "bhsd" layout ([B, kv heads, S, D]); it splits the
-whole cache into equal parts, of which those past the last filled slot return at once, so the
-cache's capacity must be a multiple of the split length, in at most MAX_SPLITS parts. Elsewhere
-(and for head sizes that are not powers of two) the einsums run (`decode_attention` returns
-None). Slots a row does not see are masked by their scores, not left unread (the kernel loads
-whole blocks): they must hold finite values, as the cache always does (zeros, or keys and values
-of earlier tokens).
+The kernel reads the cache in place only in the "bhsd" layout ([B, kv heads, S, D]); it cuts
+the cache into equal parts and runs those of the bucket, so the cache's capacity must be a
+multiple of the split length. Elsewhere (head sizes that are not powers of two, parts under 16
+slots, blocks too large for shared memory) the einsums run (`decode_attention` returns None).
+Slots a row does not see are masked by their scores, not left unread (the kernel loads whole
+blocks): they must hold finite values, as the cache always does (zeros, or keys and values of
+earlier tokens).
 """
 
 from __future__ import annotations
@@ -31,16 +31,17 @@ import jax.numpy as jnp
 
 TARGET_PROGRAMS = 128  # kernel programs (rows x kv heads x splits) per bucket: at 8 kv heads
 #                       and batch 1, 16 splits, the best of 4, 8, 16 at KV 1K and of 8, 16 at 16K
-MIN_SPLIT = 64  # slots per part at least
-MAX_SPLITS = 128  # parts per cache at most: every part, even one past pos, writes a partial
-#                   result the merge reads (8 KB per part and row at Llama-8B's 32 heads): a
-#                   small fill of a large cache runs the einsums over its bucket instead
+MIN_SPLIT = 64  # slots per part at least (buckets of 16-32 slots: one part of the bucket)
+KERNEL_MIN_SPLIT = 16  # the kernel's own floor (its blocks feed Triton dots of >= 16 rows)
 BLOCK = 128  # slots per step of the kernel's loop at most
+MERGE_MAX_ELEMENTS = 1 << 14  # partial outputs (splits x group x D) one merge program holds in
+#                               registers; more (many splits of a long group) merge in XLA's ops
 NUM_WARPS = 4  # the kernel's warps per program (the library's default; 8 was slower at 16K)
 NUM_STAGES = 3  # key/value blocks in flight per program (the library's 2: TP=2 shapes at 16K
 #                 2.84 -> 2.76 ms per step), as far as SMEM_BUDGET holds them
 SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipelined blocks may take (H100/H200: 227 KB)
 BLOCK_H = 16  # query heads per kernel program (Triton's dots need 16 rows; fewer are masked)
+TOTAL_FLOOR = 1e-30  # the merge's denominator at least (see _merge_kernel)
 
 
 def _pow2_floor(n: int) -> int:
@@ -54,22 +55,26 @@ def _is_pow2(n: int) -> bool:
 def split_length(capacity: int, attend_len: int, rows_heads: int = 8) -> Optional[int]:
     """Slots per kernel split (a power of two: Triton's blocks are) for a bucket of attend_len
     slots in a cache of `capacity` read by rows_heads (batch rows x kv heads) programs per split,
-    or None where the cache does not split evenly into at most MAX_SPLITS parts. The bucket is
-    cut into about TARGET_PROGRAMS / rows_heads parts, so that fewer kv heads per rank (TP=2)
-    still give the GPU enough programs."""
+    or None where the cache does not split evenly into parts of at least KERNEL_MIN_SPLIT slots.
+    The bucket is cut into about TARGET_PROGRAMS / rows_heads parts (only the bucket's parts
+    run), so that fewer kv heads per rank (TP=2) still give the GPU enough programs."""
     parts = max(1, TARGET_PROGRAMS // rows_heads)
     split = min(_pow2_floor(max(MIN_SPLIT, attend_len // parts)), _pow2_floor(attend_len))
-    if capacity % split or capacity // split > MAX_SPLITS:
+    if split < KERNEL_MIN_SPLIT or capacity % split:
         return None
     return split
 
 
 def _kernel_split(q: jax.Array, kc: jax.Array, attend_len: int) -> Optional[int]:
-    """The split length decode_attention runs the kernel with, or None where it does not."""
+    """The split length decode_attention runs the kernel with, or None where it does not (also
+    where one key and one value block would not fit in SMEM_BUDGET)."""
     d = q.shape[-1]
     if d < 16 or not _is_pow2(d) or q.dtype != kc.dtype:
         return None
-    return split_length(kc.shape[2], attend_len, q.shape[0] * q.shape[1])
+    split = split_length(kc.shape[2], attend_len, q.shape[0] * q.shape[1])
+    if split is None or 2 * min(BLOCK, split) * d * kc.dtype.itemsize > SMEM_BUDGET:
+        return None
+    return split
 
 
 def applies(q: jax.Array, kc: jax.Array, attend_len: int) -> bool:
@@ -79,27 +84,28 @@ def applies(q: jax.Array, kc: jax.Array, attend_len: int) -> bool:
 
 def pipeline_stages(block_k: int, d: int, itemsize: int) -> int:
     """Key/value blocks the kernel keeps in flight: NUM_STAGES where SMEM_BUDGET holds them
-    (a stage is a key and a value block), fewer for long heads or wide dtypes, at least one."""
+    (a stage is a key and a value block), fewer for long heads or wide dtypes, at least one
+    (_kernel_split runs the kernel only where one stage fits)."""
     return max(1, min(NUM_STAGES, SMEM_BUDGET // (2 * block_k * d * itemsize)))
 
 
-def _partials(q, kc, vc, start, kv_len, split: int, interpret: bool):
+def _partials(q, kc, vc, start, kv_len, split: int, splits: int, interpret: bool):
     """Each split's unnormalised output o [B, KV, splits, G, D] float32 and its rows' score
     maximum m and exp-sum l [B, KV, splits, G], from the library's kernel body (one program per
-    (row, kv head, head block, split); a split past kv_len or before start returns at once)."""
+    (row, kv head, head block, split) over the first `splits` parts of `split` slots; a split
+    past kv_len or before start returns at once)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
     from jax.experimental.pallas.ops.gpu.decode_attention import attn_forward_kernel
 
     g, d = q.shape[2:]
-    splits = kc.shape[2] // split
     block_k = min(BLOCK, split)
     stages = pipeline_stages(block_k, d, kc.dtype.itemsize)
     kernel = functools.partial(attn_forward_kernel, sm_scale=d ** -0.5, block_k=block_k,
                                block_h=BLOCK_H, num_heads=g)
 
     def one(q, k, v, start, kv_len):  # q [G, D], k and v [S, D], start and kv_len []
-        k, v = (x.reshape(splits, split, d) for x in (k, v))
+        k, v = (x.reshape(-1, split, d) for x in (k, v))  # the whole cache, in parts
         return pl.pallas_call(
             kernel, grid=(pl.cdiv(g, BLOCK_H), splits),
             in_specs=[pl.BlockSpec((BLOCK_H, d), lambda i, j: (i, 0)),
@@ -123,7 +129,9 @@ def _merge_kernel(o_ref, m_ref, l_ref, out_ref):
     """One (row, kv head): the splits' partial results [splits, G, D] merged and normalised."""
     m = m_ref[...]
     w = jnp.exp(m - m.max(axis=0)[None, :])  # a split that saw no slot: m = min, weight 0
-    total = (l_ref[...] * w).sum(axis=0)
+    # >= 1 where a slot is seen (the split with the largest score adds exp(0) = 1); the floor
+    # only keeps a row that sees nothing (start > pos, which the decoder never asks) finite
+    total = jnp.maximum((l_ref[...] * w).sum(axis=0), TOTAL_FLOOR)
     out = (o_ref[...] * w[:, :, None]).sum(axis=0) / total[:, None]
     out_ref[...] = out.astype(out_ref.dtype)
 
@@ -136,7 +144,7 @@ def _merge(o, m, l, dtype, interpret: bool):
     from jax.experimental.pallas import triton as plgpu
 
     splits, g, d = o.shape[2:]
-    if _is_pow2(splits) and _is_pow2(g):
+    if _is_pow2(splits) and _is_pow2(g) and splits * g * d <= MERGE_MAX_ELEMENTS:
         call = pl.pallas_call(
             _merge_kernel, out_shape=jax.ShapeDtypeStruct((g, d), dtype),
             compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
@@ -146,7 +154,7 @@ def _merge(o, m, l, dtype, interpret: bool):
     # (its TODO b/389925439: invalid values without it)
     top = jax.lax.optimization_barrier(m.max(axis=2))
     w = jnp.exp(m - top[:, :, None])
-    total = (l * w).sum(axis=2)
+    total = jnp.maximum((l * w).sum(axis=2), TOTAL_FLOOR)
     return ((o * w[..., None]).sum(axis=2) / total[..., None]).astype(dtype)
 
 
@@ -165,5 +173,6 @@ def decode_attention(q: jax.Array, kc: jax.Array, vc: jax.Array, pos: jax.Array,
     start = jnp.zeros((b,), jnp.int32) if start is None else start.astype(jnp.int32)
     kv_len = jnp.broadcast_to(pos + 1, (b,)).astype(jnp.int32)
     per_head = lambda x: jnp.broadcast_to(x[:, None], (b, kv))  # noqa: E731
-    o, m, l = _partials(q, kc, vc, per_head(start), per_head(kv_len), split, interpret)
+    splits = -(-attend_len // split)  # the bucket's parts: pos < attend_len
+    o, m, l = _partials(q, kc, vc, per_head(start), per_head(kv_len), split, splits, interpret)
     return _merge(o, m, l, q.dtype, interpret).reshape(b, kv * g, d)

@@ -40,7 +40,7 @@ F32_TOL = 5e-3 if jax.default_backend() == "gpu" else 2e-5
     (1, 2, 1, 1024, 128, 0),  # one slot seen; the bucket smaller than the cache
     (2, 1, 8, 512, 512, 300),  # splits past pos return at once
     (3, 4, 2, 128, 64, 40),
-    (2, 1, 4, 4096, 4096, 3000),  # 256-slot splits: two kernel blocks each, row 1 from slot 300
+    (2, 1, 4, 4096, 4096, 3000),  # 64 splits of 64 slots, row 1 from slot 300
     (1, 2, 4, 3072, 3072, 3071),  # a capacity that is no power of two: 24 splits of 128
     (1, 1, 2, 1536, 1024, 700),
     (1, 1, 32, 256, 256, 200),  # two programs of 16 query heads per split
@@ -65,12 +65,42 @@ def test_kernel_matches_float64(dtype, tol, b, kv, g, cap, n, pos):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, F32_TOL), (jnp.bfloat16, 3e-2)])
+def test_blocks_before_a_rows_start_are_masked_whole(dtype, tol):
+    """32 rows x kv heads: 4 splits of 256 slots, 2 kernel blocks each. A row starting at 140 or
+    400 begins a split with a block it sees none of (its running maximum and sums must be
+    discarded by the next block's correction), one starting at 700 skips two splits."""
+    b, kv, g, cap, d, pos = 4, 8, 2, 1024, 64, 900
+    assert split_length(cap, cap, b * kv) == 256
+    rng = np.random.default_rng(3)
+    q = rng.uniform(-2, 2, (b, kv, g, d))
+    k, v = rng.uniform(-2, 2, (2, b, kv, cap, d))
+    start = np.array([0, 140, 400, 700], np.int32)
+    k[:, :, pos + 1:] = v[:, :, pos + 1:] = 1e4
+    for r in range(b):
+        k[r, :, : start[r]] = v[r, :, : start[r]] = -1e4
+    got = decode_attention(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+                           jnp.int32(pos), jnp.asarray(start), cap)
+    want = _reference(*(np.asarray(jnp.asarray(a, dtype), np.float64) for a in (q, k, v)),
+                      pos, start)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol, rtol=tol)
+
+
+def test_a_row_that_sees_no_slot_gets_zeros_not_nan():
+    """start > pos (never asked by the decoder): the merge's denominator is floored."""
+    q = jnp.ones((2, 1, 4, 64))
+    k = jnp.ones((2, 1, 256, 64))
+    got = decode_attention(q, k, k, jnp.int32(5), jnp.asarray([0, 10], jnp.int32), 256)
+    assert np.isfinite(np.asarray(got)).all() and not np.asarray(got)[1].any()
+
+
 def test_split_length_needs_an_even_split_of_the_cache():
     assert split_length(1024, 1024) == 64 and split_length(16384, 16384) == 1024
     assert split_length(4096, 64) == 64  # a small bucket: one split of it
     assert split_length(3072, 3072) == 128  # a power of two (Triton's blocks), 24 splits
     assert split_length(1000, 1024) is None  # 1000 slots do not split into parts of 64
-    assert split_length(1 << 17, 1024) is None  # 2048 parts: the einsums over the bucket
+    assert split_length(1 << 17, 1024) == 64  # a small fill of a large cache: the bucket's parts
+    assert split_length(8, 8) is None and split_length(16, 16) == 16  # the kernel's floor: 16
     # fewer kv heads (TP=2's 4 per rank) or more rows: as many programs in more or fewer parts
     assert split_length(16384, 16384, rows_heads=4) == 512
     assert split_length(16384, 16384, rows_heads=32) == 4096
@@ -82,10 +112,12 @@ def test_split_length_needs_an_even_split_of_the_cache():
 
 def test_pipelined_blocks_fit_in_shared_memory():
     assert pipeline_stages(128, 128, 2) == 3  # Llama's heads in bf16: 3 x 64 KB
-    for block_k, d, itemsize in ((128, 256, 2), (128, 128, 4), (64, 64, 2), (128, 512, 4)):
+    for block_k, d, itemsize in ((128, 256, 2), (128, 128, 4), (64, 64, 2), (16, 512, 4)):
         stages = pipeline_stages(block_k, d, itemsize)
-        assert stages >= 1
-        assert stages == 1 or stages * 2 * block_k * d * itemsize <= SMEM_BUDGET
+        assert 1 <= stages and stages * 2 * block_k * d * itemsize <= SMEM_BUDGET
+    # where not even one key and one value block fit, the einsums run
+    big = jnp.zeros((1, 1, 256, 512), jnp.float32)  # 2 x 64 x 512 x 4 bytes = 256 KB
+    assert not applies(jnp.zeros((1, 1, 4, 512), jnp.float32), big, 256)
 
 
 def test_the_kernel_applies_to_power_of_two_heads_in_the_cache_dtype():
