@@ -41,7 +41,7 @@ NUM_STAGES = 3  # key/value blocks in flight per program (the library's 2: TP=2 
 #                 2.84 -> 2.76 ms per step), as far as SMEM_BUDGET holds them
 SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipelined blocks may take (H100/H200: 227 KB)
 BLOCK_H = 16  # query heads per kernel program (Triton's dots need 16 rows; fewer are masked)
-TOTAL_FLOOR = 1e-30  # the merge's denominator at least (see _merge_kernel)
+TOTAL_FLOOR = 1e-30  # the merge's denominator at least (see _combine)
 
 
 def _pow2_floor(n: int) -> int:
@@ -125,15 +125,21 @@ def _partials(q, kc, vc, start, kv_len, split: int, splits: int, interpret: bool
     return o, m, l
 
 
+def _combine(o, m, l, axis: int, top):
+    """The splits' partial results (o [..., G, D], m and l [..., G], splits on `axis`) merged
+    and normalised, with top = m's maximum over the splits: a split that saw no slot has
+    m = min, weight 0; the denominator is >= 1 where a slot is seen (the split with the largest
+    score adds exp(0) = 1), and the floor only keeps a row that sees nothing (start > pos, which
+    the decoder never asks) finite."""
+    w = jnp.exp(m - jnp.expand_dims(top, axis))
+    total = jnp.maximum((l * w).sum(axis), TOTAL_FLOOR)
+    return (o * w[..., None]).sum(axis) / total[..., None]
+
+
 def _merge_kernel(o_ref, m_ref, l_ref, out_ref):
-    """One (row, kv head): the splits' partial results [splits, G, D] merged and normalised."""
+    """One (row, kv head): its splits [splits, G, D] merged."""
     m = m_ref[...]
-    w = jnp.exp(m - m.max(axis=0)[None, :])  # a split that saw no slot: m = min, weight 0
-    # >= 1 where a slot is seen (the split with the largest score adds exp(0) = 1); the floor
-    # only keeps a row that sees nothing (start > pos, which the decoder never asks) finite
-    total = jnp.maximum((l_ref[...] * w).sum(axis=0), TOTAL_FLOOR)
-    out = (o_ref[...] * w[:, :, None]).sum(axis=0) / total[:, None]
-    out_ref[...] = out.astype(out_ref.dtype)
+    out_ref[...] = _combine(o_ref[...], m, l_ref[...], 0, m.max(axis=0)).astype(out_ref.dtype)
 
 
 def _merge(o, m, l, dtype, interpret: bool):
@@ -150,12 +156,9 @@ def _merge(o, m, l, dtype, interpret: bool):
             compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
             interpret=interpret, name="decode_attention_merge")
         return jax.vmap(jax.vmap(call))(o, m, l)
-    # the same arithmetic; the barrier keeps the maximum its own kernel, as the library does
-    # (its TODO b/389925439: invalid values without it)
-    top = jax.lax.optimization_barrier(m.max(axis=2))
-    w = jnp.exp(m - top[:, :, None])
-    total = jnp.maximum((l * w).sum(axis=2), TOTAL_FLOOR)
-    return ((o * w[..., None]).sum(axis=2) / total[..., None]).astype(dtype)
+    # the barrier keeps the maximum its own kernel, as the library does (its TODO
+    # b/389925439: invalid values without it)
+    return _combine(o, m, l, 2, jax.lax.optimization_barrier(m.max(axis=2))).astype(dtype)
 
 
 def decode_attention(q: jax.Array, kc: jax.Array, vc: jax.Array, pos: jax.Array,

@@ -23,13 +23,5 @@ for dt in (jnp.float32, jnp.bfloat16):
         assert out is not None and bool(jnp.isfinite(out).all())
 print("sanitize_attention: all calls ran")
 PY
-fail=0
-for tool in memcheck racecheck synccheck; do
-  echo "=== compute-sanitizer --tool $tool"
-  compute-sanitizer --tool "$tool" --error-exitcode 7 python3 -c "$CODE" 2>&1 \
-    | grep -v "^[WIE][0-9]\{4\}" | tail -4
-  rc=${PIPESTATUS[0]}
-  echo "$tool exit status $rc"
-  [ "$rc" -eq 0 ] || fail=1
-done
-exit $fail
+source "$(dirname "$0")/sanitize_run.sh"
+sanitize_python "$CODE"

@@ -26,13 +26,5 @@ for dt in ("float32", "bfloat16"):
     jax.block_until_ready(qwen3_moe.experts_matvec(xs, wts, e_ids, gate_up, down))
 print("sanitize_matvec: all calls ran")
 PY
-fail=0
-for tool in memcheck racecheck synccheck; do
-  echo "=== compute-sanitizer --tool $tool"
-  compute-sanitizer --tool "$tool" --error-exitcode 7 python3 -c "$CODE" 2>&1 \
-    | grep -v "^[WIE][0-9]\{4\}" | tail -4
-  rc=${PIPESTATUS[0]}
-  echo "$tool exit status $rc"
-  [ "$rc" -eq 0 ] || fail=1
-done
-exit $fail
+source "$(dirname "$0")/sanitize_run.sh"
+sanitize_python "$CODE"
