@@ -659,8 +659,8 @@ def cache_copies(dec, loop: str, s) -> dict:
     """{"entry": n, "loop": n}: KV-cache copies in the optimised HLO of the executable this loop
     runs from here (compiling it now, as its first step would)."""
     exe = dec.compiled_chunk(s["chunk"]) if loop == "on_device" else dec.compiled_step()
-    k = dec.state["cache"][0]["k"]
-    found = hlo.cache_copies(exe.as_text(), hlo.hlo_shape(k.dtype, k.sharding.shard_shape(k.shape)))
+    c = dec.state["cache"]  # the one cache array (a copy of it, not of a slice, is the cost)
+    found = hlo.cache_copies(exe.as_text(), hlo.hlo_shape(c.dtype, c.sharding.shard_shape(c.shape)))
     return {place: len(lines) for place, lines in found.items()}
 
 

@@ -129,9 +129,11 @@ class Step:
         return (causal[None] & (slots[None, None, :] >= self.start[:, None, None]))[:, None, None]
 
 
-def _to_cache(x, dims: str, dtype):
-    """[B, T, kv heads, D] keys or values in the cache's layout (`dims`) and dtype."""
-    return (x if dims == "bskd" else jnp.swapaxes(x, 1, 2)).astype(dtype)
+def _to_cache(k, v, dims: str, dtype):
+    """This step's keys and values [B, T, kv heads, D] as the cache's update [1, 2, ...] for one
+    layer: keys then values, each in the layer's layout (`dims`) and the cache's dtype."""
+    kv = jnp.stack([k, v])[None]
+    return (kv if dims == "bskd" else jnp.swapaxes(kv, 3, 4)).astype(dtype)
 
 
 class Attention(nnx.Module):
@@ -153,9 +155,10 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt)
 
-    def __call__(self, x: jax.Array, kv_cache: dict, step: Step):
-        """x [B, T, hidden]; kv_cache {"k","v"}: [B, S, local_kv_heads, head_dim] ("bshd") or
-        [B, local_kv_heads, S, head_dim] ("bhsd"), see KV_LAYOUTS.
+    def __call__(self, x: jax.Array, cache: jax.Array, layer: int, step: Step):
+        """x [B, T, hidden]; cache: every layer's keys and values as one array [layers, 2, ...]
+        (sharding.cache_dims: [..., B, S, local_kv_heads, head_dim] ("bshd") or [..., B,
+        local_kv_heads, S, head_dim] ("bhsd")), of which this is layer `layer`.
         Returns (this rank's partial sum of the output projection, new cache): the caller
         all-reduces it."""
         g, d = self.group, self.head_dim
@@ -168,19 +171,19 @@ class Attention(nnx.Module):
         # write this step's keys/values in place (the cache is donated), then attend over a
         # static prefix of the cache with a position mask: one compiled step per length bucket,
         # whose cost is that of the bucket, not of the whole cache.
+        # The layer's keys and values are one update (one kernel) of the one cache array.
         dims = KV_LAYOUTS[step.kv_layout]
         s_axis = dims.index("s")
-        at = [0, 0, 0, 0]
-        at[s_axis] = step.positions[0]
-        kc = jax.lax.dynamic_update_slice(kv_cache["k"], _to_cache(k, dims, kv_cache["k"].dtype), at)
-        vc = jax.lax.dynamic_update_slice(kv_cache["v"], _to_cache(v, dims, kv_cache["v"].dtype), at)
-        n = kc.shape[s_axis] if step.attend_len is None else step.attend_len
+        at = [layer, 0, 0, 0, 0, 0]
+        at[2 + s_axis] = step.positions[0]
+        cache = jax.lax.dynamic_update_slice(cache, _to_cache(k, v, dims, cache.dtype), at)
+        n = cache.shape[2 + s_axis] if step.attend_len is None else step.attend_len
         out = None
         if step.attn_impl == "pallas" and x.shape[1] == 1 and step.kv_layout == "bhsd":
-            out = decode_attention(q[:, 0], kc, vc, step.positions[0], step.start, n)
+            out = decode_attention(q[:, 0], cache, layer, step.positions[0], step.start, n)
         if out is None:
-            ka = jax.lax.slice_in_dim(kc, 0, n, axis=s_axis)
-            va = jax.lax.slice_in_dim(vc, 0, n, axis=s_axis)
+            # this layer's first n slots of keys and of values (static slices of the cache)
+            ka, va = (jax.lax.slice_in_dim(cache[layer, c], 0, n, axis=s_axis) for c in (0, 1))
             scores = jnp.einsum(f"btkgd,{dims}->bkgts", q, ka, preferred_element_type=jnp.float32)
             scores = scores * (d ** -0.5)
             scores = jnp.where(step.visible(n), scores, jnp.finfo(jnp.float32).min)
@@ -188,4 +191,4 @@ class Attention(nnx.Module):
             out = jnp.einsum(f"bkgts,{dims}->btkgd", probs, va, preferred_element_type=jnp.float32)
         out = out.astype(x.dtype).reshape(*x.shape[:2], -1, d)  # heads in (kv group, group) order
         partial = project("bthd,hdm->btm", out, self.o[...], step.gemm_rows)  # row-parallel partial
-        return partial, {"k": kc, "v": vc}
+        return partial, cache

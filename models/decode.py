@@ -5,8 +5,9 @@ its address from step to step (a buffer that moves makes XLA:GPU re-record the s
 buffer; at 8B shapes a token passed in and out of the step measured ~0.7 ms more per waited step
 on an H200 than a token kept in the state):
 
-    cache  per layer {"k", "v"}: [B, capacity, kv_heads, head_dim] or [B, kv_heads, capacity,
-           head_dim] (Decoder.kv_layout), split over the tp axis
+    cache  one array, every layer's keys and values: [layers, 2, B, capacity, kv_heads,
+           head_dim] or [layers, 2, B, kv_heads, capacity, head_dim] (Decoder.kv_layout,
+           sharding.cache_dims), split over the tp axis
     pos    int32, the next cache slot        tok   [B, 1] int32, the last token chosen
     done   [B] bool, a stop id was produced  eos   [MAX_STOP_IDS] int32, the stop ids (-1: none)
     key    uint32 raw PRNG key data          ar    all-reduce buffers (sifar_buffers), else {}
@@ -64,7 +65,7 @@ from .attention import check_attn_impl
 from .family import ModelConfig, ModelFamily
 from .families import family_of
 from .random_weights import hash_uniform, mix32
-from .sharding import KV_LAYOUTS, cache_spec, check_kv_layout, default_kv_layout
+from .sharding import cache_dims, cache_spec, check_kv_layout, default_kv_layout
 from .tp import ALLREDUCE_KINDS, FUSED_MODES, make_fused_add_norm
 from .sampling import MODES, Sampling, key_data, next_token
 
@@ -160,12 +161,11 @@ def _peek(tok):
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2), donate_argnums=0)
-def _random_like(leaves, seed: int, sharding):
-    """Arrays like `leaves`, uniform in (-1, 1), laid out as `sharding` (cache-sized: cheap to
+def _random_like(a, seed: int, sharding):
+    """An array like `a`, uniform in (-1, 1), laid out as `sharding` (cache-sized: cheap to
     compile, and each device computes its own shard)."""
-    return [jax.lax.with_sharding_constraint(
-        hash_uniform(a.shape, mix32(seed * 7919 + i)).astype(a.dtype), sharding)
-        for i, a in enumerate(leaves)]
+    return jax.lax.with_sharding_constraint(hash_uniform(a.shape, mix32(seed * 7919)).astype(a.dtype),
+                                            sharding)
 
 
 def stop_ids(eos_id) -> tuple[int, ...]:
@@ -329,10 +329,9 @@ class Decoder:
             self.reset(need)
             return
         old = self._capacity
-        grow = jax.jit(lambda c: jax.tree.map(
-            lambda a: jnp.pad(a, [(0, new - old if d == "s" else 0)
-                                  for d in KV_LAYOUTS[self.kv_layout]]), c),
-            out_shardings=self._cache_sharding)  # (a larger output cannot reuse the input)
+        grow = jax.jit(lambda c: jnp.pad(c, [(0, new - old if d == "s" else 0)
+                                             for d in cache_dims(self.kv_layout)]),
+                       out_shardings=self._cache_sharding)  # (a larger output cannot reuse the input)
         cache, self.state["cache"] = self.state["cache"], None
         self.state["cache"] = grow(cache)
         self._capacity, self._step = new, (0, None)
@@ -375,9 +374,7 @@ class Decoder:
         """Fill the whole KV cache with random values in (-1, 1) (for benchmarks, with seek)."""
         if self.state is None:
             self.reset()
-        leaves, tree = jax.tree.flatten(self.state["cache"])
-        self.state["cache"] = jax.tree.unflatten(tree, _random_like(leaves, seed,
-                                                                    self._cache_sharding))
+        self.state["cache"] = _random_like(self.state["cache"], seed, self._cache_sharding)
 
     def _check_ids(self, tokens: np.ndarray) -> np.ndarray:
         """tokens as int32, or a ValueError naming the first id outside [0, vocab_size) (an id

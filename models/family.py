@@ -110,9 +110,10 @@ class ModelFamily:
         return sharding.param_shardings(abstract, mesh, self.tp_dims, axis_name)
 
     def init_cache(self, config: Any, mesh: Mesh, batch_size: int, max_seq_len: int,
-                   axis_name: str = "tp", kv_layout: str = "bshd") -> list:
-        """Zero KV cache, created directly sharded (no host copy). With tp > num_kv_heads each
-        rank holds its copy of one KV head."""
+                   axis_name: str = "tp", kv_layout: str = "bshd") -> jax.Array:
+        """Zero KV cache, created directly sharded (no host copy): one array of every layer's
+        keys and values (sharding.cache_dims). With tp > num_kv_heads each rank holds its copy
+        of one KV head."""
         return sharding.init_cache(self.layout(config, mesh.shape[axis_name]), mesh, batch_size,
                                    max_seq_len, axis_name, kv_layout)
 
@@ -217,7 +218,7 @@ class ModelFamily:
         graphdef, abstract = self.abstract_model(layout)
         pspecs = self.param_specs(abstract, axis_name)
         sharding.check_kv_layout(kv_layout)
-        cspec = sharding.cache_specs(layout, axis_name, kv_layout)
+        cspec = sharding.cache_spec(axis_name, kv_layout)
         aspecs = {} if ar_specs is None else ar_specs
         reduce_fn = make_allreduce(allreduce, algorithm)
         if fused not in FUSED_MODES:

@@ -59,16 +59,16 @@ class Block(nnx.Module):
         self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, h, x, kv_cache, step: Step, tp: TPContext, next_norm: RMSNorm,
-                 next_weight: Optional[jax.Array] = None):
+    def __call__(self, h, x, cache, layer: int, step: Step, tp: TPContext,
+                 next_norm: RMSNorm, next_weight: Optional[jax.Array] = None):
         """h = input_norm(x), already computed by the previous all-reduce; x the residual
         stream. Returns (next_norm(new x), new x, new cache): each all-reduce is followed by the
         residual add and the norm after it, fused or not (TPContext.add_norm). next_weight: the
         first weight read after this block (the next layer's qkv, or the LM head)."""
-        a, kv_cache = self.attn(h, kv_cache, step)
+        a, cache = self.attn(h, cache, layer, step)
         h, x = tp.add_norm(a, x, self.post_norm, self.mlp.gate_up[...])
         h, x = tp.add_norm(self.mlp(h, step.gemm_rows), x, next_norm, next_weight)
-        return h, x, kv_cache
+        return h, x, cache
 
 
 class Llama(transformer.CausalLM):

@@ -12,7 +12,8 @@ pipelined, lax.psum, paired in one process (docs/performance.md): against the li
 TP=1 4.153 -> 4.117 ms at KV 1K, TP=2's per-rank shapes 2.531 -> 2.481 at 1K and 3.044 -> 2.763
 at 16K. The cache write and the rotary embedding stay XLA's.
 
-The kernel reads the cache in place only in the "bhsd" layout ([B, kv heads, S, D]); it cuts
+The kernel reads a layer's keys and values in place from the whole cache array only in the
+"bhsd" layout ([layers, 2, B, kv heads, S, D]); it cuts
 the cache into equal parts and runs those of the bucket, so the cache's capacity must be a
 multiple of the split length. Elsewhere (head sizes that are not powers of two, parts under 16
 slots, blocks too large for shared memory) the einsums run (`decode_attention` returns None).
@@ -65,21 +66,21 @@ def split_length(capacity: int, attend_len: int, rows_heads: int = 8) -> Optiona
     return split
 
 
-def _kernel_split(q: jax.Array, kc: jax.Array, attend_len: int) -> Optional[int]:
+def _kernel_split(q: jax.Array, cache: jax.Array, attend_len: int) -> Optional[int]:
     """The split length decode_attention runs the kernel with, or None where it does not (also
     where one key and one value block would not fit in SMEM_BUDGET)."""
     d = q.shape[-1]
-    if d < 16 or not _is_pow2(d) or q.dtype != kc.dtype:
+    if d < 16 or not _is_pow2(d) or q.dtype != cache.dtype:
         return None
-    split = split_length(kc.shape[2], attend_len, q.shape[0] * q.shape[1])
-    if split is None or 2 * min(BLOCK, split) * d * kc.dtype.itemsize > SMEM_BUDGET:
+    split = split_length(cache.shape[-2], attend_len, q.shape[0] * q.shape[1])
+    if split is None or 2 * min(BLOCK, split) * d * cache.dtype.itemsize > SMEM_BUDGET:
         return None
     return split
 
 
-def applies(q: jax.Array, kc: jax.Array, attend_len: int) -> bool:
+def applies(q: jax.Array, cache: jax.Array, attend_len: int) -> bool:
     """Whether decode_attention runs the kernel for these operands (else it returns None)."""
-    return _kernel_split(q, kc, attend_len) is not None
+    return _kernel_split(q, cache, attend_len) is not None
 
 
 def pipeline_stages(block_k: int, d: int, itemsize: int) -> int:
@@ -89,40 +90,36 @@ def pipeline_stages(block_k: int, d: int, itemsize: int) -> int:
     return max(1, min(NUM_STAGES, SMEM_BUDGET // (2 * block_k * d * itemsize)))
 
 
-def _partials(q, kc, vc, start, kv_len, split: int, splits: int, interpret: bool):
-    """Each split's unnormalised output o [B, KV, splits, G, D] float32 and its rows' score
-    maximum m and exp-sum l [B, KV, splits, G], from the library's kernel body (one program per
-    (row, kv head, head block, split) over the first `splits` parts of `split` slots; a split
-    past kv_len or before start returns at once)."""
+def _partials(q, cache, layer: int, start, kv_len, split: int, splits: int, interpret: bool):
+    """Each split's unnormalised output o [B, KV, splits, G, D] float32 and its rows' exp-sum l
+    and score maximum m [B, KV, splits, G] (in that order), from the library's kernel body: one program per
+    (head block, split, row, kv head) over the first `splits` parts of `split` slots of layer
+    `layer`'s keys and values, read in place from the whole cache (a split past kv_len or before
+    start returns at once). The kernel reads its head block and split as program ids 0 and 1."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
     from jax.experimental.pallas.ops.gpu.decode_attention import attn_forward_kernel
 
-    g, d = q.shape[2:]
+    b, kv, g, d = q.shape
     block_k = min(BLOCK, split)
-    stages = pipeline_stages(block_k, d, kc.dtype.itemsize)
+    stages = pipeline_stages(block_k, d, cache.dtype.itemsize)
     kernel = functools.partial(attn_forward_kernel, sm_scale=d ** -0.5, block_k=block_k,
                                block_h=BLOCK_H, num_heads=g)
-
-    def one(q, k, v, start, kv_len):  # q [G, D], k and v [S, D], start and kv_len []
-        k, v = (x.reshape(-1, split, d) for x in (k, v))  # the whole cache, in parts
-        return pl.pallas_call(
-            kernel, grid=(pl.cdiv(g, BLOCK_H), splits),
-            in_specs=[pl.BlockSpec((BLOCK_H, d), lambda i, j: (i, 0)),
-                      pl.BlockSpec((None, split, d), lambda i, j: (j, 0, 0)),
-                      pl.BlockSpec((None, split, d), lambda i, j: (j, 0, 0)),
-                      pl.BlockSpec((), lambda i, j: ()), pl.BlockSpec((), lambda i, j: ())],
-            out_specs=[pl.BlockSpec((None, BLOCK_H, d), lambda i, j: (j, i, 0)),
-                       pl.BlockSpec((None, BLOCK_H), lambda i, j: (j, i)),
-                       pl.BlockSpec((None, BLOCK_H), lambda i, j: (j, i))],
-            out_shape=[jax.ShapeDtypeStruct((splits, g, d), jnp.float32),
-                       jax.ShapeDtypeStruct((splits, g), jnp.float32),
-                       jax.ShapeDtypeStruct((splits, g), jnp.float32)],
-            compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=stages),
-            interpret=interpret, name="decode_attention_splits")(q, k, v, start, kv_len)
-
-    o, l, m = jax.vmap(jax.vmap(one))(q, kc, vc, start, kv_len)
-    return o, m, l
+    part = lambda c: pl.BlockSpec((None, None, None, None, split, d),  # noqa: E731
+                                  lambda i, j, r, h: (layer, c, r, h, j, 0))
+    per_row = pl.BlockSpec((None,), lambda i, j, r, h: (r,))
+    return pl.pallas_call(
+        kernel, grid=(pl.cdiv(g, BLOCK_H), splits, b, kv),
+        in_specs=[pl.BlockSpec((None, None, BLOCK_H, d), lambda i, j, r, h: (r, h, i, 0)),
+                  part(0), part(1), per_row, per_row],
+        out_specs=[pl.BlockSpec((None, None, None, BLOCK_H, d), lambda i, j, r, h: (r, h, j, i, 0)),
+                   pl.BlockSpec((None, None, None, BLOCK_H), lambda i, j, r, h: (r, h, j, i)),
+                   pl.BlockSpec((None, None, None, BLOCK_H), lambda i, j, r, h: (r, h, j, i))],
+        out_shape=[jax.ShapeDtypeStruct((b, kv, splits, g, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, kv, splits, g), jnp.float32),
+                   jax.ShapeDtypeStruct((b, kv, splits, g), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=stages),
+        interpret=interpret, name="decode_attention_splits")(q, cache, cache, start, kv_len)
 
 
 def _combine(o, m, l, axis: int, top):
@@ -161,21 +158,22 @@ def _merge(o, m, l, dtype, interpret: bool):
     return _combine(o, m, l, 2, jax.lax.optimization_barrier(m.max(axis=2))).astype(dtype)
 
 
-def decode_attention(q: jax.Array, kc: jax.Array, vc: jax.Array, pos: jax.Array,
+def decode_attention(q: jax.Array, cache: jax.Array, layer: int, pos: jax.Array,
                      start: Optional[jax.Array], attend_len: int) -> Optional[jax.Array]:
-    """Attention of one new token per row: q [B, kv heads, group, D] (rotated), kc/vc the
-    written caches [B, kv heads, S, D]; slot s of row b is seen where start[b] <= s <= pos.
-    Returns [B, kv heads * group, D] (heads in (kv head, group) order) in q's dtype, or None
-    where the kernel does not apply (`applies`: D a power of two >= 16, q in the cache's dtype,
-    and split_length). Each split's partial result is kept in float32 and merged in float32."""
-    split = _kernel_split(q, kc, attend_len)
+    """Attention of one new token per row: q [B, kv heads, group, D] (rotated); cache the written
+    cache [layers, 2, B, kv heads, S, D] (keys, then values, of every layer: sharding.cache_dims
+    for "bhsd"), of which layer `layer` is read; slot s of row b is seen where
+    start[b] <= s <= pos. Returns [B, kv heads * group, D] (heads in (kv head, group) order) in
+    q's dtype, or None where the kernel does not apply (`applies`: D a power of two >= 16, q in
+    the cache's dtype, and split_length). Each split's partial result is kept in float32 and
+    merged in float32."""
+    split = _kernel_split(q, cache, attend_len)
     if split is None:
         return None
     b, kv, g, d = q.shape
     interpret = jax.default_backend() != "gpu"
     start = jnp.zeros((b,), jnp.int32) if start is None else start.astype(jnp.int32)
     kv_len = jnp.broadcast_to(pos + 1, (b,)).astype(jnp.int32)
-    per_head = lambda x: jnp.broadcast_to(x[:, None], (b, kv))  # noqa: E731
     splits = -(-attend_len // split)  # the bucket's parts: pos < attend_len
-    o, m, l = _partials(q, kc, vc, per_head(start), per_head(kv_len), split, splits, interpret)
+    o, l, m = _partials(q, cache, layer, start, kv_len, split, splits, interpret)
     return _merge(o, m, l, q.dtype, interpret).reshape(b, kv * g, d)

@@ -322,15 +322,15 @@ class Block(nnx.Module):
         self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
         self.moe = MoE(config, rngs=rngs)
 
-    def __call__(self, h, x, kv_cache, step: Step, tp: TPContext, next_norm: RMSNorm,
-                 next_weight: Optional[jax.Array] = None):
+    def __call__(self, h, x, cache, layer: int, step: Step, tp: TPContext,
+                 next_norm: RMSNorm, next_weight: Optional[jax.Array] = None):
         """The block contract of transformer.py: h = input_norm(x); returns (next_norm(new x),
         new x, new cache). The all-reduce after attention prefetches the router (the next weight
         read; which experts follow is not known yet)."""
-        a, kv_cache = self.attn(h, kv_cache, step)
+        a, cache = self.attn(h, cache, layer, step)
         h, x = tp.add_norm(a, x, self.post_norm, self.moe.router[...])
         h, x = tp.add_norm(self.moe(h, step.gemm_rows), x, next_norm, next_weight)
-        return h, x, kv_cache
+        return h, x, cache
 
 
 class Qwen3Moe(transformer.CausalLM):

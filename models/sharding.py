@@ -19,9 +19,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-# KV cache layouts, by the einsum letters of a cache tensor: b batch, s positions, k kv heads,
-# d head dim. Which one a platform reads in place: default_kv_layout.
+# KV cache layouts, by the einsum letters of one layer's keys (or values): b batch, s positions,
+# k kv heads, d head dim. Which one a platform reads in place: default_kv_layout.
 KV_LAYOUTS = {"bshd": "bskd", "bhsd": "bksd"}
+# The whole cache is one array: every layer's keys and values stacked in front of that layout
+# (l layer, c 0 for keys and 1 for values). One array, not two per layer, because each array a
+# step takes and donates costs the host ~2.5-3.5 us per call on an H200 host
+# (bench.probes.dispatch_cost), and a layer's keys and values are then written by one kernel.
+STACK_DIMS = "lc"
+
+
+def cache_dims(kv_layout: str) -> str:
+    """The einsum letters of the whole cache array in `kv_layout` (STACK_DIMS + KV_LAYOUTS)."""
+    return STACK_DIMS + KV_LAYOUTS[kv_layout]
 
 
 # ---- tensor parallelism of the attention, and what else a family splits ---------------------------
@@ -114,24 +124,22 @@ def check_kv_layout(kv_layout: str) -> None:
 
 
 def cache_spec(axis_name: str = "tp", kv_layout: str = "bshd") -> P:
-    """Split over kv heads, whichever axis holds them."""
-    return P(*(axis_name if d == "k" else None for d in KV_LAYOUTS[kv_layout]))
+    """The cache array's spec: split over kv heads, whichever axis holds them."""
+    return P(*(axis_name if d == "k" else None for d in cache_dims(kv_layout)))
 
 
-def cache_specs(layout: Any, axis_name: str = "tp", kv_layout: str = "bshd") -> list:
-    """The cache pytree's specs: per layer {"k", "v"}."""
-    spec = cache_spec(axis_name, kv_layout)
-    return [{"k": spec, "v": spec}] * layout.num_layers
+def cache_shape(layout: Any, batch_size: int, max_seq_len: int,
+                kv_layout: str = "bshd") -> tuple[int, ...]:
+    """The global shape of the cache array (cache_dims) of a tp layout's config."""
+    sizes = {"l": layout.num_layers, "c": 2, "b": batch_size, "s": max_seq_len,
+             "k": layout.num_kv_heads, "d": layout.head_dim}
+    return tuple(sizes[d] for d in cache_dims(kv_layout))
 
 
 def init_cache(layout: Any, mesh: Mesh, batch_size: int, max_seq_len: int,
-               axis_name: str = "tp", kv_layout: str = "bshd") -> list:
+               axis_name: str = "tp", kv_layout: str = "bshd") -> jax.Array:
     """Zero KV cache of a tp layout's config (tp_layout: with tp > num_kv_heads each rank holds
-    its copy of one KV head), created directly sharded (no host copy)."""
-    sizes = {"b": batch_size, "s": max_seq_len, "k": layout.num_kv_heads, "d": layout.head_dim}
-    shape = tuple(sizes[d] for d in KV_LAYOUTS[kv_layout])
+    its copy of one KV head), created directly sharded (no host copy): one array, cache_dims."""
+    shape = cache_shape(layout, batch_size, max_seq_len, kv_layout)
     sharding = NamedSharding(mesh, cache_spec(axis_name, kv_layout))
-    make = jax.jit(lambda: [{"k": jnp.zeros(shape, layout.dtype), "v": jnp.zeros(shape, layout.dtype)}
-                            for _ in range(layout.num_layers)],
-                   out_shardings=sharding)
-    return make()
+    return jax.jit(lambda: jnp.zeros(shape, layout.dtype), out_shardings=sharding)()

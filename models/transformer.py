@@ -14,8 +14,9 @@ Tensor-parallel layout of the stack (the blocks declare their own):
                               sharded; XLA gathers/argmaxes outside.
   norm                        replicated
 
-A block is called as block(h, x, kv_cache, step, tp, next_norm, next_weight) -> (h, x, kv_cache):
-h = its input_norm(x), already computed by the all-reduce before it; it returns next_norm(new x),
+A block is called as block(h, x, cache, layer, step, tp, next_norm, next_weight) -> (h, x, cache):
+cache is every layer's keys and values as one array (sharding.cache_dims), `layer` the block's
+index in it; h = its input_norm(x), already computed by the all-reduce before it; it returns next_norm(new x),
 computed by its own last all-reduce (fused or not, TPContext.add_norm). next_weight is the first
 weight read after it (the next block's attn.qkv, or the LM head), which the fused all-reduce
 prefetches. Every block has `input_norm` (RMSNorm) and `attn` (attention.Attention).
@@ -60,7 +61,7 @@ class CausalLM(nnx.Module):
                  attend_len: Optional[int] = None, kv_layout: str = "bshd",
                  start: Optional[jax.Array] = None, gemm_rows: int = 1, attn_impl: str = "xla"):
         """tokens [B, T] int32; positions [T] int32, contiguous, shared by the batch (the cache
-        is written at positions[0]); cache: list over layers of {"k","v"}; attend_len,
+        is written at positions[0]); cache: the KV cache array (sharding.cache_dims); attend_len,
         kv_layout, start (each row's first slot), gemm_rows, attn_impl: see attention.Step.
         Returns (local
         logits [B, T or 1, vocab/tp] float32, new cache)."""
@@ -72,10 +73,8 @@ class CausalLM(nnx.Module):
         head = None if self.config.tie_word_embeddings else self.lm_head[...]
         next_weights = [layer.attn.qkv[...] for layer in layers[1:]] + [head]
         h = layers[0].input_norm(x)  # the only norm not preceded by an all-reduce
-        new_cache = []
-        for layer, kv, next_norm, next_weight in zip(layers, cache, next_norms, next_weights):
-            h, x, kv = layer(h, x, kv, step, tp, next_norm, next_weight)
-            new_cache.append(kv)
+        for i, (layer, next_norm, next_weight) in enumerate(zip(layers, next_norms, next_weights)):
+            h, x, cache = layer(h, x, cache, i, step, tp, next_norm, next_weight)
         x = h  # self.norm(residual), from the last layer's final all-reduce
         if last_only:
             x = x[:, -1:]
@@ -87,4 +86,4 @@ class CausalLM(nnx.Module):
         else:
             logits = project("bth,hv->btv", x, self.lm_head[...], gemm_rows,
                              preferred_element_type=jnp.float32)
-        return logits, new_cache
+        return logits, cache

@@ -390,9 +390,10 @@ def test_attention_matches_numpy_with_and_without_qk_norm(qk_norm):
         attn.q_norm.weight[...] = jnp.asarray(wq)
         attn.k_norm.weight[...] = jnp.asarray(wk)
     x = rng.standard_normal((1, T, H)).astype(np.float32)
-    cache = {"k": jnp.zeros((1, 16, kv, d)), "v": jnp.zeros((1, 16, kv, d))}
+    layers, layer = 3, 1  # the one cache array of three layers ("bshd"), this attention layer 1
+    cache = jnp.full((layers, 2, 1, 16, kv, d), 0.25)
     step = Step.at(config, jnp.arange(T, dtype=jnp.int32))
-    got, new_cache = attn(jnp.asarray(x), cache, step)
+    got, new_cache = attn(jnp.asarray(x), cache, layer, step)
 
     def rms(a, w):
         return w * a / np.sqrt(np.mean(a * a, axis=-1, keepdims=True) + config.rms_norm_eps)
@@ -414,7 +415,12 @@ def test_attention_matches_numpy_with_and_without_qk_norm(qk_norm):
     out = np.einsum("kgts,skd->tkgd", p, v).reshape(T, -1, d)
     want = np.einsum("thd,hdm->tm", out, np.asarray(attn.o[...], np.float64))
     assert_close_ref(np.asarray(got)[0], want)
-    np.testing.assert_allclose(np.asarray(new_cache["k"])[0, :T], k, rtol=1e-4, atol=1e-4)
+    new_cache = np.asarray(new_cache)
+    np.testing.assert_allclose(new_cache[layer, 0, 0, :T], k, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(new_cache[layer, 1, 0, :T], v, rtol=1e-4, atol=1e-4)
+    written = np.zeros(new_cache.shape, bool)
+    written[layer, :, 0, :T] = True
+    assert np.all(new_cache[~written] == 0.25), "a slot other than the layer's T was written"
     assert ("q_norm" in nnx.to_pure_dict(nnx.state(attn))) == qk_norm
 
 

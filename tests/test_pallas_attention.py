@@ -30,6 +30,17 @@ def _reference(q, k, v, pos, start):
     return out.reshape(b, kv * g, d)
 
 
+LAYER = 1  # the layer the tests' caches hold their keys and values in
+
+
+def _cache(k, v, dtype, layers: int = 3):
+    """k and v [B, KV, S, D] as layer LAYER of a whole cache array [layers, 2, B, KV, S, D]
+    whose other layers hold NaN: a read of any of them would reach the output."""
+    c = np.full((layers, 2) + np.shape(k), np.nan, np.float32)
+    c[LAYER, 0], c[LAYER, 1] = k, v
+    return jnp.asarray(c, dtype)
+
+
 # On GPUs the kernel's float32 dots run as TF32 (Triton's default): a float32 bound of ~1e-3.
 F32_TOL = 5e-3 if jax.default_backend() == "gpu" else 2e-5
 
@@ -56,8 +67,8 @@ def test_kernel_matches_float64(dtype, tol, b, kv, g, cap, n, pos):
     k[:, :, pos + 1:] = v[:, :, pos + 1:] = 1e4
     for r in range(b):
         k[r, :, : start[r]] = v[r, :, : start[r]] = -1e4
-    got = decode_attention(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-                           jnp.int32(pos), jnp.asarray(start), n)
+    got = decode_attention(jnp.asarray(q, dtype), _cache(k, v, dtype), LAYER, jnp.int32(pos),
+                           jnp.asarray(start), n)
     assert got is not None and got.shape == (b, kv * g, d)
     want = _reference(np.asarray(jnp.asarray(q, dtype), np.float64),
                       np.asarray(jnp.asarray(k, dtype), np.float64),
@@ -79,8 +90,8 @@ def test_blocks_before_a_rows_start_are_masked_whole(dtype, tol):
     k[:, :, pos + 1:] = v[:, :, pos + 1:] = 1e4
     for r in range(b):
         k[r, :, : start[r]] = v[r, :, : start[r]] = -1e4
-    got = decode_attention(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-                           jnp.int32(pos), jnp.asarray(start), cap)
+    got = decode_attention(jnp.asarray(q, dtype), _cache(k, v, dtype), LAYER, jnp.int32(pos),
+                           jnp.asarray(start), cap)
     want = _reference(*(np.asarray(jnp.asarray(a, dtype), np.float64) for a in (q, k, v)),
                       pos, start)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol, rtol=tol)
@@ -89,8 +100,9 @@ def test_blocks_before_a_rows_start_are_masked_whole(dtype, tol):
 def test_a_row_that_sees_no_slot_gets_zeros_not_nan():
     """start > pos (never asked by the decoder): the merge's denominator is floored."""
     q = jnp.ones((2, 1, 4, 64))
-    k = jnp.ones((2, 1, 256, 64))
-    got = decode_attention(q, k, k, jnp.int32(5), jnp.asarray([0, 10], jnp.int32), 256)
+    k = np.ones((2, 1, 256, 64))
+    got = decode_attention(q, _cache(k, k, jnp.float32), LAYER, jnp.int32(5),
+                           jnp.asarray([0, 10], jnp.int32), 256)
     assert np.isfinite(np.asarray(got)).all() and not np.asarray(got)[1].any()
 
 
@@ -106,8 +118,8 @@ def test_split_length_needs_an_even_split_of_the_cache():
     assert split_length(16384, 16384, rows_heads=32) == 4096
     assert split_length(1024, 1024, rows_heads=4) == 64  # MIN_SPLIT
     q = jnp.zeros((1, 1, 1, 16))
-    kc = jnp.zeros((1, 1, 1000, 16))
-    assert decode_attention(q, kc, kc, jnp.int32(3), None, 1000) is None
+    kc = np.zeros((1, 1, 1000, 16))
+    assert decode_attention(q, _cache(kc, kc, jnp.float32), LAYER, jnp.int32(3), None, 1000) is None
 
 
 def test_pipelined_blocks_fit_in_shared_memory():
@@ -116,18 +128,18 @@ def test_pipelined_blocks_fit_in_shared_memory():
         stages = pipeline_stages(block_k, d, itemsize)
         assert 1 <= stages and stages * 2 * block_k * d * itemsize <= SMEM_BUDGET
     # where not even one key and one value block fit, the einsums run
-    big = jnp.zeros((1, 1, 256, 512), jnp.float32)  # 2 x 64 x 512 x 4 bytes = 256 KB
+    big = _cache(*np.zeros((2, 1, 1, 256, 512)), jnp.float32)  # 2 x 64 x 512 x 4 B = 256 KB
     assert not applies(jnp.zeros((1, 1, 4, 512), jnp.float32), big, 256)
 
 
 def test_the_kernel_applies_to_power_of_two_heads_in_the_cache_dtype():
-    kc = jnp.zeros((1, 1, 256, 64), jnp.bfloat16)
+    kc = _cache(*np.zeros((2, 1, 1, 256, 64)), jnp.bfloat16)
     assert applies(jnp.zeros((1, 1, 4, 64), jnp.bfloat16), kc, 256)
     assert not applies(jnp.zeros((1, 1, 4, 64), jnp.float32), kc, 256)  # another dtype
-    k80 = jnp.zeros((1, 1, 256, 80), jnp.bfloat16)
+    k80 = _cache(*np.zeros((2, 1, 1, 256, 80)), jnp.bfloat16)
     assert not applies(jnp.zeros((1, 1, 4, 80), jnp.bfloat16), k80, 256)  # head size 80
-    assert decode_attention(jnp.zeros((1, 1, 4, 80), jnp.bfloat16), k80, k80, jnp.int32(3), None,
-                            256) is None
+    assert decode_attention(jnp.zeros((1, 1, 4, 80), jnp.bfloat16), k80, LAYER, jnp.int32(3),
+                            None, 256) is None
 
 
 def test_attn_impl_is_checked_and_defaults_to_xla_off_gpus():
