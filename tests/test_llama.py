@@ -139,7 +139,12 @@ def ref_logits(w: dict, cfg: dict, tokens: np.ndarray) -> np.ndarray:
     return x @ head.T
 
 
-def assert_close_ref(got, want, rtol=1e-4):
+# float32 against float64: JAX's default matmul precision runs float32 dots as TF32 on GPUs (10
+# mantissa bits: measured 8e-4 of the logits' scale on an H200), exactly on the CPU.
+F32_RTOL = 5e-3 if jax.default_backend() == "gpu" else 1e-4
+
+
+def assert_close_ref(got, want, rtol=F32_RTOL):
     # relative to the logits' scale: float32 vs float64 over a 2-layer model
     np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
 
@@ -416,8 +421,8 @@ def test_attention_matches_numpy_with_and_without_qk_norm(qk_norm):
     want = np.einsum("thd,hdm->tm", out, np.asarray(attn.o[...], np.float64))
     assert_close_ref(np.asarray(got)[0], want)
     new_cache = np.asarray(new_cache)
-    np.testing.assert_allclose(new_cache[layer, 0, 0, :T], k, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(new_cache[layer, 1, 0, :T], v, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(new_cache[layer, 0, 0, :T], k, rtol=F32_RTOL, atol=F32_RTOL)
+    np.testing.assert_allclose(new_cache[layer, 1, 0, :T], v, rtol=F32_RTOL, atol=F32_RTOL)
     written = np.zeros(new_cache.shape, bool)
     written[layer, :, 0, :T] = True
     assert np.all(new_cache[~written] == 0.25), "a slot other than the layer's T was written"
@@ -486,6 +491,10 @@ def test_gemm_rows_pads_single_row_projections_only(loaded, sequence, tp):
     # 4 projections per layer + the LM head, each on a [2, ...] operand
     assert text.count("stablehlo.dot_general") >= 4 * config.num_layers + 1
     assert "tensor<2x1x128x" in text, "the projections did not run as two rows"
-    # prefill (8 rows) runs no padded projection; XLA:CPU's own run-to-run float32 noise only
-    np.testing.assert_allclose(two.teacher_forced_logits(sequence[None, :8]),
-                               one.teacher_forced_logits(sequence[None, :8]), rtol=1e-5, atol=1e-5)
+    # prefill (8 rows) runs no padded projection: XLA:CPU's own run-to-run float32 noise only;
+    # on GPUs each compile autotunes its own GEMMs, whose TF32 results differ by their rounding
+    got, want = (d.teacher_forced_logits(sequence[None, :8]) for d in (two, one))
+    if jax.default_backend() == "gpu":
+        assert_close_ref(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
