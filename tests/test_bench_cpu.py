@@ -540,6 +540,28 @@ def test_waited_step_probe_runs_on_the_cpu(tmp_path):
     assert data["pipelined_us"] > 0 and data["null_all_us"]["dispatch"] > 0
 
 
+def test_command_buffers_probe_counts_each_executables_events(capsys):
+    """bench.probes.command_buffers runs its three executables in a child process and counts
+    XLA's command-buffer log lines per executable (none on a CPU; the parser on a sample)."""
+    from bench.probes import command_buffers as cb
+
+    log = "\n".join([
+        "I1201 command_buffer_thunk.cc:1] Initialized command buffer on device #0",
+        f"{cb.MARK} step 0", "I1201 command_buffer_thunk.cc:2] Execute command buffer; n=1",
+        f"{cb.MARK} device_token 0",
+        "I1201 command_buffer_thunk.cc:3] [0] Updated command buffer in 120 us",
+        "I1201 command_buffer_thunk.cc:2] Execute command buffer; n=2",
+        f"{cb.MARK} end", "I1201 command_buffer_thunk.cc:2] Execute command buffer; n=3"])
+    counts = cb.count_events(log)
+    assert dict(counts["step"]) == {"execute": 1}  # the line before the first mark: no one's
+    assert dict(counts["device_token"]) == {"update": 1, "execute": 1}
+    assert not counts["no_token"]
+    assert cb.main(["--quick", "--steps", "2"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [r[:5] for r in rows] == [[v, "4", "0", "0", "0"] for v in cb.VARIANTS]
+    assert all(float(r[5]) > 0 for r in rows)
+
+
 def test_dispatch_cost_probe_runs_on_the_cpu(tmp_path):
     """bench.probes.dispatch_cost times every argument count, donated or not, and every read."""
     from bench.probes import dispatch_cost
