@@ -659,9 +659,11 @@ def cache_copies(dec, loop: str, s) -> dict:
     """{"entry": n, "loop": n}: KV-cache copies in the optimised HLO of the executable this loop
     runs from here (compiling it now, as its first step would)."""
     exe = dec.compiled_chunk(s["chunk"]) if loop == "on_device" else dec.compiled_step()
-    c = dec.state["cache"]  # the one cache array (a copy of it, not of a slice, is the cost)
-    found = hlo.cache_copies(exe.as_text(), hlo.hlo_shape(c.dtype, c.sharding.shard_shape(c.shape)))
-    return {place: len(lines) for place, lines in found.items()}
+    text, counts = exe.as_text(), {}
+    for shape in hlo.cache_shapes(dec.state["cache"]):  # the array, a layer, a layer's keys
+        for place, lines in hlo.cache_copies(text, shape).items():
+            counts[place] = counts.get(place, 0) + len(lines)
+    return counts
 
 
 def run(s, devices, on_record) -> list[dict]:

@@ -162,10 +162,12 @@ def _peek(tok):
 
 @functools.partial(jax.jit, static_argnums=(1, 2), donate_argnums=0)
 def _random_like(a, seed: int, sharding):
-    """An array like `a`, uniform in (-1, 1), laid out as `sharding` (cache-sized: cheap to
-    compile, and each device computes its own shard)."""
-    return jax.lax.with_sharding_constraint(hash_uniform(a.shape, mix32(seed * 7919)).astype(a.dtype),
-                                            sharding)
+    """An array like `a` (the KV cache), uniform in (-1, 1), laid out as `sharding` (cheap to
+    compile, and each device computes its own shard). Each layer (a's first axis) is hashed with
+    a salt of its own: a flat index over the whole cache would wrap at 2**32 elements (Llama-8B
+    at batch 8 and 16K positions has 2**33) and repeat the first layers' values."""
+    layers = [hash_uniform(a.shape[1:], mix32(seed * 7919 + i)) for i in range(a.shape[0])]
+    return jax.lax.with_sharding_constraint(jnp.stack(layers).astype(a.dtype), sharding)
 
 
 def stop_ids(eos_id) -> tuple[int, ...]:

@@ -75,6 +75,14 @@ def _with_callees(comps: dict[str, list[str]], name: str) -> list[str]:
     return lines
 
 
+def cache_shapes(cache) -> list[str]:
+    """The HLO shapes (hlo_shape) of one rank's KV cache array (sharding.cache_dims), of one
+    layer's keys and values, and of one layer's keys: a copy of any of them is a copy of the
+    cache (cache_copies)."""
+    shard = cache.sharding.shard_shape(cache.shape)
+    return [hlo_shape(cache.dtype, shard[i:]) for i in range(3)]
+
+
 def cache_copies(text: str, shape: str) -> dict[str, list[str]]:
     """Instructions that write a fresh array of `shape` (see hlo_shape) other than in place,
     per place: "entry" (the computation run once per call) and "loop" (every while body).

@@ -209,21 +209,13 @@ def test_top_p_keeps_the_smallest_nucleus():
 
 # ---- the compiled programs --------------------------------------------------------------------------
 
-def _cache_shapes(dec):
-    """The HLO shapes of a rank's whole cache array, one layer's keys and values, and one
-    layer's keys (a copy of any of them is a copy of the cache)."""
-    a = dec.state["cache"]
-    shard = a.sharding.shard_shape(a.shape)
-    return [hlo.hlo_shape(a.dtype, shard[i:]) for i in range(3)]
-
-
 @pytest.mark.parametrize("allreduce,batch", [("psum", 1), ("psum", 4), ("sifar_buffers", 1)])
 def test_no_copy_of_the_cache_per_step_or_per_loop_iteration(allreduce, batch, sifar_clean):
     """With the platform's default cache layout (sharding.default_kv_layout); batch > 1 matters:
     XLA:GPU copied a [B, S, heads, D] cache at B > 1 only."""
     dec = _decoder(2, allreduce, batch_size=batch)
     dec.start(np.tile(PROMPT, (batch, 1)), reserve=2 * CHUNK)
-    shapes = _cache_shapes(dec)
+    shapes = hlo.cache_shapes(dec.state["cache"])
     for name, exe in (("step", dec.compiled_step()),
                       ("fori", dec.compiled_chunk(CHUNK)),
                       ("while", dec.compiled_chunk(CHUNK, early_exit=True))):
