@@ -1,9 +1,9 @@
 """Probe: where a waited (sync) decode step's time goes beyond the device's step.
 
 A sync step is `advance()` (the host dispatches the compiled step: the decoder's parameter
-leaves and its state, ~270 arrays at 8B shapes), the device's step, then `token()` (the token's
-copy to the host). Issue 22 asks sync <= 1.25x pipelined; at TP=1 it measured 1.31x. This splits
-each waited step into
+leaves and its state, 204 arrays at 8B shapes; 267 before the KV cache became one array), the
+device's step, then `token()` (the token's copy to the host). Issue 22 asks sync <= 1.25x
+pipelined; at TP=1 it measured 1.31x, 1.18-1.21x since. This splits each waited step into
 
     dispatch  advance() returning (host: argument handling, launch)
     wait      the state's token ready after that (device: the step, and whatever the launch
