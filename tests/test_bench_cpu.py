@@ -485,6 +485,11 @@ def test_step_kernel_probe_sums_per_step_by_kind():
     assert sk.kind_of("ncclDevKernel_AllGather_RING_LL") == "nccl"
     assert sk.kind_of("loop_multiply_fusion_126") == "other"
     assert sk.kind_of("mha_forward") == "attention"  # the Pallas decode kernel's name
+    # sifar_jax.matvec's kernels (Qwen3's experts) are matmuls, not all-reduces
+    assert sk.kind_of("void sifar::cuda::MatVecKernel<__nv_bfloat16, 8>(sifar::cuda::Args)") \
+        == "matmul"
+    assert sk.kind_of("void sifar::cuda::AddSplitsKernel<float>(sifar::cuda::Args, long)") \
+        == "matmul"
     # a kernel no HLO instruction names: by its name (the Pallas kernel counts as attention)
     b = sk.breakdown([("mha_forward", 0, 4_000), ("gemm_fusion_dot_1", 5_000, 10_000),
                       ("loop_add_fusion", 16_000, 1_000)], steps=1, kinds={})
@@ -796,6 +801,31 @@ ENTRY %main.9 (param.0: bf16[64,32], param.1: bf16[1,64], param.2: bf16[1,4,16,8
   ROOT %add.9 = bf16[1,64]{1,0} add(%loop_multiply_fusion.4, %loop_multiply_fusion.4)
 }
 """
+
+
+MATVEC_HLO = """HloModule jit_step, is_scheduled=true
+
+ENTRY %main.3 (param.0: bf16[8,64,32], param.1: bf16[1,64], param.2: s32[1]) -> bf16[1,32] {
+  %param.0 = bf16[8,64,32]{2,1,0} parameter(0)
+  %param.1 = bf16[1,64]{1,0} parameter(1)
+  %param.2 = s32[1]{0} parameter(2)
+  %custom-call.1 = (bf16[1,32]{1,0}, f32[256]{0}) custom-call(%param.1, %param.0, %param.2), custom_call_target="sifar_matvec"
+  %get-tuple-element.2 = bf16[1,32]{1,0} get-tuple-element(%custom-call.1), index=0
+  %custom-call.3 = bf16[1,32]{1,0} custom-call(%get-tuple-element.2), custom_call_target="sifar_allreduce"
+  ROOT %copy.4 = bf16[1,32]{1,0} copy(%custom-call.3)
+}
+"""
+
+
+def test_step_breakdown_counts_the_experts_matvec_as_a_matmul():
+    """sifar_jax.matvec reading a weight (Qwen3's experts) is a matmul; only sifar_jax's
+    all-reduce targets count as all_reduce (a Qwen3 TP=1 step once showed 1.3 ms of
+    "all-reduce" with no all-reduce in it)."""
+    from bench.probes import step_kernels as sk
+
+    kinds = sk.hlo_kinds(MATVEC_HLO, n_weights=1)
+    assert kinds["custom-call.1"] == "matmul"
+    assert kinds["custom-call.3"] == "all_reduce"
 
 
 def test_step_breakdown_follows_weights_through_command_buffers():

@@ -53,6 +53,8 @@ VARIANTS = {"psum": ("psum", "psum", "auto", False), "sifar": ("sifar", "sifar",
 def kind_of(kernel: str) -> str:
     """A kernel's kind, from its name."""
     k = kernel.lower()
+    if "matvec" in k or "addsplits" in k:  # sifar_jax.matvec's kernels (the MoE experts)
+        return "matmul"
     if "sifar" in k:
         return "sifar"
     if "nccl" in k:
@@ -129,10 +131,16 @@ def _instructions(text: str):
 
 
 def _is_matmul(instruction) -> bool:
-    """A dot, a convolution, or a library GEMM (cuBLAS through a custom call)."""
+    """A dot, a convolution, or a library GEMM (cuBLAS through a custom call) or sifar_jax.matvec."""
     _, _, opcode, _, attrs = instruction
     return opcode in ("dot", "convolution") or (opcode == "custom-call" and any(
-        t in attrs.lower() for t in ("gemm", "cublas", "matmul")))
+        t in attrs.lower() for t in ("gemm", "cublas", "matmul", "matvec")))
+
+
+def _is_allreduce_target(target: str) -> bool:
+    """A custom call of sifar_jax's all-reduces (sifar_allreduce*, sifar_psum_add_rmsnorm) or
+    NCCL's; not sifar_jax.matvec (sifar_matvec), which is a matmul."""
+    return ("sifar" in target and "matvec" not in target) or "nccl" in target
 
 
 def hlo_kinds(text: str, n_weights: int, cache_shapes=()) -> dict[str, str]:
@@ -212,7 +220,7 @@ def hlo_kinds(text: str, n_weights: int, cache_shapes=()) -> dict[str, str]:
             target = " ".join(re.findall(r'custom_call_target="([^"]*)"', attrs)).lower()
             if (ops & {"all-reduce", "all-reduce-start", "reduce-scatter", "all-gather",
                        "all-gather-start", "collective-permute", "collective-permute-start"}
-                    or "sifar" in target or "nccl" in target):
+                    or _is_allreduce_target(target)):
                 kind = "all_reduce"
             elif any(source(pc, op) == "weight" for pc, i in parts if _is_matmul(i)
                      for op in i[3]):
