@@ -567,6 +567,24 @@ def test_command_buffers_probe_counts_each_executables_events(capsys):
     assert all(float(r[5]) > 0 for r in rows)
 
 
+def test_stacked_weights_probe_finds_materialised_slices(capsys):
+    """bench.probes.stacked_weights: the parser counts a layer-sized result that is not a
+    parameter or a bitcast (XLA:CPU copies the down projection's slice: the probe sees it), and
+    the --quick run compares stacked and separate weights."""
+    from bench.probes import stacked_weights as sw
+
+    text = "\n".join([
+        "  %p = bf16[8,64,32]{2,1,0} parameter(0)",
+        "  %b = bf16[64,32]{1,0} bitcast(%p)",
+        "  %slice_fusion.2 = bf16[64,32]{1,0} fusion(%p), kind=kLoop, calls=%c",
+        "  ROOT %gemm_fusion = bf16[2,32]{1,0} fusion(%x, %b), kind=kCustom, calls=%g"])
+    assert sw.layer_sized_writes(text, {"bf16[64,32]"}) == [
+        "%slice_fusion.2 = bf16[64,32]{1,0} fusion(%p), kind=kLoop, calls=%c"]
+    assert sw.main(["--quick", "--layers", "2", "--calls", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "layer-sized writes" in out and "stacked:" in out and "separate:" in out
+
+
 def test_dispatch_cost_probe_runs_on_the_cpu(tmp_path):
     """bench.probes.dispatch_cost times every argument count, donated or not, and every read."""
     from bench.probes import dispatch_cost
