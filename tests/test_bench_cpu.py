@@ -694,6 +694,26 @@ def test_decode_runs_the_fused_rows_at_tp1_only_when_asked():
     assert tp1([]) == {"psum"}
     assert tp1(["--fused", "on"]) == {"psum", "sifar+fused"}
 
+def test_decode_counts_a_copy_of_one_layer_of_the_cache():
+    """bench.decode.cache_copies counts a fresh array of one layer's keys, not only of the whole
+    cache array (a per-layer copy was invisible to a check of the whole array's shape)."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    from bench import decode as bd
+    from models import hlo
+
+    cache = jnp.ones((2, 2, 1, 16, 4, 8), jnp.float32)  # [layers, 2, B, S, kv heads, D]
+    exe = jax.jit(lambda c: (c, c[1, 0] * 2.0),
+                  donate_argnums=0).lower(cache).compile()
+    whole = hlo.cache_shapes(cache)[0]
+    assert hlo.cache_copies(exe.as_text(), whole) == {}  # the whole array: aliased, not copied
+    dec = types.SimpleNamespace(compiled_step=lambda: exe, state={"cache": cache})
+    assert bd.cache_copies(dec, "pipelined", {}).get("entry", 0) >= 1
+
+
 def test_decode_names_the_baseline_and_carries_the_floor(tmp_path, capsys):
     """bench.decode on the CPU: the in-decoder oneshot and twoshot rows run by default, the faster
     is named "baseline" in every record at its point and in the markdown, every record carries
