@@ -168,10 +168,10 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = step.rope(q), step.rope(k)
 
-        # write this step's keys/values in place (the cache is donated), then attend over a
-        # static prefix of the cache with a position mask: one compiled step per length bucket,
-        # whose cost is that of the bucket, not of the whole cache.
-        # The layer's keys and values are one update (one kernel) of the one cache array.
+        # write this step's keys/values in place (the cache is donated; a layer's keys and
+        # values are one update, one kernel), then attend over a static prefix of the cache with
+        # a position mask: one compiled step per length bucket, whose cost is that of the
+        # bucket, not of the whole cache.
         dims = KV_LAYOUTS[step.kv_layout]
         s_axis = dims.index("s")
         at = [layer, 0, 0, 0, 0, 0]

@@ -92,10 +92,11 @@ def pipeline_stages(block_k: int, d: int, itemsize: int) -> int:
 
 def _partials(q, cache, layer: int, start, kv_len, split: int, splits: int, interpret: bool):
     """Each split's unnormalised output o [B, KV, splits, G, D] float32 and its rows' exp-sum l
-    and score maximum m [B, KV, splits, G] (in that order), from the library's kernel body: one program per
-    (head block, split, row, kv head) over the first `splits` parts of `split` slots of layer
-    `layer`'s keys and values, read in place from the whole cache (a split past kv_len or before
-    start returns at once). The kernel reads its head block and split as program ids 0 and 1."""
+    and score maximum m [B, KV, splits, G] (in that order), from the library's kernel body: one
+    program per (head block, split, row, kv head) over the first `splits` parts of `split` slots
+    of layer `layer`'s keys and values, read in place from the whole cache (a split past kv_len
+    or before start returns at once). The kernel reads its head block and split as program ids
+    0 and 1."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
     from jax.experimental.pallas.ops.gpu.decode_attention import attn_forward_kernel
