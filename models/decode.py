@@ -66,7 +66,7 @@ from .family import ModelConfig, ModelFamily
 from .families import family_of
 from .random_weights import hash_uniform, mix32
 from .sharding import cache_dims, cache_spec, check_kv_layout, default_kv_layout
-from .tp import ALLREDUCE_KINDS, FUSED_MODES, make_fused_add_norm
+from .tp import ALLREDUCE_KINDS, FUSED_MODES, make_fused_add_norm, make_l2_prefetch
 from .sampling import MODES, Sampling, key_data, next_token
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,17 @@ def default_gemm_rows(mesh: Mesh) -> int:
     streams a one-row projection's weights ~1.3x slower than a two-row one's (H200, TP=2 per-rank
     Llama-8B shapes, docs/performance.md); 1 elsewhere."""
     return 2 if mesh.devices.flat[0].platform == "gpu" else 1
+
+
+def default_compiler_options(mesh: Mesh, l2_prefetch: int) -> dict:
+    """XLA compile options of the decoder's executables: on GPUs with l2_prefetch, command
+    buffers as graphs of their data dependencies (sifar_jax.prefetch.CONCURRENT_OPTIONS), so that
+    a prefetch runs beside the kernels after it rather than in line with them."""
+    if l2_prefetch and mesh.devices.flat[0].platform == "gpu":
+        from sifar_jax.prefetch import CONCURRENT_OPTIONS
+
+        return dict(CONCURRENT_OPTIONS)
+    return {}
 
 
 def default_attn_impl(mesh: Mesh) -> str:
@@ -229,7 +240,8 @@ class Decoder:
                  axis_name: str = "tp", batch_size: int = 1, max_seq_len: Optional[int] = None,
                  kv_layout: Optional[str] = None, min_rows: int = 1,
                  prefetch_bytes: Optional[int] = None, gemm_rows: Optional[int] = None,
-                 attn_impl: Optional[str] = None):
+                 attn_impl: Optional[str] = None, l2_prefetch: int = 0,
+                 compiler_options: Optional[dict] = None):
         if allreduce not in ALLREDUCE_KINDS:
             raise ValueError(f"allreduce must be one of {ALLREDUCE_KINDS}, got {allreduce!r}")
         if slot_bytes is not None and allreduce not in SIFAR_KINDS:
@@ -270,10 +282,15 @@ class Decoder:
                 self._buffers = sifar_jax.make_buffers(mesh, axis_name)
                 spec = sifar_jax.buffer_spec(mesh)
                 ar_specs = {"a": spec, "b": spec}
+        if l2_prefetch:
+            make_l2_prefetch(l2_prefetch)  # a clear error now, not at trace
+        self.l2_prefetch = l2_prefetch
         self._fwd_kw = dict(allreduce=allreduce, algorithm=algorithm, fused=fused,
                             prefetch_bytes=prefetch_bytes, axis_name=axis_name, ar_specs=ar_specs,
                             kv_layout=self.kv_layout, gemm_rows=gemm_rows,
-                            attn_impl=self.attn_impl)
+                            attn_impl=self.attn_impl, l2_prefetch=l2_prefetch)
+        self.compiler_options = default_compiler_options(mesh, l2_prefetch)
+        self.compiler_options.update(compiler_options or {})
         self.params = self._place(params)
         # flattened once: every call passes this list (no per-call flattening of a nested dict)
         self._leaves, self._treedef = jax.tree.flatten(self.params)
@@ -487,7 +504,8 @@ class Decoder:
                 self.compiles_after_warmup += 1
                 log.warning("compiling %s %s: outside the limits of warmup(%s)", key[0], key[2:],
                             ", ".join(f"{k}={v}" for k, v in self.warmed.items()))
-            exe = self._executables[key] = self._lower(fn, *args, outputs=outputs).compile()
+            exe = self._executables[key] = self._lower(fn, *args, outputs=outputs).compile(
+                compiler_options=self.compiler_options or None)
         return exe
 
     # Each executable as (key, fn, args, outputs) for _compile; warmup() compiles them ahead.
@@ -589,7 +607,9 @@ class Decoder:
                 todo[key] = self._lower(fn, *args, outputs=outputs)
         workers = max(1, min(len(todo), threads or os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            for key, exe in zip(todo, pool.map(lambda lowered: lowered.compile(), todo.values())):
+            compile_ = lambda lowered: lowered.compile(  # noqa: E731
+                compiler_options=self.compiler_options or None)
+            for key, exe in zip(todo, pool.map(compile_, todo.values())):
                 self._executables[key] = exe
         executed = 0
         for mode in modes:

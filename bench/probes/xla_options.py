@@ -58,8 +58,9 @@ def with_options(dec, options: dict) -> None:
         def __init__(self, lowered):
             self._lowered = lowered
 
-        def compile(self):
-            return self._lowered.compile(compiler_options=options or None)
+        def compile(self, compiler_options=None):
+            return self._lowered.compile(
+                compiler_options={**(compiler_options or {}), **options} or None)
 
     dec._lower = lambda *a, **k: _Lowered(lower(*a, **k))
 
@@ -67,7 +68,9 @@ def with_options(dec, options: dict) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--options", default=";".join(DEFAULT_OPTIONS),
-                   help="option sets separated by ';', each 'name=value,...' ('' = defaults)")
+                   help="option sets separated by ';', each 'name=value,...' ('' = defaults); "
+                   "l2_prefetch_mib=N is the decoder's l2_prefetch (N MiB per weight), with its "
+                   "compile options")
     p.add_argument("--shapes", default="full", help=f"comma list of {sorted(SHAPES)}")
     p.add_argument("--context", default="1024", help="comma list of KV lengths")
     p.add_argument("--samples", type=int, default=6)
@@ -86,9 +89,12 @@ def main(argv=None) -> int:
             params = random_params(config, mesh, seed=0)
             decoders = {}
             for text in sets:
+                options = parse_options(text)
+                # not an XLA option: the decoder's own prefetch (MiB per site), its default options
+                prefetch = int(options.pop("l2_prefetch_mib", 0)) << 20
                 dec = bd.make_decoder(config, mesh, params, ("psum", "psum", "auto", False), 1,
-                                      context, 0)
-                with_options(dec, parse_options(text))
+                                      context, 0, l2_prefetch=prefetch)
+                with_options(dec, options)
                 bd._seek(dec, "pipelined", s, context, bd.start_tokens(config, 1, 0))
                 t0 = time.perf_counter()
                 try:
