@@ -7,7 +7,7 @@
 //   X(op, target name, CPU handler, CUDA handler, CUDA kernel preload)
 //
 // A new op adds one row here; its handlers and preload are defined in its own
-// folder (allreduce/, fused/, matvec/, prefetch/).  Loading is idempotent: ops that share kernels
+// folder (allreduce/, fused/, matvec/).  Loading is idempotent: ops that share kernels
 // may name the same preload.
 #pragma once
 
@@ -23,9 +23,7 @@
   X(psum_add_rmsnorm, "sifar_psum_add_rmsnorm", CpuPsumAddRmsNorm, CudaPsumAddRmsNorm,        \
     PreloadFusedKernels)                                                                  \
   /* (x [M, K], w [E, K, N], ids [M]) -> (y [M, N], workspace): batch-1 x @ w[ids] */         \
-  X(matvec, "sifar_matvec", CpuMatVec, CudaMatVec, PreloadMatVecKernels)                     \
-  /* (weight, after...) -> token: the weight's first nbytes into L2 once `after` is ready */  \
-  X(l2_prefetch, "sifar_l2_prefetch", CpuPrefetch, CudaPrefetch, PreloadPrefetchKernels)
+  X(matvec, "sifar_matvec", CpuMatVec, CudaMatVec, PreloadMatVecKernels)
 
 namespace sifar {
 

@@ -13,7 +13,7 @@ One rank's computation (see tp.py). Tensor-parallel layout (Megatron style):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -155,23 +155,18 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt)
 
-    def __call__(self, x: jax.Array, cache: jax.Array, layer: int, step: Step,
-                 prefetch: Optional[Callable] = None):
+    def __call__(self, x: jax.Array, cache: jax.Array, layer: int, step: Step):
         """x [B, T, hidden]; cache: every layer's keys and values as one array [layers, 2, ...]
         (sharding.cache_dims: [..., B, S, local_kv_heads, head_dim] ("bshd") or [..., B,
         local_kv_heads, S, head_dim] ("bhsd")), of which this is layer `layer`.
         Returns (this rank's partial sum of the output projection, new cache): the caller
-        all-reduces it. prefetch (TPContext.prefetch): called with the output projection's
-        weight and this step's keys, so that the weight can stream into L2 beside the
-        attention (not after the cache: an op that reads the cache makes XLA copy it)."""
+        all-reduces it."""
         g, d = self.group, self.head_dim
         qkv = project("bth,hkgd->btkgd", x, self.qkv[...], step.gemm_rows)  # k: local kv heads
         q, k, v = qkv[..., :g, :], qkv[..., g, :], qkv[..., g + 1, :]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = step.rope(q), step.rope(k)
-        if prefetch is not None:
-            prefetch(self.o[...], k)
 
         # write this step's keys/values in place (the cache is donated; a layer's keys and
         # values are one update, one kernel), then attend over a static prefix of the cache with

@@ -66,7 +66,7 @@ from .family import ModelConfig, ModelFamily
 from .families import family_of
 from .random_weights import hash_uniform, mix32
 from .sharding import cache_dims, cache_spec, check_kv_layout, default_kv_layout
-from .tp import ALLREDUCE_KINDS, FUSED_MODES, make_fused_add_norm, make_l2_prefetch
+from .tp import ALLREDUCE_KINDS, FUSED_MODES, make_fused_add_norm
 from .sampling import MODES, Sampling, key_data, next_token
 
 log = logging.getLogger(__name__)
@@ -92,17 +92,6 @@ def default_gemm_rows(mesh: Mesh) -> int:
     streams a one-row projection's weights ~1.3x slower than a two-row one's (H200, TP=2 per-rank
     Llama-8B shapes, docs/performance.md); 1 elsewhere."""
     return 2 if mesh.devices.flat[0].platform == "gpu" else 1
-
-
-def default_compiler_options(mesh: Mesh, l2_prefetch: int) -> dict:
-    """XLA compile options of the decoder's executables: on GPUs with l2_prefetch, command
-    buffers as graphs of their data dependencies (sifar_jax.prefetch.CONCURRENT_OPTIONS), so that
-    a prefetch runs beside the kernels after it rather than in line with them."""
-    if l2_prefetch and mesh.devices.flat[0].platform == "gpu":
-        from sifar_jax.prefetch import CONCURRENT_OPTIONS
-
-        return dict(CONCURRENT_OPTIONS)
-    return {}
 
 
 def default_attn_impl(mesh: Mesh) -> str:
@@ -231,7 +220,10 @@ class Decoder:
     draws are per row). gemm_rows: the cheaper form of the same gain: only a single row's
     projections run as that many rows (tp.project), attention and the cache keep one row
     (None: default_gemm_rows, 2 on GPUs). attn_impl: how a step of one token attends
-    (attention.ATTN_IMPLS; None: default_attn_impl, "pallas" on GPUs).
+    (attention.ATTN_IMPLS; None: default_attn_impl, "pallas" on GPUs). compiler_options: XLA
+    options every executable of this decoder is compiled with (`Lowered.compile`), e.g.
+    {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"} (docs/performance.md: ~0.5% on one
+    H200, not verified with sifar on two GPUs, so not the default).
     """
 
     def __init__(self, config: ModelConfig, mesh: Mesh, params, *,
@@ -240,8 +232,7 @@ class Decoder:
                  axis_name: str = "tp", batch_size: int = 1, max_seq_len: Optional[int] = None,
                  kv_layout: Optional[str] = None, min_rows: int = 1,
                  prefetch_bytes: Optional[int] = None, gemm_rows: Optional[int] = None,
-                 attn_impl: Optional[str] = None, l2_prefetch: int = 0,
-                 compiler_options: Optional[dict] = None):
+                 attn_impl: Optional[str] = None, compiler_options: Optional[dict] = None):
         if allreduce not in ALLREDUCE_KINDS:
             raise ValueError(f"allreduce must be one of {ALLREDUCE_KINDS}, got {allreduce!r}")
         if slot_bytes is not None and allreduce not in SIFAR_KINDS:
@@ -282,15 +273,14 @@ class Decoder:
                 self._buffers = sifar_jax.make_buffers(mesh, axis_name)
                 spec = sifar_jax.buffer_spec(mesh)
                 ar_specs = {"a": spec, "b": spec}
-        if l2_prefetch:
-            make_l2_prefetch(l2_prefetch)  # a clear error now, not at trace
-        self.l2_prefetch = l2_prefetch
         self._fwd_kw = dict(allreduce=allreduce, algorithm=algorithm, fused=fused,
                             prefetch_bytes=prefetch_bytes, axis_name=axis_name, ar_specs=ar_specs,
                             kv_layout=self.kv_layout, gemm_rows=gemm_rows,
-                            attn_impl=self.attn_impl, l2_prefetch=l2_prefetch)
-        self.compiler_options = default_compiler_options(mesh, l2_prefetch)
-        self.compiler_options.update(compiler_options or {})
+                            attn_impl=self.attn_impl)
+        if compiler_options is not None and not isinstance(compiler_options, dict):
+            raise TypeError(f"compiler_options must be a dict of XLA options, got "
+                            f"{type(compiler_options).__name__}")
+        self.compiler_options = dict(compiler_options or {})
         self.params = self._place(params)
         # flattened once: every call passes this list (no per-call flattening of a nested dict)
         self._leaves, self._treedef = jax.tree.flatten(self.params)

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from . import checkpoint, random_weights, sharding
 from .tp import (FUSED_MODES, TPContext, make_allreduce, make_allreduce_into,
-                 make_fused_add_norm, make_l2_prefetch)
+                 make_fused_add_norm)
 
 
 class ModelConfig(Protocol):
@@ -195,7 +195,7 @@ class ModelFamily:
                      last_only: bool = False, attend_len: Optional[int] = None,
                      ar_specs: Any = None, kv_layout: str = "bshd",
                      prefetch_bytes: Optional[int] = None, gemm_rows: int = 1,
-                     attn_impl: str = "xla", l2_prefetch: int = 0):
+                     attn_impl: str = "xla"):
         """The TP forward as a pure function, ready for jax.jit:
 
             forward(params, cache, tokens, positions, ar, start=None) -> (logits, cache, ar)
@@ -210,10 +210,8 @@ class ModelFamily:
         RMSNorm as one sifar_jax.psum_add_rmsnorm call, which brings the first prefetch_bytes of
         the next matmul's weight into L2 while it waits (None: sifar_jax's default; 0: no
         prefetch). gemm_rows: the rows a single-row projection runs with (tp.project).
-        attn_impl: how a step of one token attends (attention.ATTN_IMPLS). l2_prefetch: bytes of
-        each next weight a one-token call brings into L2 beside the short kernels before its
-        matmul (sifar_jax.l2_prefetch; 0: none; tp.make_l2_prefetch). Works for a 1-device mesh
-        (tp=1) too.
+        attn_impl: how a step of one token attends (attention.ATTN_IMPLS). Works for a 1-device
+        mesh (tp=1) too.
         """
         tp = mesh.shape[axis_name]
         layout = self.layout(config, tp)
@@ -226,12 +224,10 @@ class ModelFamily:
         if fused not in FUSED_MODES:
             raise ValueError(f"fused must be one of {FUSED_MODES}, got {fused!r}")
         fused_fn = make_fused_add_norm(allreduce, algorithm, prefetch_bytes) if fused else None
-        prefetch_fn = make_l2_prefetch(l2_prefetch) if l2_prefetch else None
 
         def per_rank(params, cache, tokens, positions, ar, start):
             model = nnx.merge(graphdef, params)
-            ctx = TPContext(axis_name, tp, reduce_fn, ar, make_allreduce_into(algorithm), fused_fn,
-                            prefetch_fn if tokens.shape[1] == 1 else None)  # decode steps only
+            ctx = TPContext(axis_name, tp, reduce_fn, ar, make_allreduce_into(algorithm), fused_fn)
             logits, cache = model(tokens, positions, cache, ctx, last_only=last_only,
                                   attend_len=attend_len, kv_layout=kv_layout, start=start,
                                   gemm_rows=gemm_rows, attn_impl=attn_impl)

@@ -65,7 +65,7 @@ class Block(nnx.Module):
         stream. Returns (next_norm(new x), new x, new cache): each all-reduce is followed by the
         residual add and the norm after it, fused or not (TPContext.add_norm). next_weight: the
         first weight read after this block (the next layer's qkv, or the LM head)."""
-        a, cache = self.attn(h, cache, layer, step, tp.prefetch)
+        a, cache = self.attn(h, cache, layer, step)
         h, x = tp.add_norm(a, x, self.post_norm, self.mlp.gate_up[...])
         h, x = tp.add_norm(self.mlp(h, step.gemm_rows), x, next_norm, next_weight)
         return h, x, cache

@@ -327,7 +327,7 @@ class Block(nnx.Module):
         """The block contract of transformer.py: h = input_norm(x); returns (next_norm(new x),
         new x, new cache). The all-reduce after attention prefetches the router (the next weight
         read; which experts follow is not known yet)."""
-        a, cache = self.attn(h, cache, layer, step, tp.prefetch)
+        a, cache = self.attn(h, cache, layer, step)
         h, x = tp.add_norm(a, x, self.post_norm, self.moe.router[...])
         h, x = tp.add_norm(self.moe(h, step.gemm_rows), x, next_norm, next_weight)
         return h, x, cache

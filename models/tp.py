@@ -133,31 +133,6 @@ def make_fused_add_norm(allreduce: str, algorithm: str = "auto",
                              prefetch_bytes=prefetch_bytes)
 
 
-# Weights under this size are not worth a prefetch kernel of their own (a norm's, a router's).
-MIN_PREFETCH_BYTES = 1 << 20
-
-
-def make_l2_prefetch(nbytes: int):
-    """f(weight, after, token) -> token: a sifar_jax.l2_prefetch of weight's first nbytes (at
-    most all of it) after `after` and the previous prefetch's token; weights under
-    MIN_PREFETCH_BYTES are skipped (the token passes through)."""
-    if nbytes < 0:
-        raise ValueError(f"l2_prefetch must be >= 0 bytes, got {nbytes}")
-    try:
-        from sifar_jax.prefetch import l2_prefetch
-    except ImportError as e:
-        raise NotImplementedError(f"l2_prefetch needs sifar_jax's extension: {e}") from e
-
-    def prefetch(weight, after, token):
-        size = weight.size * jnp.dtype(weight.dtype).itemsize
-        if size < MIN_PREFETCH_BYTES:
-            return token
-        deps = (after,) if token is None else (after, token)
-        return l2_prefetch(weight, *deps, nbytes=min(nbytes, size))
-
-    return prefetch
-
-
 # ---- what every layer receives ---------------------------------------------------------------------
 
 class TPContext:
@@ -169,32 +144,14 @@ class TPContext:
     """
 
     def __init__(self, axis_name: str, size: int, allreduce: AllReduceFn, buffers: Any = None,
-                 allreduce_into=None, fused_add_norm=None, l2_prefetch=None):
+                 allreduce_into=None, fused_add_norm=None):
         self.axis_name = axis_name
         self.size = size
         self._allreduce = allreduce
         self._allreduce_into = allreduce_into
         self._fused_add_norm = fused_add_norm
-        self._l2_prefetch = l2_prefetch
-        self._token = None  # the last prefetch's token (make_l2_prefetch): the chain's end
         self.buffers = {} if buffers is None else dict(buffers)
         self.count = 0  # all-reduces issued so far in this trace
-
-    def prefetch(self, weight: Optional[jax.Array], after: jax.Array) -> None:
-        """When this trace prefetches (make_l2_prefetch), bring the start of `weight` (the next
-        matmul's) into L2 once `after` (the last value before the short kernels it should run
-        beside) is ready. Each prefetch also waits for the previous one; the chain's end is
-        folded into the logits (fold_prefetches)."""
-        if self._l2_prefetch is not None and weight is not None:
-            self._token = self._l2_prefetch(weight, after, self._token)
-
-    def fold_prefetches(self, logits: jax.Array) -> jax.Array:
-        """logits, computed after the last prefetch (its token, a zero, added): keeps the chain."""
-        if self._token is None:
-            return logits
-        from sifar_jax.prefetch import fold
-
-        return fold(logits, self._token)
 
     def rank(self) -> jax.Array:
         return jax.lax.axis_index(self.axis_name)
@@ -219,8 +176,6 @@ class TPContext:
         next_weight: the weight the next matmul reads; the fused call prefetches its start into
         L2 while it waits for the other ranks (the unfused composition ignores it)."""
         weight = norm.weight[...]
-        if self._fused_add_norm is None:  # the fused call prefetches next_weight itself
-            self.prefetch(next_weight, x)
         if self._fused_add_norm is not None:
             self.count += 1
             return self._fused_add_norm(x, residual, weight, self.axis_name, eps=norm.eps,

@@ -585,6 +585,20 @@ def test_stacked_weights_probe_finds_materialised_slices(capsys):
     assert "layer-sized writes" in out and "stacked:" in out and "separate:" in out
 
 
+def test_concurrency_probe_times_every_branch_per_mode(capsys):
+    """bench.probes.concurrency times each branch alone and together (a second stream
+    included) under each scheduling mode it is given."""
+    from bench.probes import concurrency
+
+    assert concurrency.main(["--quick", "--modes", "default,CONCURRENT"]) == 0
+    rows = [line.split(" us per call")[0].rsplit(None, 1)
+            for line in capsys.readouterr().out.splitlines()]
+    names = list(concurrency.branches(True)[0])
+    assert [r[0].split(None, 1) for r in rows] == [[m, n] for m in ("default", "CONCURRENT")
+                                                   for n in names]
+    assert all(float(r[1]) > 0 for r in rows)
+
+
 def test_dispatch_cost_probe_runs_on_the_cpu(tmp_path):
     """bench.probes.dispatch_cost times every argument count, donated or not, and every read."""
     from bench.probes import dispatch_cost

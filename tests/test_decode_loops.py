@@ -539,3 +539,22 @@ def test_prompts_of_different_lengths_in_one_batch_give_each_ones_tokens(tp):
         batch.generate(prompts[:2], 4)
     with pytest.raises(ValueError, match="empty prompt"):
         batch.generate([prompts[0], prompts[1], prompts[2][:0]], 4)
+
+
+# ---- XLA compile options ----------------------------------------------------------------------------
+
+def test_compiler_options_reach_every_executable():
+    """Decoder(compiler_options=...) compiles every executable with them, on first use and in
+    warmup's threaded compiles: an option XLA does not know fails both; a valid one keeps the
+    tokens (a GPU option, ignored by XLA:CPU)."""
+    config, mesh, params = _params(1)
+    for run in (lambda d: d.generate(PROMPT, 4), lambda d: d.warmup(8, 8)):
+        dec = Decoder(config, mesh, params, compiler_options={"xla_sifar_no_such_option": True})
+        with pytest.raises(Exception, match="xla_sifar_no_such_option"):
+            run(dec)
+    concurrent = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+    dec = Decoder(config, mesh, params, compiler_options=concurrent)
+    assert dec.compiler_options == concurrent
+    np.testing.assert_array_equal(dec.generate(PROMPT, 8), _decoder(1).generate(PROMPT, 8))
+    with pytest.raises(TypeError, match="compiler_options must be a dict"):
+        Decoder(config, mesh, params, compiler_options=[("a", 1)])

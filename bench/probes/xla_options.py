@@ -58,7 +58,7 @@ def with_options(dec, options: dict) -> None:
         def __init__(self, lowered):
             self._lowered = lowered
 
-        def compile(self, compiler_options=None):
+        def compile(self, compiler_options=None):  # the decoder passes its own (Decoder)
             return self._lowered.compile(
                 compiler_options={**(compiler_options or {}), **options} or None)
 
@@ -68,9 +68,7 @@ def with_options(dec, options: dict) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--options", default=";".join(DEFAULT_OPTIONS),
-                   help="option sets separated by ';', each 'name=value,...' ('' = defaults); "
-                   "l2_prefetch_mib=N is the decoder's l2_prefetch (N MiB per weight), with its "
-                   "compile options")
+                   help="option sets separated by ';', each 'name=value,...' ('' = defaults)")
     p.add_argument("--shapes", default="full", help=f"comma list of {sorted(SHAPES)}")
     p.add_argument("--context", default="1024", help="comma list of KV lengths")
     p.add_argument("--samples", type=int, default=6)
@@ -89,12 +87,9 @@ def main(argv=None) -> int:
             params = random_params(config, mesh, seed=0)
             decoders = {}
             for text in sets:
-                options = parse_options(text)
-                # not an XLA option: the decoder's own prefetch (MiB per site), its default options
-                prefetch = int(options.pop("l2_prefetch_mib", 0)) << 20
                 dec = bd.make_decoder(config, mesh, params, ("psum", "psum", "auto", False), 1,
-                                      context, 0, l2_prefetch=prefetch)
-                with_options(dec, options)
+                                      context, 0)
+                with_options(dec, parse_options(text))
                 bd._seek(dec, "pipelined", s, context, bd.start_tokens(config, 1, 0))
                 t0 = time.perf_counter()
                 try:
