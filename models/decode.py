@@ -221,9 +221,9 @@ class Decoder:
     projections run as that many rows (tp.project), attention and the cache keep one row
     (None: default_gemm_rows, 2 on GPUs). attn_impl: how a step of one token attends
     (attention.ATTN_IMPLS; None: default_attn_impl, "pallas" on GPUs). compiler_options: XLA
-    options every executable of this decoder is compiled with (`Lowered.compile`), e.g.
-    {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"} (docs/performance.md: ~0.5% on one
-    H200, not verified with sifar on two GPUs, so not the default).
+    options every prefill, step and chunk executable is compiled with (`Lowered.compile`), e.g.
+    {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"} (docs/performance.md: 0.05-1.3% on
+    one H200, not verified with sifar on two GPUs, so not the default).
     """
 
     def __init__(self, config: ModelConfig, mesh: Mesh, params, *,
