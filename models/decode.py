@@ -338,9 +338,10 @@ class Decoder:
             self.reset(need)
             return
         old = self._capacity
+        # (a larger output cannot reuse the input)
         grow = jax.jit(lambda c: jnp.pad(c, [(0, new - old if d == "s" else 0)
                                              for d in cache_dims(self.kv_layout)]),
-                       out_shardings=self._cache_sharding)  # (a larger output cannot reuse the input)
+                       out_shardings=self._cache_sharding)
         cache, self.state["cache"] = self.state["cache"], None
         self.state["cache"] = grow(cache)
         self._capacity, self._step = new, (0, None)
@@ -494,9 +495,12 @@ class Decoder:
                 self.compiles_after_warmup += 1
                 log.warning("compiling %s %s: outside the limits of warmup(%s)", key[0], key[2:],
                             ", ".join(f"{k}={v}" for k, v in self.warmed.items()))
-            exe = self._executables[key] = self._lower(fn, *args, outputs=outputs).compile(
-                compiler_options=self.compiler_options or None)
+            exe = self._executables[key] = self._finish(self._lower(fn, *args, outputs=outputs))
         return exe
+
+    def _finish(self, lowered: "jax.stages.Lowered") -> "jax.stages.Compiled":
+        """A lowered executable compiled with this decoder's compiler_options."""
+        return lowered.compile(compiler_options=self.compiler_options or None)
 
     # Each executable as (key, fn, args, outputs) for _compile; warmup() compiles them ahead.
 
@@ -597,9 +601,7 @@ class Decoder:
                 todo[key] = self._lower(fn, *args, outputs=outputs)
         workers = max(1, min(len(todo), threads or os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            compile_ = lambda lowered: lowered.compile(  # noqa: E731
-                compiler_options=self.compiler_options or None)
-            for key, exe in zip(todo, pool.map(compile_, todo.values())):
+            for key, exe in zip(todo, pool.map(self._finish, todo.values())):
                 self._executables[key] = exe
         executed = 0
         for mode in modes:

@@ -13,13 +13,12 @@ TP=1 4.153 -> 4.117 ms at KV 1K, TP=2's per-rank shapes 2.531 -> 2.481 at 1K and
 at 16K. The cache write and the rotary embedding stay XLA's.
 
 The kernel reads a layer's keys and values in place from the whole cache array only in the
-"bhsd" layout ([layers, 2, B, kv heads, S, D]); it cuts
-the cache into equal parts and runs those of the bucket, so the cache's capacity must be a
-multiple of the split length. Elsewhere (head sizes that are not powers of two, parts under 16
-slots, blocks too large for shared memory) the einsums run (`decode_attention` returns None).
-Slots a row does not see are masked by their scores, not left unread (the kernel loads whole
-blocks): they must hold finite values, as the cache always does (zeros, or keys and values of
-earlier tokens).
+"bhsd" layout ([layers, 2, B, kv heads, S, D]); it cuts the cache into equal parts and runs
+those of the bucket, so the cache's capacity must be a multiple of the split length. Elsewhere
+(head sizes that are not powers of two, parts under 16 slots, blocks too large for shared
+memory) the einsums run (`decode_attention` returns None). Slots a row does not see are masked
+by their scores, not left unread (the kernel loads whole blocks): they must hold finite values,
+as the cache always does (zeros, or keys and values of earlier tokens).
 """
 
 from __future__ import annotations

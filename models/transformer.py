@@ -14,12 +14,13 @@ Tensor-parallel layout of the stack (the blocks declare their own):
                               sharded; XLA gathers/argmaxes outside.
   norm                        replicated
 
-A block is called as block(h, x, cache, layer, step, tp, next_norm, next_weight) -> (h, x, cache):
-cache is every layer's keys and values as one array (sharding.cache_dims), `layer` the block's
-index in it; h = its input_norm(x), already computed by the all-reduce before it; it returns
-next_norm(new x), computed by its own last all-reduce (fused or not, TPContext.add_norm). next_weight is the first
-weight read after it (the next block's attn.qkv, or the LM head), which the fused all-reduce
-prefetches. Every block has `input_norm` (RMSNorm) and `attn` (attention.Attention).
+A block is called as block(h, x, cache, layer, step, tp, next_norm, next_weight) -> (h, x,
+cache): cache is every layer's keys and values as one array (sharding.cache_dims), `layer` the
+block's index in it; h = its input_norm(x), already computed by the all-reduce before it; it
+returns next_norm(new x), computed by its own last all-reduce (fused or not,
+TPContext.add_norm). next_weight is the first weight read after it (the next block's attn.qkv,
+or the LM head), which the fused all-reduce prefetches. Every block has `input_norm` (RMSNorm)
+and `attn` (attention.Attention).
 """
 
 from __future__ import annotations

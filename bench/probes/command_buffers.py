@@ -68,12 +68,11 @@ def child(args) -> None:
     dec.token()
     bucket, mode = dec._step[0], dec.sampling.mode
     append = lambda p, st: dec._append(p, st, st["tok"], bucket, mode)  # noqa: E731
-    opts = dec.compiler_options or None  # the decoder's own, as its step was compiled with
-    exes = {"step": dec.compiled_step(),
-            "device_token": dec._lower(lambda p, st: (lambda s: (s, s["tok"][:, 0]))(append(p, st)),
-                                       outputs=(NamedSharding(mesh, P()),)).compile(
-                                           compiler_options=opts),
-            "no_token": dec._lower(append).compile(compiler_options=opts)}
+    device_token = lambda p, st: (lambda s: (s, s["tok"][:, 0]))(append(p, st))  # noqa: E731
+    exes = {"step": dec.compiled_step(),  # the others with the decoder's compile options
+            "device_token": dec._finish(dec._lower(device_token,
+                                                   outputs=(NamedSharding(mesh, P()),))),
+            "no_token": dec._finish(dec._lower(append))}
     times = {v: [] for v in VARIANTS}
     for _ in range(2):
         for name, exe in exes.items():

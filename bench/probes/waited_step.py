@@ -73,7 +73,7 @@ def time_null(dec, with_leaves: bool, calls: int) -> dict:
         return dict(st, pos=st["pos"] + 1)
 
     if with_leaves:
-        exe = dec._lower(bump_all).compile(compiler_options=dec.compiler_options or None)
+        exe = dec._finish(dec._lower(bump_all))
         call = lambda: exe(dec._leaves, dec.state)  # noqa: E731
     else:
         shardings = jax.tree.map(lambda a: a.sharding, dec.state)
