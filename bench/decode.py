@@ -430,7 +430,8 @@ def _counter_delta(before, after) -> dict:
 # ------------------------------------------------------------------- set-up --
 def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: int,
                  kv_layout: str | None = None, min_rows: int = 1,
-                 gemm_rows: int | None = None, attn_impl: str | None = None):
+                 gemm_rows: int | None = None, attn_impl: str | None = None,
+                 pack_params: bool | None = None):
     """A Decoder whose cache of `context` positions is filled with random values. sifar's slot
     is widened where a step's payload (batch x hidden) would not fit the default."""
     _, kind, alg, fused = variant[:4]
@@ -443,7 +444,7 @@ def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: 
     dec = Decoder(config, mesh, params, allreduce=kind, algorithm=alg, fused=fused,
                   slot_bytes=slot, batch_size=batch, max_seq_len=context, kv_layout=kv_layout,
                   min_rows=min_rows, prefetch_bytes=prefetch_of(variant), gemm_rows=gemm_rows,
-                  attn_impl=attn_impl)
+                  attn_impl=attn_impl, pack_params=pack_params)
     dec.reset(context)
     dec.randomize_cache(seed)
     return dec

@@ -62,6 +62,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .attention import check_attn_impl
+from . import param_pack
 from .family import ModelConfig, ModelFamily
 from .families import family_of
 from .random_weights import hash_uniform, mix32
@@ -223,7 +224,10 @@ class Decoder:
     (attention.ATTN_IMPLS; None: default_attn_impl, "pallas" on GPUs). compiler_options: XLA
     options every prefill, step and chunk executable is compiled with (`Lowered.compile`), e.g.
     {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"} (docs/performance.md: 0.05-1.3% on
-    one H200, not verified with sifar on two GPUs, so not the default).
+    one H200, not verified with sifar on two GPUs, so not the default). pack_params: pass the
+    small replicated weights (the norm scales) as one array per dtype (models/param_pack.py):
+    fewer arguments per call, a shorter waited step; None: on unless fused (the fused call's
+    norm scale is a custom-call operand, which XLA would copy from a slice).
     """
 
     def __init__(self, config: ModelConfig, mesh: Mesh, params, *,
@@ -232,7 +236,8 @@ class Decoder:
                  axis_name: str = "tp", batch_size: int = 1, max_seq_len: Optional[int] = None,
                  kv_layout: Optional[str] = None, min_rows: int = 1,
                  prefetch_bytes: Optional[int] = None, gemm_rows: Optional[int] = None,
-                 attn_impl: Optional[str] = None, compiler_options: Optional[dict] = None):
+                 attn_impl: Optional[str] = None, compiler_options: Optional[dict] = None,
+                 pack_params: Optional[bool] = None):
         if allreduce not in ALLREDUCE_KINDS:
             raise ValueError(f"allreduce must be one of {ALLREDUCE_KINDS}, got {allreduce!r}")
         if slot_bytes is not None and allreduce not in SIFAR_KINDS:
@@ -283,7 +288,17 @@ class Decoder:
         self.compiler_options = dict(compiler_options or {})
         self.params = self._place(params)
         # flattened once: every call passes this list (no per-call flattening of a nested dict)
-        self._leaves, self._treedef = jax.tree.flatten(self.params)
+        leaves, self._treedef = jax.tree.flatten(self.params)
+        if pack_params is None:
+            pack_params = not fused
+        if pack_params and fused:
+            raise ValueError("pack_params=True needs fused=False: the fused call takes the norm "
+                             "scale as a custom-call operand, which XLA would copy from a slice")
+        self.pack_params = bool(pack_params)
+        # the small replicated weights (norm scales) as one array per dtype: fewer arguments
+        # per call (models/param_pack.py)
+        self._pack, self._leaves = (param_pack.pack(leaves, mesh) if self.pack_params
+                                    else (None, leaves))
         self._rep = NamedSharding(mesh, P())
         # Each step also writes its token [rows] to pinned host memory where the backend has it:
         # on an H200 host reading a 4-byte result took ~250-550 us from device memory and 10-45
@@ -464,7 +479,7 @@ class Decoder:
     def _append(self, leaves, state, tokens, attend_len: int, mode: str) -> dict:
         """Run tokens [B, T] at state["pos"]; choose the next token from the last logits
         (sampling mode `mode`, its values from the state)."""
-        params = jax.tree.unflatten(self._treedef, leaves)
+        params = self._unflatten(leaves)
         t = tokens.shape[1]
         positions = state["pos"] + jnp.arange(t, dtype=jnp.int32)
         logits, cache, ar = self._forward(attend_len, True)(params, state["cache"], tokens,
@@ -473,6 +488,12 @@ class Decoder:
         nxt = jnp.where(state["done"], state["tok"][:, 0], nxt)  # a finished row repeats its stop
         return dict(state, cache=cache, ar=ar, pos=state["pos"] + t, tok=nxt[:, None], key=key,
                     done=state["done"] | jnp.any(nxt[:, None] == state["eos"][None, :], axis=1))
+
+    def _unflatten(self, leaves) -> dict:
+        """The params tree from the arrays a call takes (packed ones unpacked: static slices)."""
+        if self._pack is not None:
+            leaves = param_pack.unpack(self._pack, leaves)
+        return jax.tree.unflatten(self._treedef, leaves)
 
     def _lower(self, fn, *args, outputs=()) -> "jax.stages.Lowered":
         """fn(leaves, state, *args) lowered with the state donated and its shardings fixed on
@@ -644,7 +665,7 @@ class Decoder:
         n = self._bucket(self._pos + t)
 
         def logits_fn(leaves, state, toks):
-            params = jax.tree.unflatten(self._treedef, leaves)
+            params = self._unflatten(leaves)
             positions = state["pos"] + jnp.arange(t, dtype=jnp.int32)
             logits, cache, ar = self._forward(n, False)(params, state["cache"], toks, positions,
                                                         state["ar"], state["start"])

@@ -543,6 +543,12 @@ def test_waited_step_probe_runs_on_the_cpu(tmp_path):
         assert set(data[key]) == {"dispatch", "wait", "read", "total"}
         assert all(v > 0 for v in data[key].values())
     assert data["pipelined_us"] > 0 and data["null_all_us"]["dispatch"] > 0
+    # --pack both: the decoder with its norm scales packed and without, alternating
+    assert waited_step.main(["--quick", "--steps", "2", "--pack", "both", "--repeat", "1",
+                             "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["pack_params"] for r in runs] == [True, False]
+    assert runs[0]["arrays_per_step"] < runs[1]["arrays_per_step"]
 
 
 def test_command_buffers_probe_counts_each_executables_events(capsys):

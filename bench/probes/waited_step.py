@@ -20,6 +20,7 @@ The device's own step is the pipelined time (back-to-back steps). Run it once pe
 compare (e.g. XLA_FLAGS=--xla_gpu_enable_command_buffer= for command buffers off).
 
     python -m bench.probes.waited_step                    # GPU host: llama3_8b, TP=1
+    python -m bench.probes.waited_step --pack both        # norm scales packed or not, paired
     python -m bench.probes.waited_step --quick            # CPU: the tiny model
 """
 
@@ -103,6 +104,10 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--preset", default=None, help="default: llama3_8b (tiny with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny model (CPU)")
+    p.add_argument("--pack", choices=("default", "on", "off", "both"), default="default",
+                   help="Decoder(pack_params=...): the norm scales as one array (models/"
+                        "param_pack.py); both: the two alternate, --repeat rounds")
+    p.add_argument("--repeat", type=int, default=2, help="rounds with --pack both")
     p.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = p.parse_args(argv)
     from bench import decode as bd
@@ -116,22 +121,33 @@ def main(argv=None) -> int:
                                           max_seq_len=args.context)
     mesh = make_mesh(args.tp, devices=devices[:args.tp])
     params = families.family_of(config).random_params(config, mesh, seed=0)
-    dec = bd.make_decoder(config, mesh, params, VARIANTS[args.variant], 1, args.context, 0)
+    settings = {"default": (None,), "on": (True,), "off": (False,), "both": (True, False)}[args.pack]
+    decs = [bd.make_decoder(config, mesh, params, VARIANTS[args.variant], 1, args.context, 0,
+                            pack_params=s) for s in settings]
     need = 3 + 2 * args.steps + 5 * 24 + 8  # warm-up, waited steps, pipelined samples
-    dec.seek(args.context - need, bd.start_tokens(config, 1, 0))
-    dec.advance(3)  # compiled and warm
-    dec.token()
+
+    def measure(dec) -> dict:
+        dec.seek(args.context - need, bd.start_tokens(config, 1, 0))
+        dec.advance(3)  # compiled and warm
+        dec.token()
+        m = {"pack_params": dec.pack_params,
+             "arrays_per_step": len(dec._leaves) + len(jax.tree.leaves(dec.state)),
+             "waited_us": time_waited(dec, args.steps),
+             "waited_early_copy_us": time_waited(dec, args.steps, early_copy=True),
+             "pipelined_us": _median_us(bd.time_pipelined(dec, PIPELINED)[0]),
+             "null_all_us": time_null(dec, True, args.steps),
+             "null_state_us": time_null(dec, False, args.steps)}
+        m["waited_over_pipelined"] = round(m["waited_us"]["total"] / m["pipelined_us"], 3)
+        return m
+
     r = {"host": common.host_tag(devices), "tp": args.tp, "preset": preset,
          "variant": args.variant, "context": args.context,
          "xla_flags": os.environ.get("XLA_FLAGS", ""),
-         "arrays_per_step": len(dec._leaves) + len(jax.tree.leaves(dec.state)),
-         "token_memory": dec._tok_sharding.memory_kind,
-         "waited_us": time_waited(dec, args.steps),
-         "waited_early_copy_us": time_waited(dec, args.steps, early_copy=True),
-         "pipelined_us": _median_us(bd.time_pipelined(dec, PIPELINED)[0]),
-         "null_all_us": time_null(dec, True, args.steps),
-         "null_state_us": time_null(dec, False, args.steps)}
-    r["waited_over_pipelined"] = round(r["waited_us"]["total"] / r["pipelined_us"], 3)
+         "token_memory": decs[0]._tok_sharding.memory_kind}
+    if len(decs) == 1:
+        r.update(measure(decs[0]))
+    else:  # the settings alternate, `repeat` rounds: paired in one process
+        r["runs"] = [measure(dec) for _ in range(args.repeat) for dec in decs]
     for k, v in r.items():
         print(f"{k}: {v}", flush=True)
     if args.out:
