@@ -966,3 +966,25 @@ def test_jax_psum_suite_swaps_lax_psum_and_keeps_the_tests_that_call_it():
     assert "def _not_psum_test_other(self):" in text and "def test_call(self):" in text
     assert names_psum == {"T.test_value": False, "T.test_call": True}
     assert suite.base_name("f.T.test_value_collective=psum", kept) == "T.test_value"
+
+
+def test_gemv_cluster_probe_xla_side_runs_on_the_cpu(capsys):
+    """bench.probes.gemv_cluster_xla times each projection kind and the layer chain at 1 and 2
+    rows (small shapes on the CPU)."""
+    from bench.probes import gemv_cluster_xla
+
+    assert gemv_cluster_xla.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("us per projection") == 8 and out.count("LAYER CHAIN") == 2
+
+
+def test_gemv_cluster_probe_compiles_where_nvcc_is():
+    """bench/probes/gemv_cluster.cu (a standalone CUDA program) builds for sm_90a."""
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
+                                    if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+    if nvcc is None:
+        pytest.skip("no nvcc")
+    src = os.path.join(os.path.dirname(__file__), "..", "bench", "probes", "gemv_cluster.cu")
+    out = subprocess.run([nvcc, "-O1", "-std=c++17", "-arch=sm_90a", "-c", src, "-o", os.devnull],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
