@@ -1013,12 +1013,15 @@ BREAKDOWN_SKIPPED = ("--breakdown: skipped, a CPU run has no device trace of GPU
 
 
 def floor_note(s) -> str:
-    base = " or ".join(s["baselines"]) or "none ran"
-    return (f"Floor: a step's weights and KV cache (per rank) read once at {HBM_BYTES_PER_S / 1e12:g} "
-            "TB/s (floor_ms; x floor = TPOT / floor_ms, floor_ratio in the JSON). Baseline: the "
-            f"fastest of the in-decoder rows {base} at the same TP, loop, batch and KV length "
-            "(the paper's baseline, the better of a one-shot and a two-shot all-reduce, given every "
-            "decoder improvement ours gets); vs baseline: tokens/s over the baseline's.")
+    floor = (f"Floor: a step's weights and KV cache (per rank) read once at "
+             f"{HBM_BYTES_PER_S / 1e12:g} TB/s (floor_ms; x floor = TPOT / floor_ms, floor_ratio "
+             "in the JSON). ")
+    if not s["baselines"]:
+        return floor + "Baseline: none (no in-decoder one-shot or two-shot row ran)."
+    return floor + (f"Baseline: the fastest of the in-decoder rows {' or '.join(s['baselines'])} "
+                    "at the same TP, loop, batch and KV length (the paper's baseline, the better "
+                    "of a one-shot and a two-shot all-reduce, given every decoder improvement ours "
+                    "gets); vs baseline: tokens/s over the baseline's.")
 
 
 METHOD_NOTE = (
