@@ -98,37 +98,9 @@ def test_default_plan_fills_the_gpu_within_its_limits():
         assert vecs % lanes == 0 or lanes == 32  # no partly empty tiles unless unavoidable
         groups = mv.THREADS // lanes
         assert splits == 1 or k // splits >= groups * mv.MIN_ROWS_PER_GROUP
-        assert splits == 1 or mv.cluster_reduces(splits)  # one launch: added in a cluster
+        assert splits * 4 <= max(4, mv.MAX_PARTIAL_SHARE * k * 2)  # partial sums' bytes
     assert mv.matvec_plan(64, 4096, 128256, 2)[1] == 1  # already thousands of blocks
     assert mv.matvec_plan(1, 16, 256, 2)[1] == 1
-    assert mv.matvec_plan(8, 2048, 1536, 2) == (32, 8)  # Qwen3-30B-A3B's experts' gate_up
-
-
-def test_without_clusters_the_plan_bounds_the_partial_sums(monkeypatch):
-    monkeypatch.setattr(mv, "CLUSTER_SPLITS", 0)
-    for m, k, n in [(1, 4096, 6144), (1, 14336, 4096), (8, 2048, 1536), (8, 768, 2048)]:
-        lanes, splits = mv.matvec_plan(m, k, n, 2)
-        assert not mv.cluster_reduces(splits)
-        assert splits * 4 <= max(4, mv.MAX_PARTIAL_SHARE * k * 2)  # partial sums' bytes
-    assert mv.matvec_plan(8, 2048, 1536, 2) == (64, 22)  # the plan before clusters
-
-
-def test_both_ways_of_adding_the_splits_give_the_same_bits_on_the_cpu():
-    """The CPU handler sums in the kernel's order whether the splits are added in a cluster or
-    by a second pass (the GPU test below checks the CUDA kernel both ways)."""
-    x, w, ids = operands(8, 96, 48, 5, "bfloat16")
-    ws = (w.reshape(5, 96, 48), ids)
-    a = jax.jit(lambda x: mv._kernel(x, *ws, 32, 4, cluster=True))(x)
-    b = jax.jit(lambda x: mv._kernel(x, *ws, 32, 4, cluster=False))(x)
-    np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
-
-
-def test_a_cluster_takes_two_to_eight_splits():
-    x, w, ids = operands(2, 130, 16, 3, "float32")
-    for splits in (1, 9):
-        with pytest.raises(Exception, match="cluster reduces 2 to 8 splits"):
-            jax.block_until_ready(jax.jit(
-                lambda x: mv._kernel(x, w, ids, 32, splits, cluster=True))(x))
 
 
 def test_user_errors_at_trace_time():
@@ -180,7 +152,6 @@ def test_cuda_kernel_matches_cpu_handler_bits(dtype, shape):
     if ids is not None:
         ids = ids.at[0].set(ids[-1])  # a repeated expert
     plan = mv.matvec_plan(m, k, n, jnp.dtype(dtype).itemsize)
-    assert plan[1] == 1 or mv.cluster_reduces(plan[1])  # the default adds splits in a cluster
     f = jax.jit(lambda x, w, ids: mv.matvec(x, w, ids, impl="kernel", plan=plan))
     on = lambda d: f(*jax.device_put((x, w, ids), d))  # noqa: E731
     got, cpu = np.asarray(on(gpus[0])), np.asarray(on(jax.devices("cpu")[0]))
@@ -190,24 +161,3 @@ def test_cuda_kernel_matches_cpu_handler_bits(dtype, shape):
     auto = jax.jit(lambda x, w, ids: mv.matvec(x, w, ids, plan=plan))  # auto: the kernel
     np.testing.assert_array_equal(np.asarray(auto(*jax.device_put((x, w, ids), gpus[0])))
                                   .view(np.uint8), got.view(np.uint8))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("splits", [2, 3, 8, 9, 22])
-def test_cuda_kernel_adds_splits_in_a_cluster_or_a_pass_with_the_cpus_bits(shape, splits):
-    """Splits 2-8 are added inside the kernel by one cluster, more by the second pass: both
-    give the CPU handler's bits (bfloat16; 22 splits: the plan before clusters at Qwen3's
-    gate_up)."""
-    gpus = gpu_device_list()
-    if not gpus or "cuda" not in mv._ext.PLATFORMS:
-        pytest.skip("needs a CUDA GPU and the CUDA build")
-    m, k, n, e = shape
-    if splits > k:
-        pytest.skip("more splits than rows of K")
-    x, w, ids = operands(m, k, n, e, "bfloat16", seed=splits)
-    plan = (32, splits)
-    f = jax.jit(lambda x, w, ids: mv.matvec(x, w, ids, impl="kernel", plan=plan))
-    on = lambda d: np.asarray(f(*jax.device_put((x, w, ids), d)))  # noqa: E731
-    np.testing.assert_array_equal(on(gpus[0]).view(np.uint16),
-                                  on(jax.devices("cpu")[0]).view(np.uint16))

@@ -47,15 +47,13 @@ def time_fn(fn, args, runs: int) -> float:
 
 
 class plan_limits:
-    """sifar_jax.matvec's plan limits set while a variant is traced: "528" (blocks),
-    "528/0.1" (blocks / the partial sums' largest share of the weight bytes) or "528/0.03/0"
-    (... / CLUSTER_SPLITS: 0 adds the splits in a second pass, as before clusters)."""
+    """sifar_jax.matvec's plan limits set while a variant is traced: "528" (blocks) or
+    "528/0.1" (blocks / the partial sums' largest share of the weight bytes)."""
 
     def __init__(self, spec: str | None):
-        target, share, cluster = ((spec or "").split("/") + ["", ""])[:3]
+        target, _, share = (spec or "").partition("/")
         self.new = dict(TARGET_BLOCKS=int(target) if target else mv.TARGET_BLOCKS,
-                        MAX_PARTIAL_SHARE=float(share) if share else mv.MAX_PARTIAL_SHARE,
-                        CLUSTER_SPLITS=int(cluster) if cluster else mv.CLUSTER_SPLITS)
+                        MAX_PARTIAL_SHARE=float(share) if share else mv.MAX_PARTIAL_SHARE)
 
     def __enter__(self):
         self.old = {k: getattr(mv, k) for k in self.new}
@@ -120,10 +118,9 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--runs", type=int, default=30)
-    p.add_argument("--targets", default="264,528,1056,528/0.03/0",
+    p.add_argument("--targets", default="264,528,1056,528/0.1",
                    help="matvec plan limits to try, comma-separated: blocks per call, or "
-                        "blocks/largest share of partial sums[/CLUSTER_SPLITS] "
-                        "(sifar_jax.matvec.matvec_plan)")
+                        "blocks/largest share of partial sums (sifar_jax.matvec.matvec_plan)")
     p.add_argument("--only", choices=("dense", "moe"), default=None)
     p.add_argument("--quick", action="store_true", help="small shapes (CPU)")
     p.add_argument("--out", default=None, help="write the numbers as JSON here")

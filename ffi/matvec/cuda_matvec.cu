@@ -1,11 +1,7 @@
 // The batch-1 matrix-vector product on CUDA (matvec.h): a split-K streaming
-// kernel whose lanes each load one 16-byte vector of a weight row per step.
-// When K is split, the splits' partial sums are added in order either inside
-// the kernel, by the blocks of one thread-block cluster through distributed
-// shared memory (up to kMaxCluster splits: no second launch, no workspace),
-// or by a second pass over the workspace. Plain launches on the call's stream
-// (CUDA-graph safe).
-#include <cooperative_groups.h>
+// kernel whose lanes each load one 16-byte vector of a weight row per step,
+// then, when K is split, a pass that adds the splits' partial sums in order.
+// Both kernels are plain launches on the call's stream (CUDA-graph safe).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -17,7 +13,6 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-namespace cg = cooperative_groups;
 
 namespace sifar {
 namespace cuda {
@@ -62,15 +57,12 @@ struct Args {
 
 // Block (tile, split, m): the split's partial sums of its tile's columns
 // (matvec.h gives the order), kLanes threads per row group.  splits == 1: y.
-// kCluster: the grid's splits of one (tile, m) are one cluster, and its blocks
-// add their partial sums in split order through distributed shared memory.
-template <typename T, int kLanes, bool kCluster>
+template <typename T, int kLanes>
 __global__ void __launch_bounds__(kThreads) MatVecKernel(Args a) {
   constexpr int V = matvec::kVecBytes / sizeof(T);
   constexpr int kTile = kLanes * V;
   constexpr int kGroups = kThreads / kLanes;
   __shared__ float group_sums[kGroups > 1 ? kGroups : 1][kTile];
-  __shared__ float split_sums[kCluster ? kTile : 1];  // this block's split, read by the cluster
   const int lane = threadIdx.x % kLanes, group = threadIdx.x / kLanes;
   const int64_t tile = blockIdx.x, split = blockIdx.y, m = blockIdx.z;
   const int64_t n0 = tile * kTile + lane * V;
@@ -107,38 +99,7 @@ __global__ void __launch_bounds__(kThreads) MatVecKernel(Args a) {
       }
     }
   }
-  if constexpr (kCluster) {
-    // The block's split sums into shared memory (groups added in order), then
-    // each block of the cluster adds every split's sums, in split order, for
-    // its share of the tile's columns. No thread returns before both syncs.
-    if constexpr (kGroups == 1) {
-#pragma unroll
-      for (int j = 0; j < V; ++j) split_sums[lane * V + j] = acc[j];
-    } else {
-#pragma unroll
-      for (int j = 0; j < V; ++j) group_sums[group][lane * V + j] = acc[j];
-      __syncthreads();
-      for (int i = threadIdx.x; i < kTile; i += kThreads) {
-        float sum = group_sums[0][i];
-#pragma unroll
-        for (int g = 1; g < kGroups; ++g) sum += group_sums[g][i];
-        split_sums[i] = sum;
-      }
-    }
-    cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();  // every split's sums written
-    const int splits = static_cast<int>(a.splits);
-    for (int i = static_cast<int>(split) * kThreads + threadIdx.x; i < kTile;
-         i += splits * kThreads) {
-      const int64_t col = tile * kTile + i;
-      if (col < a.n) {
-        float sum = *cluster.map_shared_rank(&split_sums[i], 0);
-        for (int q = 1; q < splits; ++q) sum += *cluster.map_shared_rank(&split_sums[i], q);
-        static_cast<T*>(a.y)[m * a.n + col] = FromFloat<T>(sum);
-      }
-    }
-    cluster.sync();  // no block leaves while another still reads its shared memory
-  } else if constexpr (kGroups == 1) {  // one group: each thread holds its columns' sums
+  if constexpr (kGroups == 1) {  // one group: each thread holds its columns' sums
     if (n0 < a.n) {
 #pragma unroll
       for (int j = 0; j < V; ++j) {
@@ -184,22 +145,8 @@ cudaError_t LaunchLanes(const MatVecCall& c, const Args& a, cudaStream_t stream)
   constexpr int kTile = kLanes * matvec::kVecBytes / static_cast<int>(sizeof(T));
   const dim3 grid(static_cast<unsigned>((c.n + kTile - 1) / kTile),
                   static_cast<unsigned>(c.splits), static_cast<unsigned>(c.m));
-  if (!c.cluster) {
-    MatVecKernel<T, kLanes, false><<<grid, kThreads, 0, stream>>>(a);
-    return cudaGetLastError();
-  }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(kThreads);
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = static_cast<unsigned>(c.splits);  // one cluster per (tile, m)
-  attr[0].val.clusterDim.z = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, MatVecKernel<T, kLanes, true>, a);
+  MatVecKernel<T, kLanes><<<grid, kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
 }
 
 template <typename T>
@@ -213,7 +160,7 @@ cudaError_t Launch(const MatVecCall& c, cudaStream_t stream) {
     case 256: e = LaunchLanes<T, 256>(c, a, stream); break;
     default: return cudaErrorInvalidValue;
   }
-  if (e != cudaSuccess || c.splits == 1 || c.cluster) return e;
+  if (e != cudaSuccess || c.splits == 1) return e;
   const int64_t total = c.m * c.n;
   AddSplitsKernel<T><<<static_cast<unsigned>((total + kReduceThreads - 1) / kReduceThreads),
                        kReduceThreads, 0, stream>>>(a, total);
@@ -223,14 +170,10 @@ cudaError_t Launch(const MatVecCall& c, cudaStream_t stream) {
 template <typename T>
 void LoadKernels() {
   cudaFuncAttributes attr;
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, MatVecKernel<T, 32, false>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, MatVecKernel<T, 64, false>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, MatVecKernel<T, 128, false>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, MatVecKernel<T, 256, false>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, MatVecKernel<T, 32, true>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, MatVecKernel<T, 64, true>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, MatVecKernel<T, 128, true>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, MatVecKernel<T, 256, true>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, MatVecKernel<T, 32>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, MatVecKernel<T, 64>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, MatVecKernel<T, 128>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, MatVecKernel<T, 256>));
   SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, AddSplitsKernel<T>));
 }
 
@@ -242,9 +185,9 @@ namespace {
 ffi::Error CudaMatVecImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                           ffi::AnyBuffer w, ffi::AnyBuffer ids, ffi::Result<ffi::AnyBuffer> y,
                           ffi::Result<ffi::AnyBuffer> workspace, int64_t splits,
-                          int64_t lanes, int64_t cluster) {
+                          int64_t lanes) {
   MatVecCall call;
-  ffi::Error err = PlanMatVec(x, w, ids, *y, *workspace, splits, lanes, cluster, &call);
+  ffi::Error err = PlanMatVec(x, w, ids, *y, *workspace, splits, lanes, &call);
   if (err.failure()) return err;
   err = UseDevice(ordinal);
   if (err.failure()) return err;

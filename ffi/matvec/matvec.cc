@@ -16,7 +16,7 @@ namespace ffi = xla::ffi;
 namespace sifar {
 
 ffi::Error PlanMatVec(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer ids, ffi::AnyBuffer y,
-                      ffi::AnyBuffer workspace, int64_t splits, int64_t lanes, int64_t cluster,
+                      ffi::AnyBuffer workspace, int64_t splits, int64_t lanes,
                       MatVecCall* call) {
   const ffi::DataType t = x.element_type();
   if ((t != ffi::DataType::F32 && t != ffi::DataType::BF16 && t != ffi::DataType::F16) ||
@@ -36,16 +36,14 @@ ffi::Error PlanMatVec(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer ids, ff
   call->n = wd[2];
   call->splits = splits;
   call->lanes = lanes;
-  call->cluster = cluster == 1;
   if (wd[1] != call->k || yd[0] != call->m || yd[1] != call->n ||
       ids.dimensions()[0] != call->m)
     return Invalid("matvec: x [M, K], w [E, K, N], ids [M] and y [M, N] do not agree");
   const int elem_bytes = static_cast<int>(x.size_bytes() / std::max<size_t>(x.element_count(), 1));
   if (const char* why = matvec::Refusal(call->m, call->k, call->n, call->e, splits, lanes,
-                                        cluster, elem_bytes))
+                                        elem_bytes))
     return Invalid(std::string("matvec: ") + why);
-  const size_t want =
-      splits == 1 || call->cluster ? 1 : static_cast<size_t>(call->m * splits * call->n);
+  const size_t want = splits == 1 ? 1 : static_cast<size_t>(call->m * splits * call->n);
   if (workspace.element_count() < want)
     return Invalid("matvec: the workspace holds " + std::to_string(workspace.element_count()) +
                    " floats, the call needs " + std::to_string(want));
@@ -108,9 +106,9 @@ void RunMatVec(const MatVecCall& c) {
 
 ffi::Error CpuMatVecImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer ids,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> workspace,
-                         int64_t splits, int64_t lanes, int64_t cluster) {
-  MatVecCall call;  // the CPU sums in the kernel's order whichever way the splits are reduced
-  ffi::Error err = PlanMatVec(x, w, ids, *y, *workspace, splits, lanes, cluster, &call);
+                         int64_t splits, int64_t lanes) {
+  MatVecCall call;
+  ffi::Error err = PlanMatVec(x, w, ids, *y, *workspace, splits, lanes, &call);
   if (err.failure()) return err;
   RunMatVec(call);
   return ffi::Error::Success();

@@ -18,11 +18,8 @@
 //   - row group g of a block sums rows k0 + g, k0 + g + groups, ... in order
 //     (one fma per element, float32);
 //   - the block adds its groups' sums in group order: the split's partial sum;
-//   - the splits' partial sums are added in split order and rounded to T once:
-//     where the splits fit one thread-block cluster (`cluster`, 2..kMaxCluster
-//     splits), inside the kernel through distributed shared memory (one launch,
-//     no workspace); otherwise by a second pass over the workspace (splits == 1:
-//     the block writes y itself). Both add in the same order: the same bits.
+//   - a second pass adds the splits' partial sums in split order and rounds to
+//     T once (splits == 1: the block writes y itself).
 #pragma once
 
 #include <cstdint>
@@ -38,7 +35,6 @@ namespace matvec {
 
 constexpr int kThreads = 256;  // threads per block
 constexpr int kVecBytes = 16;  // bytes each thread loads per row
-constexpr int kMaxCluster = 8;  // splits reduced in one cluster: the portable cluster size
 
 // Elements per 16-byte vector: the columns a thread owns.
 constexpr int VecElems(int elem_bytes) { return kVecBytes / elem_bytes; }
@@ -53,26 +49,22 @@ SIFAR_HD int64_t SplitRows(int64_t k, int64_t splits) { return (k + splits - 1) 
 // Why (m, k, n, e, splits) cannot run, or nullptr.  N must be whole vectors
 // (each row of w then starts 16-byte aligned).
 inline const char* Refusal(int64_t m, int64_t k, int64_t n, int64_t e, int64_t splits,
-                           int64_t lanes, int64_t cluster, int elem_bytes) {
+                           int64_t lanes, int elem_bytes) {
   if (m < 1 || k < 1 || n < 1 || e < 1) return "every dimension must be at least 1";
   if (!ValidLanes(lanes)) return "lanes must be 32, 64, 128 or 256";
   if (n % VecElems(elem_bytes) != 0) return "N must be a multiple of 16 bytes of elements";
   if (splits < 1 || splits > k) return "splits must be in [1, K]";
   if (m > 65535 || splits > 65535) return "M and splits must be at most 65535";
-  if (cluster != 0 && (cluster != 1 || splits < 2 || splits > kMaxCluster))
-    return "cluster reduces 2 to 8 splits (cluster=1), or is 0";
   return nullptr;
 }
 
 }  // namespace matvec
 
 // One call, checked: y [M, N] = x [M, K] @ w[ids] ([E, K, N]), the split
-// sums in workspace [M, splits, N] (float32; unused when splits == 1 or the
-// splits are reduced in a cluster).
+// sums in workspace [M, splits, N] (float32; unused when splits == 1).
 struct MatVecCall {
   Elem elem = Elem::kF32;
   int64_t m = 0, k = 0, n = 0, e = 0, splits = 1, lanes = 32;
-  bool cluster = false;
   const void* x = nullptr;
   const void* w = nullptr;
   const int32_t* ids = nullptr;  // clamped to [0, E) where read
@@ -91,13 +83,12 @@ auto WithMatVecOperands(Binding binding) {
       .template Ret<xla::ffi::AnyBuffer>()  // y [M, N]
       .template Ret<xla::ffi::AnyBuffer>()  // workspace [M, splits, N] float32
       .template Attr<int64_t>("splits")
-      .template Attr<int64_t>("lanes")
-      .template Attr<int64_t>("cluster");  // 1: the splits reduced in one cluster
+      .template Attr<int64_t>("lanes");
 }
 
 // The checks both backends run (shapes, dtypes, alignment); fills *call.
 xla::ffi::Error PlanMatVec(xla::ffi::AnyBuffer x, xla::ffi::AnyBuffer w, xla::ffi::AnyBuffer ids,
                            xla::ffi::AnyBuffer y, xla::ffi::AnyBuffer workspace, int64_t splits,
-                           int64_t lanes, int64_t cluster, MatVecCall* call);
+                           int64_t lanes, MatVecCall* call);
 
 }  // namespace sifar

@@ -38,11 +38,6 @@ TARGET_BLOCKS = 4 * 132
 MIN_ROWS_PER_GROUP = 16  # rows each row group of a split reads at least (loads in flight)
 # The splits' float32 partial sums are written and read once: at most this share of the weight.
 MAX_PARTIAL_SHARE = 0.03
-# Up to this many splits of K are added inside the kernel, by the blocks of one thread-block
-# cluster (ffi/matvec/matvec.h's kMaxCluster; 0: always the workspace and a second pass). The
-# plan then splits K at most this much: one launch per call, no partial sums in memory.
-CLUSTER_SPLITS = 8
-MAX_CLUSTER_SPLITS = 8
 
 
 def matvec_plan(m: int, k: int, n: int, itemsize: int,
@@ -50,12 +45,10 @@ def matvec_plan(m: int, k: int, n: int, itemsize: int,
     """(lanes, splits) of the kernel's grid for x [m, k] @ w [k, n]: the widest row group whose
     tiles divide n and whose grid reaches target_blocks blocks (None: TARGET_BLOCKS, read
     when called), and the split of K that reaches it, within MIN_ROWS_PER_GROUP rows per group
-    and, where CLUSTER_SPLITS (read when called) is set, at most that many splits (added in
-    the kernel); otherwise within MAX_PARTIAL_SHARE of the weight's bytes in partial sums."""
+    and MAX_PARTIAL_SHARE of the weight's bytes in partial sums."""
     target = TARGET_BLOCKS if target_blocks is None else target_blocks
     vecs = max(1, n // (VEC_BYTES // itemsize))  # 16-byte vectors per weight row
-    max_share = (CLUSTER_SPLITS if CLUSTER_SPLITS > 1
-                 else max(1, int(MAX_PARTIAL_SHARE * k * itemsize / 4)))
+    max_share = max(1, int(MAX_PARTIAL_SHARE * k * itemsize / 4))
     best = None
     for lanes in LANES:
         if vecs % lanes and lanes != LANES[-1]:
@@ -80,25 +73,17 @@ def _reference(x, w3, ids):
     return jnp.einsum("mk,mkn->mn", x, ws, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def cluster_reduces(splits: int) -> bool:
-    """Whether the kernel adds `splits` partial sums inside one cluster (CLUSTER_SPLITS, read
-    when called) rather than through the workspace and a second pass."""
-    return 2 <= splits <= min(CLUSTER_SPLITS, MAX_CLUSTER_SPLITS)
-
-
-def _kernel(x, w3, ids, lanes: int, splits: int, cluster: bool | None = None):
+def _kernel(x, w3, ids, lanes: int, splits: int):
     m, n = x.shape[0], w3.shape[2]
-    cluster = cluster_reduces(splits) if cluster is None else cluster
     # Under shard_map the operands get one varying type and the results that type.
     x, w3, ids = _jax_compat.same_varying(x, w3, ids)
     like = jax.typeof(x)
-    ws_shape = (m, splits, n) if splits > 1 and not cluster else (1,)
+    ws_shape = (m, splits, n) if splits > 1 else (1,)
     call = jax.ffi.ffi_call(
         _ext.TARGETS.matvec,
         (like.update(shape=(m, n)), like.update(shape=ws_shape, dtype=jnp.dtype(jnp.float32))),
     )
-    y, _ = call(x, w3, ids, splits=np.int64(splits), lanes=np.int64(lanes),
-                cluster=np.int64(cluster))
+    y, _ = call(x, w3, ids, splits=np.int64(splits), lanes=np.int64(lanes))
     return y
 
 
