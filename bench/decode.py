@@ -607,6 +607,7 @@ def run_variant(config, mesh, params, case, s, bar) -> list[dict]:
     kv = kv_cache_bytes_per_rank(config, context, tp, batch)
     common_fields = {"setup_s": round(setup_s, 2), "kv_layout": dec.kv_layout, "rows": dec.rows,
                      "gemm_rows": dec.gemm_rows, "attn_impl": dec.attn_impl,
+                     "pack_params": dec.pack_params, "arrays_per_call": len(dec._leaves),
                      "weights_bytes_per_rank": weights, "kv_bytes_per_rank": kv,
                      "floor_ms": float(f"{floor_ms(weights, kv):.4g}")}
     if kind in SIFAR_KINDS:

@@ -65,6 +65,7 @@ from .attention import check_attn_impl
 from . import param_pack
 from .family import ModelConfig, ModelFamily
 from .families import family_of
+from .transformer import fused_norm_scale
 from .random_weights import hash_uniform, mix32
 from .sharding import cache_dims, cache_spec, check_kv_layout, default_kv_layout
 from .tp import ALLREDUCE_KINDS, FUSED_MODES, make_fused_add_norm
@@ -224,10 +225,10 @@ class Decoder:
     (attention.ATTN_IMPLS; None: default_attn_impl, "pallas" on GPUs). compiler_options: XLA
     options every prefill, step and chunk executable is compiled with (`Lowered.compile`), e.g.
     {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"} (docs/performance.md: 0.05-1.3% on
-    one H200, not verified with sifar on two GPUs, so not the default). pack_params: pass the
-    small replicated weights (the norm scales) as one array per dtype (models/param_pack.py):
-    fewer arguments per call, a shorter waited step; None: on unless fused (the fused call's
-    norm scale is a custom-call operand, which XLA would copy from a slice).
+    one H200, not verified with sifar on two GPUs, so not the default). pack_params (None:
+    True): pass the small replicated vectors (the norm scales) as one array per dtype
+    (models/param_pack.py): fewer arguments per call, a shorter waited step; when fused, the
+    norm scales the fused call takes stay arrays of their own (a custom call's operand).
     """
 
     def __init__(self, config: ModelConfig, mesh: Mesh, params, *,
@@ -288,17 +289,15 @@ class Decoder:
         self.compiler_options = dict(compiler_options or {})
         self.params = self._place(params)
         # flattened once: every call passes this list (no per-call flattening of a nested dict)
-        leaves, self._treedef = jax.tree.flatten(self.params)
-        if pack_params is None:
-            pack_params = not fused
-        if pack_params and fused:
-            raise ValueError("pack_params=True needs fused=False: the fused call takes the norm "
-                             "scale as a custom-call operand, which XLA would copy from a slice")
-        self.pack_params = bool(pack_params)
-        # the small replicated weights (norm scales) as one array per dtype: fewer arguments
-        # per call (models/param_pack.py)
-        self._pack, self._leaves = (param_pack.pack(leaves, mesh) if self.pack_params
-                                    else (None, leaves))
+        paths, self._treedef = jax.tree_util.tree_flatten_with_path(self.params)
+        leaves = [a for _, a in paths]
+        self.pack_params = True if pack_params is None else bool(pack_params)
+        # the small replicated vectors (norm scales) as one array per dtype: fewer arguments
+        # per call (models/param_pack.py); fused, the norm scales the fused call takes stay
+        # arrays of their own (a custom call's operand: XLA would copy a slice of the pack)
+        keep = [bool(fused) and fused_norm_scale(path) for path, _ in paths]
+        self._pack, self._leaves = (param_pack.pack(leaves, mesh, keep=keep)
+                                    if self.pack_params else (None, leaves))
         self._rep = NamedSharding(mesh, P())
         # Each step also writes its token [rows] to pinned host memory where the backend has it:
         # on an H200 host reading a 4-byte result took ~250-550 us from device memory and 10-45

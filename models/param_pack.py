@@ -1,4 +1,4 @@
-"""A decoder's small replicated weights (the norms' scales) packed into one array per dtype.
+"""A decoder's small replicated vectors (the norms' scales) packed into one array per dtype.
 
 Every array a compiled step takes costs the host time on each call: ~0.5-1.3 us per argument on
 an H200 host (docs/performance.md, `bench.probes.dispatch_cost`, `stacked_weights`), paid once
@@ -6,17 +6,17 @@ per waited (sync) step. Llama-3.1-8B has 65 norm scales among its 195 weights, Q
 (two norms and the per-head q/k norms per layer) among ~435. Packed, each becomes a static
 slice of one array inside the step, which XLA fuses into the norm that reads it (no copy).
 
-Only arrays that are replicated over the mesh and at most `max_bytes` are packed: a sharded
-weight cannot share a buffer with a replicated one, and a large weight read by a matmul is kept
-as it is (a matmul reading a slice of a larger array ran ~18% slower, `stacked_weights`). The
-fused all-reduce's norm scale is an operand of a custom call, where a slice would be copied
-first, so the decoder does not pack when fused (Decoder's `pack_params`).
+Only vectors (1-D arrays) that are replicated over the mesh and at most `max_bytes` are packed:
+a sharded weight cannot share a buffer with a replicated one, and a matmul's weight is kept as it
+is, however small (a matmul reading a slice of a larger array ran ~18% slower,
+`stacked_weights`). A caller keeps others out with `keep`: the decoder keeps the norm scales the
+fused all-reduce takes, an operand of a custom call, where XLA would copy a slice first.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
 import numpy as np
@@ -40,17 +40,18 @@ class PackPlan:
 
 
 def _packable(a, max_bytes: int) -> bool:
-    return (isinstance(a, jax.Array) and a.nbytes <= max_bytes and a.size > 0
+    return (isinstance(a, jax.Array) and a.ndim == 1 and 0 < a.nbytes <= max_bytes
             and a.sharding.is_fully_replicated)
 
 
-def pack(leaves: Sequence[jax.Array], mesh, max_bytes: int = MAX_BYTES
-         ) -> tuple[PackPlan, list[jax.Array]]:
+def pack(leaves: Sequence[jax.Array], mesh, max_bytes: int = MAX_BYTES,
+         keep: Optional[Sequence[bool]] = None) -> tuple[PackPlan, list[jax.Array]]:
     """(plan, arrays): the kept leaves, then one replicated array per dtype holding the small
-    ones back to back. A dtype with a single small leaf is kept as it is (nothing to save)."""
+    vectors back to back. keep[i]: pass leaf i as it is. A dtype with a single small vector is
+    kept as it is (nothing to save)."""
     by_dtype: dict[str, list[int]] = {}
     for i, a in enumerate(leaves):
-        if _packable(a, max_bytes):
+        if not (keep is not None and keep[i]) and _packable(a, max_bytes):
             by_dtype.setdefault(str(a.dtype), []).append(i)
     by_dtype = {d: ix for d, ix in by_dtype.items() if len(ix) > 1}
     packed_ix = {i for ix in by_dtype.values() for i in ix}

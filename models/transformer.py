@@ -20,7 +20,7 @@ block's index in it; h = its input_norm(x), already computed by the all-reduce b
 returns next_norm(new x), computed by its own last all-reduce (fused or not,
 TPContext.add_norm). next_weight is the first weight read after it (the next block's attn.qkv,
 or the LM head), which the fused all-reduce prefetches. Every block has `input_norm` (RMSNorm)
-and `attn` (attention.Attention).
+and `attn` (attention.Attention); the norm after a block's first all-reduce is its `post_norm`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,18 @@ from .tp import RMSNorm, TPContext, normal, project
 # The stack's split parameters and fan-ins (a family's tables include them).
 TP_DIM = {"lm_head": 1}
 FAN_IN = {"lm_head": lambda shape: shape[0]}
+
+
+# The norms that follow an all-reduce (TPContext.add_norm): a block's input_norm and post_norm,
+# and the stack's final norm. Fused, their scales are operands of sifar_jax.psum_add_rmsnorm.
+FUSED_NORMS = ("input_norm", "post_norm")
+
+
+def fused_norm_scale(path) -> bool:
+    """Whether a parameter path (jax.tree_util keys) is the scale of a norm the fused all-reduce
+    takes: a block's input_norm or post_norm, or the stack's final norm."""
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    return any(k in FUSED_NORMS for k in keys) or (len(keys) >= 1 and keys[0] == "norm")
 
 
 class CausalLM(nnx.Module):

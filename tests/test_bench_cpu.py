@@ -988,3 +988,13 @@ def test_gemv_cluster_probe_compiles_where_nvcc_is():
     out = subprocess.run([nvcc, "-O1", "-std=c++17", "-arch=sm_90a", "-c", src, "-o", os.devnull],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_floor_note_names_the_baselines_or_says_none_ran():
+    from bench import decode as bd
+
+    none = bd.floor_note({"baselines": []})
+    assert none.endswith("Baseline: none (no in-decoder one-shot or two-shot row ran).")
+    assert "rows none ran" not in none
+    two = bd.floor_note({"baselines": ["sifar:oneshot", "sifar:twoshot"]})
+    assert "the in-decoder rows sifar:oneshot or sifar:twoshot at the same TP" in two

@@ -234,7 +234,7 @@ int main(int argc, char** argv) {
       const int TN = c.lanes * 8;
       if (sh.N % TN || sh.K % c.cluster || (TN / c.cluster) < 1 || TN % c.cluster) continue;
       // correctness against a float64 reference, output poisoned first
-      CK(cudaMemset(y, 0xff, 2 * 28672 * sizeof(bf16)));
+      CK(cudaMemsetAsync(y, 0xff, 2 * 28672 * sizeof(bf16), s));  // ordered before the kernel
       c.launch(x, ws[0], y, sh.K, sh.N, s);
       Reference<<<(sh.N + 255) / 256, 256, 0, s>>>(x, ws[0], ref, c.M, sh.K, sh.N);
       CK(cudaStreamSynchronize(s));
@@ -256,10 +256,11 @@ int main(int argc, char** argv) {
       CK(cudaGraphInstantiate(&ge, g, 0));
       const float ms = TimeGraph(ge, s, 15);
       const float us = ms * 1e3f / kChain;
+      // bf16 output rounding is ~2e-3 of the scale; one dropped K term ~1e-2
       printf("%-8s %-36s %7.2f us  %5.2f TB/s  err %.2e of %.2e%s\n", sh.name, c.name.c_str(), us,
-             elems * 2.0 / (us * 1e-6) / 1e12, err, scale, err > 1e-2 * scale ? "  WRONG" : "");
+             elems * 2.0 / (us * 1e-6) / 1e12, err, scale, err > 4e-3 * scale ? "  WRONG" : "");
       fflush(stdout);
-      if (err <= 1e-2 * scale && us < best_us[c.M]) best_us[c.M] = us, best_cfg[c.M] = &c;
+      if (err <= 4e-3 * scale && us < best_us[c.M]) best_us[c.M] = us, best_cfg[c.M] = &c;
       CK(cudaGraphExecDestroy(ge));
       CK(cudaGraphDestroy(g));
     }
@@ -271,7 +272,7 @@ int main(int argc, char** argv) {
     for (int i = 0; i < kChain; ++i) CK(cudaFree(ws[i]));
   }
   // A 32-layer chain of the four projections (qkv, o, gate_up, down), each shape with its best
-  // configuration: the same weight bytes as XLA's chain in xla_chain.py.
+  // configuration: the same weight bytes as XLA's chain in gemv_cluster_xla.py.
   const int L = 32;
   std::vector<bf16*> lw;
   size_t total = 0;
