@@ -87,4 +87,3 @@ def unpack(plan: PackPlan, arrays: Sequence[jax.Array]) -> list[jax.Array]:
             out[i] = jax.lax.slice(buf, (off,), (off + int(np.prod(shape, dtype=np.int64)),)
                                    ).reshape(shape)
     return out
-

@@ -807,6 +807,22 @@ def test_step_breakdown_classifies_the_decoder_step_hlo(cpu_mesh):
     assert b["unmatched"] == 0
 
 
+
+def test_step_breakdown_takes_the_arrays_the_step_is_passed_as_its_weights(cpu_mesh, monkeypatch):
+    """With the norm scales packed, the step's weights are its first len(dec._leaves) entry
+    parameters, fewer than the params tree's leaves: counting those would class state arrays
+    as weights."""
+    import jax
+
+    from bench.probes import step_kernels as sk
+
+    dec = _tiny_decoder(cpu_mesh)
+    seen = []
+    monkeypatch.setattr(sk, "hlo_kinds", lambda text, n, shapes: seen.append(n) or {})
+    sk.decoder_kinds(dec)
+    assert seen == [len(dec._leaves)] and len(dec._leaves) < len(jax.tree.leaves(dec.params))
+
+
 GPU_LIKE_HLO = """HloModule jit_step, is_scheduled=true
 
 FunctionNames
