@@ -605,6 +605,41 @@ def test_concurrency_probe_times_every_branch_per_mode(capsys):
     assert all(float(r[1]) > 0 for r in rows)
 
 
+def test_layer_stream_xla_probe_computes_the_kernels_math(capsys):
+    """bench.probes.layer_stream_xla: one layer against a float64 reference with the same bf16
+    roundings as layer_stream.cu's host reference (random data, small shapes), then the --quick
+    run times both chains."""
+    import jax.numpy as jnp
+
+    from bench.probes import layer_stream_xla as lsx
+
+    hidden, qkv, ffn = 64, 96, 224
+    w = lsx.make_weights(1, hidden, qkv, ffn)[0]
+    x = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, (1, hidden)), jnp.bfloat16)
+    got = np.asarray(lsx.layer(x, w, hidden, ffn), np.float64)
+
+    def bf(v):
+        return np.asarray(jnp.asarray(v, jnp.float32).astype(jnp.bfloat16), np.float64)
+
+    f = {k: np.asarray(v, np.float64) for k, v in w.items()}
+
+    def rms(r, scale):
+        return bf(bf(r / np.sqrt(np.mean(r * r) + lsx.EPS)) * scale)
+
+    r = np.asarray(x, np.float64)[0]
+    q = bf(rms(r, f["attn_norm"]) @ f["qkv"])[:hidden]
+    r = bf(r + bf(q @ f["o"]))
+    gu = bf(rms(r, f["mlp_norm"]) @ f["gate_up"])
+    a = bf(gu[:ffn] / (1 + np.exp(-gu[:ffn])) * gu[ffn:])
+    want = bf(r + bf(a @ f["down"]))
+    assert np.abs(want).max() > 0.1
+    np.testing.assert_allclose(got[0], want, atol=4e-2 * np.abs(want).max())
+    assert lsx.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"XLA layers .*: 2 layers \d+\.\d+ ms", out)
+    assert "the four dots alone" in out
+
+
 def test_dispatch_cost_probe_runs_on_the_cpu(tmp_path):
     """bench.probes.dispatch_cost times every argument count, donated or not, and every read."""
     from bench.probes import dispatch_cost

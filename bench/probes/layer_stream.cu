@@ -1,0 +1,713 @@
+// Probe: does one persistent kernel that streams all of a layer's projection weights back to
+// back (the "megakernel" setting) beat XLA's chain of separate dots on Llama-8B's TP=1 shapes?
+// The hypothesis: XLA pays each kernel's launch ramp and tail (4 matmuls + ~10 small fusions per
+// layer, ~19 us per layer of idle memory), while a kernel whose loads never depend on the
+// activations can fetch the next projection's weights while its blocks wait for each other.
+//
+// The kernel (one block per multiprocessor, all resident: a cooperative launch):
+//   - one producer thread per block copies its share of each projection's weight, in 16 KiB
+//     chunks, into a ring of shared-memory stages with bulk copies (TMA, mbarrier-tracked); it
+//     runs ahead across projections and layers, bounded only by the ring, never by the data;
+//   - the consumer warps multiply each chunk by the activation vector in shared memory;
+//   - a projection's output is complete once every block has added its part: a grid barrier
+//     (a counter, release/acquire at gpu scope) between projections, 4 per layer;
+//   - per layer, in order: RMSNorm -> qkv -> o (q stands in for the attention output) ->
+//     residual add -> RMSNorm -> gate_up -> SwiGLU -> down -> residual add; bf16 activations
+//     rounded where XLA's decoder rounds them, float32 sums.
+// The weights are stored tiled: 8 columns x K rows contiguous (16-byte vectors), gate and up
+// columns interleaved, so a block's share is one contiguous byte range (stream-K: ranges of
+// whole 16 KiB chunks, each block within one chunk of the others; a column split between two
+// blocks is added up by its reader from two partial sums, deterministic).
+//
+// Each configuration is checked first on 2 layers against a float64 reference (the host
+// applies the same bf16 roundings) with its output poisoned, then timed on 32 layers (14 GB of
+// weights) as the median of 15 launches. The variants (template parameters): the inputs read
+// in a loop or batched; no run-ahead (the producer waits for the barrier); no fence before the
+// barrier's release; L2 prefetches ahead of the ring (PF); the values carrying their
+// projection's tag instead of a barrier (SYNC 2); and four timing-only modes that run one part
+// of the kernel (MODE 1-4). XLA's side: bench/probes/layer_stream_xla.py (the same math).
+//
+// Measured on one H200 (docs/performance.md, 2026-12-02): 111.6 us per layer against XLA's
+// 117.3 for the same math and 112.1 for its four dots alone; the weights alone stream at
+// 95.6-99.9 us per layer; the barriers and the work between projections cost the rest.
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90a bench/probes/layer_stream.cu -o /tmp/layer_stream
+//   /tmp/layer_stream                 # one H100/H200 (~15 GB, ~15 s)
+//   python -m bench.probes.layer_stream_xla
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+using bf16 = __nv_bfloat16;
+
+#define CK(x)                                                                                 \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
+      printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
+      exit(1);                                                                                \
+    }                                                                                         \
+  } while (0)
+
+constexpr int kHidden = 4096, kQkv = 6144, kFfn = 14336;
+constexpr int kMaxCols = 32;  // column vectors one block may touch in one projection
+constexpr float kEps = 1e-5f;
+constexpr long long kSpinLimit = 1ll << 26;  // a lost arrival traps instead of hanging
+
+// The four projections of a layer, in order: (K, N).
+__host__ __device__ constexpr int ProjK(int p) { return p == 3 ? kFfn : kHidden; }
+__host__ __device__ constexpr int ProjN(int p) {
+  return p == 0 ? kQkv : p == 1 ? kHidden : p == 2 ? 2 * kFfn : kHidden;
+}
+// Ranges are split in units of this many chunks: gate_up keeps a gate column and its up column
+// in one block (its SwiGLU is then the block's own epilogue), the rest split anywhere.
+__host__ __device__ constexpr int ProjUnit(int p, int cv) { return p == 2 ? 2 * (kHidden / cv) : 1; }
+
+// Block b's chunks (of cv 16-byte vectors) of projection p: [q0, q1).
+__host__ __device__ inline void BlockRange(int p, int cv, int b, int nb, int& q0, int& q1) {
+  const int unit = ProjUnit(p, cv);
+  const long long units = (long long)(ProjN(p) / 8) * (ProjK(p) / cv) / unit;
+  q0 = (int)(units * b / nb) * unit;
+  q1 = (int)(units * (b + 1) / nb) * unit;
+}
+
+struct Params {
+  const uint4* const* w;  // [layers * 4] tiled weights
+  const bf16* norm;       // [layers][2][kHidden] RMSNorm scales (attention, mlp)
+  const bf16* x_in;       // [kHidden]
+  bf16* x_out;            // [kHidden]
+  float* part;            // [2 sets][2 halves][2 * kFfn] partial sums (set = projection parity)
+  bf16* act;              // [kFfn] SwiGLU output
+  unsigned* counter;      // grid barrier arrivals, zero at launch
+  int layers;
+  // SYNC 2 (no barrier): each value travels with the tag of the projection that wrote it
+  // (epoch * layers * 4 + i + 1) in one 64-bit word, and its readers poll until it is theirs.
+  unsigned long long* tpart;  // [2 sets][2 halves][2 * kFfn]: float bits | tag << 32
+  unsigned long long* tact;   // [kFfn / 2]: two bf16 | tag << 32
+  unsigned epoch;
+};
+
+__device__ __forceinline__ uint32_t Smem(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ bool MbarTryWait(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+      : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+  return ok;
+}
+__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
+  long long n = 0;
+  while (!MbarTryWait(bar, parity))
+    if (++n > kSpinLimit) __trap();
+}
+__device__ __forceinline__ void NamedSync(int threads) {
+  asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
+}
+__device__ __forceinline__ float Bf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// Every block's writes before it are visible to every block after it (gpu-scope release by
+// one thread after a CTA barrier, acquire before the next: cumulative through bar.sync).
+template <bool FENCE>
+__device__ __forceinline__ void GridSync(unsigned* counter, unsigned target, int threads) {
+  NamedSync(threads);
+  if (threadIdx.x == 32) {
+    if (FENCE) __threadfence();
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+    unsigned v;
+    long long n = 0;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+      if (++n > kSpinLimit) __trap();
+    } while (v < target);
+  }
+  NamedSync(threads);
+}
+
+template <int STAGES, int CHUNK, int CWARPS, bool RUN_AHEAD, bool EVICT_FIRST, bool BATCHED, int MODE,
+          int PF, int SYNC>
+__global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
+  constexpr int kChunkBytes = CHUNK, kChunkVecs = CHUNK / 16;  // 16-byte vectors per chunk
+  constexpr int CT = CWARPS * 32;  // consumer threads: warps 1..CWARPS
+  extern __shared__ __align__(128) unsigned char smem[];
+  uint4* ring = reinterpret_cast<uint4*>(smem);
+  bf16* xs = reinterpret_cast<bf16*>(smem + STAGES * kChunkBytes);  // the projection's input
+  bf16* resid = xs + kFfn;                                            // the residual stream
+  float* red = reinterpret_cast<float*>(resid + kHidden);             // [CWARPS][kMaxCols][8]
+  float* scratch = red + CWARPS * kMaxCols * 8;                       // [CWARPS]
+  uint64_t* full = reinterpret_cast<uint64_t*>(scratch + 64);
+  uint64_t* empty = full + STAGES;
+  volatile int* go = reinterpret_cast<volatile int*>(empty + STAGES);  // projections released
+
+  const int nb = gridDim.x, b = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int total = P.layers * 4;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(Smem(&full[s])));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(Smem(&empty[s])), "r"(CWARPS));
+    }
+    *go = 1;
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == 0) {  // the producer
+    if (lane != 0 || MODE == 2) return;
+    uint64_t policy = 0;
+    if (EVICT_FIRST) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    // Two cursors over this block's chunks, in order: the ring's loads and (PF > 0) the L2
+    // prefetches, which run up to PF chunks ahead of the loads, also while the ring is full
+    // (the consumers at a barrier), so that the memory keeps streaming through the pause.
+    struct Cursor {
+      int i, q, q1;
+      const uint4* src;
+    };
+    auto normalize = [&](Cursor& c) {  // past an empty or finished range: the next projection
+      while (c.i < total && c.q >= c.q1) {
+        if (++c.i == total) break;
+        BlockRange(c.i % 4, kChunkVecs, b, nb, c.q, c.q1);
+        c.src = P.w[c.i] + (size_t)c.q * kChunkVecs;
+      }
+    };
+    auto advance = [&](Cursor& c) {
+      ++c.q;
+      c.src += kChunkVecs;
+      normalize(c);
+    };
+    Cursor ld{0, 0, 0, nullptr};
+    BlockRange(0, kChunkVecs, b, nb, ld.q, ld.q1);
+    ld.src = P.w[0] + (size_t)ld.q * kChunkVecs;
+    normalize(ld);
+    Cursor pf = ld;
+    unsigned n = 0, m = 0;  // chunks loaded, chunks prefetched (m >= n)
+    auto prefetch_one = [&]() {
+      if (PF && pf.i < total && m < n + PF) {
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pf.src), "r"(kChunkBytes)
+                     : "memory");
+        advance(pf);
+        ++m;
+        return true;
+      }
+      return false;
+    };
+    while (ld.i < total) {
+      if (!RUN_AHEAD) {
+        long long spins = 0;
+        while (*go <= ld.i)
+          if (++spins > kSpinLimit) __trap();
+      }
+      const int s = n % STAGES;
+      const uint32_t eb = Smem(&empty[s]), parity = ((n / STAGES) & 1) ^ 1;
+      long long spins = 0;
+      while (!MbarTryWait(eb, parity))
+        if (!prefetch_one() && ++spins > kSpinLimit) __trap();
+      const uint32_t fb = Smem(&full[s]), dst = Smem(ring + s * kChunkVecs);
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(fb),
+                   "r"(kChunkBytes) : "memory");
+      if (EVICT_FIRST)
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+            " [%0], [%1], %2, [%3], %4;" ::"r"(dst), "l"(ld.src), "r"(kChunkBytes), "r"(fb),
+            "l"(policy) : "memory");
+      else
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+            " [%0], [%1], %2, [%3];" ::"r"(dst), "l"(ld.src), "r"(kChunkBytes), "r"(fb) : "memory");
+      advance(ld);
+      ++n;
+      if (m < n) pf = ld, m = n;  // never behind the loads
+      prefetch_one();
+    }
+    return;
+  }
+
+  // The consumers. t: 0..CT-1.
+  const int t = threadIdx.x - 32, cw = warp - 1;
+  auto rms_input = [&](const bf16* scale) {  // xs = RMSNorm(resid) * scale
+    float ss = 0.f;
+    for (int j = t; j < kHidden; j += CT) {
+      const float r = __bfloat162float(resid[j]);
+      ss += r * r;
+    }
+    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) scratch[cw] = ss;
+    NamedSync(CT);
+    float tot = 0.f;
+    for (int w = 0; w < CWARPS; ++w) tot += scratch[w];
+    const float inv = rsqrtf(tot / kHidden + kEps);
+    for (int j = t; j < kHidden; j += CT)
+      xs[j] = __float2bfloat16_rn(Bf(__bfloat162float(resid[j]) * inv) * __bfloat162float(scale[j]));
+  };
+  // The sum of a projection's two partial halves (set s), as the bf16 its dot would return.
+  auto sum_parts = [&](int set, int j) {
+    const float* h = P.part + (size_t)set * 4 * kFfn;
+    return Bf(h[j] + h[2 * kFfn + j]);
+  };
+
+  for (int j = t; j < kHidden; j += CT) resid[j] = P.x_in[j];
+  NamedSync(CT);
+  rms_input(P.norm);
+  NamedSync(CT);
+
+  unsigned n = 0;
+  for (int i = 0; i < total; ++i) {
+    const int p = i % 4, layer = i / 4, K = ProjK(p), cpc = K / kChunkVecs;
+    int q0, q1;
+    BlockRange(p, kChunkVecs, b, nb, q0, q1);
+    const int c_first = q0 / cpc;
+    float acc[8];
+    // MODE 2 (timing only): the epilogues, barriers and inputs, no weights
+    for (int q = q0; MODE != 2 && q < q1; ++q, ++n) {
+      const int kc = q % cpc, s = n % STAGES;
+      if (kc == 0 || q == q0)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+      MbarWait(Smem(&full[s]), (n / STAGES) & 1);
+      const uint4* buf = ring + s * kChunkVecs;
+      const bf16* xk = xs + kc * kChunkVecs;
+#pragma unroll
+      for (int e = t; e < kChunkVecs; e += CT) {
+        const uint4 v = buf[e];
+        const float xv = __bfloat162float(xk[e]);
+        const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const float2 f = __bfloat1622float2(h2[u]);
+          acc[2 * u] = fmaf(xv, f.x, acc[2 * u]);
+          acc[2 * u + 1] = fmaf(xv, f.y, acc[2 * u + 1]);
+        }
+      }
+      __syncwarp();
+      if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(Smem(&empty[s])) : "memory");
+      if (kc == cpc - 1 || q == q1 - 1) {  // this block's part of column q / cpc is done
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          for (int o = 16; o; o >>= 1) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], o);
+        const int j = q / cpc - c_first;
+        if (j >= kMaxCols) __trap();
+        if (lane == 0)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) red[(cw * kMaxCols + j) * 8 + e] = acc[e];
+      }
+    }
+    if (MODE == 1) continue;  // timing only: the weights' stream, no barriers
+    if (MODE == 3) {  // timing only: the weights' stream and the barriers, nothing between
+      GridSync<SYNC == 0>(P.counter, (unsigned)(i + 1) * nb, CT);
+      continue;
+    }
+    // The epilogue: this block's columns, summed over the warps, to the partial sums (or, for
+    // gate_up, whose columns a block owns whole, SwiGLU straight to act).
+    NamedSync(CT);
+    const int ncols = q1 > q0 ? (q1 - 1) / cpc - c_first + 1 : 0;
+    float* part = P.part + (size_t)(i & 1) * 4 * kFfn;
+    const unsigned tag = P.epoch * total + i + 1;
+    if (SYNC == 2) {
+      unsigned long long* tp = P.tpart + (size_t)(i & 1) * 4 * kFfn;
+      const unsigned long long tb = (unsigned long long)tag << 32;
+      for (int x = t; x < ncols * (p == 2 ? 2 : 8); x += CT) {
+        if (p == 2) {  // a (gate, up) column pair's 4 packed bf16 pairs of SwiGLU
+          const int jp = x / 4, e2 = x % 4, j = 2 * jp;
+          unsigned short h[2];
+          for (int d = 0; d < 2; ++d) {
+            const int e = 2 * e2 + d;
+            float g = 0.f, u = 0.f;
+            for (int w = 0; w < CWARPS; ++w) {
+              g += red[(w * kMaxCols + j) * 8 + e];
+              u += red[(w * kMaxCols + j + 1) * 8 + e];
+            }
+            g = Bf(g);
+            h[d] = __bfloat16_as_ushort(__float2bfloat16_rn(g / (1.f + __expf(-g)) * Bf(u)));
+          }
+          const unsigned long long val = tb | h[0] | (unsigned)h[1] << 16;
+          unsigned long long* dst = P.tact + ((c_first + j) / 2) * 4 + e2;
+          asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(dst), "l"(val) : "memory");
+        } else {
+          const int j = x / 8, e = x % 8, c = c_first + j;
+          float v = 0.f;
+          for (int w = 0; w < CWARPS; ++w) v += red[(w * kMaxCols + j) * 8 + e];
+          const bool first = c * cpc >= q0, last = (c + 1) * cpc <= q1;
+          unsigned long long* dst = tp + (first ? 0 : 2 * kFfn) + c * 8 + e;
+          asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(dst),
+                       "l"(tb | __float_as_uint(v)) : "memory");
+          if (first && last)
+            asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(dst + 2 * kFfn), "l"(tb)
+                         : "memory");
+        }
+      }
+      NamedSync(CT);  // every consumer done with xs and resid before they are rewritten
+    }
+    for (int x = t; SYNC != 2 && x < ncols * 8; x += CT) {
+      const int j = x / 8, e = x % 8, c = c_first + j;
+      float v = 0.f;
+      for (int w = 0; w < CWARPS; ++w) v += red[(w * kMaxCols + j) * 8 + e];
+      if (p == 2) {
+        if (c % 2 == 0) continue;  // the up column's thread writes the pair
+        float g = 0.f;
+        for (int w = 0; w < CWARPS; ++w) g += red[(w * kMaxCols + j - 1) * 8 + e];
+        g = Bf(g);
+        const float a = g / (1.f + __expf(-g)) * Bf(v);
+        P.act[(c / 2) * 8 + e] = __float2bfloat16_rn(a);
+      } else {
+        const bool first = c * cpc >= q0, last = (c + 1) * cpc <= q1;
+        part[(first ? 0 : 2 * kFfn) + c * 8 + e] = v;
+        if (first && last) part[2 * kFfn + c * 8 + e] = 0.f;
+      }
+    }
+    if (SYNC != 2 && MODE != 4) GridSync<SYNC == 0>(P.counter, (unsigned)(i + 1) * nb, CT);
+    if (MODE == 4) NamedSync(CT);  // timing only: no barrier, the inputs read unsynchronised
+    if (!RUN_AHEAD && t == 0) *go = i + 2;
+    // The next projection's input. BATCHED: every load a thread needs in flight at once, 16
+    // bytes each (the loop form waits an L2 round trip per element: ~7 us for down's input).
+    auto poll = [&](const unsigned long long* a) {  // the word once it carries this tag
+      unsigned long long v;
+      long long spins = 0;
+      do {
+        asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(a) : "memory");
+        if (++spins > kSpinLimit) __trap();
+      } while ((unsigned)(v >> 32) != tag);
+      return v;
+    };
+    if (SYNC == 2) {
+      const unsigned long long* tp = P.tpart + (size_t)(i & 1) * 4 * kFfn;
+      if (p == 2) {  // down: SwiGLU, two bf16 per word
+        constexpr int NV = kFfn / 2, U = (NV + CT - 1) / CT;
+        unsigned long long v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (t + u * CT < NV)
+            asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v[u]) : "l"(P.tact + t + u * CT) : "memory");
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (t + u * CT < NV) {
+            if ((unsigned)(v[u] >> 32) != tag) v[u] = poll(P.tact + t + u * CT);
+            reinterpret_cast<unsigned*>(xs)[t + u * CT] = (unsigned)v[u];
+          }
+      } else {
+        constexpr int U = (kHidden + CT - 1) / CT;
+        unsigned long long a[U], c[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (t + u * CT < kHidden) {
+            asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(a[u]) : "l"(tp + t + u * CT) : "memory");
+            asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(c[u]) : "l"(tp + 2 * kFfn + t + u * CT) : "memory");
+          }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (t + u * CT < kHidden) {
+            const int j = t + u * CT;
+            if ((unsigned)(a[u] >> 32) != tag) a[u] = poll(tp + j);
+            if ((unsigned)(c[u] >> 32) != tag) c[u] = poll(tp + 2 * kFfn + j);
+            const float o = Bf(__uint_as_float((unsigned)a[u]) + __uint_as_float((unsigned)c[u]));
+            if (p == 0)
+              xs[j] = __float2bfloat16_rn(o);
+            else
+              resid[j] = __float2bfloat16_rn(__bfloat162float(resid[j]) + o);
+          }
+        if (p != 0) {
+          NamedSync(CT);
+          if (p == 1)
+            rms_input(P.norm + ((size_t)layer * 2 + 1) * kHidden);
+          else if (layer + 1 < P.layers)
+            rms_input(P.norm + ((size_t)layer + 1) * 2 * kHidden);
+        }
+      }
+    } else if (BATCHED) {
+      const float* h = P.part + (size_t)(i & 1) * 4 * kFfn;
+      if (p == 2) {  // down: SwiGLU, already bf16
+        constexpr int NV = kFfn / 8, U = (NV + CT - 1) / CT;
+        uint4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (t + u * CT < NV) v[u] = reinterpret_cast<const uint4*>(P.act)[t + u * CT];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (t + u * CT < NV) reinterpret_cast<uint4*>(xs)[t + u * CT] = v[u];
+      } else {  // the sum of the two partial halves, rounded as the dot's bf16 output
+        constexpr int NV = kHidden / 4, U = (NV + CT - 1) / CT;
+        float4 a[U], c[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (t + u * CT < NV) {
+            a[u] = reinterpret_cast<const float4*>(h)[t + u * CT];
+            c[u] = reinterpret_cast<const float4*>(h + 2 * kFfn)[t + u * CT];
+          }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (t + u * CT < NV) {
+            const int j = 4 * (t + u * CT);
+            const float o[4] = {Bf(a[u].x + c[u].x), Bf(a[u].y + c[u].y), Bf(a[u].z + c[u].z),
+                                Bf(a[u].w + c[u].w)};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              if (p == 0)  // o: q (the attention output's stand-in)
+                xs[j + e] = __float2bfloat16_rn(o[e]);
+              else  // gate_up, the next layer: the residual add
+                resid[j + e] = __float2bfloat16_rn(__bfloat162float(resid[j + e]) + o[e]);
+            }
+          }
+        if (p != 0) {
+          NamedSync(CT);
+          if (p == 1)
+            rms_input(P.norm + ((size_t)layer * 2 + 1) * kHidden);
+          else if (layer + 1 < P.layers)
+            rms_input(P.norm + ((size_t)layer + 1) * 2 * kHidden);
+        }
+      }
+    } else if (p == 0) {  // o: q (the attention output's stand-in)
+      for (int j = t; j < kHidden; j += CT) xs[j] = __float2bfloat16_rn(sum_parts(i & 1, j));
+    } else if (p == 1) {  // gate_up: RMSNorm(resid + o)
+      for (int j = t; j < kHidden; j += CT)
+        resid[j] = __float2bfloat16_rn(__bfloat162float(resid[j]) + sum_parts(i & 1, j));
+      NamedSync(CT);
+      rms_input(P.norm + ((size_t)layer * 2 + 1) * kHidden);
+    } else if (p == 2) {  // down: SwiGLU
+      for (int j = t; j < kFfn; j += CT) xs[j] = P.act[j];
+    } else {  // the next layer: RMSNorm(resid + down)
+      for (int j = t; j < kHidden; j += CT)
+        resid[j] = __float2bfloat16_rn(__bfloat162float(resid[j]) + sum_parts(i & 1, j));
+      NamedSync(CT);
+      if (layer + 1 < P.layers) rms_input(P.norm + ((size_t)layer + 1) * 2 * kHidden);
+    }
+    NamedSync(CT);
+  }
+  if (b == 0)
+    for (int j = t; j < kHidden; j += CT) P.x_out[j] = resid[j];
+}
+
+__global__ void Fill(bf16* p, size_t n, uint32_t seed, float scale, float offset) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)i * 2654435761u ^ seed * 40503u ^ (uint32_t)(i >> 32) * 97u;
+    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
+    p[i] = __float2bfloat16_rn(offset + ((h & 0xffffff) / 16777216.0f * 2.f - 1.f) * scale);
+  }
+}
+
+// Row-major W [K, N] -> tiled: column vector c (8 columns) holds K rows of 16 bytes; for
+// gate_up (interleave) tiled vector c is gate vector c / 2 or up vector c / 2.
+__global__ void Tile(const bf16* w, uint4* out, int K, int N, bool interleave) {
+  const size_t vecs = (size_t)K * (N / 8);
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < vecs;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const int c = (int)(i / K), k = (int)(i % K);
+    const int src = interleave ? (c % 2) * (N / 16) + c / 2 : c;
+    out[i] = *reinterpret_cast<const uint4*>(w + (size_t)k * N + src * 8);
+  }
+}
+
+__global__ void RefDot(const bf16* x, const bf16* w, double* y, int K, int N) {
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  double s = 0;
+  for (int k = 0; k < K; ++k) s += (double)__bfloat162float(x[k]) * __bfloat162float(w[(size_t)k * N + n]);
+  y[n] = s;
+}
+
+static float Bfh(double v) { return __bfloat162float(__float2bfloat16_rn((float)v)); }
+
+// The same layers on the host, float64 dots on the GPU (row-major weights).
+static std::vector<float> Reference(const std::vector<std::vector<bf16*>>& w_rm, const bf16* norm_dev,
+                                    const std::vector<float>& x0, int layers) {
+  std::vector<bf16> norm_h((size_t)layers * 2 * kHidden);
+  CK(cudaMemcpy(norm_h.data(), norm_dev, norm_h.size() * 2, cudaMemcpyDeviceToHost));
+  bf16* xd;
+  double* yd;
+  CK(cudaMalloc(&xd, kFfn * 2));
+  CK(cudaMalloc(&yd, 2 * kFfn * 8));
+  auto dot = [&](const std::vector<float>& in, int l, int p) {
+    std::vector<bf16> xb(in.size());
+    for (size_t j = 0; j < in.size(); ++j) xb[j] = __float2bfloat16_rn(in[j]);
+    CK(cudaMemcpy(xd, xb.data(), xb.size() * 2, cudaMemcpyHostToDevice));
+    RefDot<<<(ProjN(p) + 127) / 128, 128>>>(xd, w_rm[l][p], yd, ProjK(p), ProjN(p));
+    std::vector<double> y(ProjN(p));
+    CK(cudaMemcpy(y.data(), yd, y.size() * 8, cudaMemcpyDeviceToHost));
+    return y;
+  };
+  auto rms = [&](const std::vector<float>& r, const bf16* scale) {
+    double ss = 0;
+    for (float v : r) ss += (double)v * v;
+    const double inv = 1.0 / std::sqrt(ss / kHidden + kEps);
+    std::vector<float> o(kHidden);
+    for (int j = 0; j < kHidden; ++j) o[j] = Bfh(Bfh(r[j] * inv) * __bfloat162float(scale[j]));
+    return o;
+  };
+  std::vector<float> resid = x0;
+  for (int l = 0; l < layers; ++l) {
+    auto qkv = dot(rms(resid, &norm_h[(size_t)l * 2 * kHidden]), l, 0);
+    std::vector<float> q(kHidden);
+    for (int j = 0; j < kHidden; ++j) q[j] = Bfh(qkv[j]);
+    auto o = dot(q, l, 1);
+    for (int j = 0; j < kHidden; ++j) resid[j] = Bfh(resid[j] + Bfh(o[j]));
+    auto gu = dot(rms(resid, &norm_h[((size_t)l * 2 + 1) * kHidden]), l, 2);
+    std::vector<float> a(kFfn);
+    for (int j = 0; j < kFfn; ++j) {
+      const double g = Bfh(gu[j]);
+      a[j] = Bfh(g / (1.0 + std::exp(-g)) * Bfh(gu[kFfn + j]));
+    }
+    auto d = dot(a, l, 3);
+    for (int j = 0; j < kHidden; ++j) resid[j] = Bfh(resid[j] + Bfh(d[j]));
+  }
+  CK(cudaFree(xd));
+  CK(cudaFree(yd));
+  return resid;
+}
+
+struct Config {
+  std::string name;
+  void (*kernel)(Params);
+  size_t smem;
+  int threads;
+  bool checked;  // timing-only modes compute nothing meaningful
+};
+
+// MODE 0: the layers; 1: the weights' stream alone (no barriers, no inputs); 2: the barriers,
+// epilogues and input loads alone (no weights); 3: the stream and bare grid barriers (no
+// epilogues, no inputs); 4: the stream, epilogues and inputs without the barriers. 1-4 time a
+// part of the kernel and compute nothing meaningful.
+template <int STAGES, int CHUNK, int CWARPS, bool RUN_AHEAD, bool EVICT_FIRST, int PF = 0,
+          int MODE = 0, int SYNC = 0, bool BATCHED = true>
+Config MakeConfig() {
+  const size_t smem = (size_t)STAGES * CHUNK + (kFfn + kHidden) * 2 +
+                      (CWARPS * kMaxCols * 8 + 64) * 4 + 2 * STAGES * 8 + 16;
+  auto k = LayerStream<STAGES, CHUNK, CWARPS, RUN_AHEAD, EVICT_FIRST, BATCHED, MODE, PF, SYNC>;
+  CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  char buf[128];
+  snprintf(buf, sizeof buf, "%dx%dK warps%d pf%d %s%s%s%s%s", STAGES, CHUNK / 1024, CWARPS, PF,
+           RUN_AHEAD ? "run-ahead" : "wait-at-barrier", EVICT_FIRST ? " evict_first" : "",
+           BATCHED ? "" : " loop-loads",
+           SYNC == 1 ? " no-fence" : SYNC == 2 ? " tagged" : "",
+           MODE == 1 ? " [stream only]" : MODE == 2 ? " [barriers only]"
+           : MODE == 3 ? " [stream + bare barriers]" : MODE == 4 ? " [stream + work, no barrier]" : "");
+  return {buf, k, smem, (CWARPS + 1) * 32, MODE == 0};
+}
+
+int main() {
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  const int nb = prop.multiProcessorCount, L = 32, kCheck = 2;
+  printf("%s, %d SMs, %d layers\n", prop.name, nb, L);
+  std::vector<Config> cfgs = {
+      MakeConfig<10, 16384, 8, true, true, 0, 0, 0, false>(),  // inputs read in a loop
+      MakeConfig<10, 16384, 8, true, true>(),                   // the kernel as first measured
+      MakeConfig<10, 16384, 8, false, true>(),                  // no run-ahead
+      MakeConfig<10, 16384, 8, true, true, 0, 0, 1>(),          // no fence before the arrival
+      MakeConfig<10, 16384, 8, true, true, 16, 0, 1>(),         // L2 prefetch 16 chunks ahead
+      MakeConfig<10, 16384, 8, true, true, 0, 0, 2>(),          // tagged words, no barrier
+      MakeConfig<10, 16384, 8, true, true, 0, 1, 1>(),
+      MakeConfig<10, 16384, 8, true, true, 0, 2, 1>(),
+      MakeConfig<10, 16384, 8, true, true, 0, 3, 1>(),
+      MakeConfig<10, 16384, 8, true, true, 0, 4, 1>(),
+  };
+  // Weights: row-major for the reference (the first kCheck layers), tiled for the kernel.
+  std::vector<std::vector<bf16*>> w_rm(kCheck, std::vector<bf16*>(4));
+  std::vector<uint4*> w_tiled(L * 4);
+  size_t bytes = 0;
+  bf16* tmp;
+  CK(cudaMalloc(&tmp, (size_t)kHidden * 2 * kFfn * 2));
+  for (int l = 0; l < L; ++l)
+    for (int p = 0; p < 4; ++p) {
+      const size_t elems = (size_t)ProjK(p) * ProjN(p);
+      bf16* rm = tmp;
+      if (l < kCheck) {
+        CK(cudaMalloc(&rm, elems * 2));
+        w_rm[l][p] = rm;
+      }
+      Fill<<<1024, 256>>>(rm, elems, 100 + l * 4 + p, 0.03f, 0.f);
+      CK(cudaMalloc(&w_tiled[l * 4 + p], elems * 2));
+      Tile<<<1024, 256>>>(rm, w_tiled[l * 4 + p], ProjK(p), ProjN(p), p == 2);
+      bytes += elems * 2;
+    }
+  CK(cudaDeviceSynchronize());
+  CK(cudaFree(tmp));
+  uint4** w_dev;
+  CK(cudaMalloc(&w_dev, L * 4 * sizeof(uint4*)));
+  CK(cudaMemcpy(w_dev, w_tiled.data(), L * 4 * sizeof(uint4*), cudaMemcpyHostToDevice));
+  bf16 *norm, *x_in, *x_out, *act;
+  float* part;
+  unsigned* counter;
+  CK(cudaMalloc(&norm, (size_t)L * 2 * kHidden * 2));
+  CK(cudaMalloc(&x_in, kHidden * 2));
+  CK(cudaMalloc(&x_out, kHidden * 2));
+  CK(cudaMalloc(&act, kFfn * 2));
+  CK(cudaMalloc(&part, 2 * 4 * kFfn * 4));
+  CK(cudaMalloc(&counter, 4));
+  unsigned long long *tpart, *tact;
+  CK(cudaMalloc(&tpart, 2 * 4 * kFfn * 8));
+  CK(cudaMalloc(&tact, kFfn / 2 * 8));
+  CK(cudaMemset(tpart, 0, 2 * 4 * kFfn * 8));  // tag 0: no projection's
+  CK(cudaMemset(tact, 0, kFfn / 2 * 8));
+  unsigned epoch = 0;  // one per launch: a launch never takes an earlier launch's words
+  Fill<<<64, 256>>>(norm, (size_t)L * 2 * kHidden, 7, 0.2f, 1.f);
+  Fill<<<64, 256>>>(x_in, kHidden, 9, 1.f, 0.f);
+  CK(cudaDeviceSynchronize());
+  std::vector<bf16> xh(kHidden);
+  CK(cudaMemcpy(xh.data(), x_in, kHidden * 2, cudaMemcpyDeviceToHost));
+  std::vector<float> x0(kHidden);
+  for (int j = 0; j < kHidden; ++j) x0[j] = __bfloat162float(xh[j]);
+  const std::vector<float> ref = Reference(w_rm, norm, x0, kCheck);
+  double scale = 0;
+  for (float v : ref) scale = std::max(scale, (double)std::fabs(v));
+
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (const Config& c : cfgs) {
+    const int threads = c.threads;
+    auto run = [&](int layers) {
+      Params P{w_dev, norm, x_in, x_out, part, act, counter, layers, tpart, tact, epoch++};
+      void* args[] = {&P};
+      CK(cudaMemsetAsync(counter, 0, 4, s));
+      CK(cudaLaunchCooperativeKernel((void*)c.kernel, dim3(nb), dim3(threads), args, c.smem, s));
+    };
+    // correctness: 2 layers against float64, output and intermediates poisoned
+    CK(cudaMemsetAsync(x_out, 0xff, kHidden * 2, s));
+    CK(cudaMemsetAsync(part, 0xff, 2 * 4 * kFfn * 4, s));
+    CK(cudaMemsetAsync(act, 0xff, kFfn * 2, s));
+    CK(cudaMemsetAsync(tpart, 0xff, 2 * 4 * kFfn * 8, s));
+    CK(cudaMemsetAsync(tact, 0xff, kFfn / 2 * 8, s));
+    run(kCheck);
+    CK(cudaStreamSynchronize(s));
+    CK(cudaGetLastError());
+    std::vector<bf16> out(kHidden);
+    CK(cudaMemcpy(out.data(), x_out, kHidden * 2, cudaMemcpyDeviceToHost));
+    double err = 0;
+    for (int j = 0; j < kHidden; ++j) {
+      const float v = __bfloat162float(out[j]);
+      err = std::max(err, std::isfinite(v) ? std::fabs((double)v - ref[j]) : 1e30);
+    }
+    for (int r = 0; r < 3; ++r) run(L);  // warm-up
+    std::vector<float> ms;
+    // timed launches: event pairs around the kernel alone
+    for (int r = 0; r < 15; ++r) {
+      Params P{w_dev, norm, x_in, x_out, part, act, counter, L, tpart, tact, epoch++};
+      void* args[] = {&P};
+      CK(cudaMemsetAsync(counter, 0, 4, s));  // before the start event
+      CK(cudaEventRecord(e0, s));
+      CK(cudaLaunchCooperativeKernel((void*)c.kernel, dim3(nb), dim3(threads), args, c.smem, s));
+      CK(cudaEventRecord(e1, s));
+      CK(cudaEventSynchronize(e1));
+      float t;
+      CK(cudaEventElapsedTime(&t, e0, e1));
+      ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    const float med = ms[ms.size() / 2];
+    printf("%-40s %d layers %.3f ms (min %.3f max %.3f), %.2f us per layer, %.2f TB/s; "
+           "2-layer err %.2e of %.2e%s\n",
+           c.name.c_str(), L, med, ms.front(), ms.back(), med * 1e3 / L, bytes / (med * 1e-3) / 1e12,
+           err, scale, !c.checked ? "  (timing only)" : err > 2e-2 * scale ? "  WRONG" : "");
+    fflush(stdout);
+  }
+  return 0;
+}
