@@ -27,6 +27,9 @@
 // projection's tag instead of a barrier (SYNC 2); and four timing-only modes that run one part
 // of the kernel (MODE 1-4). XLA's side: bench/probes/layer_stream_xla.py (the same math).
 //
+// Then the best configuration as one launch, one launch per layer and two launches per layer
+// (qkv, then the rest: where XLA's attention would sit), each a CUDA graph.
+//
 // Measured on one H200 (docs/performance.md, 2026-12-02): 111.6 us per layer against XLA's
 // 117.3 for the same math and 112.1 for its four dots alone; the weights alone stream at
 // 95.6-99.9 us per layer; the barriers and the work between projections cost the rest.
@@ -86,8 +89,14 @@ struct Params {
   bf16* x_out;            // [kHidden]
   float* part;            // [2 sets][2 halves][2 * kFfn] partial sums (set = projection parity)
   bf16* act;              // [kFfn] SwiGLU output
-  unsigned* counter;      // grid barrier arrivals, zero at launch
+  unsigned* counter;      // grid barrier arrivals: base at launch
   int layers;
+  // This launch runs projections [i_begin, i_end) of the 4 * layers (a whole layer's or a
+  // layer's first one, qkv, or its last three), its barriers counting from base. A launch that
+  // starts a layer reads the residual stream from x_in, one that ends a layer writes it to
+  // x_out; o's input is qkv's partial sums, left in part by the launch before.
+  int i_begin, i_end;
+  unsigned base;
   // SYNC 2 (no barrier): each value travels with the tag of the projection that wrote it
   // (epoch * layers * 4 + i + 1) in one 64-bit word, and its readers poll until it is theirs.
   unsigned long long* tpart;  // [2 sets][2 halves][2 * kFfn]: float bits | tag << 32
@@ -149,13 +158,13 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
   volatile int* go = reinterpret_cast<volatile int*>(empty + STAGES);  // projections released
 
   const int nb = gridDim.x, b = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int total = P.layers * 4;
+  const int total = P.layers * 4, i0 = P.i_begin, i1 = P.i_end;
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(Smem(&full[s])));
       asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(Smem(&empty[s])), "r"(CWARPS));
     }
-    *go = 1;
+    *go = i0 + 1;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -172,8 +181,8 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
       const uint4* src;
     };
     auto normalize = [&](Cursor& c) {  // past an empty or finished range: the next projection
-      while (c.i < total && c.q >= c.q1) {
-        if (++c.i == total) break;
+      while (c.i < i1 && c.q >= c.q1) {
+        if (++c.i == i1) break;
         BlockRange(c.i % 4, kChunkVecs, b, nb, c.q, c.q1);
         c.src = P.w[c.i] + (size_t)c.q * kChunkVecs;
       }
@@ -183,14 +192,14 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
       c.src += kChunkVecs;
       normalize(c);
     };
-    Cursor ld{0, 0, 0, nullptr};
-    BlockRange(0, kChunkVecs, b, nb, ld.q, ld.q1);
-    ld.src = P.w[0] + (size_t)ld.q * kChunkVecs;
+    Cursor ld{i0, 0, 0, nullptr};
+    BlockRange(i0 % 4, kChunkVecs, b, nb, ld.q, ld.q1);
+    ld.src = P.w[i0] + (size_t)ld.q * kChunkVecs;
     normalize(ld);
     Cursor pf = ld;
     unsigned n = 0, m = 0;  // chunks loaded, chunks prefetched (m >= n)
     auto prefetch_one = [&]() {
-      if (PF && pf.i < total && m < n + PF) {
+      if (PF && pf.i < i1 && m < n + PF) {
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pf.src), "r"(kChunkBytes)
                      : "memory");
         advance(pf);
@@ -199,7 +208,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
       }
       return false;
     };
-    while (ld.i < total) {
+    while (ld.i < i1) {
       if (!RUN_AHEAD) {
         long long spins = 0;
         while (*go <= ld.i)
@@ -255,11 +264,14 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
 
   for (int j = t; j < kHidden; j += CT) resid[j] = P.x_in[j];
   NamedSync(CT);
-  rms_input(P.norm);
+  if (i0 % 4 == 0)
+    rms_input(P.norm + (size_t)(i0 / 4) * 2 * kHidden);
+  else  // o, after a launch that ran qkv
+    for (int j = t; j < kHidden; j += CT) xs[j] = __float2bfloat16_rn(sum_parts((i0 - 1) & 1, j));
   NamedSync(CT);
 
   unsigned n = 0;
-  for (int i = 0; i < total; ++i) {
+  for (int i = i0; i < i1; ++i) {
     const int p = i % 4, layer = i / 4, K = ProjK(p), cpc = K / kChunkVecs;
     int q0, q1;
     BlockRange(p, kChunkVecs, b, nb, q0, q1);
@@ -301,7 +313,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
     }
     if (MODE == 1) continue;  // timing only: the weights' stream, no barriers
     if (MODE == 3) {  // timing only: the weights' stream and the barriers, nothing between
-      GridSync<SYNC == 0>(P.counter, (unsigned)(i + 1) * nb, CT);
+      GridSync<SYNC == 0>(P.counter, P.base + (unsigned)(i - i0 + 1) * nb, CT);
       continue;
     }
     // The epilogue: this block's columns, summed over the warps, to the partial sums (or, for
@@ -362,7 +374,8 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
         if (first && last) part[2 * kFfn + c * 8 + e] = 0.f;
       }
     }
-    if (SYNC != 2 && MODE != 4) GridSync<SYNC == 0>(P.counter, (unsigned)(i + 1) * nb, CT);
+    if (SYNC != 2 && MODE != 4)
+      GridSync<SYNC == 0>(P.counter, P.base + (unsigned)(i - i0 + 1) * nb, CT);
     if (MODE == 4) NamedSync(CT);  // timing only: no barrier, the inputs read unsynchronised
     if (!RUN_AHEAD && t == 0) *go = i + 2;
     // The next projection's input. BATCHED: every load a thread needs in flight at once, 16
@@ -479,7 +492,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
     }
     NamedSync(CT);
   }
-  if (b == 0)
+  if (b == 0 && i1 % 4 == 0)
     for (int j = t; j < kHidden; j += CT) P.x_out[j] = resid[j];
 }
 
@@ -665,7 +678,8 @@ int main() {
   for (const Config& c : cfgs) {
     const int threads = c.threads;
     auto run = [&](int layers) {
-      Params P{w_dev, norm, x_in, x_out, part, act, counter, layers, tpart, tact, epoch++};
+      Params P{w_dev, norm, x_in, x_out, part, act, counter, layers, 0, 4 * layers, 0u,
+               tpart, tact, epoch++};
       void* args[] = {&P};
       CK(cudaMemsetAsync(counter, 0, 4, s));
       CK(cudaLaunchCooperativeKernel((void*)c.kernel, dim3(nb), dim3(threads), args, c.smem, s));
@@ -690,7 +704,7 @@ int main() {
     std::vector<float> ms;
     // timed launches: event pairs around the kernel alone
     for (int r = 0; r < 15; ++r) {
-      Params P{w_dev, norm, x_in, x_out, part, act, counter, L, tpart, tact, epoch++};
+      Params P{w_dev, norm, x_in, x_out, part, act, counter, L, 0, 4 * L, 0u, tpart, tact, epoch++};
       void* args[] = {&P};
       CK(cudaMemsetAsync(counter, 0, 4, s));  // before the start event
       CK(cudaEventRecord(e0, s));
@@ -708,6 +722,70 @@ int main() {
            c.name.c_str(), L, med, ms.front(), ms.back(), med * 1e3 / L, bytes / (med * 1e-3) / 1e12,
            err, scale, !c.checked ? "  (timing only)" : err > 2e-2 * scale ? "  WRONG" : "");
     fflush(stdout);
+  }
+  // Plans: the same layers as one launch, one launch per layer, or two per layer (qkv; then o,
+  // gate_up and down: where XLA's attention would run between them), captured in one CUDA
+  // graph, as XLA's command buffers would run them; the no-fence configuration.
+  const Config c = MakeConfig<10, 16384, 8, true, true, 0, 0, 1>();
+  bf16* state;
+  CK(cudaMalloc(&state, kHidden * 2));
+  auto build = [&](int layers, int plan) {
+    std::vector<std::pair<int, int>> runs;
+    for (int l = 0; l < layers; ++l) {
+      if (plan == 0 && l == 0) runs.push_back({0, 4 * layers});
+      if (plan == 1) runs.push_back({4 * l, 4 * l + 4});
+      if (plan == 2) runs.push_back({4 * l, 4 * l + 1}), runs.push_back({4 * l + 1, 4 * l + 4});
+    }
+    cudaGraph_t g;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    CK(cudaMemcpyAsync(state, x_in, kHidden * 2, cudaMemcpyDeviceToDevice, s));
+    CK(cudaMemsetAsync(counter, 0, 4, s));
+    unsigned base = 0;
+    for (auto [a, z] : runs) {
+      Params P{w_dev, norm, state, state, part, act, counter, layers, a, z, base, tpart, tact, 0u};
+      void* args[] = {&P};
+      CK(cudaLaunchCooperativeKernel((void*)c.kernel, dim3(nb), dim3(c.threads), args, c.smem, s));
+      base += (z - a) * nb;
+    }
+    CK(cudaStreamEndCapture(s, &g));
+    cudaGraphExec_t ge;
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    CK(cudaGraphDestroy(g));
+    return ge;
+  };
+  const char* plan_names[] = {"one launch", "one launch per layer", "two launches per layer"};
+  for (int plan = 0; plan < 3; ++plan) {
+    cudaGraphExec_t check = build(kCheck, plan), timed = build(L, plan);
+    CK(cudaMemsetAsync(part, 0xff, 2 * 4 * kFfn * 4, s));
+    CK(cudaMemsetAsync(act, 0xff, kFfn * 2, s));
+    CK(cudaGraphLaunch(check, s));
+    CK(cudaStreamSynchronize(s));
+    std::vector<bf16> out(kHidden);
+    CK(cudaMemcpy(out.data(), state, kHidden * 2, cudaMemcpyDeviceToHost));
+    double err = 0;
+    for (int j = 0; j < kHidden; ++j) {
+      const float v = __bfloat162float(out[j]);
+      err = std::max(err, std::isfinite(v) ? std::fabs((double)v - ref[j]) : 1e30);
+    }
+    std::vector<float> ms;
+    for (int r = 0; r < 18; ++r) {
+      CK(cudaEventRecord(e0, s));
+      CK(cudaGraphLaunch(timed, s));
+      CK(cudaEventRecord(e1, s));
+      CK(cudaEventSynchronize(e1));
+      float t;
+      CK(cudaEventElapsedTime(&t, e0, e1));
+      if (r >= 3) ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    const float med = ms[ms.size() / 2];
+    printf("PLAN %-22s %s: %d layers %.3f ms (min %.3f max %.3f), %.2f us per layer; "
+           "2-layer err %.2e of %.2e%s\n",
+           plan_names[plan], c.name.c_str(), L, med, ms.front(), ms.back(), med * 1e3 / L, err,
+           scale, err > 2e-2 * scale ? "  WRONG" : "");
+    fflush(stdout);
+    CK(cudaGraphExecDestroy(check));
+    CK(cudaGraphExecDestroy(timed));
   }
   return 0;
 }
