@@ -24,17 +24,9 @@
 #include <string>
 #include <vector>
 
-namespace cg = cooperative_groups;
-using bf16 = __nv_bfloat16;
+#include "probe_util.cuh"
 
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
-      exit(1);                                                                                \
-    }                                                                                         \
-  } while (0)
+namespace cg = cooperative_groups;
 
 template <int HINT>
 __device__ __forceinline__ uint4 LoadW(const void* p) {
@@ -128,15 +120,6 @@ __global__ void Reference(const bf16* x, const bf16* w, float* y, int M, int K, 
   }
 }
 
-__global__ void Fill(bf16* p, size_t n, uint32_t seed, float scale) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x) {
-    uint32_t h = (uint32_t)i * 2654435761u ^ seed * 40503u ^ (uint32_t)(i >> 32) * 97u;
-    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
-    p[i] = __float2bfloat16_rn(((h & 0xffffff) / 16777216.0f * 2.f - 1.f) * scale);
-  }
-}
-
 struct Config {
   std::string name;
   int M, lanes, warps, unroll, hint, cluster;
@@ -175,23 +158,7 @@ struct Shape {
 };
 
 static float TimeGraph(cudaGraphExec_t ge, cudaStream_t s, int reps) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> t;
-  for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, s));
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaEventRecord(a, s));
-    CK(cudaGraphLaunch(ge, s));
-    CK(cudaEventRecord(b, s));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
-  }
-  std::sort(t.begin(), t.end());
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
+  const std::vector<float> t = TimeRuns([&] { CK(cudaGraphLaunch(ge, s)); }, s, reps);
   return t[t.size() / 2];
 }
 

@@ -40,14 +40,19 @@ def timeit(f, args, calls: int) -> float:
     return float(np.median(ts))
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.probes.gemv_cluster_xla", description=__doc__,
+def chain_args(module: str, doc: str, argv) -> tuple[int, int, int]:
+    """A chain probe's command line: (layers, back-to-back calls per timing, shape divisor)."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--calls", type=int, default=30, help="back-to-back calls per timing")
     p.add_argument("--quick", action="store_true", help="shapes / 64, 2 layers, 2 calls (CPU)")
     args = p.parse_args(argv)
-    layers, calls, div = (2, 2, 64) if args.quick else (args.layers, args.calls, 1)
+    return (2, 2, 64) if args.quick else (args.layers, args.calls, 1)
+
+
+def main(argv=None) -> int:
+    layers, calls, div = chain_args("bench.probes.gemv_cluster_xla", __doc__, argv)
     shapes = {k: (a // div, b // div) for k, (a, b) in SHAPES.items()}
     w = {kind: [(jax.random.normal(jax.random.key(i * 7 + j), s, jnp.float32) * 0.02
                  ).astype(jnp.bfloat16) for i in range(layers)]

@@ -30,9 +30,10 @@
 // Then the best configuration as one launch, one launch per layer and two launches per layer
 // (qkv, then the rest: where XLA's attention would sit), each a CUDA graph.
 //
-// Measured on one H200 (docs/performance.md, 2026-12-02): 111.6 us per layer against XLA's
-// 117.3 for the same math and 112.1 for its four dots alone; the weights alone stream at
-// 95.6-99.9 us per layer; the barriers and the work between projections cost the rest.
+// Measured on H200s (docs/performance.md, 2026-12-02): 110.6-111.6 us per layer against XLA's
+// 116.9-117.4 for the same math and 112.1-113.4 for its four dots alone; the weights alone
+// stream at 95.6-99.9 us per layer; the barriers and the work between projections cost the
+// rest. One launch per layer: 116.1; two per layer: 120.5 (slower than XLA).
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a bench/probes/layer_stream.cu -o /tmp/layer_stream
 //   /tmp/layer_stream                 # one H100/H200 (~15 GB, ~15 s)
@@ -49,16 +50,8 @@
 #include <string>
 #include <vector>
 
-using bf16 = __nv_bfloat16;
+#include "probe_util.cuh"
 
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
-      exit(1);                                                                                \
-    }                                                                                         \
-  } while (0)
 
 constexpr int kHidden = 4096, kQkv = 6144, kFfn = 14336;
 constexpr int kMaxCols = 32;  // column vectors one block may touch in one projection
@@ -262,6 +255,15 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
     return Bf(h[j] + h[2 * kFfn + j]);
   };
 
+  // After o's or down's residual add: gate_up's input, or the next layer's qkv input.
+  auto norm_next = [&](int p, int layer) {
+    NamedSync(CT);
+    if (p == 1)
+      rms_input(P.norm + ((size_t)layer * 2 + 1) * kHidden);
+    else if (layer + 1 < P.layers)
+      rms_input(P.norm + ((size_t)layer + 1) * 2 * kHidden);
+  };
+
   for (int j = t; j < kHidden; j += CT) resid[j] = P.x_in[j];
   NamedSync(CT);
   if (i0 % 4 == 0)
@@ -425,13 +427,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
             else
               resid[j] = __float2bfloat16_rn(__bfloat162float(resid[j]) + o);
           }
-        if (p != 0) {
-          NamedSync(CT);
-          if (p == 1)
-            rms_input(P.norm + ((size_t)layer * 2 + 1) * kHidden);
-          else if (layer + 1 < P.layers)
-            rms_input(P.norm + ((size_t)layer + 1) * 2 * kHidden);
-        }
+        if (p != 0) norm_next(p, layer);
       }
     } else if (BATCHED) {
       const float* h = P.part + (size_t)(i & 1) * 4 * kFfn;
@@ -467,42 +463,21 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
                 resid[j + e] = __float2bfloat16_rn(__bfloat162float(resid[j + e]) + o[e]);
             }
           }
-        if (p != 0) {
-          NamedSync(CT);
-          if (p == 1)
-            rms_input(P.norm + ((size_t)layer * 2 + 1) * kHidden);
-          else if (layer + 1 < P.layers)
-            rms_input(P.norm + ((size_t)layer + 1) * 2 * kHidden);
-        }
+        if (p != 0) norm_next(p, layer);
       }
     } else if (p == 0) {  // o: q (the attention output's stand-in)
       for (int j = t; j < kHidden; j += CT) xs[j] = __float2bfloat16_rn(sum_parts(i & 1, j));
-    } else if (p == 1) {  // gate_up: RMSNorm(resid + o)
-      for (int j = t; j < kHidden; j += CT)
-        resid[j] = __float2bfloat16_rn(__bfloat162float(resid[j]) + sum_parts(i & 1, j));
-      NamedSync(CT);
-      rms_input(P.norm + ((size_t)layer * 2 + 1) * kHidden);
     } else if (p == 2) {  // down: SwiGLU
       for (int j = t; j < kFfn; j += CT) xs[j] = P.act[j];
-    } else {  // the next layer: RMSNorm(resid + down)
+    } else {  // gate_up, the next layer: RMSNorm(resid + o or down)
       for (int j = t; j < kHidden; j += CT)
         resid[j] = __float2bfloat16_rn(__bfloat162float(resid[j]) + sum_parts(i & 1, j));
-      NamedSync(CT);
-      if (layer + 1 < P.layers) rms_input(P.norm + ((size_t)layer + 1) * 2 * kHidden);
+      norm_next(p, layer);
     }
     NamedSync(CT);
   }
   if (b == 0 && i1 % 4 == 0)
     for (int j = t; j < kHidden; j += CT) P.x_out[j] = resid[j];
-}
-
-__global__ void Fill(bf16* p, size_t n, uint32_t seed, float scale, float offset) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x) {
-    uint32_t h = (uint32_t)i * 2654435761u ^ seed * 40503u ^ (uint32_t)(i >> 32) * 97u;
-    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
-    p[i] = __float2bfloat16_rn(offset + ((h & 0xffffff) / 16777216.0f * 2.f - 1.f) * scale);
-  }
 }
 
 // Row-major W [K, N] -> tiled: column vector c (8 columns) holds K rows of 16 bytes; for
@@ -572,6 +547,19 @@ static std::vector<float> Reference(const std::vector<std::vector<bf16*>>& w_rm,
   CK(cudaFree(xd));
   CK(cudaFree(yd));
   return resid;
+}
+
+// The largest distance of a device vector [kHidden] from the reference (a non-finite value:
+// 1e30, so a poisoned output that was never written fails).
+static double MaxErr(const bf16* dev, const std::vector<float>& ref) {
+  std::vector<bf16> out(kHidden);
+  CK(cudaMemcpy(out.data(), dev, kHidden * 2, cudaMemcpyDeviceToHost));
+  double err = 0;
+  for (int j = 0; j < kHidden; ++j) {
+    const float v = __bfloat162float(out[j]);
+    err = std::max(err, std::isfinite(v) ? std::fabs((double)v - ref[j]) : 1e30);
+  }
+  return err;
 }
 
 struct Config {
@@ -672,9 +660,6 @@ int main() {
 
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
   for (const Config& c : cfgs) {
     const int threads = c.threads;
     auto run = [&](int layers) {
@@ -693,29 +678,9 @@ int main() {
     run(kCheck);
     CK(cudaStreamSynchronize(s));
     CK(cudaGetLastError());
-    std::vector<bf16> out(kHidden);
-    CK(cudaMemcpy(out.data(), x_out, kHidden * 2, cudaMemcpyDeviceToHost));
-    double err = 0;
-    for (int j = 0; j < kHidden; ++j) {
-      const float v = __bfloat162float(out[j]);
-      err = std::max(err, std::isfinite(v) ? std::fabs((double)v - ref[j]) : 1e30);
-    }
-    for (int r = 0; r < 3; ++r) run(L);  // warm-up
-    std::vector<float> ms;
-    // timed launches: event pairs around the kernel alone
-    for (int r = 0; r < 15; ++r) {
-      Params P{w_dev, norm, x_in, x_out, part, act, counter, L, 0, 4 * L, 0u, tpart, tact, epoch++};
-      void* args[] = {&P};
-      CK(cudaMemsetAsync(counter, 0, 4, s));  // before the start event
-      CK(cudaEventRecord(e0, s));
-      CK(cudaLaunchCooperativeKernel((void*)c.kernel, dim3(nb), dim3(threads), args, c.smem, s));
-      CK(cudaEventRecord(e1, s));
-      CK(cudaEventSynchronize(e1));
-      float t;
-      CK(cudaEventElapsedTime(&t, e0, e1));
-      ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
+    const double err = MaxErr(x_out, ref);
+    // timed: each launch with the barrier counter's reset (~2 us of ~3.5 ms)
+    const std::vector<float> ms = TimeRuns([&] { run(L); }, s, 15);
     const float med = ms[ms.size() / 2];
     printf("%-40s %d layers %.3f ms (min %.3f max %.3f), %.2f us per layer, %.2f TB/s; "
            "2-layer err %.2e of %.2e%s\n",
@@ -760,24 +725,8 @@ int main() {
     CK(cudaMemsetAsync(act, 0xff, kFfn * 2, s));
     CK(cudaGraphLaunch(check, s));
     CK(cudaStreamSynchronize(s));
-    std::vector<bf16> out(kHidden);
-    CK(cudaMemcpy(out.data(), state, kHidden * 2, cudaMemcpyDeviceToHost));
-    double err = 0;
-    for (int j = 0; j < kHidden; ++j) {
-      const float v = __bfloat162float(out[j]);
-      err = std::max(err, std::isfinite(v) ? std::fabs((double)v - ref[j]) : 1e30);
-    }
-    std::vector<float> ms;
-    for (int r = 0; r < 18; ++r) {
-      CK(cudaEventRecord(e0, s));
-      CK(cudaGraphLaunch(timed, s));
-      CK(cudaEventRecord(e1, s));
-      CK(cudaEventSynchronize(e1));
-      float t;
-      CK(cudaEventElapsedTime(&t, e0, e1));
-      if (r >= 3) ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
+    const double err = MaxErr(state, ref);
+    const std::vector<float> ms = TimeRuns([&] { CK(cudaGraphLaunch(timed, s)); }, s, 15);
     const float med = ms[ms.size() / 2];
     printf("PLAN %-22s %s: %d layers %.3f ms (min %.3f max %.3f), %.2f us per layer; "
            "2-layer err %.2e of %.2e%s\n",

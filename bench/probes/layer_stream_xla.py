@@ -10,12 +10,10 @@ Device-bound: the chain is called back to back and waited for once.
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 
-from bench.probes.gemv_cluster_xla import timeit
+from bench.probes.gemv_cluster_xla import chain_args, timeit
 
 HIDDEN, QKV, FFN = 4096, 6144, 14336
 EPS = 1e-5
@@ -55,13 +53,7 @@ def make_weights(layers: int, hidden: int, qkv: int, ffn: int):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.probes.layer_stream_xla", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--calls", type=int, default=30, help="back-to-back calls per timing")
-    p.add_argument("--quick", action="store_true", help="shapes / 64, 2 layers, 2 calls (CPU)")
-    args = p.parse_args(argv)
-    layers, calls, div = (2, 2, 64) if args.quick else (args.layers, args.calls, 1)
+    layers, calls, div = chain_args("bench.probes.layer_stream_xla", __doc__, argv)
     hidden, qkv, ffn = HIDDEN // div, QKV // div, FFN // div
     ws = make_weights(layers, hidden, qkv, ffn)
     x = jax.random.uniform(jax.random.key(99), (1, hidden), jnp.float32, -1, 1).astype(jnp.bfloat16)
