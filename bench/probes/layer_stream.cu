@@ -28,12 +28,14 @@
 // of the kernel (MODE 1-4). XLA's side: bench/probes/layer_stream_xla.py (the same math).
 //
 // Then the best configuration as one launch, one launch per layer and two launches per layer
-// (qkv, then the rest: where XLA's attention would sit), each a CUDA graph.
+// (qkv, then the rest: where XLA's attention would sit), each a CUDA graph; and per-block stamps
+// of the middle layer's projections for a few configurations.
 //
-// Measured on H200s (docs/performance.md, 2026-12-02): 110.6-111.6 us per layer against XLA's
-// 116.9-117.4 for the same math and 112.1-113.4 for its four dots alone; the weights alone
-// stream at 95.6-99.9 us per layer; the barriers and the work between projections cost the
-// rest. One launch per layer: 116.1; two per layer: 120.5 (slower than XLA).
+// Measured on H200s (docs/performance.md, 2026-12-02): 108.5 us per layer with the norm scales
+// preloaded (110.6-111.6 without) against XLA's 116.6-117.4 for the same math and 112.0-113.4
+// for its four dots alone; the weights alone stream at 95.6-99.9 us per layer; the barriers and
+// the work between projections cost the rest (the stamps of the middle layer say where). One
+// launch per layer: 114.2; two per layer: 119.1 (slower than XLA).
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a bench/probes/layer_stream.cu -o /tmp/layer_stream
 //   /tmp/layer_stream                 # one H100/H200 (~15 GB, ~15 s)
@@ -65,11 +67,16 @@ __host__ __device__ constexpr int ProjN(int p) {
 }
 // Ranges are split in units of this many chunks: gate_up keeps a gate column and its up column
 // in one block (its SwiGLU is then the block's own epilogue), the rest split anywhere.
-__host__ __device__ constexpr int ProjUnit(int p, int cv) { return p == 2 ? 2 * (kHidden / cv) : 1; }
+// fine: gate_up split at any chunk too (a pair split between two blocks is finished by its
+// readers, FIX bit 1).
+__host__ __device__ constexpr int ProjUnit(int p, int cv, bool fine) {
+  return p == 2 && !fine ? 2 * (kHidden / cv) : 1;
+}
 
 // Block b's chunks (of cv 16-byte vectors) of projection p: [q0, q1).
-__host__ __device__ inline void BlockRange(int p, int cv, int b, int nb, int& q0, int& q1) {
-  const int unit = ProjUnit(p, cv);
+__host__ __device__ inline void BlockRange(int p, int cv, int b, int nb, int& q0, int& q1,
+                                           bool fine = false) {
+  const int unit = ProjUnit(p, cv, fine);
   const long long units = (long long)(ProjN(p) / 8) * (ProjK(p) / cv) / unit;
   q0 = (int)(units * b / nb) * unit;
   q1 = (int)(units * (b + 1) / nb) * unit;
@@ -95,6 +102,13 @@ struct Params {
   unsigned long long* tpart;  // [2 sets][2 halves][2 * kFfn]: float bits | tag << 32
   unsigned long long* tact;   // [kFfn / 2]: two bf16 | tag << 32
   unsigned epoch;
+  // Not null: consumer thread 0 of each block records when each projection of layer
+  // layers / 2 starts, ends its chunks, arrives at the barrier, leaves it and has its next
+  // input: [block][projection][5 points][globaltimer ns, clock64].
+  unsigned long long* trace;
+  // FIX bit 1: a gate_up pair split between two blocks: each side's partial (gate[8], up[8]),
+  // added in order by every block as it reads down's input.
+  float* pair_part;  // [kFfn / 8 pairs][2 sides][16]
 };
 
 __device__ __forceinline__ uint32_t Smem(const void* p) {
@@ -119,11 +133,22 @@ __device__ __forceinline__ float Bf(float v) { return __bfloat162float(__float2b
 
 // Every block's writes before it are visible to every block after it (gpu-scope release by
 // one thread after a CTA barrier, acquire before the next: cumulative through bar.sync).
+__device__ __forceinline__ void Stamp(unsigned long long* at) {  // at[0] ns, at[1] cycles
+  if (!at) return;
+  unsigned long long g;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+  at[0] = g;
+  at[1] = clock64();
+}
+
+// tr (may be null): stamps at the arrival and at the release.
 template <bool FENCE>
-__device__ __forceinline__ void GridSync(unsigned* counter, unsigned target, int threads) {
+__device__ __forceinline__ void GridSync(unsigned* counter, unsigned target, int threads,
+                                         unsigned long long* tr = nullptr) {
   NamedSync(threads);
   if (threadIdx.x == 32) {
     if (FENCE) __threadfence();
+    Stamp(tr);
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
     unsigned v;
     long long n = 0;
@@ -131,13 +156,18 @@ __device__ __forceinline__ void GridSync(unsigned* counter, unsigned target, int
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
       if (++n > kSpinLimit) __trap();
     } while (v < target);
+    Stamp(tr ? tr + 2 : nullptr);
   }
   NamedSync(threads);
 }
 
+// FIX bit 0: each norm's scale loaded before the projection it follows (not after the
+// barrier, one dependent load per element); bit 1: gate_up split at chunks (kFine).
 template <int STAGES, int CHUNK, int CWARPS, bool RUN_AHEAD, bool EVICT_FIRST, bool BATCHED, int MODE,
-          int PF, int SYNC>
+          int PF, int SYNC, int FIX>
 __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
+  constexpr bool kFine = FIX & 2;
+  static_assert(!kFine || SYNC != 2, "split gate_up pairs are finished through the barrier");
   constexpr int kChunkBytes = CHUNK, kChunkVecs = CHUNK / 16;  // 16-byte vectors per chunk
   constexpr int CT = CWARPS * 32;  // consumer threads: warps 1..CWARPS
   extern __shared__ __align__(128) unsigned char smem[];
@@ -146,7 +176,8 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
   bf16* resid = xs + kFfn;                                            // the residual stream
   float* red = reinterpret_cast<float*>(resid + kHidden);             // [CWARPS][kMaxCols][8]
   float* scratch = red + CWARPS * kMaxCols * 8;                       // [CWARPS]
-  uint64_t* full = reinterpret_cast<uint64_t*>(scratch + 64);
+  unsigned* split_bits = reinterpret_cast<unsigned*>(scratch + 64);  // [56]: gate_up pairs split
+  uint64_t* full = reinterpret_cast<uint64_t*>(scratch + 128);
   uint64_t* empty = full + STAGES;
   volatile int* go = reinterpret_cast<volatile int*>(empty + STAGES);  // projections released
 
@@ -160,7 +191,17 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
     *go = i0 + 1;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  // kFine: which gate_up pairs a block boundary splits (every block knows every boundary).
+  constexpr int kPairChunks = 2 * (kHidden / kChunkVecs);
+  for (int w = threadIdx.x; w < kFfn / 8 / 32; w += blockDim.x) split_bits[w] = 0;
   __syncthreads();
+  for (int bb = 1 + threadIdx.x; kFine && bb < nb; bb += blockDim.x) {
+    int q0, q1;
+    BlockRange(2, kChunkVecs, bb, nb, q0, q1, true);
+    if (q0 % kPairChunks) atomicOr(&split_bits[q0 / kPairChunks / 32], 1u << (q0 / kPairChunks % 32));
+  }
+  __syncthreads();
+  auto is_split = [&](int pair) { return (split_bits[pair / 32] >> (pair % 32)) & 1u; };
 
   if (warp == 0) {  // the producer
     if (lane != 0 || MODE == 2) return;
@@ -176,7 +217,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
     auto normalize = [&](Cursor& c) {  // past an empty or finished range: the next projection
       while (c.i < i1 && c.q >= c.q1) {
         if (++c.i == i1) break;
-        BlockRange(c.i % 4, kChunkVecs, b, nb, c.q, c.q1);
+        BlockRange(c.i % 4, kChunkVecs, b, nb, c.q, c.q1, kFine);
         c.src = P.w[c.i] + (size_t)c.q * kChunkVecs;
       }
     };
@@ -186,7 +227,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
       normalize(c);
     };
     Cursor ld{i0, 0, 0, nullptr};
-    BlockRange(i0 % 4, kChunkVecs, b, nb, ld.q, ld.q1);
+    BlockRange(i0 % 4, kChunkVecs, b, nb, ld.q, ld.q1, kFine);
     ld.src = P.w[i0] + (size_t)ld.q * kChunkVecs;
     normalize(ld);
     Cursor pf = ld;
@@ -234,6 +275,37 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
 
   // The consumers. t: 0..CT-1.
   const int t = threadIdx.x - 32, cw = warp - 1;
+  // FIX bit 0: the scale of the norm that follows this projection, in registers (8 per uint4).
+  constexpr int kScaleVecs = (kHidden / 8 + CT - 1) / CT;
+  uint4 scale_reg[kScaleVecs];
+  auto load_scale = [&](const bf16* scale) {
+#pragma unroll
+    for (int u = 0; u < kScaleVecs; ++u)
+      if (t + u * CT < kHidden / 8) scale_reg[u] = reinterpret_cast<const uint4*>(scale)[t + u * CT];
+  };
+  auto rms_preloaded = [&]() {  // xs = RMSNorm(resid) * scale_reg
+    float ss = 0.f;
+    for (int j = t; j < kHidden; j += CT) {
+      const float r = __bfloat162float(resid[j]);
+      ss += r * r;
+    }
+    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) scratch[cw] = ss;
+    NamedSync(CT);
+    float tot = 0.f;
+    for (int w = 0; w < CWARPS; ++w) tot += scratch[w];
+    const float inv = rsqrtf(tot / kHidden + kEps);
+#pragma unroll
+    for (int u = 0; u < kScaleVecs; ++u) {
+      const int v = t + u * CT;
+      if (v >= kHidden / 8) continue;
+      const bf16* sc = reinterpret_cast<const bf16*>(&scale_reg[u]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        xs[v * 8 + e] = __float2bfloat16_rn(Bf(__bfloat162float(resid[v * 8 + e]) * inv) *
+                                            __bfloat162float(sc[e]));
+    }
+  };
   auto rms_input = [&](const bf16* scale) {  // xs = RMSNorm(resid) * scale
     float ss = 0.f;
     for (int j = t; j < kHidden; j += CT) {
@@ -258,7 +330,9 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
   // After o's or down's residual add: gate_up's input, or the next layer's qkv input.
   auto norm_next = [&](int p, int layer) {
     NamedSync(CT);
-    if (p == 1)
+    if (FIX & 1) {
+      if (p == 1 || layer + 1 < P.layers) rms_preloaded();
+    } else if (p == 1)
       rms_input(P.norm + ((size_t)layer * 2 + 1) * kHidden);
     else if (layer + 1 < P.layers)
       rms_input(P.norm + ((size_t)layer + 1) * 2 * kHidden);
@@ -275,8 +349,14 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
   unsigned n = 0;
   for (int i = i0; i < i1; ++i) {
     const int p = i % 4, layer = i / 4, K = ProjK(p), cpc = K / kChunkVecs;
+    unsigned long long* tr = P.trace && layer == P.layers / 2 && t == 0
+                                 ? P.trace + ((size_t)b * 4 + p) * 10 : nullptr;
+    Stamp(tr);
+    if ((FIX & 1) && p == 1) load_scale(P.norm + ((size_t)layer * 2 + 1) * kHidden);
+    if ((FIX & 1) && p == 3 && layer + 1 < P.layers)
+      load_scale(P.norm + ((size_t)layer + 1) * 2 * kHidden);
     int q0, q1;
-    BlockRange(p, kChunkVecs, b, nb, q0, q1);
+    BlockRange(p, kChunkVecs, b, nb, q0, q1, kFine);
     const int c_first = q0 / cpc;
     float acc[8];
     // MODE 2 (timing only): the epilogues, barriers and inputs, no weights
@@ -313,6 +393,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
           for (int e = 0; e < 8; ++e) red[(cw * kMaxCols + j) * 8 + e] = acc[e];
       }
     }
+    Stamp(tr ? tr + 2 : nullptr);
     if (MODE == 1) continue;  // timing only: the weights' stream, no barriers
     if (MODE == 3) {  // timing only: the weights' stream and the barriers, nothing between
       GridSync<SYNC == 0>(P.counter, P.base + (unsigned)(i - i0 + 1) * nb, CT);
@@ -359,7 +440,29 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
       }
       NamedSync(CT);  // every consumer done with xs and resid before they are rewritten
     }
-    for (int x = t; SYNC != 2 && x < ncols * 8; x += CT) {
+    if (kFine && p == 2) {  // SwiGLU of whole pairs; a split pair's side to pair_part, which
+                            // down's input adds up after the barrier
+      const int pf = c_first / 2, npairs = ncols ? (c_first + ncols - 1) / 2 - pf + 1 : 0;
+      auto col_sum = [&](int j, int e) {
+        float v = 0.f;
+        if (j >= 0 && j < ncols)
+          for (int w = 0; w < CWARPS; ++w) v += red[(w * kMaxCols + j) * 8 + e];
+        return v;
+      };
+      for (int x = t; x < npairs * 8; x += CT) {
+        const int pair = pf + x / 8, e = x % 8, jg = 2 * pair - c_first;
+        const float g = col_sum(jg, e), u = col_sum(jg + 1, e);
+        if (pair * 2 * cpc >= q0 && (pair + 1) * 2 * cpc <= q1) {
+          const float gb = Bf(g);
+          P.act[pair * 8 + e] = __float2bfloat16_rn(gb / (1.f + __expf(-gb)) * Bf(u));
+        } else {
+          float* side = P.pair_part + ((size_t)pair * 2 + (pair * 2 * cpc >= q0 ? 0 : 1)) * 16;
+          side[e] = g;
+          side[8 + e] = u;
+        }
+      }
+    }
+    for (int x = t; SYNC != 2 && !(kFine && p == 2) && x < ncols * 8; x += CT) {
       const int j = x / 8, e = x % 8, c = c_first + j;
       float v = 0.f;
       for (int w = 0; w < CWARPS; ++w) v += red[(w * kMaxCols + j) * 8 + e];
@@ -377,7 +480,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
       }
     }
     if (SYNC != 2 && MODE != 4)
-      GridSync<SYNC == 0>(P.counter, P.base + (unsigned)(i - i0 + 1) * nb, CT);
+      GridSync<SYNC == 0>(P.counter, P.base + (unsigned)(i - i0 + 1) * nb, CT, tr ? tr + 4 : nullptr);
     if (MODE == 4) NamedSync(CT);  // timing only: no barrier, the inputs read unsynchronised
     if (!RUN_AHEAD && t == 0) *go = i + 2;
     // The next projection's input. BATCHED: every load a thread needs in flight at once, 16
@@ -431,15 +534,54 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
       }
     } else if (BATCHED) {
       const float* h = P.part + (size_t)(i & 1) * 4 * kFfn;
-      if (p == 2) {  // down: SwiGLU, already bf16
+      if (p == 2) {  // down: SwiGLU, already bf16 (one uint4: one gate_up pair's 8 values)
         constexpr int NV = kFfn / 8, U = (NV + CT - 1) / CT;
         uint4 v[U];
+        // kFine: a pair split between two blocks is finished here, from its two sides (the
+        // thread's first in the same round of loads; any further one after: a thread's pairs are
+        // 256 apart, block boundaries ~14, so rarely).
+        float4 sd[8];
+        int sm = -1;
 #pragma unroll
-        for (int u = 0; u < U; ++u)
-          if (t + u * CT < NV) v[u] = reinterpret_cast<const uint4*>(P.act)[t + u * CT];
+        for (int u = 0; u < U; ++u) {
+          const int m = t + u * CT;
+          if (m >= NV) continue;
+          if (kFine && is_split(m)) {
+            if (sm < 0) {
+              sm = m;
 #pragma unroll
-        for (int u = 0; u < U; ++u)
-          if (t + u * CT < NV) reinterpret_cast<uint4*>(xs)[t + u * CT] = v[u];
+              for (int k = 0; k < 8; ++k)
+                sd[k] = __ldcg(reinterpret_cast<const float4*>(P.pair_part + (size_t)m * 32) + k);
+            }
+          } else {
+            v[u] = reinterpret_cast<const uint4*>(P.act)[m];
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int m = t + u * CT;
+          if (m < NV && !(kFine && is_split(m))) reinterpret_cast<uint4*>(xs)[m] = v[u];
+        }
+        auto finish = [&](int m, const float4* q) {  // q: side 0 gate, up; side 1 gate, up
+          const float* f = reinterpret_cast<const float*>(q);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const float g = Bf(f[e] + f[16 + e]), u = Bf(f[8 + e] + f[24 + e]);
+            xs[m * 8 + e] = __float2bfloat16_rn(g / (1.f + __expf(-g)) * u);
+          }
+        };
+        if (kFine) {
+          if (sm >= 0) finish(sm, sd);
+          for (int u = 0; u < U; ++u) {  // a further split pair: one round each
+            const int m = t + u * CT;
+            if (m < NV && is_split(m) && m != sm) {
+              float4 q[8];
+              for (int k = 0; k < 8; ++k)
+                q[k] = __ldcg(reinterpret_cast<const float4*>(P.pair_part + (size_t)m * 32) + k);
+              finish(m, q);
+            }
+          }
+        }
       } else {  // the sum of the two partial halves, rounded as the dot's bf16 output
         constexpr int NV = kHidden / 4, U = (NV + CT - 1) / CT;
         float4 a[U], c[U];
@@ -475,6 +617,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
       norm_next(p, layer);
     }
     NamedSync(CT);
+    Stamp(tr ? tr + 8 : nullptr);
   }
   if (b == 0 && i1 % 4 == 0)
     for (int j = t; j < kHidden; j += CT) P.x_out[j] = resid[j];
@@ -575,17 +718,18 @@ struct Config {
 // epilogues, no inputs); 4: the stream, epilogues and inputs without the barriers. 1-4 time a
 // part of the kernel and compute nothing meaningful.
 template <int STAGES, int CHUNK, int CWARPS, bool RUN_AHEAD, bool EVICT_FIRST, int PF = 0,
-          int MODE = 0, int SYNC = 0, bool BATCHED = true>
+          int MODE = 0, int SYNC = 0, bool BATCHED = true, int FIX = 0>
 Config MakeConfig() {
   const size_t smem = (size_t)STAGES * CHUNK + (kFfn + kHidden) * 2 +
-                      (CWARPS * kMaxCols * 8 + 64) * 4 + 2 * STAGES * 8 + 16;
-  auto k = LayerStream<STAGES, CHUNK, CWARPS, RUN_AHEAD, EVICT_FIRST, BATCHED, MODE, PF, SYNC>;
+                      (CWARPS * kMaxCols * 8 + 128) * 4 + 2 * STAGES * 8 + 16;
+  auto k = LayerStream<STAGES, CHUNK, CWARPS, RUN_AHEAD, EVICT_FIRST, BATCHED, MODE, PF, SYNC, FIX>;
   CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   char buf[128];
-  snprintf(buf, sizeof buf, "%dx%dK warps%d pf%d %s%s%s%s%s", STAGES, CHUNK / 1024, CWARPS, PF,
+  snprintf(buf, sizeof buf, "%dx%dK warps%d pf%d %s%s%s%s%s%s%s", STAGES, CHUNK / 1024, CWARPS, PF,
            RUN_AHEAD ? "run-ahead" : "wait-at-barrier", EVICT_FIRST ? " evict_first" : "",
            BATCHED ? "" : " loop-loads",
            SYNC == 1 ? " no-fence" : SYNC == 2 ? " tagged" : "",
+           FIX & 1 ? " norm-preload" : "", FIX & 2 ? " gate_up-fine" : "",
            MODE == 1 ? " [stream only]" : MODE == 2 ? " [barriers only]"
            : MODE == 3 ? " [stream + bare barriers]" : MODE == 4 ? " [stream + work, no barrier]" : "");
   return {buf, k, smem, (CWARPS + 1) * 32, MODE == 0};
@@ -601,6 +745,9 @@ int main() {
       MakeConfig<10, 16384, 8, true, true>(),                   // the kernel as first measured
       MakeConfig<10, 16384, 8, false, true>(),                  // no run-ahead
       MakeConfig<10, 16384, 8, true, true, 0, 0, 1>(),          // no fence before the arrival
+      MakeConfig<10, 16384, 8, true, true, 0, 0, 1, true, 1>(), // + norm scales preloaded
+      MakeConfig<10, 16384, 8, true, true, 0, 0, 1, true, 2>(), // + gate_up split at chunks
+      MakeConfig<10, 16384, 8, true, true, 0, 0, 1, true, 3>(), // + both
       MakeConfig<10, 16384, 8, true, true, 16, 0, 1>(),         // L2 prefetch 16 chunks ahead
       MakeConfig<10, 16384, 8, true, true, 0, 0, 2>(),          // tagged words, no barrier
       MakeConfig<10, 16384, 8, true, true, 0, 1, 1>(),
@@ -647,6 +794,8 @@ int main() {
   CK(cudaMemset(tpart, 0, 2 * 4 * kFfn * 8));  // tag 0: no projection's
   CK(cudaMemset(tact, 0, kFfn / 2 * 8));
   unsigned epoch = 0;  // one per launch: a launch never takes an earlier launch's words
+  float* pair_part;
+  CK(cudaMalloc(&pair_part, kFfn / 8 * 32 * 4));
   Fill<<<64, 256>>>(norm, (size_t)L * 2 * kHidden, 7, 0.2f, 1.f);
   Fill<<<64, 256>>>(x_in, kHidden, 9, 1.f, 0.f);
   CK(cudaDeviceSynchronize());
@@ -664,7 +813,8 @@ int main() {
     const int threads = c.threads;
     auto run = [&](int layers) {
       Params P{w_dev, norm, x_in, x_out, part, act, counter, layers, 0, 4 * layers, 0u,
-               tpart, tact, epoch++};
+               tpart, tact, epoch++, nullptr,
+               pair_part};
       void* args[] = {&P};
       CK(cudaMemsetAsync(counter, 0, 4, s));
       CK(cudaLaunchCooperativeKernel((void*)c.kernel, dim3(nb), dim3(threads), args, c.smem, s));
@@ -690,8 +840,8 @@ int main() {
   }
   // Plans: the same layers as one launch, one launch per layer, or two per layer (qkv; then o,
   // gate_up and down: where XLA's attention would run between them), captured in one CUDA
-  // graph, as XLA's command buffers would run them; the no-fence configuration.
-  const Config c = MakeConfig<10, 16384, 8, true, true, 0, 0, 1>();
+  // graph, as XLA's command buffers would run them; the best configuration.
+  const Config c = MakeConfig<10, 16384, 8, true, true, 0, 0, 1, true, 1>();
   bf16* state;
   CK(cudaMalloc(&state, kHidden * 2));
   auto build = [&](int layers, int plan) {
@@ -707,7 +857,8 @@ int main() {
     CK(cudaMemsetAsync(counter, 0, 4, s));
     unsigned base = 0;
     for (auto [a, z] : runs) {
-      Params P{w_dev, norm, state, state, part, act, counter, layers, a, z, base, tpart, tact, 0u};
+      Params P{w_dev, norm, state, state, part, act, counter, layers, a, z, base, tpart, tact, 0u,
+               nullptr, pair_part};
       void* args[] = {&P};
       CK(cudaLaunchCooperativeKernel((void*)c.kernel, dim3(nb), dim3(c.threads), args, c.smem, s));
       base += (z - a) * nb;
@@ -735,6 +886,61 @@ int main() {
     fflush(stdout);
     CK(cudaGraphExecDestroy(check));
     CK(cudaGraphExecDestroy(timed));
+  }
+  // Where a projection's time goes at the middle layer, block by block (consumer thread 0's
+  // stamps): its chunks, the epilogue up to the arrival, the wait for the last block, the next
+  // input; across blocks, how far apart they arrive and how late each leaves after the last.
+  unsigned long long* trace;
+  CK(cudaMalloc(&trace, (size_t)nb * 4 * 10 * 8));
+  int khz;
+  CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
+  const double cyc_us = khz / 1e3;  // the stamps' cycles at the rated clock
+  auto stat = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    char buf[64];
+    snprintf(buf, sizeof buf, "%6.2f/%6.2f", v[v.size() / 2], v.back());
+    return std::string(buf);
+  };
+  const Config traced[] = {MakeConfig<10, 16384, 8, true, true, 0, 0, 1>(),
+                           MakeConfig<10, 16384, 8, true, true, 0, 0, 1, true, 1>(),
+                           MakeConfig<10, 16384, 8, true, true, 0, 0, 1, true, 3>(),
+                           MakeConfig<10, 16384, 8, false, true, 0, 0, 1>(),
+                           MakeConfig<10, 16384, 8, true, true, 0, 2, 1>()};
+  const char* proj[] = {"qkv", "o", "gate_up", "down"};
+  for (const Config& c : traced) {
+    CK(cudaMemset(trace, 0, (size_t)nb * 4 * 10 * 8));
+    CK(cudaMemset(counter, 0, 4));
+    Params P{w_dev, norm, x_in, x_out, part, act, counter, L, 0, 4 * L, 0u, tpart, tact, epoch++,
+             trace, pair_part};
+    void* args[] = {&P};
+    CK(cudaLaunchCooperativeKernel((void*)c.kernel, dim3(nb), dim3(c.threads), args, c.smem, s));
+    CK(cudaStreamSynchronize(s));
+    std::vector<unsigned long long> h((size_t)nb * 40);
+    CK(cudaMemcpy(h.data(), trace, h.size() * 8, cudaMemcpyDeviceToHost));
+    printf("TRACE %s, layer %d, us median/max over blocks (clock %.0f MHz):\n", c.name.c_str(),
+           L / 2, cyc_us);
+    printf("  %-8s %13s %13s %13s %13s %13s %13s %9s\n", "", "chunks", "epilogue", "wait",
+           "input", "arrival skew", "late leave", "span");
+    for (int p = 0; p < 4; ++p) {
+      std::vector<double> ch, ep, wt, in, lv;
+      unsigned long long a_min = ~0ull, a_max = 0, s_min = ~0ull, d_max = 0;
+      auto at = [&](int blk, int point, int k) { return h[((size_t)blk * 4 + p) * 10 + point * 2 + k]; };
+      for (int blk = 0; blk < nb; ++blk) {
+        ch.push_back((at(blk, 1, 1) - at(blk, 0, 1)) / cyc_us);
+        ep.push_back((at(blk, 2, 1) - at(blk, 1, 1)) / cyc_us);
+        wt.push_back((at(blk, 3, 1) - at(blk, 2, 1)) / cyc_us);
+        in.push_back((at(blk, 4, 1) - at(blk, 3, 1)) / cyc_us);
+        a_min = std::min(a_min, at(blk, 2, 0));
+        a_max = std::max(a_max, at(blk, 2, 0));
+        s_min = std::min(s_min, at(blk, 0, 0));
+        d_max = std::max(d_max, at(blk, 4, 0));
+      }
+      for (int blk = 0; blk < nb; ++blk) lv.push_back(((double)at(blk, 3, 0) - (double)a_max) / 1e3);
+      printf("  %-8s %13s %13s %13s %13s %13.2f %13s %9.2f\n", proj[p], stat(ch).c_str(),
+             stat(ep).c_str(), stat(wt).c_str(), stat(in).c_str(), (a_max - a_min) / 1e3,
+             stat(lv).c_str(), (d_max - s_min) / 1e3);
+    }
+    fflush(stdout);
   }
   return 0;
 }
