@@ -24,8 +24,9 @@
 // weights) as the median of 15 launches. The variants (template parameters): the inputs read
 // in a loop or batched; no run-ahead (the producer waits for the barrier); no fence before the
 // barrier's release; L2 prefetches ahead of the ring (PF); the values carrying their
-// projection's tag instead of a barrier (SYNC 2); and four timing-only modes that run one part
-// of the kernel (MODE 1-4). XLA's side: bench/probes/layer_stream_xla.py (the same math).
+// projection's tag instead of a barrier (SYNC 2); each norm's scale preloaded (FIX bit 0);
+// gate_up split at any chunk (FIX bit 1); and four timing-only modes that run one part of the
+// kernel (MODE 1-4). XLA's side: bench/probes/layer_stream_xla.py (the same math).
 //
 // Then the best configuration as one launch, one launch per layer and two launches per layer
 // (qkv, then the rest: where XLA's attention would sit), each a CUDA graph; and per-block stamps
