@@ -284,7 +284,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
     for (int u = 0; u < kScaleVecs; ++u)
       if (t + u * CT < kHidden / 8) scale_reg[u] = reinterpret_cast<const uint4*>(scale)[t + u * CT];
   };
-  auto rms_preloaded = [&]() {  // xs = RMSNorm(resid) * scale_reg
+  auto rms_inv = [&]() {  // 1 / rms(resid), over the whole block
     float ss = 0.f;
     for (int j = t; j < kHidden; j += CT) {
       const float r = __bfloat162float(resid[j]);
@@ -295,7 +295,10 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
     NamedSync(CT);
     float tot = 0.f;
     for (int w = 0; w < CWARPS; ++w) tot += scratch[w];
-    const float inv = rsqrtf(tot / kHidden + kEps);
+    return rsqrtf(tot / kHidden + kEps);
+  };
+  auto rms_preloaded = [&]() {  // xs = RMSNorm(resid) * scale_reg
+    const float inv = rms_inv();
 #pragma unroll
     for (int u = 0; u < kScaleVecs; ++u) {
       const int v = t + u * CT;
@@ -308,17 +311,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
     }
   };
   auto rms_input = [&](const bf16* scale) {  // xs = RMSNorm(resid) * scale
-    float ss = 0.f;
-    for (int j = t; j < kHidden; j += CT) {
-      const float r = __bfloat162float(resid[j]);
-      ss += r * r;
-    }
-    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (lane == 0) scratch[cw] = ss;
-    NamedSync(CT);
-    float tot = 0.f;
-    for (int w = 0; w < CWARPS; ++w) tot += scratch[w];
-    const float inv = rsqrtf(tot / kHidden + kEps);
+    const float inv = rms_inv();
     for (int j = t; j < kHidden; j += CT)
       xs[j] = __float2bfloat16_rn(Bf(__bfloat162float(resid[j]) * inv) * __bfloat162float(scale[j]));
   };

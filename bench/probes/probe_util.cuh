@@ -1,4 +1,5 @@
-// What the standalone CUDA probes share: a checked CUDA call and a deterministic random fill.
+// What the standalone CUDA probes share: a checked CUDA call, a deterministic random fill and
+// event timing.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
