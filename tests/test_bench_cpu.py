@@ -1029,13 +1029,14 @@ def test_gemv_cluster_probe_xla_side_runs_on_the_cpu(capsys):
     assert out.count("us per projection") == 8 and out.count("LAYER CHAIN") == 2
 
 
-def test_gemv_cluster_probe_compiles_where_nvcc_is():
-    """bench/probes/gemv_cluster.cu (a standalone CUDA program) builds for sm_90a."""
+@pytest.mark.parametrize("probe", ["gemv_cluster.cu", "layer_stream.cu"])
+def test_cuda_probe_compiles_where_nvcc_is(probe):
+    """The standalone CUDA probes (bench/probes/*.cu, with probe_util.cuh) build for sm_90a."""
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
                                     if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
     if nvcc is None:
         pytest.skip("no nvcc")
-    src = os.path.join(os.path.dirname(__file__), "..", "bench", "probes", "gemv_cluster.cu")
+    src = os.path.join(os.path.dirname(__file__), "..", "bench", "probes", probe)
     out = subprocess.run([nvcc, "-O1", "-std=c++17", "-arch=sm_90a", "-c", src, "-o", os.devnull],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
