@@ -608,7 +608,7 @@ def test_concurrency_probe_times_every_branch_per_mode(capsys):
 def test_layer_stream_xla_probe_computes_the_kernels_math(capsys):
     """bench.probes.layer_stream_xla: one layer against a float64 reference with the same bf16
     roundings as layer_stream.cu's host reference (random data, small shapes), then the --quick
-    run times both chains."""
+    run times both chains, the layers with the decoder's attention and the step's head."""
     import jax.numpy as jnp
 
     from bench.probes import layer_stream_xla as lsx
@@ -638,6 +638,9 @@ def test_layer_stream_xla_probe_computes_the_kernels_math(capsys):
     out = capsys.readouterr().out
     assert re.search(r"XLA layers .*: 2 layers \d+\.\d+ ms", out)
     assert "the four dots alone" in out
+    assert re.search(r"XLA layers with the decoder's attention \(Pallas, KV 64\): 2 layers "
+                     r"\d+\.\d+ ms", out)
+    assert re.search(r"XLA head \(final norm, logits \[64, 512\], argmax\): \d+\.\d+ ms", out)
 
 
 def test_dispatch_cost_probe_runs_on_the_cpu(tmp_path):

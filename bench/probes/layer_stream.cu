@@ -8,6 +8,7 @@
 //   - one producer thread per block copies its share of each projection's weight, in 16 KiB
 //     chunks, into a ring of shared-memory stages with bulk copies (TMA, mbarrier-tracked); it
 //     runs ahead across projections and layers, bounded only by the ring, never by the data;
+//     each consumer thread releases a stage with its own arrival;
 //   - the consumer warps multiply each chunk by the activation vector in shared memory;
 //   - a projection's output is complete once every block has added its part: a grid barrier
 //     (a counter, release/acquire at gpu scope) between projections, 4 per layer;
@@ -26,7 +27,12 @@
 // barrier's release; L2 prefetches ahead of the ring (PF); the values carrying their
 // projection's tag instead of a barrier (SYNC 2); each norm's scale preloaded (FIX bit 0);
 // gate_up split at any chunk (FIX bit 1); and four timing-only modes that run one part of the
-// kernel (MODE 1-4). XLA's side: bench/probes/layer_stream_xla.py (the same math).
+// kernel (MODE 1-4). ATTN: the decode step's attention as a phase between qkv and o
+// (attention_phase.cuh: RoPE, the new key and value into the cache, split-K attention over KV
+// 1024 whose keys and values come through the ring, a merge by each head's last block, one more
+// grid barrier per layer), checked against the float64 reference with the attention and the
+// cache slots it writes. XLA's side: bench/probes/layer_stream_xla.py (the same math, and the
+// layers with the decoder's own attention).
 //
 // Then the best configuration as one launch, one launch per layer and two launches per layer
 // (qkv, then the rest: where XLA's attention would sit), each a CUDA graph; and per-block stamps
@@ -36,10 +42,13 @@
 // preloaded (110.6-111.6 without) against XLA's 116.6-117.4 for the same math and 112.0-113.4
 // for its four dots alone; the weights alone stream at 95.6-99.9 us per layer; the barriers and
 // the work between projections cost the rest (the stamps of the middle layer say where). One
-// launch per layer: 114.2; two per layer: 119.1 (slower than XLA).
+// launch per layer: 114.2; two per layer: 119.1 (slower than XLA). With the attention inside:
+// 115.7-116.0 against 125.2 for XLA's layers with the decoder's attention (same call).
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a bench/probes/layer_stream.cu -o /tmp/layer_stream
-//   /tmp/layer_stream                 # one H100/H200 (~15 GB, ~15 s)
+//   /tmp/layer_stream                 # one H100/H200 (~15 GB, ~20 s): every variant
+//   /tmp/layer_stream --attention     # the best configuration without and with the attention
+//   bash bench/probes/sanitize_layer_stream.sh   # --sanitize under compute-sanitizer
 //   python -m bench.probes.layer_stream_xla
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -54,6 +63,7 @@
 #include <vector>
 
 #include "probe_util.cuh"
+#include "attention_phase.cuh"
 
 
 constexpr int kHidden = 4096, kQkv = 6144, kFfn = 14336;
@@ -110,6 +120,9 @@ struct Params {
   // FIX bit 1: a gate_up pair split between two blocks: each side's partial (gate[8], up[8]),
   // added in order by every block as it reads down's input.
   float* pair_part;  // [kFfn / 8 pairs][2 sides][16]
+  // ATTN: the attention between qkv and o (attention_phase.cuh) in place of q as o's input;
+  // its head counts live in `counter`'s second 128 bytes.
+  attn::Args attn;
 };
 
 __device__ __forceinline__ uint32_t Smem(const void* p) {
@@ -165,9 +178,13 @@ __device__ __forceinline__ void GridSync(unsigned* counter, unsigned target, int
 // FIX bit 0: each norm's scale loaded before the projection it follows (not after the
 // barrier, one dependent load per element); bit 1: gate_up split at chunks (kFine).
 template <int STAGES, int CHUNK, int CWARPS, bool RUN_AHEAD, bool EVICT_FIRST, bool BATCHED, int MODE,
-          int PF, int SYNC, int FIX>
+          int PF, int SYNC, int FIX, bool ATTN>
 __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
   constexpr bool kFine = FIX & 2;
+  static_assert(!ATTN || (BATCHED && SYNC != 2 && !kFine && MODE == 0 && PF == 0 &&
+                          CWARPS * 32 == attn::kThreads && attn::kScratch * 4 <= kFfn * 2 &&
+                          CHUNK == attn::kChunkBytes),
+                "the attention phase runs in the batched, barrier-synchronised kernel, in xs");
   static_assert(!kFine || SYNC != 2, "split gate_up pairs are finished through the barrier");
   constexpr int kChunkBytes = CHUNK, kChunkVecs = CHUNK / 16;  // 16-byte vectors per chunk
   constexpr int CT = CWARPS * 32;  // consumer threads: warps 1..CWARPS
@@ -187,7 +204,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(Smem(&full[s])));
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(Smem(&empty[s])), "r"(CWARPS));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(Smem(&empty[s])), "r"(CWARPS * 32));
     }
     *go = i0 + 1;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -214,9 +231,16 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
     struct Cursor {
       int i, q, q1;
       const uint4* src;
+      int kv;  // ATTN: the attention chunks (keys, values) queued after projection i's
     };
     auto normalize = [&](Cursor& c) {  // past an empty or finished range: the next projection
       while (c.i < i1 && c.q >= c.q1) {
+        if (ATTN && c.i % 4 == 0 && c.kv < 2 && b < attn::kKv * attn::kSplits) {
+          c.src = attn::ChunkSrc(P.attn, c.i / 4, c.kv++, b);  // one more chunk of the ring
+          c.q1 = c.q + 1;
+          break;
+        }
+        c.kv = 0;
         if (++c.i == i1) break;
         BlockRange(c.i % 4, kChunkVecs, b, nb, c.q, c.q1, kFine);
         c.src = P.w[c.i] + (size_t)c.q * kChunkVecs;
@@ -227,7 +251,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
       c.src += kChunkVecs;
       normalize(c);
     };
-    Cursor ld{i0, 0, 0, nullptr};
+    Cursor ld{i0, 0, 0, nullptr, 0};
     BlockRange(i0 % 4, kChunkVecs, b, nb, ld.q, ld.q1, kFine);
     ld.src = P.w[i0] + (size_t)ld.q * kChunkVecs;
     normalize(ld);
@@ -276,6 +300,12 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
 
   // The consumers. t: 0..CT-1.
   const int t = threadIdx.x - 32, cw = warp - 1;
+  // This thread is done reading ring stage s. Every consumer thread arrives (each arrival
+  // releases its own reads): one arrival per warp after __syncwarp measured the same (113.98
+  // against 114.01 us per layer), but compute-sanitizer's racecheck does not follow it.
+  auto release_stage = [&](int s) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(Smem(&empty[s])) : "memory");
+  };
   // FIX bit 0: the scale of the norm that follows this projection, in registers (8 per uint4).
   constexpr int kScaleVecs = (kHidden / 8 + CT - 1) / CT;
   uint4 scale_reg[kScaleVecs];
@@ -340,7 +370,8 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
     for (int j = t; j < kHidden; j += CT) xs[j] = __float2bfloat16_rn(sum_parts((i0 - 1) & 1, j));
   NamedSync(CT);
 
-  unsigned n = 0;
+  if (ATTN && (i0 % 4 || i1 % 4)) __trap();  // whole layers only
+  unsigned n = 0, syncs = 0;  // chunks consumed, grid barriers passed
   for (int i = i0; i < i1; ++i) {
     const int p = i % 4, layer = i / 4, K = ProjK(p), cpc = K / kChunkVecs;
     unsigned long long* tr = P.trace && layer == P.layers / 2 && t == 0
@@ -374,8 +405,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
           acc[2 * u + 1] = fmaf(xv, f.y, acc[2 * u + 1]);
         }
       }
-      __syncwarp();
-      if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(Smem(&empty[s])) : "memory");
+      release_stage(s);
       if (kc == cpc - 1 || q == q1 - 1) {  // this block's part of column q / cpc is done
 #pragma unroll
         for (int e = 0; e < 8; ++e)
@@ -390,7 +420,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
     Stamp(tr ? tr + 2 : nullptr);
     if (MODE == 1) continue;  // timing only: the weights' stream, no barriers
     if (MODE == 3) {  // timing only: the weights' stream and the barriers, nothing between
-      GridSync<SYNC == 0>(P.counter, P.base + (unsigned)(i - i0 + 1) * nb, CT);
+      GridSync<SYNC == 0>(P.counter, P.base + (++syncs) * nb, CT);
       continue;
     }
     // The epilogue: this block's columns, summed over the warps, to the partial sums (or, for
@@ -474,7 +504,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
       }
     }
     if (SYNC != 2 && MODE != 4)
-      GridSync<SYNC == 0>(P.counter, P.base + (unsigned)(i - i0 + 1) * nb, CT, tr ? tr + 4 : nullptr);
+      GridSync<SYNC == 0>(P.counter, P.base + (++syncs) * nb, CT, tr ? tr + 4 : nullptr);
     if (MODE == 4) NamedSync(CT);  // timing only: no barrier, the inputs read unsynchronised
     if (!RUN_AHEAD && t == 0) *go = i + 2;
     // The next projection's input. BATCHED: every load a thread needs in flight at once, 16
@@ -488,7 +518,28 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
       } while ((unsigned)(v >> 32) != tag);
       return v;
     };
-    if (SYNC == 2) {
+    if (ATTN && p == 0) {  // the attention, a barrier, and its output as o's input
+      // its keys and values: ring stages n and n + 1 (blocks with a chunk)
+      const uint32_t s0 = n % STAGES, s1 = (n + 1) % STAGES;
+      unsigned long long* at = tr ? P.trace + (size_t)nb * 40 + (size_t)b * 12 : nullptr;
+      if (b < attn::kKv * attn::kSplits) {
+        MbarWait(Smem(&full[s0]), (n / STAGES) & 1);
+        MbarWait(Smem(&full[s1]), ((n + 1) / STAGES) & 1);
+      }
+      attn::Phase(P.attn, layer, b, t, ring + s0 * kChunkVecs, ring + s1 * kChunkVecs,
+                  P.part + (size_t)(i & 1) * 4 * kFfn, 2 * kFfn, reinterpret_cast<float*>(xs),
+                  [&] { NamedSync(CT); },
+                  [&] {
+                    release_stage(s0);
+                    release_stage(s1);
+                  },
+                  [&](int k) { Stamp(at ? at + 2 * k : nullptr); });
+      if (b < attn::kKv * attn::kSplits) n += 2;
+      GridSync<SYNC == 0>(P.counter, P.base + (++syncs) * nb, CT);
+      Stamp(at ? at + 8 : nullptr);
+      for (int v = t; v < kHidden / 8; v += CT)
+        reinterpret_cast<uint4*>(xs)[v] = __ldcg(reinterpret_cast<const uint4*>(P.attn.out) + v);
+    } else if (SYNC == 2) {
       const unsigned long long* tp = P.tpart + (size_t)(i & 1) * 4 * kFfn;
       if (p == 2) {  // down: SwiGLU, two bf16 per word
         constexpr int NV = kFfn / 2, U = (NV + CT - 1) / CT;
@@ -639,9 +690,12 @@ __global__ void RefDot(const bf16* x, const bf16* w, double* y, int K, int N) {
 
 static float Bfh(double v) { return __bfloat162float(__float2bfloat16_rn((float)v)); }
 
-// The same layers on the host, float64 dots on the GPU (row-major weights).
+// The same layers on the host, float64 dots on the GPU (row-major weights). attend (ATTN): o's
+// input from the layer's unrounded qkv; without it, q.
+using Attend = std::function<std::vector<float>(int layer, const std::vector<double>& qkv)>;
 static std::vector<float> Reference(const std::vector<std::vector<bf16*>>& w_rm, const bf16* norm_dev,
-                                    const std::vector<float>& x0, int layers) {
+                                    const std::vector<float>& x0, int layers,
+                                    const Attend& attend = nullptr) {
   std::vector<bf16> norm_h((size_t)layers * 2 * kHidden);
   CK(cudaMemcpy(norm_h.data(), norm_dev, norm_h.size() * 2, cudaMemcpyDeviceToHost));
   bf16* xd;
@@ -670,7 +724,7 @@ static std::vector<float> Reference(const std::vector<std::vector<bf16*>>& w_rm,
     auto qkv = dot(rms(resid, &norm_h[(size_t)l * 2 * kHidden]), l, 0);
     std::vector<float> q(kHidden);
     for (int j = 0; j < kHidden; ++j) q[j] = Bfh(qkv[j]);
-    auto o = dot(q, l, 1);
+    auto o = dot(attend ? attend(l, qkv) : q, l, 1);
     for (int j = 0; j < kHidden; ++j) resid[j] = Bfh(resid[j] + Bfh(o[j]));
     auto gu = dot(rms(resid, &norm_h[((size_t)l * 2 + 1) * kHidden]), l, 2);
     std::vector<float> a(kFfn);
@@ -705,6 +759,7 @@ struct Config {
   size_t smem;
   int threads;
   bool checked;  // timing-only modes compute nothing meaningful
+  bool attn;     // ATTN: the attention between qkv and o (one more barrier per layer)
 };
 
 // MODE 0: the layers; 1: the weights' stream alone (no barriers, no inputs); 2: the barriers,
@@ -712,11 +767,11 @@ struct Config {
 // epilogues, no inputs); 4: the stream, epilogues and inputs without the barriers. 1-4 time a
 // part of the kernel and compute nothing meaningful.
 template <int STAGES, int CHUNK, int CWARPS, bool RUN_AHEAD, bool EVICT_FIRST, int PF = 0,
-          int MODE = 0, int SYNC = 0, bool BATCHED = true, int FIX = 0>
+          int MODE = 0, int SYNC = 0, bool BATCHED = true, int FIX = 0, bool ATTN = false>
 Config MakeConfig() {
   const size_t smem = (size_t)STAGES * CHUNK + (kFfn + kHidden) * 2 +
                       (CWARPS * kMaxCols * 8 + 128) * 4 + 2 * STAGES * 8 + 16;
-  auto k = LayerStream<STAGES, CHUNK, CWARPS, RUN_AHEAD, EVICT_FIRST, BATCHED, MODE, PF, SYNC, FIX>;
+  auto k = LayerStream<STAGES, CHUNK, CWARPS, RUN_AHEAD, EVICT_FIRST, BATCHED, MODE, PF, SYNC, FIX, ATTN>;
   CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   char buf[128];
   snprintf(buf, sizeof buf, "%dx%dK warps%d pf%d %s%s%s%s%s%s%s", STAGES, CHUNK / 1024, CWARPS, PF,
@@ -725,15 +780,23 @@ Config MakeConfig() {
            SYNC == 1 ? " no-fence" : SYNC == 2 ? " tagged" : "",
            FIX & 1 ? " norm-preload" : "", FIX & 2 ? " gate_up-fine" : "",
            MODE == 1 ? " [stream only]" : MODE == 2 ? " [barriers only]"
-           : MODE == 3 ? " [stream + bare barriers]" : MODE == 4 ? " [stream + work, no barrier]" : "");
-  return {buf, k, smem, (CWARPS + 1) * 32, MODE == 0};
+           : MODE == 3 ? " [stream + bare barriers]" : MODE == 4 ? " [stream + work, no barrier]"
+           : ATTN ? " +attention" : "");
+  return {buf, k, smem, (CWARPS + 1) * 32, MODE == 0, ATTN};
 }
 
-int main() {
+// --attention: only the best configuration without and with the attention phase (their checks,
+// times, plans and stamps); without it, every variant as well. --sanitize: the attention
+// configuration's 2-layer check alone, for compute-sanitizer (memcheck, racecheck, synccheck).
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  const bool only_attention = mode == "--attention", sanitize = mode == "--sanitize";
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
-  const int nb = prop.multiProcessorCount, L = 32, kCheck = 2;
+  const int nb = prop.multiProcessorCount, L = sanitize ? 2 : 32, kCheck = 2;
   printf("%s, %d SMs, %d layers\n", prop.name, nb, L);
+  const Config best = MakeConfig<10, 16384, 8, true, true, 0, 0, 1, true, 1>();
+  const Config best_attn = MakeConfig<10, 16384, 8, true, true, 0, 0, 1, true, 1, true>();
   std::vector<Config> cfgs = {
       MakeConfig<10, 16384, 8, true, true, 0, 0, 0, false>(),  // inputs read in a loop
       MakeConfig<10, 16384, 8, true, true>(),                   // the kernel as first measured
@@ -748,7 +811,14 @@ int main() {
       MakeConfig<10, 16384, 8, true, true, 0, 2, 1>(),
       MakeConfig<10, 16384, 8, true, true, 0, 3, 1>(),
       MakeConfig<10, 16384, 8, true, true, 0, 4, 1>(),
+      best_attn,
   };
+  // 11 stages fit beside the attention's scratch; its pause is the longest the ring bridges
+  const Config best11 = MakeConfig<11, 16384, 8, true, true, 0, 0, 1, true, 1>();
+  const Config best11_attn = MakeConfig<11, 16384, 8, true, true, 0, 0, 1, true, 1, true>();
+  cfgs.push_back(best11_attn);
+  if (only_attention) cfgs = {best, best_attn, best11, best11_attn};
+  if (sanitize) cfgs = {best_attn};
   // Weights: row-major for the reference (the first kCheck layers), tiled for the kernel.
   std::vector<std::vector<bf16*>> w_rm(kCheck, std::vector<bf16*>(4));
   std::vector<uint4*> w_tiled(L * 4);
@@ -781,7 +851,8 @@ int main() {
   CK(cudaMalloc(&x_out, kHidden * 2));
   CK(cudaMalloc(&act, kFfn * 2));
   CK(cudaMalloc(&part, 2 * 4 * kFfn * 4));
-  CK(cudaMalloc(&counter, 4));
+  constexpr size_t kCounterBytes = 64 * 4;  // the grid barrier's count; ATTN's head counts
+  CK(cudaMalloc(&counter, kCounterBytes));
   unsigned long long *tpart, *tact;
   CK(cudaMalloc(&tpart, 2 * 4 * kFfn * 8));
   CK(cudaMalloc(&tact, kFfn / 2 * 8));
@@ -801,6 +872,73 @@ int main() {
   double scale = 0;
   for (float v : ref) scale = std::max(scale, (double)std::fabs(v));
 
+  // ATTN: the cache (random old slots), the step's rotary cos and sin (theta 500000), the new token in
+  // the last slot (KV 1024); the reference with the attention, and each checked layer's new key
+  // and value as the kernel must write them.
+  using attn::kCap;
+  using attn::kD;
+  using attn::kKv;
+  const size_t layer_cache = (size_t)2 * kKv * kCap * kD;
+  attn::Args aa{};
+  aa.pos = kCap - 1;
+  CK(cudaMalloc(&aa.cache, L * layer_cache * 2));
+  Fill<<<1024, 256>>>(aa.cache, L * layer_cache, 11, 1.f, 0.f);
+  std::vector<float> rot(kD);  // cos, sin of pos * inv_freq (float32 angles, as XLA's)
+  for (int d = 0; d < kD / 2; ++d) {
+    const float ang = (float)aa.pos * (float)(1.0 / std::pow(500000.0, 2.0 * d / kD));
+    rot[d] = (float)std::cos((double)ang);
+    rot[kD / 2 + d] = (float)std::sin((double)ang);
+  }
+  float* rot_dev;
+  CK(cudaMalloc(&rot_dev, kD * 4));
+  CK(cudaMemcpy(rot_dev, rot.data(), kD * 4, cudaMemcpyHostToDevice));
+  aa.rot = rot_dev;
+  CK(cudaMalloc(&aa.part, (size_t)kKv * attn::kSplits * attn::kPartStride * 4));
+  CK(cudaMalloc(&aa.out, kHidden * 2));
+  aa.head_count = counter + 32;
+  CK(cudaDeviceSynchronize());
+  std::vector<std::vector<bf16>> cache_h(kCheck, std::vector<bf16>(layer_cache));
+  std::vector<std::vector<float>> new_kv(kCheck);
+  for (int l = 0; l < kCheck; ++l)
+    CK(cudaMemcpy(cache_h[l].data(), aa.cache + l * layer_cache, layer_cache * 2, cudaMemcpyDeviceToHost));
+  const std::vector<float> ref_attn = Reference(w_rm, norm, x0, kCheck, [&](int l, const std::vector<double>& qkv) {
+    return attn::Reference(qkv, cache_h[l], rot, aa.pos, new_kv[l]);
+  });
+  double scale_attn = 0;
+  for (float v : ref_attn) scale_attn = std::max(scale_attn, (double)std::fabs(v));
+  auto poison_new_slots = [&](cudaStream_t st) {
+    for (int l = 0; l < kCheck; ++l)
+      for (int kv = 0; kv < 2; ++kv)
+        for (int h = 0; h < kKv; ++h)
+          CK(cudaMemsetAsync(aa.cache + l * layer_cache + (((size_t)kv * kKv + h) * kCap + aa.pos) * kD,
+                             0xff, kD * 2, st));
+    CK(cudaMemsetAsync(aa.part, 0xff, (size_t)kKv * attn::kSplits * attn::kPartStride * 4, st));
+    CK(cudaMemsetAsync(aa.out, 0xff, kHidden * 2, st));
+  };
+  // The checked layers' slot pos against the reference, in bf16 ulps of the largest value of its
+  // vector: the kernel's q/k/v come from float32 sums, the reference's from float64 dots, so an
+  // input of the rotation may round one ulp apart, and a rotated value near 0 then differs by
+  // an ulp of its inputs (2 at most).
+  auto new_slot_err = [&]() {
+    double e = 0;
+    std::vector<bf16> got(kD);
+    for (int l = 0; l < kCheck; ++l)
+      for (int kv = 0; kv < 2; ++kv)
+        for (int h = 0; h < kKv; ++h) {
+          CK(cudaMemcpy(got.data(), aa.cache + l * layer_cache + (((size_t)kv * kKv + h) * kCap + aa.pos) * kD,
+                        kD * 2, cudaMemcpyDeviceToHost));
+          const float* want = &new_kv[l][((size_t)h * 2 + kv) * kD];
+          float top = 1e-3f;
+          for (int d = 0; d < kD; ++d) top = std::max(top, std::fabs(want[d]));
+          const double ulp = std::ldexp(1.0, std::ilogb(top) - 7);
+          for (int d = 0; d < kD; ++d) {
+            const float v = __bfloat162float(got[d]);
+            e = std::max(e, std::isfinite(v) ? std::fabs(v - want[d]) / ulp : 1e30);
+          }
+        }
+    return e;
+  };
+
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   for (const Config& c : cfgs) {
@@ -809,8 +947,9 @@ int main() {
       Params P{w_dev, norm, x_in, x_out, part, act, counter, layers, 0, 4 * layers, 0u,
                tpart, tact, epoch++, nullptr,
                pair_part};
+      P.attn = aa;
       void* args[] = {&P};
-      CK(cudaMemsetAsync(counter, 0, 4, s));
+      CK(cudaMemsetAsync(counter, 0, kCounterBytes, s));
       CK(cudaLaunchCooperativeKernel((void*)c.kernel, dim3(nb), dim3(threads), args, c.smem, s));
     };
     // correctness: 2 layers against float64, output and intermediates poisoned
@@ -819,26 +958,34 @@ int main() {
     CK(cudaMemsetAsync(act, 0xff, kFfn * 2, s));
     CK(cudaMemsetAsync(tpart, 0xff, 2 * 4 * kFfn * 8, s));
     CK(cudaMemsetAsync(tact, 0xff, kFfn / 2 * 8, s));
+    if (c.attn) poison_new_slots(s);
     run(kCheck);
     CK(cudaStreamSynchronize(s));
     CK(cudaGetLastError());
-    const double err = MaxErr(x_out, ref);
+    const std::vector<float>& r = c.attn ? ref_attn : ref;
+    const double err = MaxErr(x_out, r), sc = c.attn ? scale_attn : scale;
+    const double slot_err = c.attn ? new_slot_err() : 0;
     // timed: each launch with the barrier counter's reset (~2 us of ~3.5 ms)
-    const std::vector<float> ms = TimeRuns([&] { run(L); }, s, 15);
+    const std::vector<float> ms = TimeRuns([&] { run(L); }, s, sanitize ? 1 : 15, sanitize ? 0 : 3);
     const float med = ms[ms.size() / 2];
     printf("%-40s %d layers %.3f ms (min %.3f max %.3f), %.2f us per layer, %.2f TB/s; "
-           "2-layer err %.2e of %.2e%s\n",
+           "2-layer err %.2e of %.2e%s%s",
            c.name.c_str(), L, med, ms.front(), ms.back(), med * 1e3 / L, bytes / (med * 1e-3) / 1e12,
-           err, scale, !c.checked ? "  (timing only)" : err > 2e-2 * scale ? "  WRONG" : "");
+           err, sc, !c.checked ? "  (timing only)" : err > 2e-2 * sc ? "  WRONG" : "",
+           c.attn ? (slot_err > 2 ? "; new cache slots WRONG" : "; new cache slots within 2 bf16 ulps")
+                  : "");
+    if (c.attn) printf(" (%.2f)", slot_err);
+    printf("\n");
     fflush(stdout);
   }
+  if (sanitize) return 0;
   // Plans: the same layers as one launch, one launch per layer, or two per layer (qkv; then o,
   // gate_up and down: where XLA's attention would run between them), captured in one CUDA
-  // graph, as XLA's command buffers would run them; the best configuration.
-  const Config c = MakeConfig<10, 16384, 8, true, true, 0, 0, 1, true, 1>();
+  // graph, as XLA's command buffers would run them; the best configuration, and with the
+  // attention as one launch and one launch per layer.
   bf16* state;
   CK(cudaMalloc(&state, kHidden * 2));
-  auto build = [&](int layers, int plan) {
+  auto build = [&](const Config& c, int layers, int plan) {
     std::vector<std::pair<int, int>> runs;
     for (int l = 0; l < layers; ++l) {
       if (plan == 0 && l == 0) runs.push_back({0, 4 * layers});
@@ -848,14 +995,15 @@ int main() {
     cudaGraph_t g;
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
     CK(cudaMemcpyAsync(state, x_in, kHidden * 2, cudaMemcpyDeviceToDevice, s));
-    CK(cudaMemsetAsync(counter, 0, 4, s));
+    CK(cudaMemsetAsync(counter, 0, kCounterBytes, s));
     unsigned base = 0;
     for (auto [a, z] : runs) {
       Params P{w_dev, norm, state, state, part, act, counter, layers, a, z, base, tpart, tact, 0u,
                nullptr, pair_part};
+      P.attn = aa;
       void* args[] = {&P};
       CK(cudaLaunchCooperativeKernel((void*)c.kernel, dim3(nb), dim3(c.threads), args, c.smem, s));
-      base += (z - a) * nb;
+      base += ((z - a) + (c.attn ? (z - a) / 4 : 0)) * nb;  // ATTN: one more barrier per layer
     }
     CK(cudaStreamEndCapture(s, &g));
     cudaGraphExec_t ge;
@@ -864,19 +1012,23 @@ int main() {
     return ge;
   };
   const char* plan_names[] = {"one launch", "one launch per layer", "two launches per layer"};
-  for (int plan = 0; plan < 3; ++plan) {
-    cudaGraphExec_t check = build(kCheck, plan), timed = build(L, plan);
+  const std::pair<const Config*, int> plans[] = {{&best, 0}, {&best, 1}, {&best, 2},
+                                                 {&best_attn, 0}, {&best_attn, 1}};
+  for (auto [cp, plan] : plans) {
+    const Config& c = *cp;
+    cudaGraphExec_t check = build(c, kCheck, plan), timed = build(c, L, plan);
     CK(cudaMemsetAsync(part, 0xff, 2 * 4 * kFfn * 4, s));
     CK(cudaMemsetAsync(act, 0xff, kFfn * 2, s));
+    if (c.attn) poison_new_slots(s);
     CK(cudaGraphLaunch(check, s));
     CK(cudaStreamSynchronize(s));
-    const double err = MaxErr(state, ref);
+    const double err = MaxErr(state, c.attn ? ref_attn : ref), sc = c.attn ? scale_attn : scale;
     const std::vector<float> ms = TimeRuns([&] { CK(cudaGraphLaunch(timed, s)); }, s, 15);
     const float med = ms[ms.size() / 2];
     printf("PLAN %-22s %s: %d layers %.3f ms (min %.3f max %.3f), %.2f us per layer; "
            "2-layer err %.2e of %.2e%s\n",
            plan_names[plan], c.name.c_str(), L, med, ms.front(), ms.back(), med * 1e3 / L, err,
-           scale, err > 2e-2 * scale ? "  WRONG" : "");
+           sc, err > 2e-2 * sc || (c.attn && new_slot_err() > 2) ? "  WRONG" : "");
     fflush(stdout);
     CK(cudaGraphExecDestroy(check));
     CK(cudaGraphExecDestroy(timed));
@@ -885,7 +1037,9 @@ int main() {
   // stamps): its chunks, the epilogue up to the arrival, the wait for the last block, the next
   // input; across blocks, how far apart they arrive and how late each leaves after the last.
   unsigned long long* trace;
-  CK(cudaMalloc(&trace, (size_t)nb * 4 * 10 * 8));
+  // + ATTN: [block][6 points][ns, cycles] of the middle layer's attention phase
+  const size_t trace_words = (size_t)nb * 4 * 10 + (size_t)nb * 12;
+  CK(cudaMalloc(&trace, trace_words * 8));
   int khz;
   CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
   const double cyc_us = khz / 1e3;  // the stamps' cycles at the rated clock
@@ -895,21 +1049,25 @@ int main() {
     snprintf(buf, sizeof buf, "%6.2f/%6.2f", v[v.size() / 2], v.back());
     return std::string(buf);
   };
-  const Config traced[] = {MakeConfig<10, 16384, 8, true, true, 0, 0, 1>(),
-                           MakeConfig<10, 16384, 8, true, true, 0, 0, 1, true, 1>(),
-                           MakeConfig<10, 16384, 8, true, true, 0, 0, 1, true, 3>(),
-                           MakeConfig<10, 16384, 8, false, true, 0, 0, 1>(),
-                           MakeConfig<10, 16384, 8, true, true, 0, 2, 1>()};
+  // With the attention, qkv's "input" is the attention phase, its barrier and o's input.
+  std::vector<Config> traced = {MakeConfig<10, 16384, 8, true, true, 0, 0, 1>(),
+                                best,
+                                MakeConfig<10, 16384, 8, true, true, 0, 0, 1, true, 3>(),
+                                MakeConfig<10, 16384, 8, false, true, 0, 0, 1>(),
+                                MakeConfig<10, 16384, 8, true, true, 0, 2, 1>(),
+                                best_attn};
+  if (only_attention) traced = {best, best_attn};
   const char* proj[] = {"qkv", "o", "gate_up", "down"};
   for (const Config& c : traced) {
-    CK(cudaMemset(trace, 0, (size_t)nb * 4 * 10 * 8));
-    CK(cudaMemset(counter, 0, 4));
+    CK(cudaMemset(trace, 0, trace_words * 8));
+    CK(cudaMemset(counter, 0, kCounterBytes));
     Params P{w_dev, norm, x_in, x_out, part, act, counter, L, 0, 4 * L, 0u, tpart, tact, epoch++,
              trace, pair_part};
+    P.attn = aa;
     void* args[] = {&P};
     CK(cudaLaunchCooperativeKernel((void*)c.kernel, dim3(nb), dim3(c.threads), args, c.smem, s));
     CK(cudaStreamSynchronize(s));
-    std::vector<unsigned long long> h((size_t)nb * 40);
+    std::vector<unsigned long long> h(trace_words);
     CK(cudaMemcpy(h.data(), trace, h.size() * 8, cudaMemcpyDeviceToHost));
     printf("TRACE %s, layer %d, us median/max over blocks (clock %.0f MHz):\n", c.name.c_str(),
            L / 2, cyc_us);
@@ -933,6 +1091,26 @@ int main() {
       printf("  %-8s %13s %13s %13s %13s %13.2f %13s %9.2f\n", proj[p], stat(ch).c_str(),
              stat(ep).c_str(), stat(wt).c_str(), stat(in).c_str(), (a_max - a_min) / 1e3,
              stat(lv).c_str(), (d_max - s_min) / 1e3);
+    }
+    if (c.attn) {  // the attention phase of blocks with a chunk, in cycles of each block
+      std::vector<double> rd, sm, pv, ct, mg, wt, in;
+      for (int blk = 0; blk < attn::kKv * attn::kSplits; ++blk) {
+        auto pt = [&](int k) { return (double)h[(size_t)nb * 40 + (size_t)blk * 12 + 2 * k + 1]; };
+        const double entry = (double)h[((size_t)blk * 4) * 10 + 3 * 2 + 1];
+        const double input = (double)h[((size_t)blk * 4) * 10 + 4 * 2 + 1];
+        rd.push_back((pt(0) - entry) / cyc_us);
+        sm.push_back((pt(5) - pt(0)) / cyc_us);
+        pv.push_back((pt(1) - pt(5)) / cyc_us);
+        ct.push_back((pt(2) - pt(1)) / cyc_us);
+        if (pt(3) > 0) mg.push_back((pt(3) - pt(2)) / cyc_us);
+        wt.push_back((pt(4) - (pt(3) > 0 ? pt(3) : pt(2))) / cyc_us);
+        in.push_back((input - pt(4)) / cyc_us);
+      }
+      printf("  attention phase, us median/max over its %d blocks: q/k/v read %s, rotation + "
+             "scores + softmax %s, values + the chunk's result %s, the count %s, the merge %s "
+             "(%zu blocks), to the barrier's release %s, o's input %s\n",
+             attn::kKv * attn::kSplits, stat(rd).c_str(), stat(sm).c_str(), stat(pv).c_str(), stat(ct).c_str(),
+             mg.empty() ? "-" : stat(mg).c_str(), mg.size(), stat(wt).c_str(), stat(in).c_str());
     }
     fflush(stdout);
   }

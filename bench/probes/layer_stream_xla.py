@@ -1,8 +1,12 @@
 """Probe: XLA's side of bench/probes/layer_stream.cu. The same 32 layers of Llama-8B's TP=1
 shapes without attention (RMSNorm -> qkv -> o on q -> residual add -> RMSNorm -> gate_up ->
 SwiGLU -> down -> residual add, bf16, batch 1), jitted as one chain with each weight its own
-array, as the decoder passes them; and the four dots alone, as gemv_cluster_xla.py's chain.
-Device-bound: the chain is called back to back and waited for once.
+array, as the decoder passes them; the four dots alone, as gemv_cluster_xla.py's chain; the
+layers with the decoder's own attention (models.attention.Attention: RoPE, the cache written in
+place, the Pallas decode kernel over KV 1024 in the "bhsd" layout; layer_stream.cu's ATTN); and
+the step's head (the final norm, the logits over Llama-3's 128256 tokens, the argmax), which a
+whole-step kernel would leave to XLA. Device-bound: the chain is called back to back and waited
+for once (the cache donated from call to call).
 
     python -m bench.probes.layer_stream_xla            # one GPU (14 GB of weights)
     python -m bench.probes.layer_stream_xla --quick    # CPU: shapes / 64, 2 layers
@@ -10,12 +14,19 @@ Device-bound: the chain is called back to back and waited for once.
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
 from bench.probes.gemv_cluster_xla import chain_args, timeit
+from models.attention import Attention, Step
 
 HIDDEN, QKV, FFN = 4096, 6144, 14336
+HEADS, KV_HEADS, HEAD_DIM, KV_LEN, VOCAB = 32, 8, 128, 1024, 128256
 EPS = 1e-5
 
 
@@ -27,14 +38,41 @@ def rms_norm(x, scale):
             * scale.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
-def layer(x, w, hidden: int, ffn: int):
-    """One layer without attention; q (the first `hidden` of qkv) stands in for its output."""
-    qkv = rms_norm(x, w["attn_norm"]) @ w["qkv"]
-    x = x + qkv[:, :hidden] @ w["o"]
+def mlp(x, w, ffn: int):
+    """The layer's second half: RMSNorm -> gate_up -> SwiGLU -> down -> residual add."""
     gu = rms_norm(x, w["mlp_norm"]) @ w["gate_up"]
     g = gu[:, :ffn].astype(jnp.float32)
     a = (g * jax.nn.sigmoid(g) * gu[:, ffn:].astype(jnp.float32)).astype(jnp.bfloat16)
     return x + a @ w["down"]
+
+
+def layer(x, w, hidden: int, ffn: int):
+    """One layer without attention; q (the first `hidden` of qkv) stands in for its output."""
+    qkv = rms_norm(x, w["attn_norm"]) @ w["qkv"]
+    return mlp(x + qkv[:, :hidden] @ w["o"], w, ffn)
+
+
+def attention_config(div: int):
+    """What models.attention reads: Llama-8B's heads at TP=1 (div 1), or a small set (CPU)."""
+    heads, kv, d = (HEADS, KV_HEADS, HEAD_DIM) if div == 1 else (4, 2, 16)
+    return SimpleNamespace(hidden_size=heads * d, num_heads=heads, num_kv_heads=kv, head_dim=d,
+                           group_size=heads // kv, dtype="bfloat16", rope_theta=500000.0,
+                           rope_scaling=None)
+
+
+def with_attention(x, ws, attns, cache, pos, ffn: int, cfg, kv_len: int):
+    """The layers with the decoder's attention (its qkv and o weights): the new token in slot
+    pos of the donated "bhsd" cache [layers, 2, 1, kv heads, kv_len, head_dim]."""
+    step = Step.at(cfg, pos[None], attend_len=kv_len, kv_layout="bhsd", attn_impl="pallas")
+    for i, (w, a) in enumerate(zip(ws, attns)):
+        h, cache = a(rms_norm(x, w["attn_norm"])[:, None], cache, i, step)
+        x = mlp(x + h[:, 0], w, ffn)
+    return x, cache
+
+
+def head(x, norm, lm_head):
+    """The step after the layers: the final norm, the logits, the greedy token."""
+    return jnp.argmax(rms_norm(x, norm) @ lm_head, axis=-1)
 
 
 def make_weights(layers: int, hidden: int, qkv: int, ffn: int):
@@ -72,10 +110,43 @@ def main(argv=None) -> int:
             x = y[:, :ffn] @ w["down"]
         return x
 
-    for name, f in (("layers (norms, residuals, SwiGLU)", full), ("the four dots alone", dots)):
-        t = timeit(jax.jit(f), (ws, x), calls)
+    def report(name, t):
         print(f"XLA {name}: {layers} layers {t * 1e3:.3f} ms, {t / layers * 1e6:.2f} us per layer, "
               f"{total / t / 1e12:.2f} TB/s", flush=True)
+
+    for name, f in (("layers (norms, residuals, SwiGLU)", full), ("the four dots alone", dots)):
+        report(name, timeit(jax.jit(f), (ws, x), calls))
+
+    # The layers with the decoder's attention; their own qkv and o weights (same shapes).
+    cfg = attention_config(div)
+    kv_len = KV_LEN if div == 1 else 64
+    graphdef, state = nnx.split(nnx.List([Attention(cfg, rngs=nnx.Rngs(i)) for i in range(layers)]))
+    cache = jax.random.uniform(jax.random.key(7), (layers, 2, 1, cfg.num_kv_heads, kv_len,
+                                                   cfg.head_dim), jnp.float32, -1, 1
+                               ).astype(jnp.bfloat16)
+    pos = jnp.int32(kv_len - 1)
+
+    def attend(state, ws, cache, x, pos):  # pos traced, as the decoder's step takes it
+        return with_attention(x, ws, nnx.merge(graphdef, state), cache, pos, ffn, cfg, kv_len)
+
+    step = jax.jit(attend, donate_argnums=(2,))
+    y, cache = step(state, ws, cache, x, pos)
+    jax.block_until_ready(y)
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            y, cache = step(state, ws, cache, x, pos)
+        jax.block_until_ready((y, cache))
+        ts.append((time.perf_counter() - t0) / calls)
+    report("layers with the decoder's attention (Pallas, KV %d)" % kv_len, float(np.median(ts)))
+
+    vocab = VOCAB if div == 1 else 512
+    lm_head = (jax.random.normal(jax.random.key(5), (hidden, vocab), jnp.float32) * 0.02
+               ).astype(jnp.bfloat16)
+    t = timeit(jax.jit(head), (x, ws[-1]["mlp_norm"], lm_head), calls)
+    print(f"XLA head (final norm, logits [{hidden}, {vocab}], argmax): {t * 1e3:.3f} ms, "
+          f"{lm_head.size * 2 / t / 1e12:.2f} TB/s", flush=True)
     return 0
 
 
