@@ -1,15 +1,20 @@
-# Sourced by the sanitize_*.sh probes: sanitize_python CODE runs the Python snippet CODE under
-# compute-sanitizer's memcheck, racecheck and synccheck in turn, prints each tool's summary, and
-# returns 1 if any tool reported an error (or the snippet failed), else 0.
-sanitize_python() {
-  local code=$1 tool rc fail=0
+# Sourced by the sanitize_*.sh probes: sanitize_command CMD... runs CMD under compute-sanitizer's
+# memcheck, racecheck and synccheck in turn, prints each tool's summary, and returns 1 if any
+# tool reported an error (or the command failed), else 0. sanitize_python CODE: the same for a
+# Python snippet.
+sanitize_command() {
+  local tool rc fail=0
   for tool in memcheck racecheck synccheck; do
     echo "=== compute-sanitizer --tool $tool"
-    compute-sanitizer --tool "$tool" --error-exitcode 7 python3 -c "$code" 2>&1 \
+    compute-sanitizer --tool "$tool" --error-exitcode 7 "$@" 2>&1 \
       | grep -v "^[WIE][0-9]\{4\}" | tail -4
     rc=${PIPESTATUS[0]}
     echo "$tool exit status $rc"
     [ "$rc" -eq 0 ] || fail=1
   done
   return $fail
+}
+
+sanitize_python() {
+  sanitize_command python3 -c "$1"
 }
