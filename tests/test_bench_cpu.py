@@ -641,6 +641,11 @@ def test_layer_stream_xla_probe_computes_the_kernels_math(capsys):
     assert re.search(r"XLA layers with the decoder's attention \(Pallas, KV 64\): 2 layers "
                      r"\d+\.\d+ ms", out)
     assert re.search(r"XLA head \(final norm, logits \[64, 512\], argmax\): \d+\.\d+ ms", out)
+    assert lsx.main(["--quick", "--tp", "2"]) == 0  # one rank's shapes at TP=2
+    out = capsys.readouterr().out
+    assert "TP=2's per-rank shapes: hidden 64, qkv 48, o 32 x 64, gate_up 224, down 112" in out
+    assert re.search(r"XLA layers with the decoder's attention \(Pallas, KV 64\): 2 layers", out)
+    assert "logits [64, 256]" in out
 
 
 def test_dispatch_cost_probe_runs_on_the_cpu(tmp_path):
@@ -1032,15 +1037,19 @@ def test_gemv_cluster_probe_xla_side_runs_on_the_cpu(capsys):
     assert out.count("us per projection") == 8 and out.count("LAYER CHAIN") == 2
 
 
-@pytest.mark.parametrize("probe", ["gemv_cluster.cu", "layer_stream.cu"])
+@pytest.mark.parametrize("probe", ["gemv_cluster.cu", "layer_stream.cu",
+                                   "layer_stream.cu -DLS_TP=2"])
 def test_cuda_probe_compiles_where_nvcc_is(probe):
-    """The standalone CUDA probes (bench/probes/*.cu, with probe_util.cuh) build for sm_90a."""
+    """The standalone CUDA probes (bench/probes/*.cu, with probe_util.cuh and
+    attention_phase.cuh) build for sm_90a, layer_stream also for TP=2's per-rank shapes."""
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
                                     if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
     if nvcc is None:
         pytest.skip("no nvcc")
-    src = os.path.join(os.path.dirname(__file__), "..", "bench", "probes", probe)
-    out = subprocess.run([nvcc, "-O1", "-std=c++17", "-arch=sm_90a", "-c", src, "-o", os.devnull],
+    name, *flags = probe.split()
+    src = os.path.join(os.path.dirname(__file__), "..", "bench", "probes", name)
+    out = subprocess.run([nvcc, "-O1", "-std=c++17", "-arch=sm_90a", *flags, "-c", src, "-o",
+                          os.devnull],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
 

@@ -22,10 +22,14 @@
 #include <cmath>
 #include <vector>
 
+#ifndef LS_TP
+#define LS_TP 1  // tensor parallelism whose per-rank shapes the probe runs (1 or 2)
+#endif
+
 namespace attn {
 
-constexpr int kKv = 8, kGroup = 4, kD = 128;
-constexpr int kSplits = 16, kChunk = 64;  // 8 x 16 = 128 working blocks of 132
+constexpr int kKv = 8 / LS_TP, kGroup = 4, kD = 128;  // one rank's KV heads
+constexpr int kSplits = 16, kChunk = 64;  // 8 x 16 = 128 working blocks of 132 (TP=2: 64)
 constexpr int kCap = kSplits * kChunk;     // cache slots per head (KV 1024)
 constexpr int kPerHead = (kGroup + 2) * kD;  // a KV head's qkv columns: its 4 q heads, k, v
 constexpr int kPartStride = kGroup * kD + 2 * kGroup;  // one chunk's o [4][128], m [4], l [4]

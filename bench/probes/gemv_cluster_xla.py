@@ -40,15 +40,20 @@ def timeit(f, args, calls: int) -> float:
     return float(np.median(ts))
 
 
-def chain_args(module: str, doc: str, argv) -> tuple[int, int, int]:
-    """A chain probe's command line: (layers, back-to-back calls per timing, shape divisor)."""
+def chain_args(module: str, doc: str, argv, with_tp: bool = False) -> tuple[int, ...]:
+    """A chain probe's command line: (layers, back-to-back calls per timing, shape divisor), and
+    with_tp: the tensor parallelism whose per-rank shapes it runs (--tp)."""
     p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--calls", type=int, default=30, help="back-to-back calls per timing")
     p.add_argument("--quick", action="store_true", help="shapes / 64, 2 layers, 2 calls (CPU)")
+    if with_tp:
+        p.add_argument("--tp", type=int, choices=(1, 2), default=1,
+                       help="run one rank's shapes at this tensor parallelism (no all-reduce)")
     args = p.parse_args(argv)
-    return (2, 2, 64) if args.quick else (args.layers, args.calls, 1)
+    out = (2, 2, 64) if args.quick else (args.layers, args.calls, 1)
+    return out + (args.tp,) if with_tp else out
 
 
 def main(argv=None) -> int:

@@ -66,13 +66,17 @@
 #include "attention_phase.cuh"
 
 
-constexpr int kHidden = 4096, kQkv = 6144, kFfn = 14336;
+// One rank's Llama-8B shapes at LS_TP (-DLS_TP=2: TP=2's per-rank shapes, no all-reduce).
+constexpr int kHidden = 4096, kQkv = attn::kKv * attn::kPerHead, kFfn = 14336 / LS_TP;
+constexpr int kQ = attn::kKv * attn::kGroup * attn::kD;  // the attention's output: o's K
+// The projection input's elements in shared memory (also the attention phase's scratch).
+constexpr int kXs = std::max(std::max(kFfn, kHidden), 2 * attn::kScratch);
 constexpr int kMaxCols = 32;  // column vectors one block may touch in one projection
 constexpr float kEps = 1e-5f;
 constexpr long long kSpinLimit = 1ll << 26;  // a lost arrival traps instead of hanging
 
 // The four projections of a layer, in order: (K, N).
-__host__ __device__ constexpr int ProjK(int p) { return p == 3 ? kFfn : kHidden; }
+__host__ __device__ constexpr int ProjK(int p) { return p == 3 ? kFfn : p == 1 ? kQ : kHidden; }
 __host__ __device__ constexpr int ProjN(int p) {
   return p == 0 ? kQkv : p == 1 ? kHidden : p == 2 ? 2 * kFfn : kHidden;
 }
@@ -182,16 +186,17 @@ template <int STAGES, int CHUNK, int CWARPS, bool RUN_AHEAD, bool EVICT_FIRST, b
 __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
   constexpr bool kFine = FIX & 2;
   static_assert(!ATTN || (BATCHED && SYNC != 2 && !kFine && MODE == 0 && PF == 0 &&
-                          CWARPS * 32 == attn::kThreads && attn::kScratch * 4 <= kFfn * 2 &&
+                          CWARPS * 32 == attn::kThreads &&
                           CHUNK == attn::kChunkBytes),
                 "the attention phase runs in the batched, barrier-synchronised kernel, in xs");
   static_assert(!kFine || SYNC != 2, "split gate_up pairs are finished through the barrier");
+  static_assert(SYNC != 2 || kQ == kHidden, "the tagged words carry o's input as kHidden values");
   constexpr int kChunkBytes = CHUNK, kChunkVecs = CHUNK / 16;  // 16-byte vectors per chunk
   constexpr int CT = CWARPS * 32;  // consumer threads: warps 1..CWARPS
   extern __shared__ __align__(128) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem);
   bf16* xs = reinterpret_cast<bf16*>(smem + STAGES * kChunkBytes);  // the projection's input
-  bf16* resid = xs + kFfn;                                            // the residual stream
+  bf16* resid = xs + kXs;                                             // the residual stream
   float* red = reinterpret_cast<float*>(resid + kHidden);             // [CWARPS][kMaxCols][8]
   float* scratch = red + CWARPS * kMaxCols * 8;                       // [CWARPS]
   unsigned* split_bits = reinterpret_cast<unsigned*>(scratch + 64);  // [56]: gate_up pairs split
@@ -367,7 +372,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
   if (i0 % 4 == 0)
     rms_input(P.norm + (size_t)(i0 / 4) * 2 * kHidden);
   else  // o, after a launch that ran qkv
-    for (int j = t; j < kHidden; j += CT) xs[j] = __float2bfloat16_rn(sum_parts((i0 - 1) & 1, j));
+    for (int j = t; j < kQ; j += CT) xs[j] = __float2bfloat16_rn(sum_parts((i0 - 1) & 1, j));
   NamedSync(CT);
 
   if (ATTN && (i0 % 4 || i1 % 4)) __trap();  // whole layers only
@@ -537,7 +542,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
       if (b < attn::kKv * attn::kSplits) n += 2;
       GridSync<SYNC == 0>(P.counter, P.base + (++syncs) * nb, CT);
       Stamp(at ? at + 8 : nullptr);
-      for (int v = t; v < kHidden / 8; v += CT)
+      for (int v = t; v < kQ / 8; v += CT)
         reinterpret_cast<uint4*>(xs)[v] = __ldcg(reinterpret_cast<const uint4*>(P.attn.out) + v);
     } else if (SYNC == 2) {
       const unsigned long long* tp = P.tpart + (size_t)(i & 1) * 4 * kFfn;
@@ -629,16 +634,17 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
         }
       } else {  // the sum of the two partial halves, rounded as the dot's bf16 output
         constexpr int NV = kHidden / 4, U = (NV + CT - 1) / CT;
+        const int nv = p == 0 ? kQ / 4 : NV;  // o's input (q) or the residual stream
         float4 a[U], c[U];
 #pragma unroll
         for (int u = 0; u < U; ++u)
-          if (t + u * CT < NV) {
+          if (t + u * CT < nv) {
             a[u] = reinterpret_cast<const float4*>(h)[t + u * CT];
             c[u] = reinterpret_cast<const float4*>(h + 2 * kFfn)[t + u * CT];
           }
 #pragma unroll
         for (int u = 0; u < U; ++u)
-          if (t + u * CT < NV) {
+          if (t + u * CT < nv) {
             const int j = 4 * (t + u * CT);
             const float o[4] = {Bf(a[u].x + c[u].x), Bf(a[u].y + c[u].y), Bf(a[u].z + c[u].z),
                                 Bf(a[u].w + c[u].w)};
@@ -653,7 +659,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
         if (p != 0) norm_next(p, layer);
       }
     } else if (p == 0) {  // o: q (the attention output's stand-in)
-      for (int j = t; j < kHidden; j += CT) xs[j] = __float2bfloat16_rn(sum_parts(i & 1, j));
+      for (int j = t; j < kQ; j += CT) xs[j] = __float2bfloat16_rn(sum_parts(i & 1, j));
     } else if (p == 2) {  // down: SwiGLU
       for (int j = t; j < kFfn; j += CT) xs[j] = P.act[j];
     } else {  // gate_up, the next layer: RMSNorm(resid + o or down)
@@ -722,8 +728,8 @@ static std::vector<float> Reference(const std::vector<std::vector<bf16*>>& w_rm,
   std::vector<float> resid = x0;
   for (int l = 0; l < layers; ++l) {
     auto qkv = dot(rms(resid, &norm_h[(size_t)l * 2 * kHidden]), l, 0);
-    std::vector<float> q(kHidden);
-    for (int j = 0; j < kHidden; ++j) q[j] = Bfh(qkv[j]);
+    std::vector<float> q(kQ);
+    for (int j = 0; j < kQ; ++j) q[j] = Bfh(qkv[j]);
     auto o = dot(attend ? attend(l, qkv) : q, l, 1);
     for (int j = 0; j < kHidden; ++j) resid[j] = Bfh(resid[j] + Bfh(o[j]));
     auto gu = dot(rms(resid, &norm_h[((size_t)l * 2 + 1) * kHidden]), l, 2);
@@ -769,7 +775,7 @@ struct Config {
 template <int STAGES, int CHUNK, int CWARPS, bool RUN_AHEAD, bool EVICT_FIRST, int PF = 0,
           int MODE = 0, int SYNC = 0, bool BATCHED = true, int FIX = 0, bool ATTN = false>
 Config MakeConfig() {
-  const size_t smem = (size_t)STAGES * CHUNK + (kFfn + kHidden) * 2 +
+  const size_t smem = (size_t)STAGES * CHUNK + (kXs + kHidden) * 2 +
                       (CWARPS * kMaxCols * 8 + 128) * 4 + 2 * STAGES * 8 + 16;
   auto k = LayerStream<STAGES, CHUNK, CWARPS, RUN_AHEAD, EVICT_FIRST, BATCHED, MODE, PF, SYNC, FIX, ATTN>;
   CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
@@ -794,10 +800,16 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   const int nb = prop.multiProcessorCount, L = sanitize ? 2 : 32, kCheck = 2;
-  printf("%s, %d SMs, %d layers\n", prop.name, nb, L);
+  printf("%s, %d SMs, %d layers, TP=%d's per-rank shapes (qkv %d, o %d, gate_up %d, down %d; "
+         "%d KV heads)\n", prop.name, nb, L, LS_TP, kQkv, kQ, 2 * kFfn, kFfn, attn::kKv);
   const Config best = MakeConfig<10, 16384, 8, true, true, 0, 0, 1, true, 1>();
   const Config best_attn = MakeConfig<10, 16384, 8, true, true, 0, 0, 1, true, 1, true>();
-  std::vector<Config> cfgs = {
+  // 11 stages fit beside the attention's scratch; its pause is the longest the ring bridges
+  const Config best11 = MakeConfig<11, 16384, 8, true, true, 0, 0, 1, true, 1>();
+  const Config best11_attn = MakeConfig<11, 16384, 8, true, true, 0, 0, 1, true, 1, true>();
+  std::vector<Config> cfgs = {best, best_attn, best11, best11_attn};  // TP=2: these only
+#if LS_TP == 1
+  if (!only_attention) cfgs = {
       MakeConfig<10, 16384, 8, true, true, 0, 0, 0, false>(),  // inputs read in a loop
       MakeConfig<10, 16384, 8, true, true>(),                   // the kernel as first measured
       MakeConfig<10, 16384, 8, false, true>(),                  // no run-ahead
@@ -812,12 +824,9 @@ int main(int argc, char** argv) {
       MakeConfig<10, 16384, 8, true, true, 0, 3, 1>(),
       MakeConfig<10, 16384, 8, true, true, 0, 4, 1>(),
       best_attn,
+      best11_attn,
   };
-  // 11 stages fit beside the attention's scratch; its pause is the longest the ring bridges
-  const Config best11 = MakeConfig<11, 16384, 8, true, true, 0, 0, 1, true, 1>();
-  const Config best11_attn = MakeConfig<11, 16384, 8, true, true, 0, 0, 1, true, 1, true>();
-  cfgs.push_back(best11_attn);
-  if (only_attention) cfgs = {best, best_attn, best11, best11_attn};
+#endif
   if (sanitize) cfgs = {best_attn};
   // Weights: row-major for the reference (the first kCheck layers), tiled for the kernel.
   std::vector<std::vector<bf16*>> w_rm(kCheck, std::vector<bf16*>(4));
@@ -1050,13 +1059,16 @@ int main(int argc, char** argv) {
     return std::string(buf);
   };
   // With the attention, qkv's "input" is the attention phase, its barrier and o's input.
-  std::vector<Config> traced = {MakeConfig<10, 16384, 8, true, true, 0, 0, 1>(),
-                                best,
-                                MakeConfig<10, 16384, 8, true, true, 0, 0, 1, true, 3>(),
-                                MakeConfig<10, 16384, 8, false, true, 0, 0, 1>(),
-                                MakeConfig<10, 16384, 8, true, true, 0, 2, 1>(),
-                                best_attn};
-  if (only_attention) traced = {best, best_attn};
+  std::vector<Config> traced = {best, best_attn};  // TP=2: these only
+#if LS_TP == 1
+  if (!only_attention)
+    traced = {MakeConfig<10, 16384, 8, true, true, 0, 0, 1>(),
+              best,
+              MakeConfig<10, 16384, 8, true, true, 0, 0, 1, true, 3>(),
+              MakeConfig<10, 16384, 8, false, true, 0, 0, 1>(),
+              MakeConfig<10, 16384, 8, true, true, 0, 2, 1>(),
+              best_attn};
+#endif
   const char* proj[] = {"qkv", "o", "gate_up", "down"};
   for (const Config& c : traced) {
     CK(cudaMemset(trace, 0, trace_words * 8));

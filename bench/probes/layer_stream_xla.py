@@ -6,9 +6,12 @@ layers with the decoder's own attention (models.attention.Attention: RoPE, the c
 place, the Pallas decode kernel over KV 1024 in the "bhsd" layout; layer_stream.cu's ATTN); and
 the step's head (the final norm, the logits over Llama-3's 128256 tokens, the argmax), which a
 whole-step kernel would leave to XLA. Device-bound: the chain is called back to back and waited
-for once (the cache donated from call to call).
+for once (the cache donated from call to call). --tp 2: one rank's shapes at TP=2 (half the
+heads, qkv, o's K, the MLP and the vocabulary), without the all-reduce (layer_stream.cu built
+with -DLS_TP=2).
 
     python -m bench.probes.layer_stream_xla            # one GPU (14 GB of weights)
+    python -m bench.probes.layer_stream_xla --tp 2     # TP=2's per-rank shapes
     python -m bench.probes.layer_stream_xla --quick    # CPU: shapes / 64, 2 layers
 """
 
@@ -47,15 +50,17 @@ def mlp(x, w, ffn: int):
 
 
 def layer(x, w, hidden: int, ffn: int):
-    """One layer without attention; q (the first `hidden` of qkv) stands in for its output."""
+    """One layer without attention; q (the first o-input columns of qkv) stands in for its
+    output."""
     qkv = rms_norm(x, w["attn_norm"]) @ w["qkv"]
-    return mlp(x + qkv[:, :hidden] @ w["o"], w, ffn)
+    return mlp(x + qkv[:, :w["o"].shape[0]] @ w["o"], w, ffn)
 
 
-def attention_config(div: int):
-    """What models.attention reads: Llama-8B's heads at TP=1 (div 1), or a small set (CPU)."""
-    heads, kv, d = (HEADS, KV_HEADS, HEAD_DIM) if div == 1 else (4, 2, 16)
-    return SimpleNamespace(hidden_size=heads * d, num_heads=heads, num_kv_heads=kv, head_dim=d,
+def attention_config(hidden: int, div: int, tp: int = 1):
+    """What models.attention reads: one rank's Llama-8B heads at tp (div 1), or a small set
+    (CPU)."""
+    heads, kv, d = (HEADS // tp, KV_HEADS // tp, HEAD_DIM) if div == 1 else (4 // tp, 2 // tp, 16)
+    return SimpleNamespace(hidden_size=hidden, num_heads=heads, num_kv_heads=kv, head_dim=d,
                            group_size=heads // kv, dtype="bfloat16", rope_theta=500000.0,
                            rope_scaling=None)
 
@@ -75,14 +80,17 @@ def head(x, norm, lm_head):
     return jnp.argmax(rms_norm(x, norm) @ lm_head, axis=-1)
 
 
-def make_weights(layers: int, hidden: int, qkv: int, ffn: int):
+def make_weights(layers: int, hidden: int, qkv: int, ffn: int, q: int | None = None):
+    """Random weights per layer; q: o's input width (the attention's output; hidden at TP=1)."""
+    q = hidden if q is None else q
+
     def u(key, shape, scale, offset=0.0):
         return (jax.random.uniform(key, shape, jnp.float32, -1, 1) * scale + offset
                 ).astype(jnp.bfloat16)
     out = []
     for i in range(layers):
         k = jax.random.split(jax.random.key(i), 6)
-        out.append({"qkv": u(k[0], (hidden, qkv), 0.03), "o": u(k[1], (hidden, hidden), 0.03),
+        out.append({"qkv": u(k[0], (hidden, qkv), 0.03), "o": u(k[1], (q, hidden), 0.03),
                     "gate_up": u(k[2], (hidden, 2 * ffn), 0.03),
                     "down": u(k[3], (ffn, hidden), 0.03),
                     "attn_norm": u(k[4], (hidden,), 0.2, 1.0),
@@ -91,9 +99,11 @@ def make_weights(layers: int, hidden: int, qkv: int, ffn: int):
 
 
 def main(argv=None) -> int:
-    layers, calls, div = chain_args("bench.probes.layer_stream_xla", __doc__, argv)
-    hidden, qkv, ffn = HIDDEN // div, QKV // div, FFN // div
-    ws = make_weights(layers, hidden, qkv, ffn)
+    layers, calls, div, tp = chain_args("bench.probes.layer_stream_xla", __doc__, argv, True)
+    hidden, qkv, ffn, q = HIDDEN // div, QKV // div // tp, FFN // div // tp, HIDDEN // div // tp
+    ws = make_weights(layers, hidden, qkv, ffn, q)
+    print(f"TP={tp}'s per-rank shapes: hidden {hidden}, qkv {qkv}, o {q} x {hidden}, gate_up "
+          f"{2 * ffn}, down {ffn}", flush=True)
     x = jax.random.uniform(jax.random.key(99), (1, hidden), jnp.float32, -1, 1).astype(jnp.bfloat16)
     total = sum(v.size * 2 for w in ws for k, v in w.items() if "norm" not in k)
 
@@ -105,7 +115,7 @@ def main(argv=None) -> int:
     def dots(ws, x):
         for w in ws:
             y = x @ w["qkv"]
-            y = y[:, :hidden] @ w["o"]
+            y = y[:, :q] @ w["o"]
             y = y @ w["gate_up"]
             x = y[:, :ffn] @ w["down"]
         return x
@@ -118,7 +128,7 @@ def main(argv=None) -> int:
         report(name, timeit(jax.jit(f), (ws, x), calls))
 
     # The layers with the decoder's attention; their own qkv and o weights (same shapes).
-    cfg = attention_config(div)
+    cfg = attention_config(hidden, div, tp)
     kv_len = KV_LEN if div == 1 else 64
     graphdef, state = nnx.split(nnx.List([Attention(cfg, rngs=nnx.Rngs(i)) for i in range(layers)]))
     cache = jax.random.uniform(jax.random.key(7), (layers, 2, 1, cfg.num_kv_heads, kv_len,
@@ -141,7 +151,7 @@ def main(argv=None) -> int:
         ts.append((time.perf_counter() - t0) / calls)
     report("layers with the decoder's attention (Pallas, KV %d)" % kv_len, float(np.median(ts)))
 
-    vocab = VOCAB if div == 1 else 512
+    vocab = (VOCAB if div == 1 else 512) // tp
     lm_head = (jax.random.normal(jax.random.key(5), (hidden, vocab), jnp.float32) * 0.02
                ).astype(jnp.bfloat16)
     t = timeit(jax.jit(head), (x, ws[-1]["mlp_norm"], lm_head), calls)
