@@ -1,15 +1,17 @@
 // The attention of one decode step as a phase of layer_stream.cu's persistent kernel (ATTN):
-// between qkv's grid barrier and o's, with no launch of its own. Llama-8B's TP=1 shapes: 8 KV
-// heads of 4 query heads, head_dim 128, the cache [layers][2][kv heads][kCap][128] ("bhsd", as
-// the decoder's Pallas path keeps it), keys 0..pos seen, the new key and value in slot pos.
+// between qkv's grid barrier and o's, with no launch of its own. One rank's Llama-8B shapes at
+// LS_TP: 8 / LS_TP KV heads of 4 query heads, head_dim 128, the cache
+// [layers][2][kv heads][kCap][128] ("bhsd", as the decoder's Pallas path keeps it), keys
+// 0..pos seen, the new key and value in slot pos.
 //
 // Work: block b < kKv * kSplits takes KV head b / kSplits and the chunk of kChunk keys
 // b % kSplits (flash-decoding's split-K); the other blocks only pass the barriers.
 //   - The chunk's keys and values (16 KiB each, contiguous: ChunkSrc) travel through the
-//     block's weight ring as two more chunks right after its share of qkv's weights: the cache's
-//     old slots do not depend on this step, so the producer loads them ahead like any weight.
-//   - Phase, after qkv's barrier: the head's q, k, v from qkv's two partial halves (bf16, as the dot
-//     returns them), the rotary embedding (float32, to bf16, as models/attention.apply_rope),
+//     block's weight ring as two more chunks right after its share of qkv's weights: the
+//     cache's old slots do not depend on this step, so the producer loads them ahead like any
+//     weight.
+//   - Phase, after qkv's barrier: the head's q, k, v from qkv's two partial halves (bf16, as
+//     the dot returns them), the rotary embedding (float32, to bf16, as models/attention's),
 //     the new key and value written to slot pos (by the block whose chunk holds it, which uses
 //     them in place of the slot's stale contents), the scores, the chunk's softmax (its max m
 //     and sum l), its unnormalised output to `part`; then an acq_rel count per KV head, and the
@@ -36,8 +38,8 @@ constexpr int kPartStride = kGroup * kD + 2 * kGroup;  // one chunk's o [4][128]
 constexpr int kThreads = 256;
 // Scratch floats the phase takes from the block's shared memory (layer_stream's xs).
 constexpr int kQPad = 36;  // a query quarter's 32 floats + 4: the 4 quarters in distinct banks
-constexpr int kScratch = kPerHead + kD + kGroup * 4 * kQPad + 2 * kD + kGroup * kChunk + 2 * kGroup +
-                         8 * 16 * 32;
+constexpr int kScratch =
+    kPerHead + kD + kGroup * 4 * kQPad + 2 * kD + kGroup * kChunk + 2 * kGroup + 8 * 16 * 32;
 
 struct Args {
   bf16* cache;            // [layers][2][kKv][kCap][kD]
@@ -244,13 +246,13 @@ __device__ void Phase(const Args& A, int layer, int b, int t, const uint4* kc, c
   static_assert(kSplits * 2 * kGroup <= kThreads, "one (m or l) per thread");
   // Every load in one round: each thread's outputs from the kSplits chunks, and one chunk's m
   // or l per thread (to shared memory, `sc`, for all).
-  float o[kOuts][kSplits], ml_one = 0.f;
+  float o[kOuts][kSplits];
 #pragma unroll
   for (int u = 0; u < kOuts; ++u)
 #pragma unroll
     for (int k = 0; k < kSplits; ++k) o[u][k] = __ldcg(all + k * kPartStride + t + u * kThreads);
-  if (t < kSplits * 2 * kGroup) ml_one = __ldcg(all + (t / (2 * kGroup)) * kPartStride + kGroup * kD + t % (2 * kGroup));
-  if (t < kSplits * 2 * kGroup) sc[t] = ml_one;  // [chunk][m 4, l 4]
+  if (t < kSplits * 2 * kGroup)  // sc: [chunk][m 4, l 4]
+    sc[t] = __ldcg(all + (t / (2 * kGroup)) * kPartStride + kGroup * kD + t % (2 * kGroup));
   sync();
 #pragma unroll
   for (int u = 0; u < kOuts; ++u) {
@@ -277,8 +279,8 @@ inline float HostBf16(double v) { return __bfloat162float(__float2bfloat16_rn((f
 
 // The attention output [kKv * kGroup * kD] of one layer from its qkv (unrounded dot results),
 // the layer's old cache slots (keys, then values: [2][kKv][kCap][kD], slots < pos used) and the
-// step's rotary cos and sin (Args::rot); new_kv (out): the rotated new key and the value [kKv][2][kD], as the
-// kernel writes them to slot pos.
+// step's rotary cos and sin (Args::rot); new_kv (out): the rotated new key and the value
+// [kKv][2][kD], as the kernel writes them to slot pos.
 inline std::vector<float> Reference(const std::vector<double>& qkv, const std::vector<bf16>& cache,
                                     const std::vector<float>& rot, int pos,
                                     std::vector<float>& new_kv) {
