@@ -45,9 +45,9 @@
 // launch per layer: 114.2; two per layer: 119.1 (slower than XLA). With the attention inside:
 // 115.7-116.0 against 125.2 for XLA's layers with the decoder's attention (same call).
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a bench/probes/layer_stream.cu -o /tmp/layer_stream
-//   /tmp/layer_stream                 # one H100/H200 (~15 GB, ~20 s): every variant
-//   /tmp/layer_stream --attention     # the best configuration without and with the attention
+//   nvcc -O3 -std=c++17 -arch=sm_90a bench/probes/layer_stream.cu -o /tmp/ls
+//   /tmp/ls                 # one H200 (~15 GB, ~20 s): every variant
+//   /tmp/ls --attention     # the best configuration without and with the attention
 //   bash bench/probes/sanitize_layer_stream.sh   # --sanitize under compute-sanitizer
 //   python -m bench.probes.layer_stream_xla
 #include <cuda_bf16.h>
