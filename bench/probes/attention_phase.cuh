@@ -4,7 +4,7 @@
 // [layers][2][kv heads][kCap][128] ("bhsd", as the decoder's Pallas path keeps it), keys
 // 0..pos seen, the new key and value in slot pos.
 //
-// Work: block b < kKv * kSplits takes KV head b / kSplits and the chunk of kChunk keys
+// Work: block b < kBlocks = kKv * kSplits takes KV head b / kSplits and the chunk of kChunk keys
 // b % kSplits (flash-decoding's split-K); the other blocks only pass the barriers.
 //   - The chunk's keys and values (16 KiB each, contiguous: ChunkSrc) travel through the
 //     block's weight ring as two more chunks right after its share of qkv's weights: the
@@ -24,6 +24,8 @@
 #include <cmath>
 #include <vector>
 
+#include "probe_util.cuh"
+
 #ifndef LS_TP
 #define LS_TP 1  // tensor parallelism whose per-rank shapes the probe runs (1 or 2)
 #endif
@@ -32,6 +34,7 @@ namespace attn {
 
 constexpr int kKv = 8 / LS_TP, kGroup = 4, kD = 128;  // one rank's KV heads
 constexpr int kSplits = 16, kChunk = 64;  // 8 x 16 = 128 working blocks of 132 (TP=2: 64)
+constexpr int kBlocks = kKv * kSplits;     // the blocks with a chunk: b < kBlocks
 constexpr int kCap = kSplits * kChunk;     // cache slots per head (KV 1024)
 constexpr int kPerHead = (kGroup + 2) * kD;  // a KV head's qkv columns: its 4 q heads, k, v
 constexpr int kPartStride = kGroup * kD + 2 * kGroup;  // one chunk's o [4][128], m [4], l [4]
@@ -46,12 +49,13 @@ struct Args {
   const float* rot;       // [2][kD / 2] this step's rotary cos, then sin (the caller computes
                           // them once per step, as models.attention.rope_cos_sin)
   int pos;                // this token's slot (< kCap): slots 0..pos are seen
-  float* part;            // [kKv * kSplits][kPartStride]
+  float* part;            // [kBlocks][kPartStride]
   bf16* out;              // [kKv * kGroup * kD] the attention's output (o's input)
   unsigned* head_count;   // [kKv] chunks finished per head, counted over the launch
 };
 
-__device__ __forceinline__ bf16* Slot(const Args& A, int layer, int kv, int h, int s) {
+// Slot s of head h's keys (kv 0) or values (kv 1) of a layer (the host uses it for its checks).
+__host__ __device__ __forceinline__ bf16* Slot(const Args& A, int layer, int kv, int h, int s) {
   return A.cache + ((((size_t)layer * 2 + kv) * kKv + h) * kCap + s) * kD;
 }
 
@@ -60,8 +64,6 @@ __device__ __forceinline__ const uint4* ChunkSrc(const Args& A, int layer, int k
   return reinterpret_cast<const uint4*>(Slot(A, layer, kv, b / kSplits, (b % kSplits) * kChunk));
 }
 constexpr int kChunkBytes = kChunk * kD * 2;
-
-__device__ __forceinline__ float Bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // kc, vc: the chunk's keys and values (ring stages, slots as in the cache: those after pos and
 // slot pos itself stale); release() once both are read. qkv_part: qkv's two partial halves (the
@@ -73,7 +75,7 @@ template <class Sync, class Release, class Mark>
 __device__ void Phase(const Args& A, int layer, int b, int t, const uint4* kc, const uint4* vc,
                       const float* qkv_part, size_t half, float* s, Sync sync, Release release,
                       Mark mark) {
-  if (b >= kKv * kSplits) return;
+  if (b >= kBlocks) return;
   const int h = b / kSplits, ci = b % kSplits, s0 = ci * kChunk;
   const int lane = t % 32, w = t / 32;
   float* raw = s;                         // [kPerHead] q0..q3, k, v as bf16 values
@@ -96,8 +98,8 @@ __device__ void Phase(const Args& A, int layer, int b, int t, const uint4* kc, c
   const float4* p1 = reinterpret_cast<const float4*>(qkv_part + half + (size_t)h * kPerHead);
   if (t < kPerHead / 4) {
     const float4 a = __ldcg(p0 + t), d = __ldcg(p1 + t);
-    raw[4 * t] = Bf16(a.x + d.x), raw[4 * t + 1] = Bf16(a.y + d.y);
-    raw[4 * t + 2] = Bf16(a.z + d.z), raw[4 * t + 3] = Bf16(a.w + d.w);
+    raw[4 * t] = Bf(a.x + d.x), raw[4 * t + 1] = Bf(a.y + d.y);
+    raw[4 * t + 2] = Bf(a.z + d.z), raw[4 * t + 3] = Bf(a.w + d.w);
   }
   sync();
   mark(0);
@@ -106,7 +108,7 @@ __device__ void Phase(const Args& A, int layer, int b, int t, const uint4* kc, c
     const int g = x / (kD / 2), d = x % (kD / 2);
     const float cs = rot[d], sn = rot[kD / 2 + d];
     const float x1 = raw[g * kD + d], x2 = raw[g * kD + d + kD / 2];
-    const float lo = Bf16(x1 * cs - x2 * sn), hi = Bf16(x2 * cs + x1 * sn);
+    const float lo = Bf(x1 * cs - x2 * sn), hi = Bf(x2 * cs + x1 * sn);
     if (g < kGroup) {
       qs[g * 4 * kQPad + (d / 32) * kQPad + d % 32] = lo;
       qs[g * 4 * kQPad + (d / 32 + 2) * kQPad + d % 32] = hi;
@@ -275,8 +277,6 @@ __device__ void Phase(const Args& A, int layer, int b, int t, const uint4* kc, c
 
 // ---- the host's reference (double, the kernel's bf16 roundings) ----------------------------------
 
-inline float HostBf16(double v) { return __bfloat162float(__float2bfloat16_rn((float)v)); }
-
 // The attention output [kKv * kGroup * kD] of one layer from its qkv (unrounded dot results),
 // the layer's old cache slots (keys, then values: [2][kKv][kCap][kD], slots < pos used) and the
 // step's rotary cos and sin (Args::rot); new_kv (out): the rotated new key and the value
@@ -289,9 +289,9 @@ inline std::vector<float> Reference(const std::vector<double>& qkv, const std::v
   auto rope = [&](const double* x, float* y) {  // x: kD unrounded values
     for (int d = 0; d < kD / 2; ++d) {
       const double cs = rot[d], sn = rot[kD / 2 + d];
-      const double x1 = HostBf16(x[d]), x2 = HostBf16(x[d + kD / 2]);
-      y[d] = HostBf16(x1 * cs - x2 * sn);
-      y[d + kD / 2] = HostBf16(x2 * cs + x1 * sn);
+      const double x1 = Bf(x[d]), x2 = Bf(x[d + kD / 2]);
+      y[d] = Bf(x1 * cs - x2 * sn);
+      y[d + kD / 2] = Bf(x2 * cs + x1 * sn);
     }
   };
   for (int h = 0; h < kKv; ++h) {
@@ -299,7 +299,7 @@ inline std::vector<float> Reference(const std::vector<double>& qkv, const std::v
     float* kn = &new_kv[(size_t)h * 2 * kD];
     float* vn = kn + kD;
     rope(base + kGroup * kD, kn);
-    for (int d = 0; d < kD; ++d) vn[d] = HostBf16(base[(kGroup + 1) * kD + d]);
+    for (int d = 0; d < kD; ++d) vn[d] = Bf(base[(kGroup + 1) * kD + d]);
     auto key = [&](int s, int d) {
       return s == pos ? kn[d] : __bfloat162float(cache[(((size_t)0 * kKv + h) * kCap + s) * kD + d]);
     };
@@ -322,7 +322,7 @@ inline std::vector<float> Reference(const std::vector<double>& qkv, const std::v
       for (int d = 0; d < kD; ++d) {
         double num = 0;
         for (int s = 0; s <= pos; ++s) num += p[s] * val(s, d);
-        out[((size_t)h * kGroup + g) * kD + d] = HostBf16(num / den);
+        out[((size_t)h * kGroup + g) * kD + d] = Bf(num / den);
       }
     }
   }

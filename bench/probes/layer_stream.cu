@@ -147,7 +147,6 @@ __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
 __device__ __forceinline__ void NamedSync(int threads) {
   asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
 }
-__device__ __forceinline__ float Bf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // Every block's writes before it are visible to every block after it (gpu-scope release by
 // one thread after a CTA barrier, acquire before the next: cumulative through bar.sync).
@@ -240,7 +239,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
     };
     auto normalize = [&](Cursor& c) {  // past an empty or finished range: the next projection
       while (c.i < i1 && c.q >= c.q1) {
-        if (ATTN && c.i % 4 == 0 && c.kv < 2 && b < attn::kKv * attn::kSplits) {
+        if (ATTN && c.i % 4 == 0 && c.kv < 2 && b < attn::kBlocks) {
           c.src = attn::ChunkSrc(P.attn, c.i / 4, c.kv++, b);  // one more chunk of the ring
           c.q1 = c.q + 1;
           break;
@@ -527,7 +526,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
       // its keys and values: ring stages n and n + 1 (blocks with a chunk)
       const uint32_t s0 = n % STAGES, s1 = (n + 1) % STAGES;
       unsigned long long* at = tr ? P.trace + (size_t)nb * 40 + (size_t)b * 12 : nullptr;
-      if (b < attn::kKv * attn::kSplits) {
+      if (b < attn::kBlocks) {
         MbarWait(Smem(&full[s0]), (n / STAGES) & 1);
         MbarWait(Smem(&full[s1]), ((n + 1) / STAGES) & 1);
       }
@@ -539,7 +538,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1) LayerStream(Params P) {
                     release_stage(s1);
                   },
                   [&](int k) { Stamp(at ? at + 2 * k : nullptr); });
-      if (b < attn::kKv * attn::kSplits) n += 2;
+      if (b < attn::kBlocks) n += 2;
       GridSync<SYNC == 0>(P.counter, P.base + (++syncs) * nb, CT);
       Stamp(at ? at + 8 : nullptr);
       for (int v = t; v < kQ / 8; v += CT)
@@ -694,8 +693,6 @@ __global__ void RefDot(const bf16* x, const bf16* w, double* y, int K, int N) {
   y[n] = s;
 }
 
-static float Bfh(double v) { return __bfloat162float(__float2bfloat16_rn((float)v)); }
-
 // The same layers on the host, float64 dots on the GPU (row-major weights). attend (ATTN): o's
 // input from the layer's unrounded qkv; without it, q.
 using Attend = std::function<std::vector<float>(int layer, const std::vector<double>& qkv)>;
@@ -722,24 +719,24 @@ static std::vector<float> Reference(const std::vector<std::vector<bf16*>>& w_rm,
     for (float v : r) ss += (double)v * v;
     const double inv = 1.0 / std::sqrt(ss / kHidden + kEps);
     std::vector<float> o(kHidden);
-    for (int j = 0; j < kHidden; ++j) o[j] = Bfh(Bfh(r[j] * inv) * __bfloat162float(scale[j]));
+    for (int j = 0; j < kHidden; ++j) o[j] = Bf(Bf(r[j] * inv) * __bfloat162float(scale[j]));
     return o;
   };
   std::vector<float> resid = x0;
   for (int l = 0; l < layers; ++l) {
     auto qkv = dot(rms(resid, &norm_h[(size_t)l * 2 * kHidden]), l, 0);
     std::vector<float> q(kQ);
-    for (int j = 0; j < kQ; ++j) q[j] = Bfh(qkv[j]);
+    for (int j = 0; j < kQ; ++j) q[j] = Bf(qkv[j]);
     auto o = dot(attend ? attend(l, qkv) : q, l, 1);
-    for (int j = 0; j < kHidden; ++j) resid[j] = Bfh(resid[j] + Bfh(o[j]));
+    for (int j = 0; j < kHidden; ++j) resid[j] = Bf(resid[j] + Bf(o[j]));
     auto gu = dot(rms(resid, &norm_h[((size_t)l * 2 + 1) * kHidden]), l, 2);
     std::vector<float> a(kFfn);
     for (int j = 0; j < kFfn; ++j) {
-      const double g = Bfh(gu[j]);
-      a[j] = Bfh(g / (1.0 + std::exp(-g)) * Bfh(gu[kFfn + j]));
+      const double g = Bf(gu[j]);
+      a[j] = Bf(g / (1.0 + std::exp(-g)) * Bf(gu[kFfn + j]));
     }
     auto d = dot(a, l, 3);
-    for (int j = 0; j < kHidden; ++j) resid[j] = Bfh(resid[j] + Bfh(d[j]));
+    for (int j = 0; j < kHidden; ++j) resid[j] = Bf(resid[j] + Bf(d[j]));
   }
   CK(cudaFree(xd));
   CK(cudaFree(yd));
@@ -845,8 +842,8 @@ int main(int argc, char** argv) {
   };
 #endif
   if (sanitize) cfgs = {best_attn};
-  if (nb < attn::kKv * attn::kSplits) {  // a head's chunks would be counted across layers
-    printf("the attention phase needs %d blocks, this GPU runs %d\n", attn::kKv * attn::kSplits, nb);
+  if (nb < attn::kBlocks) {  // a head's chunks would be counted across layers
+    printf("the attention phase needs %d blocks, this GPU runs %d\n", attn::kBlocks, nb);
     return 1;
   }
   // Weights: row-major for the reference (the first kCheck layers), tiled for the kernel.
@@ -899,8 +896,12 @@ int main(int argc, char** argv) {
   std::vector<float> x0(kHidden);
   for (int j = 0; j < kHidden; ++j) x0[j] = __bfloat162float(xh[j]);
   const std::vector<float> ref = Reference(w_rm, norm, x0, kCheck);
-  double scale = 0;
-  for (float v : ref) scale = std::max(scale, (double)std::fabs(v));
+  auto max_abs = [](const std::vector<float>& v) {
+    double m = 0;
+    for (float x : v) m = std::max(m, (double)std::fabs(x));
+    return m;
+  };
+  const double scale = max_abs(ref);
 
   // ATTN: the cache (random old slots), the step's rotary cos and sin (theta 500000), the new
   // token in slot pos (--pos; the last by default: KV 1024); the reference with the attention,
@@ -923,7 +924,7 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&rot_dev, kD * 4));
   CK(cudaMemcpy(rot_dev, rot.data(), kD * 4, cudaMemcpyHostToDevice));
   aa.rot = rot_dev;
-  CK(cudaMalloc(&aa.part, (size_t)kKv * attn::kSplits * attn::kPartStride * 4));
+  CK(cudaMalloc(&aa.part, (size_t)attn::kBlocks * attn::kPartStride * 4));
   CK(cudaMalloc(&aa.out, kHidden * 2));
   aa.head_count = counter + 32;
   CK(cudaDeviceSynchronize());
@@ -935,15 +936,13 @@ int main(int argc, char** argv) {
       Reference(w_rm, norm, x0, kCheck, [&](int l, const std::vector<double>& qkv) {
         return attn_ref[l] = attn::Reference(qkv, cache_h[l], rot, aa.pos, new_kv[l]);
       });
-  double scale_attn = 0;
-  for (float v : ref_attn) scale_attn = std::max(scale_attn, (double)std::fabs(v));
+  const double scale_attn = max_abs(ref_attn);
   auto poison_new_slots = [&](cudaStream_t st) {
     for (int l = 0; l < kCheck; ++l)
       for (int kv = 0; kv < 2; ++kv)
         for (int h = 0; h < kKv; ++h)
-          CK(cudaMemsetAsync(aa.cache + l * layer_cache + (((size_t)kv * kKv + h) * kCap + aa.pos) * kD,
-                             0xff, kD * 2, st));
-    CK(cudaMemsetAsync(aa.part, 0xff, (size_t)kKv * attn::kSplits * attn::kPartStride * 4, st));
+          CK(cudaMemsetAsync(attn::Slot(aa, l, kv, h, aa.pos), 0xff, kD * 2, st));
+    CK(cudaMemsetAsync(aa.part, 0xff, (size_t)attn::kBlocks * attn::kPartStride * 4, st));
     CK(cudaMemsetAsync(aa.out, 0xff, kHidden * 2, st));
   };
   // The checked layers' slot pos against the reference, in bf16 ulps of the largest value of its
@@ -969,8 +968,7 @@ int main(int argc, char** argv) {
     for (int l = 0; l < kCheck; ++l)
       for (int kv = 0; kv < 2; ++kv)
         for (int h = 0; h < kKv; ++h) {
-          CK(cudaMemcpy(got.data(), aa.cache + l * layer_cache + (((size_t)kv * kKv + h) * kCap + aa.pos) * kD,
-                        kD * 2, cudaMemcpyDeviceToHost));
+          CK(cudaMemcpy(got.data(), attn::Slot(aa, l, kv, h, aa.pos), kD * 2, cudaMemcpyDeviceToHost));
           e = std::max(e, ulps_of_top(&new_kv[l][((size_t)h * 2 + kv) * kD], got.data(), kD));
         }
     return e;
@@ -1140,7 +1138,7 @@ int main(int argc, char** argv) {
     }
     if (c.attn) {  // the attention phase of blocks with a chunk, in cycles of each block
       std::vector<double> rd, sm, pv, ct, mg, wt, in;
-      for (int blk = 0; blk < attn::kKv * attn::kSplits; ++blk) {
+      for (int blk = 0; blk < attn::kBlocks; ++blk) {
         auto pt = [&](int k) { return (double)h[(size_t)nb * 40 + (size_t)blk * 12 + 2 * k + 1]; };
         const double entry = (double)h[((size_t)blk * 4) * 10 + 3 * 2 + 1];
         const double input = (double)h[((size_t)blk * 4) * 10 + 4 * 2 + 1];
@@ -1155,7 +1153,7 @@ int main(int argc, char** argv) {
       printf("  attention phase, us median/max over its %d blocks: q/k/v read %s, rotation + "
              "scores + softmax %s, values + the chunk's result %s, the count %s, the merge %s "
              "(%zu blocks), to the barrier's release %s, o's input %s\n",
-             attn::kKv * attn::kSplits, stat(rd).c_str(), stat(sm).c_str(), stat(pv).c_str(), stat(ct).c_str(),
+             attn::kBlocks, stat(rd).c_str(), stat(sm).c_str(), stat(pv).c_str(), stat(ct).c_str(),
              mg.empty() ? "-" : stat(mg).c_str(), mg.size(), stat(wt).c_str(), stat(in).c_str());
     }
     fflush(stdout);

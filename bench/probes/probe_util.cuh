@@ -1,5 +1,5 @@
-// What the standalone CUDA probes share: a checked CUDA call, a deterministic random fill and
-// event timing.
+// What the standalone CUDA probes share: bf16 rounding, a checked CUDA call, a deterministic
+// random fill and event timing.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -11,6 +11,10 @@
 #include <vector>
 
 using bf16 = __nv_bfloat16;
+
+// v rounded to bf16, where the decoder's bf16 activations round (a double goes through float,
+// as the host references do).
+__host__ __device__ inline float Bf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // Any failed CUDA call ends the probe with its name and place.
 #define CK(x)                                                                                 \
