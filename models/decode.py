@@ -77,6 +77,12 @@ MIN_BUCKET = 64  # smallest attention bucket and smallest cache (positions)
 MIN_PROMPT_BUCKET = 16  # shortest padded prompt
 LOOPS = ("sync", "stream", "pipelined", "on_device")
 ON_DEVICE_CHUNK = 16  # tokens per dispatch of the on_device loop
+
+
+def cache_reserve(max_new_tokens: int, loop: str, chunk: int = ON_DEVICE_CHUNK) -> int:
+    """Cache positions a request of max_new_tokens needs after its prompt under `loop` (the
+    on_device loop's last chunk may run past max_new_tokens)."""
+    return max_new_tokens + (chunk if loop == "on_device" else 0)
 SIFAR_KINDS = ("sifar", "sifar_buffers")  # all-reduce kinds that run sifar_jax (and call init)
 MAX_STOP_IDS = 8  # stop ids a request may give (Llama 3 instruct has 3): a fixed-size operand
 
@@ -829,9 +835,8 @@ class Decoder:
                early_exit: bool = False) -> Iterator[np.ndarray]:
         """Prefill `prompt`, then yield up to max_new_tokens new tokens ([B] each) as they are
         ready, while the next steps already run (see decode)."""
-        extra = chunk if loop == "on_device" else 0  # a last chunk may run past max_new_tokens
         self.start(prompt, eos_id, temperature=temperature, top_p=top_p, seed=seed,
-                   reserve=max_new_tokens + extra)
+                   reserve=cache_reserve(max_new_tokens, loop, chunk))
         yield from self.decode(max_new_tokens, loop=loop, eos_id=eos_id, in_flight=in_flight,
                                chunk=chunk, early_exit=early_exit)
 

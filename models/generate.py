@@ -253,7 +253,8 @@ def _run(args, sifar_why, started: float) -> int:
 
     from . import compile_cache, footprint
     from .sampling import Sampling
-    from .decode import ON_DEVICE_CHUNK, Decoder, bucket_up, make_mesh, prompt_bucket
+    from .decode import (ON_DEVICE_CHUNK, Decoder, bucket_up, cache_reserve, make_mesh,
+                         prompt_bucket)
 
     if len(jax.devices()) < args.tp:
         raise UserError(f"--tp {args.tp} but only {len(jax.devices())} {jax.default_backend()} "
@@ -326,7 +327,7 @@ def _run(args, sifar_why, started: float) -> int:
     if stops:
         print("stop ids:", " ".join(map(str, stops)))
     text = tok is not None and not args.show_ids
-    ttft = _time_to_first_token(dec, prompt, kw)
+    ttft = _time_to_first_token(dec, prompt, kw, args.tokens)
     print(f"process start to first token: {time.perf_counter() - started - weights_s:.1f} s "
           f"(+ {weights_s:.1f} s making or loading the weights)")
     if text:
@@ -336,9 +337,16 @@ def _run(args, sifar_why, started: float) -> int:
     else:
         print("prompt:", " ".join(map(str, prompt)))
         print("tokens:", end=" ", flush=True)
+    # The request as Decoder.stream runs it, but with its first token read before any step is
+    # dispatched: the time per output token counts from this request's own first token. (It
+    # once subtracted the median time to first token of other requests, and went negative on
+    # 2 busy cores when those were slower than this whole request.)
+    loop = kw.pop("loop")
+    dec.start(prompt, reserve=cache_reserve(args.tokens, loop), **kw)
+    dec.token()
+    first_token_at = time.perf_counter()
     stamps = []
-    t0 = time.perf_counter()
-    for ids in dec.stream(prompt, args.tokens, **kw):
+    for ids in dec.decode(args.tokens, loop=loop, eos_id=kw["eos_id"]):
         stamps.append(time.perf_counter())
         piece = stream.push(int(ids[0])) if text else f"{int(ids[0])} "
         print(piece, end="", flush=True)
@@ -347,36 +355,39 @@ def _run(args, sifar_why, started: float) -> int:
         print(TEXT_RULE)
     else:
         print()
-    _report_times(ttft, t0, stamps, prompt.size, args.loop, dec.prefill_allreduce(prompt.size))
+    _report_times(ttft, first_token_at, stamps, prompt.size, loop,
+                  dec.prefill_allreduce(prompt.size))
     return 0
 
 
 TTFT_REQUESTS = 3  # the time to first token is the median of this many requests
 
 
-def _time_to_first_token(dec, prompt, kw) -> float:
+def _time_to_first_token(dec, prompt, kw, tokens: int) -> float:
     """Seconds from the request to its first token on the host: the prefill and the first
     sampled token (the same for every loop: they differ only after it); the median of
-    TTFT_REQUESTS requests, since the time per output token subtracts it from a whole decode
-    (one request on 2 busy cores once took 17 ms where the others took 4-6, longer than the
-    tiny model's 11-token decode)."""
+    TTFT_REQUESTS requests of the same cache size, since one request on 2 busy cores once
+    took 17 ms where the others took 4-6."""
     import statistics
+
+    from .decode import cache_reserve
 
     times = []
     for _ in range(TTFT_REQUESTS):
         t0 = time.perf_counter()
         dec.start(prompt, kw["eos_id"], temperature=kw["temperature"], top_p=kw["top_p"],
-                  seed=kw["seed"])
+                  seed=kw["seed"], reserve=cache_reserve(tokens, kw["loop"]))
         dec.token()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def _report_times(ttft: float, t0: float, stamps: list, prompt_len: int, loop: str,
+def _report_times(ttft: float, first_token_at: float, stamps: list, prompt_len: int, loop: str,
                   prefill_allreduce: str) -> None:
     """The time to first token, and the time per output token: the whole decode after the
-    first token divided by the tokens after it (true for every loop: pipelined and on_device
-    deliver their tokens late or a chunk at a time, so the gaps between them say nothing)."""
+    request's first token reached the host (first_token_at) divided by the tokens after it
+    (true for every loop: pipelined and on_device deliver their tokens late or a chunk at a
+    time, so the gaps between them say nothing)."""
     import statistics
 
     from .decode import prompt_bucket
@@ -388,7 +399,7 @@ def _report_times(ttft: float, t0: float, stamps: list, prompt_len: int, loop: s
     n = len(stamps) - 1
     if n < 1:
         return
-    per_token = (stamps[-1] - t0 - ttft) / n
+    per_token = (stamps[-1] - first_token_at) / n
     line = f"time per output token: {per_token * 1e3:.3f} ms over {n} tokens"
     if loop in ("sync", "stream"):  # the gaps are the tokens' own times
         gaps = [b - a for a, b in zip(stamps, stamps[1:])]
