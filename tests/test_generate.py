@@ -153,6 +153,17 @@ def test_every_loop_prints_its_tokens_once_and_a_true_time_per_token(capsys, loo
     assert float(tpot[0].split()[4]) > 0.05, tpot[0]
 
 
+def test_the_time_per_output_token_does_not_depend_on_other_requests(capsys, monkeypatch):
+    """The time per output token is this request's own (its first token to its last): it once
+    subtracted the median time to first token of other requests, and went negative on CI's busy
+    cores when those were slower than this whole request. Here they take 10 s."""
+    monkeypatch.setattr(generate, "_time_to_first_token", lambda *args: 10.0)
+    assert generate.main(["--tp", "2", "--tokens", "12", "--loop", "pipelined", "--seed", "3"]) == 0
+    tpot = [ln for ln in capsys.readouterr().out.splitlines()
+            if ln.startswith("time per output token:")]
+    assert len(tpot) == 1 and 0.05 < float(tpot[0].split()[4]) < 1000, tpot[0]
+
+
 # ---- the persistent compilation cache ---------------------------------------------------------------
 
 def test_the_cache_directory_and_the_switches(monkeypatch, tmp_path):
