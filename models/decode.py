@@ -77,14 +77,14 @@ MIN_BUCKET = 64  # smallest attention bucket and smallest cache (positions)
 MIN_PROMPT_BUCKET = 16  # shortest padded prompt
 LOOPS = ("sync", "stream", "pipelined", "on_device")
 ON_DEVICE_CHUNK = 16  # tokens per dispatch of the on_device loop
+SIFAR_KINDS = ("sifar", "sifar_buffers")  # all-reduce kinds that run sifar_jax (and call init)
+MAX_STOP_IDS = 8  # stop ids a request may give (Llama 3 instruct has 3): a fixed-size operand
 
 
 def cache_reserve(max_new_tokens: int, loop: str, chunk: int = ON_DEVICE_CHUNK) -> int:
     """Cache positions a request of max_new_tokens needs after its prompt under `loop` (the
     on_device loop's last chunk may run past max_new_tokens)."""
     return max_new_tokens + (chunk if loop == "on_device" else 0)
-SIFAR_KINDS = ("sifar", "sifar_buffers")  # all-reduce kinds that run sifar_jax (and call init)
-MAX_STOP_IDS = 8  # stop ids a request may give (Llama 3 instruct has 3): a fixed-size operand
 
 
 def make_mesh(tp: int, axis_name: str = "tp", devices: Optional[Sequence] = None) -> Mesh:

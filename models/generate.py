@@ -297,8 +297,9 @@ def _run(args, sifar_why, started: float) -> int:
                       max_seq_len=args.max_seq_len)
     except (ValueError, NotImplementedError) as e:
         raise UserError(str(e)) from None
-    kw = dict(eos_id=stops, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-              loop=args.loop)
+    # A request's start (Decoder.start): its stop ids, sampling, seed and cache positions.
+    request = dict(eos_id=stops, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                   reserve=cache_reserve(args.tokens, args.loop))
 
     warmup = None
     if args.warmup:
@@ -327,7 +328,7 @@ def _run(args, sifar_why, started: float) -> int:
     if stops:
         print("stop ids:", " ".join(map(str, stops)))
     text = tok is not None and not args.show_ids
-    ttft = _time_to_first_token(dec, prompt, kw, args.tokens)
+    ttft = _time_to_first_token(dec, prompt, request)
     print(f"process start to first token: {time.perf_counter() - started - weights_s:.1f} s "
           f"(+ {weights_s:.1f} s making or loading the weights)")
     if text:
@@ -341,12 +342,11 @@ def _run(args, sifar_why, started: float) -> int:
     # dispatched: the time per output token counts from this request's own first token. (It
     # once subtracted the median time to first token of other requests, and went negative on
     # 2 busy cores when those were slower than this whole request.)
-    loop = kw.pop("loop")
-    dec.start(prompt, reserve=cache_reserve(args.tokens, loop), **kw)
+    dec.start(prompt, **request)
     dec.token()
     first_token_at = time.perf_counter()
     stamps = []
-    for ids in dec.decode(args.tokens, loop=loop, eos_id=kw["eos_id"]):
+    for ids in dec.decode(args.tokens, loop=args.loop, eos_id=stops):
         stamps.append(time.perf_counter())
         piece = stream.push(int(ids[0])) if text else f"{int(ids[0])} "
         print(piece, end="", flush=True)
@@ -355,7 +355,7 @@ def _run(args, sifar_why, started: float) -> int:
         print(TEXT_RULE)
     else:
         print()
-    _report_times(ttft, first_token_at, stamps, prompt.size, loop,
+    _report_times(ttft, first_token_at, stamps, prompt.size, args.loop,
                   dec.prefill_allreduce(prompt.size))
     return 0
 
@@ -363,20 +363,17 @@ def _run(args, sifar_why, started: float) -> int:
 TTFT_REQUESTS = 3  # the time to first token is the median of this many requests
 
 
-def _time_to_first_token(dec, prompt, kw, tokens: int) -> float:
+def _time_to_first_token(dec, prompt, request: dict) -> float:
     """Seconds from the request to its first token on the host: the prefill and the first
     sampled token (the same for every loop: they differ only after it); the median of
     TTFT_REQUESTS requests of the same cache size, since one request on 2 busy cores once
     took 17 ms where the others took 4-6."""
     import statistics
 
-    from .decode import cache_reserve
-
     times = []
     for _ in range(TTFT_REQUESTS):
         t0 = time.perf_counter()
-        dec.start(prompt, kw["eos_id"], temperature=kw["temperature"], top_p=kw["top_p"],
-                  seed=kw["seed"], reserve=cache_reserve(tokens, kw["loop"]))
+        dec.start(prompt, **request)
         dec.token()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
