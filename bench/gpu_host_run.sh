@@ -133,10 +133,10 @@ for step in "${steps[@]}"; do
       fi
       # The GPU-only files, then the GPU parameters of the files that run on both.
       run_step "tests" "${TESTS_TIMEOUT:-300}" \
-        "$PYTHON" -m pytest -q -rs -s -p no:cacheprovider tests/test_gpu.py tests/test_buffers.py
+        "$PYTHON" -m pytest -q -rs -s -p no:cacheprovider tests/sifar_jax/test_gpu.py tests/sifar_jax/test_buffers.py
       run_step "tests (gpu parameters)" "${TESTS_TIMEOUT:-300}" \
-        "$PYTHON" -m pytest -q -rs -s -p no:cacheprovider tests/test_ordering.py tests/test_fused.py \
-        tests/test_transforms.py tests/test_multiprocess.py -k gpu ;;
+        "$PYTHON" -m pytest -q -rs -s -p no:cacheprovider tests/sifar_jax/test_ordering.py tests/sifar_jax/test_fused.py \
+        tests/sifar_jax/test_transforms.py tests/sifar_jax/test_multiprocess.py -k gpu ;;
     allreduce)
       # shellcheck disable=SC2086
       run_step "bench.allreduce" "${ALLREDUCE_TIMEOUT:-480}" \

@@ -114,7 +114,7 @@ def default_kv_layout(mesh: Mesh) -> str:
     """The KV cache layout whose attention matmuls read it in place on `mesh`'s platform:
     "bhsd" on GPUs (the matmuls batch over (B, kv heads), which XLA:GPU wants major: with "bshd"
     it copied every cache tensor in and out of each step at batch > 1, docs/performance.md); "bshd"
-    elsewhere (XLA:CPU updates it in place and copies "bhsd", tests/test_decode_loops.py)."""
+    elsewhere (XLA:CPU updates it in place and copies "bhsd", tests/models/test_decode_loops.py)."""
     return "bhsd" if mesh.devices.flat[0].platform == "gpu" else "bshd"
 
 

@@ -4,8 +4,8 @@
 # The evaluation suite is bench/gpu_host_run.sh; this is for A/B work.
 #   OUT=/tmp/out bash bench/probes/device_run.sh tests kernels decode   (from the repository root)
 #   build=<CUDA flags>  rebuild with these CMAKE_CUDA_FLAGS (a compile-time variant for an A/B)
-#   tests     pytest -k gpu $TESTS              (default tests/test_fused.py)
-#   pytest    pytest $PYTEST, no -k             (default tests/test_decode_loops.py)
+#   tests     pytest -k gpu $TESTS              (default tests/sifar_jax/test_fused.py)
+#   pytest    pytest $PYTEST, no -k             (default tests/models/test_decode_loops.py)
 #   tail      bench.probes.layer_tail $TAIL_ARGS
 #   kernels   bench.probes.step_kernels $KERNELS_ARGS
 #   decode    bench.decode --no-sweep --no-plot $DECODE_ARGS
@@ -36,10 +36,10 @@ for step in "$@"; do
     build=*) build "${step#build=}" ;;
     tests)
       log tests
-      timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -x -k gpu ${TESTS:-tests/test_fused.py} 2>&1 | tail -25 | quiet ;;
+      timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -x -k gpu ${TESTS:-tests/sifar_jax/test_fused.py} 2>&1 | tail -25 | quiet ;;
     pytest)
       log pytest
-      timeout "${PYTEST_TIMEOUT:-240}" python3 -m pytest -q -x ${PYTEST:-tests/test_decode_loops.py} 2>&1 | tail -25 | quiet ;;
+      timeout "${PYTEST_TIMEOUT:-240}" python3 -m pytest -q -x ${PYTEST:-tests/models/test_decode_loops.py} 2>&1 | tail -25 | quiet ;;
     tail)
       log tail
       timeout "${TAIL_TIMEOUT:-200}" python3 -m bench.probes.layer_tail ${TAIL_ARGS:-} --out "$OUT/$k-tail.json" 2>&1 | quiet ;;

@@ -93,7 +93,7 @@ class Table:
 # sifar was the fastest of every algorithm and of lax.psum at each size from 4
 # to 64 KB (2.7-3.5 us against lax.psum's 8.6-13.9 us). Nothing was measured
 # above 64 KB: there the slot decides, as before tables (a user who raised
-# slot_bytes, e.g. for prefill, keeps sifar). tests/test_autotable.py rebuilds
+# slot_bytes, e.g. for prefill, keeps sifar). tests/sifar_jax/test_autotable.py rebuilds
 # this table from that file.
 BUILTIN = Table(
     platform="cuda",

@@ -35,7 +35,7 @@ import sifar_jax
 from sifar_jax import _testing, multicast
 from sifar_jax._ext import lib as ext
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNEL = ROOT / "ffi" / "multicast" / "cuda_multicast.cu"
 GUARD_VARS = (multicast.ENABLE_VAR, *multicast.DISABLING)
 MiB = 1 << 20

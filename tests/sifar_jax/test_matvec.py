@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from sifar_jax import matvec as mv
-from tests.conftest import gpu_device_list
+from conftest import gpu_device_list
 
 DTYPES = ("float32", "bfloat16", "float16")
 EPS = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}  # half an ulp

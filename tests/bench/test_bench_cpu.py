@@ -1047,7 +1047,7 @@ def test_cuda_probe_compiles_where_nvcc_is(probe):
     if nvcc is None:
         pytest.skip("no nvcc")
     name, *flags = probe.split()
-    src = os.path.join(os.path.dirname(__file__), "..", "bench", "probes", name)
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "probes", name)
     out = subprocess.run([nvcc, "-O1", "-std=c++17", "-arch=sm_90a", *flags, "-c", src, "-o",
                           os.devnull],
                          capture_output=True, text=True, timeout=600)

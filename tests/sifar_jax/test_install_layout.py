@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHECKOUT_PACKAGES = ("models", "bench", "tests")
 
 

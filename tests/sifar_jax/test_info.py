@@ -14,7 +14,7 @@ import sifar_jax
 from sifar_jax import multicast
 from sifar_jax.info import format_info  # sifar_jax.info itself is the function
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 KEYS = {"versions", "build", "devices", "gpus", "peer_access", "multicast", "communicators",
         "fallback_axes"}
 

@@ -453,7 +453,7 @@ def test_no_module_of_models_uses_another_ones_private_names():
     import ast
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parent.parent / "models"
+    root = pathlib.Path(__file__).resolve().parents[2] / "models"
     modules = {p.stem for p in root.glob("*.py")}
     found = []
     for path in sorted(root.glob("*.py")):

@@ -17,7 +17,7 @@ from models.families import preset, presets
 from models.tp import ALLREDUCE_KINDS
 from models.decode import LOOPS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(autouse=True)

@@ -1,8 +1,8 @@
 """CUDA backend tests: skipped unless at least two GPUs are visible.
 
 On the GPU host:
-    python -m pytest -q tests/test_gpu.py                 # everything, stress test included
-    python -m pytest -q tests/test_gpu.py -m "not slow"   # without the stress test
+    python -m pytest -q tests/sifar_jax/test_gpu.py                 # everything, stress test included
+    python -m pytest -q tests/sifar_jax/test_gpu.py -m "not slow"   # without the stress test
 
 Correctness of every portable algorithm against lax.psum and a float64
 reference at TP=2 (and TP=4/8 on sub-meshes when that many GPUs exist), with
@@ -16,7 +16,7 @@ algorithm explicitly (never "auto", which could pick multicast where it is
 enabled), and the one test about multicast only traces and lowers, after
 checking that the guard refuses.
 
-This file is also a script: `python tests/test_gpu.py --child` runs the
+This file is also a script: `python tests/sifar_jax/test_gpu.py --child` runs the
 correctness checks and prints a JSON summary (used for the command-buffers-off
 run). SIFAR_GPU_TESTS_ON_CPU=1 runs the whole file on XLA:CPU host devices
 instead, to dry-run its logic on a machine without GPUs.

@@ -1,4 +1,4 @@
-"""One process of the multi-process tests, started by tests/test_multiprocess.py
+"""One process of the multi-process tests, started by tests/sifar_jax/test_multiprocess.py
 through `python -m sifar_jax.launch` (every process runs this same program).
 
     exact   every portable algorithm over an axis spanning all processes: a

@@ -19,7 +19,7 @@ fixture of test_ordering runs every test on both.
   fails both outputs; fallbacks warn once and keep the semantics; the result
   types follow lax.psum's under shard_map(check_vma=True).
 
-On the GPU host: python -m pytest -q tests/test_fused.py -k gpu
+On the GPU host: python -m pytest -q tests/sifar_jax/test_fused.py -k gpu
 """
 
 from __future__ import annotations
