@@ -1,69 +1,21 @@
-"""All-reduce latency of every portable SiFAR algorithm, of lax.psum and of the
-peers (torch NCCL, torch symmetric memory, XLA's one-shot kernel), in one run.
+"""All-reduce latency of every portable SiFAR algorithm, of lax.psum and of the peers (torch NCCL,
+torch symmetric memory, XLA's one-shot kernel), in one run.
 
-    python -m bench.allreduce                 # full run (GPU: the results the project commits)
+    python -m bench.allreduce                 # GPUs: the results the project commits
     python -m bench.allreduce --quick         # a quick look (CPU / CI: well under a minute)
     python -m bench.allreduce --peers none --no-trace   # ours and lax.psum only
     python -m bench.allreduce --sizes sweep --write-auto-table auto.json   # what "auto" runs
     python -m sifar_jax.launch -n 2 -- python -m bench.allreduce   # one process per GPU
 
-Levels (the "level" field of each record), each a per-all-reduce latency:
-
-  kernel            R all-reduces back to back inside one handler call / kernel
-                    launch (the paper's method): (t(R) - t(1)) / (R - 1).
-                    sifar algorithms only.
-  jit               a chain of R data-dependent all-reduces (y <- allreduce(y)) in
-                    one jitted shard_map function (XLA command buffers on GPUs):
-                    (t(R2) - t(R1)) / (R2 - R1), which cancels the launch. sifar
-                    algorithms, lax.psum, xla.one_shot.
-  jit_device        the jit chain of R2 all-reduces traced per call (sifar_jax.call_trace):
-                    per rank and run, (end of the last call - end of the first) / (R2 - 1)
-                    from the device's clock. The host's dispatch and the ranks' start skew
-                    fall outside it: the level that compares one process per GPU with one
-                    process for all. sifar algorithms, where the trace exists.
-  cuda_graph_chain  torch peers: chains of R1 and R2 all-reduces captured in CUDA
-                    graphs, replays timed with CUDA events, the same difference.
-
-jit and cuda_graph_chain are the like-for-like comparison: both are chains of
-kernels in one CUDA graph. Payloads are random bfloat16 (never zero), 4..64 KB
-per device by default (4 KB: one token of the MoE model's all-reduce), 1 KB..64 MB
-with `--sizes sweep`; every algorithm and peer is checked against a reference
-once per size (a peer with a wrong sum is reported and not timed).
-
-A latency is a difference of timings, so it can come out within its own noise, even
-negative: a median is reported only when it exceeds its noise bound (common.summarize_us),
-else it reads "not resolved" (null in the JSON, with the raw median and the bound beside it).
-
-Peers (bench.peers) run first, each in processes of its own, before this
-process starts JAX on the GPUs; a peer that is not importable, fails or hangs
-is recorded in "errors" with its message and the others go on.
-
-Per-call trace (bench.calltrace; needs sifar_jax.call_trace): the jit
-chain of each traced algorithm, without and with forced skew
-(sifar_jax.testing.inject_skew): the share of calls that mis-speculated, the
-latency of calls that retried against those that did not, and the
-p50/p90/p99/p99.9 of per-call latency from device timestamps.
-
-Runs on GPUs when at least two are visible (TP = 2, 4, ... up to the GPU
-count), else on 8 XLA:CPU host devices at TP=2, where the numbers only
-demonstrate the protocol. Writes allreduce-<host>.{json,md,png} to --out:
-bench/results/ on GPUs, bench/results/local/ (git-ignored) on the CPU.
-
-Started by `python -m sifar_jax.launch` (one process per GPU), the processes
-measure together and process 0 writes allreduce-<host>-<n>proc.*; the peers are
-skipped there (they start processes of their own).
-
-The JSON is an object: schema, env (machine, versions, date), settings,
-levels, records (one per algorithm, level, TP and size: us_median, which is null where
-the median is not resolved above its noise (common.summarize_us), us_median_raw, us_noise,
-us_p10, us_p90, samples), errors, comparison (sifar against each peer), target, retry
-(counters), trace ({"skipped": why} or {"records": [...]}).
+Levels (kernel, jit, jit_device, the peers' cuda_graph_chain), the noise rule ("not resolved"),
+the per-call trace and the JSON's fields: docs/reference.md (bench.allreduce). On a machine with
+fewer than two GPUs it runs on 8 XLA:CPU host devices at TP=2: a protocol demo (every algorithm
+checked bit for bit against lax.psum, sifar_jax.stats()), not a performance result.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import zlib
@@ -78,6 +30,7 @@ from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import sifar_jax  # noqa: E402
+import sifar_jax.benchmarking  # noqa: E402
 from bench import calltrace, peers  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
@@ -103,62 +56,38 @@ SIZE_PRESETS = {"default": (4, 8, 16, 32, 64),
                 "sweep": tuple(float(2 ** k) for k in range(17))}  # 1 KB .. 65536 KB = 64 MB
 # The target of issue 14: sifar ahead of every peer at every size up to this, at TP=2.
 TARGET_TP, TARGET_MAX_BYTES = 2, 32 * 1024
-CPU_NOTE = (
-    "No GPUs here: these numbers come from XLA:CPU host devices (threads as ranks, "
-    "shared host memory). They demonstrate the protocol; they are not a performance result."
-)
+CPU_NOTE = ("No GPUs here: XLA:CPU host devices (threads as ranks, one shared memory) ran the "
+            "protocol for real; its timings mean nothing for GPUs. Speed figures: "
+            "docs/performance.md.")
 
 
 # ------------------------------------------------------------------ settings --
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        prog="python -m bench.allreduce",
-        description="Per-all-reduce latency of the SiFAR algorithms, lax.psum and the peers.",
-    )
-    p.add_argument("--sizes", default="default",
-                   help="payload sizes per device in KB of bfloat16, a comma list or a preset: "
-                        + "; ".join(f"{k}: {','.join(f'{v:g}' for v in kb)}"
-                                    for k, kb in SIZE_PRESETS.items()))
-    p.add_argument("--algorithms", default=",".join(PORTABLE + (BASELINE,)),
-                   help=f"comma list from {', '.join(PORTABLE + (BASELINE,))} (default: all)")
-    p.add_argument("--levels", default=",".join(LEVELS),
-                   help=f"comma list from {', '.join(LEVELS)} (default: all)")
-    p.add_argument("--tp", default=None,
-                   help="comma list of TP sizes (default: 2, 4, ... up to the GPU count; 2 on CPU)")
-    p.add_argument("--reps", type=int, default=None,
-                   help="timed runs per case, summarised as median/p10/p90 "
-                        "(default: 30 on GPU, 10 on CPU and with --quick)")
-    p.add_argument("--kernel-repeat", type=int, default=None,
-                   help="R, all-reduces per launch at kernel level (default: 2000 GPU, 20 CPU)")
-    p.add_argument("--chain", default=None,
-                   help="R1,R2: chain lengths at jit level and of the peers' graphs "
-                        "(default: 20,200 GPU; 4,16 CPU)")
-    p.add_argument("--peers", default="auto",
-                   help=f"comma list from {', '.join(peers.ALL)}, 'auto' (all; the torch ones "
-                        "need GPUs) or 'none'")
-    p.add_argument("--peer-timeout", type=float, default=120.0,
-                   help="seconds each peer process may run before it is killed (default 120; "
-                        "one normally takes 20-40 s)")
-    p.add_argument("--no-trace", dest="trace", action="store_false",
-                   help="skip the mis-speculation and tail part of the per-call trace (the "
-                        "jit_device level still runs)")
-    p.add_argument("--skew-us", default="0,2,10",
-                   help="forced skews for the trace, max microseconds each rank waits before "
-                        "each all-reduce (0 = none; default 0,2,10)")
-    p.add_argument("--trace-algorithms", default="sifar",
-                   help="algorithms traced per call (default: sifar)")
-    p.add_argument("--trace-runs", type=int, default=None,
-                   help="executions of the long jit chain per trace (default: 100 GPU, 5 CPU)")
-    p.add_argument("--quick", action="store_true", help="fewer runs and shorter chains (CPU, CI)")
-    p.add_argument("--out", default=None,
-                   help="directory for the results (default: bench/results on GPUs, "
-                        "bench/results/local on the CPU, which git ignores)")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--write-auto-table", metavar="PATH", default=None,
-                   help="also write what algorithm='auto' should run per TP and size: the fastest "
-                        "of our exact algorithms and lax.psum at the jit level of this run, lax.psum "
-                        "above the default slot (sifar_jax.autotable); load it with "
-                        "sifar_jax.init(mesh, auto_table=PATH) or $SIFAR_AUTO_TABLE")
+    p = argparse.ArgumentParser(prog="python -m bench.allreduce",
+                                description="Per-all-reduce latency of the SiFAR algorithms, "
+                                            "lax.psum and the peers (docs/reference.md).")
+    add = p.add_argument
+    add("--sizes", default="default", help="KB of bf16 per device, a comma list or a preset: "
+        + "; ".join(f"{k}: {','.join(f'{v:g}' for v in kb)}" for k, kb in SIZE_PRESETS.items()))
+    add("--algorithms", default=",".join(PORTABLE + (BASELINE,)),
+        help=f"comma list from {', '.join(PORTABLE + (BASELINE,))} (default: all)")
+    add("--levels", default=",".join(LEVELS), help=f"comma list from {', '.join(LEVELS)}")
+    add("--tp", default=None, help="comma list of TP sizes (default: 2, 4, ... up to the GPUs)")
+    add("--reps", type=int, default=None, help="timed runs per case (default 30 GPU, 10 CPU)")
+    add("--kernel-repeat", type=int, default=None, help="R at kernel level (default 2000; CPU 20)")
+    add("--chain", default=None, help="R1,R2: jit chain lengths (default 20,200; CPU 4,16)")
+    add("--peers", default="auto", help=f"comma list from {', '.join(peers.ALL)}, auto or none")
+    add("--peer-timeout", type=float, default=120.0, help="seconds per peer process")
+    add("--no-trace", dest="trace", action="store_false",
+        help="skip the mis-speculation and tail trace (jit_device still runs)")
+    add("--skew-us", default="0,2,10", help="forced skews for the trace, max us per call")
+    add("--trace-algorithms", default="sifar", help="algorithms traced per call")
+    add("--trace-runs", type=int, default=None, help="long jit chains per trace (default 100)")
+    add("--quick", action="store_true", help="fewer runs and shorter chains (CPU, CI)")
+    add("--out", default=None, help="results directory")
+    add("--no-plot", action="store_true", help="skip the PNG")
+    add("--write-auto-table", metavar="PATH", default=None,
+        help="also write what algorithm='auto' should run per TP and size (sifar_jax.autotable)")
     return p.parse_args(argv)
 
 
@@ -168,10 +97,8 @@ def settings(args, kind: str, n_devices: int) -> dict:
         "runs": 30 if gpu else 10,
         "kernel_r": 2000 if gpu else 20,
         "chain": (20, 200) if gpu else (4, 16),
-        # One synchronous call per sample: the differences then cancel the host's
-        # dispatch time exactly. Back-to-back (pipelined) calls hide dispatch
-        # behind the long run but not behind the short one, which biased the
-        # first GPU run low (oneshot came out faster chained than in one kernel).
+        # One synchronous call per sample: the differences cancel the host's dispatch exactly
+        # (pipelined calls hide it behind the long run only, biasing the difference low).
         "inner_kernel": 1,
         "inner_jit": 1,
         "warmup": 3,
@@ -237,25 +164,9 @@ def payload_bytes(cfg) -> list[int]:
 
 
 # ----------------------------------------------------------------- functions --
-def repeated_psum():
-    """R all-reduces in one launch: sifar_jax.benchmarking.psum_repeated where the
-    library has it (`_repeat` is leaving sifar_psum's signature), else
-    sifar_psum(..., _repeat=R)."""
-    try:
-        fn = getattr(importlib.import_module("sifar_jax.benchmarking"), "psum_repeated", None)
-    except ImportError:
-        fn = None
-    if fn is not None:
-        return lambda x, axis, repeat, algorithm: fn(x, axis, repeat, algorithm=algorithm)
-    return lambda x, axis, repeat, algorithm: sifar_jax.sifar_psum(
-        x, axis, algorithm=algorithm, _repeat=repeat)
-
-
 def kernel_fn(mesh, algorithm: str, repeat: int):
-    psum_repeated = repeated_psum()
-
     def body(x):
-        return psum_repeated(x[0], "tp", repeat, algorithm)[None]
+        return sifar_jax.benchmarking.psum_repeated(x[0], "tp", repeat, algorithm=algorithm)[None]
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
 
@@ -307,10 +218,13 @@ def local_rows(a) -> np.ndarray:
     return np.concatenate([np.asarray(s.data, np.float32) for s in a.addressable_shards])
 
 
-def check_result(got, want, tp: int) -> bool:
+def check_result(got, want, tp: int) -> dict:
+    """A result against lax.psum's: the same bits on every rank and within any bf16 summation
+    order's rounding of lax.psum's (within_rounding), or bit for bit lax.psum's (identical)."""
     g, w = local_rows(got), local_rows(want)
     same = all(np.array_equal(g[i].view(np.uint32), g[0].view(np.uint32)) for i in range(len(g)))
-    return same and np.allclose(g, w, rtol=2 * tp * 2.0**-8, atol=0)
+    return {"within_rounding": bool(same and np.allclose(g, w, rtol=2 * tp * 2.0**-8, atol=0)),
+            "identical": bool(np.array_equal(g.view(np.uint32), w.view(np.uint32)))}
 
 
 # ------------------------------------------------------------------- running --
@@ -359,6 +273,8 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
 
     records: list[dict] = []
     retry: list[dict] = []
+    checks: list[dict] = []
+    stats: dict = {}  # tp -> sifar_jax.stats() over that TP size's runs
     traces: list[dict] = []
     trace_latencies: dict = {}  # (tp, alg, bytes, skew) -> per-call us, for the plot only
     bar = common.progress(len(cases) + n_traces, "all-reduce")
@@ -367,6 +283,7 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
         mesh = Mesh(np.array(devices[:tp]), ("tp",))
         sifar_jax.shutdown()
         sifar_jax.init(mesh, slot_bytes=slot)
+        stats0 = sifar_jax.stats()
         refs = {"kernel": kernel_ref_fn(mesh), "jit": chain_fn(mesh, BASELINE, 1)}
         for (_, level, alg, nbytes) in [c for c in cases if c[0] == tp]:
             bar.set_postfix_str(f"tp={tp} {level} {alg} {nbytes // 1024}KB")
@@ -388,10 +305,13 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
                 large = fns.setdefault((tp, "j", alg, r2), chain_fn(mesh, alg, r2))
                 extra, inner = r2 - r1, cfg["inner_jit"]
                 check = fns.setdefault((tp, "j", alg, 1), chain_fn(mesh, alg, 1))
-            if alg != BASELINE and not check_result(check(x), refs[level](x), tp):
-                msg = f"WRONG RESULT: tp={tp} {alg} {nbytes} bytes differs from lax.psum"
-                warnings_out.append(msg)
-                bar.write(msg)
+            if alg != BASELINE:
+                checks.append({"tp": tp, "level": level, "algorithm": alg, "bytes": nbytes,
+                               **check_result(check(x), refs[level](x), tp)})
+                if not checks[-1]["within_rounding"]:
+                    warnings_out.append(f"WRONG RESULT: tp={tp} {alg} {nbytes} bytes differs "
+                                        "from lax.psum")
+                    bar.write(warnings_out[-1])
             common.warm_up(small, (x,), cfg["warmup"])
             common.warm_up(large, (x,), cfg["warmup"])
             before = sifar_jax.stats().get(alg) if alg != BASELINE else None
@@ -418,10 +338,12 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
                             trace_latencies[(tp, alg, nbytes, skew)] = lat
                         bar.update(1)
         sifar_jax.check()
+        stats[tp] = {a: {k: v - stats0.get(a, {}).get(k, 0) for k, v in c.items()}
+                     for a, c in sifar_jax.stats().items()}
         sifar_jax.shutdown()
     bar.close()
     meta = {"kind": kind, "devices": devices[: max(cfg["tp"])], "cfg": cfg, "retry": retry,
-            "sizes": sizes,
+            "sizes": sizes, "checks": checks, "stats": stats,
             "trace": {"records": traces} if call_trace else {"skipped": trace_skipped},
             "trace_latencies": trace_latencies}
     return records, meta, warnings_out
@@ -546,14 +468,14 @@ def _cell(r, with_spread: bool) -> str:
     return common.fmt_us(r["us_median"])
 
 
-def tables(records, sizes, with_spread: bool):
+def tables(records, sizes, with_spread: bool, speedup: bool = True):
     out = []
     for level, tp, rs in _groups(records):
         algs = [a for a in PORTABLE + (BASELINE,) if any(r["algorithm"] == a for r in rs)]
         by = {(r["algorithm"], r["bytes"]): r for r in rs}
         headers = ["algorithm"] + [f"{b / 1024:g} KB" for b in sizes]
         rows = [[a] + [_cell(by.get((a, b)), with_spread) for b in sizes] for a in algs]
-        extra = _speedup_row(level, rs, sizes)
+        extra = _speedup_row(level, rs, sizes) if speedup else None
         if extra:
             rows.append(extra)
         out.append((level, tp, headers, rows))
@@ -634,20 +556,40 @@ def print_tables(records, comp, sizes, host):
     print()
     for level, tp, headers, rows in tables(records, sizes, with_spread=False):
         print(f"[{host}] level={level} TP={tp}: microseconds per all-reduce (median)")
-        print(common.plain_table(headers, rows))
-        print()
+        print(common.plain_table(headers, rows) + "\n")
     for tp, headers, rows in peer_tables(records, comp, sizes):
         print(f"[{host}] TP={tp}: sifar (jit) against every peer, median us (peer / sifar)")
         print(common.plain_table(headers, [[str(c).replace("**", "") for c in r] for r in rows]))
         print()
 
 
+def protocol_rows(meta) -> tuple[list[str], list[list]]:
+    """Per TP and algorithm: its all-reduces (sifar_jax.stats() over the run), retries, timeouts,
+    and its results against lax.psum's (one call per level and size)."""
+    headers = ["TP", "algorithm", "calls", "retries", "timeouts", "against lax.psum"]
+    rows = []
+    for tp, stats in meta["stats"].items():
+        for alg, c in stats.items():
+            mine = [x for x in meta["checks"] if (x["tp"], x["algorithm"]) == (tp, alg)]
+            if not mine and not c.get("calls"):
+                continue
+            same = sum(x["identical"] for x in mine)
+            wrong = sum(not x["within_rounding"] for x in mine)
+            verdict = (f"WRONG in {wrong} of {len(mine)} checks" if wrong else
+                       f"bit-identical in all {len(mine)} checks" if same == len(mine) else
+                       f"within bf16 rounding ({same} of {len(mine)} bit-identical)")
+            rows.append([tp, alg, c.get("calls", 0), c.get("retries", 0), c.get("timeouts", 0),
+                         verdict if mine else "-"])
+    return headers, rows
+
+
 def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
-    host = env["host"]
+    host, gpu = env["host"], meta["kind"] == "gpu"
     cfg, sizes = meta["cfg"], meta["sizes"]
     comp = comparison(records)
     wanted = peers.parse(args.peers) + ([BASELINE] if BASELINE in cfg["algorithms"] else [])
-    target = target_verdict(comp, peer_out["errors"], sizes, wanted)
+    target = (target_verdict(comp, peer_out["errors"], sizes, wanted) if gpu else
+              {"verdict": "not measured: no GPUs (an XLA:CPU protocol demo)"})
     payload = {
         "schema": SCHEMA,
         "env": env,
@@ -655,33 +597,28 @@ def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
         "levels": LEVEL_TEXT,
         "records": records,
         "errors": peer_out["errors"] + [{"error": w} for w in warnings_out],
+        "checks": meta["checks"],
+        "stats": {str(k): v for k, v in meta["stats"].items()},
         "comparison": comp,
         "target": target,
         "retry": meta["retry"],
         "trace": meta["trace"],
     }
     json_path = common.write_json(common.results_path(out_dir, "allreduce", host, ".json"), payload)
-
-    notes = []
-    if meta["kind"] == "cpu":
-        notes.append(CPU_NOTE)
-    notes.append(
-        f"kernel level: (t(R) - t(1)) / (R - 1) with R = {cfg['kernel_r']} all-reduces per launch; "
-        f"jit level: (t(R2) - t(R1)) / (R2 - R1) with chains of {cfg['chain'][0]} and "
-        f"{cfg['chain'][1]} data-dependent all-reduces with nothing between them; the torch peers "
-        f"the same chains in CUDA graphs, timed with CUDA events. Cells: median (p10-p90) "
-        f"over {cfg['runs']} runs, microseconds, bfloat16 payload per device. 'not resolved': "
-        f"the median did not exceed its noise bound ({common.NOISE_SE:g} standard errors of the "
-        f"median, from the samples' interquartile range; us_median null in the JSON, "
-        f"us_median_raw and us_noise beside it), so no figure is given."
-    )
-    low = target["lowest_ratio"]
-    notes.append(f"Target (issue 14): {target['statement']}: **{target['verdict']}**"
-                 + (f"; lowest ratio {low['ratio']:.2f}x (peer / sifar), against {low['peer']} at "
-                    f"{low['bytes'] / 1024:g} KB" if low else "") + ".")
+    notes = [] if gpu else [CPU_NOTE]
+    notes.append(f"kernel level: (t(R) - t(1)) / (R - 1), R = {cfg['kernel_r']}; jit level: "
+                 f"(t(R2) - t(R1)) / (R2 - R1), chains of {cfg['chain'][0]} and {cfg['chain'][1]}; "
+                 f"median (p10-p90) over {cfg['runs']} runs, us, bf16 per device; 'not resolved': "
+                 "within its noise bound (docs/reference.md, bench.allreduce).")
+    if gpu:
+        low = target["lowest_ratio"]
+        notes.append(f"Target (issue 14): {target['statement']}: **{target['verdict']}**"
+                     + (f"; lowest ratio {low['ratio']:.2f}x (peer / sifar), against {low['peer']} "
+                        f"at {low['bytes'] / 1024:g} KB" if low else "") + ".")
     notes += [f"**{w}**" for w in warnings_out]
-    sections = []
-    for tp, headers, rows in peer_tables(records, comp, sizes):
+    sections = [("What ran: sifar_jax.stats() per algorithm and its results against lax.psum",
+                 common.markdown_table(*protocol_rows(meta)))]
+    for tp, headers, rows in peer_tables(records, comp, sizes) if gpu else ():
         sections.append((f"sifar against every peer, TP={tp} (median us; in brackets peer / sifar "
                          f"at jit level, > 1 means sifar is faster)",
                          common.markdown_table(headers, rows)))
@@ -691,8 +628,9 @@ def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
                 for e in peer_out["errors"]]
         sections.append(("Peers that did not run or were not timed",
                          common.markdown_table(["peer", "TP", "size", "why"], rows)))
-    for level, tp, headers, rows in tables(records, sizes, with_spread=True):
-        sections.append((f"{level} level, TP={tp}", common.markdown_table(headers, rows)))
+    for level, tp, headers, rows in tables(records, sizes, with_spread=True, speedup=gpu):
+        sections.append((f"{level} level, TP={tp}" + ("" if gpu else " (XLA:CPU timings)"),
+                         common.markdown_table(headers, rows)))
     if "records" in meta["trace"]:
         (mh, mrows), (th, trows) = trace_tables(meta["trace"]["records"])
         sections.append(("Mis-speculation per call (device trace of the jit chain; retried: share "
@@ -705,29 +643,16 @@ def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
                              common.markdown_table(th, trows)))
     else:
         notes.append(f"Per-call trace: {meta['trace']['skipped']}.")
-    if meta["retry"]:
-        rows = [[r["level"], r["tp"], r["algorithm"], f"{r['bytes'] / 1024:g} KB",
-                 f"{r['retries_per_call']:.3f}"]
-                for r in sorted(meta["retry"], key=lambda r: (LEVELS.index(r["level"]), r["tp"],
-                                                               r["algorithm"], r["bytes"]))
-                if r["algorithm"] in ("sifar", "sifar_flag", "sifar_push")]
-        if rows:
-            sections.append((
-                "Mis-speculation counters (retries per all-reduce per rank; per warp on GPUs)",
-                common.markdown_table(["level", "TP", "algorithm", "size", "retries"], rows),
-            ))
-    md_path = common.write_markdown(
-        common.results_path(out_dir, "allreduce", host, ".md"),
-        f"All-reduce latency on {host}", env, sections, notes,
-    )
+    md_path = common.write_markdown(common.results_path(out_dir, "allreduce", host, ".md"),
+                                    f"All-reduce latency on {host}", env, sections, notes)
     png_path = None
-    if not args.no_plot:
+    if gpu and not args.no_plot:
         png_path = plot(records, comp, meta["trace_latencies"],
-                        common.results_path(out_dir, "allreduce", host, ".png"), host, meta["kind"])
+                        common.results_path(out_dir, "allreduce", host, ".png"), host)
     return json_path, md_path, png_path
 
 
-def plot(records, comp, trace_latencies, path, host, kind):
+def plot(records, comp, trace_latencies, path, host):
     plt = common.pyplot()
     if plt is None:
         return None
@@ -772,10 +697,7 @@ def plot(records, comp, trace_latencies, path, host, kind):
             ax.grid(True, alpha=0.3)
             if ax.lines:
                 ax.legend(fontsize=7)
-    title = f"All-reduce latency, {host}"
-    if kind == "cpu":
-        title += " (XLA:CPU protocol demo, not GPU performance)"
-    return common.save_figure(fig, title, path)
+    return common.save_figure(fig, f"All-reduce latency, {host}", path)
 
 
 def _plot_trace(ax, tp, trace_latencies):
@@ -833,7 +755,11 @@ def main(argv=None) -> int:
         env["host"] += f"-{jax.process_count()}proc"
     env.update({k: v for k, v in peer_out["info"].items() if k in ("torch", "nccl")})
     env["peers_info"] = peer_out["info"]
-    print_tables(records, comparison(records), meta["sizes"], env["host"])
+    if kind == "gpu":
+        print_tables(records, comparison(records), meta["sizes"], env["host"])
+    else:
+        print(f"\n[{env['host']}] What ran: {CPU_NOTE}")
+        print(common.plain_table(*protocol_rows(meta)) + "\n")
     out_dir = args.out if args.out else common.default_out(kind)
     paths = write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out)
     for p in paths:
