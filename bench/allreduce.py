@@ -36,26 +36,21 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 LAUNCHED = sifar_jax.distributed.initialize()  # under sifar_jax.launch: one process per GPU
 
-SCHEMA = "sifar-jax/bench.allreduce/2"
+SCHEMA = "sifar-jax/bench.allreduce/3"  # 3: checks and stats in, target out
 PORTABLE = tuple(sifar_jax.algorithms.PORTABLE)
 BASELINE = "lax.psum"
 LEVELS = ("kernel", "jit", "jit_device")
 LEVEL_TEXT = {
-    "kernel": "R all-reduces back to back inside one launch: (t(R) - t(1)) / (R - 1)",
-    "jit": "chains of R1 and R2 data-dependent all-reduces in one jitted shard_map function: "
-           "(t(R2) - t(R1)) / (R2 - R1), synchronous calls timed on the host",
-    "jit_device": "the jit chain of R2 all-reduces, per rank and run (end of the last call - "
-                  "end of the first) / (R2 - 1) from the device's clock (sifar_jax.call_trace)",
+    "kernel": "R all-reduces in one launch: (t(R) - t(1)) / (R - 1)",
+    "jit": "jitted chains of R1 and R2 data-dependent all-reduces: (t(R2) - t(R1)) / (R2 - R1)",
+    "jit_device": "the R2 chain per rank and run from the device's clock: "
+                  "(end of the last call - end of the first) / (R2 - 1)",
     **{k: v for k, v in peers.LEVELS.items() if k != peers.LEVEL_JIT},
 }
-# Payload sizes per device, KB of bfloat16. default: the decoders' all-reduces (4 KB: one token
-# of hidden 2048, the MoE model; 8 KB: hidden 4096, Llama-3.1-8B) up to a few tokens' worth.
-# sweep: 1 KB to 64 MB in powers of two, where `auto` must choose between our algorithms and
-# lax.psum by size (issue 26); long on GPUs (the kernel level runs R all-reduces per sample).
+# KB of bf16 per device. default: the decoders' all-reduces (4 KB: one token of the MoE model,
+# 8 KB: Llama-3.1-8B's) up to a few tokens; sweep: 1 KB to 64 MB, for `auto`'s choice by size.
 SIZE_PRESETS = {"default": (4, 8, 16, 32, 64),
                 "sweep": tuple(float(2 ** k) for k in range(17))}  # 1 KB .. 65536 KB = 64 MB
-# The target of issue 14: sifar ahead of every peer at every size up to this, at TP=2.
-TARGET_TP, TARGET_MAX_BYTES = 2, 32 * 1024
 CPU_NOTE = ("No GPUs here: XLA:CPU host devices (threads as ranks, one shared memory) ran the "
             "protocol for real; its timings mean nothing for GPUs. Speed figures: "
             "docs/performance.md.")
@@ -229,8 +224,7 @@ def check_result(got, want, tp: int) -> dict:
 
 # ------------------------------------------------------------------- running --
 def run_peers(args, n_gpus: int) -> tuple[dict, dict]:
-    """The peers, before this process starts JAX on the GPUs (so they have the
-    GPUs' memory, and nothing else runs on them meanwhile)."""
+    """The peers, before this process starts JAX on the GPUs (theirs alone meanwhile)."""
     kind = "gpu" if n_gpus >= 2 else "cpu"
     cfg = settings(args, kind, n_gpus if kind == "gpu" else 8)
     names = peers.parse(args.peers)
@@ -251,8 +245,7 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
     slot = max(sifar_jax.DEFAULT_SLOT_BYTES, max(sizes))
     algs = cfg["algorithms"]
     sifar_algs = [a for a in algs if a != BASELINE]
-    # The per-call trace serves the jit_device level always, the mis-speculation part unless
-    # --no-trace.
+    # the trace serves jit_device always, the mis-speculation part unless --no-trace
     traced, trace_skipped = calltrace.find()
     if trace_skipped:
         print(f"NOTE: {trace_skipped}", flush=True)
@@ -276,7 +269,6 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
     checks: list[dict] = []
     stats: dict = {}  # tp -> sifar_jax.stats() over that TP size's runs
     traces: list[dict] = []
-    trace_latencies: dict = {}  # (tp, alg, bytes, skew) -> per-call us, for the plot only
     bar = common.progress(len(cases) + n_traces, "all-reduce")
     fns: dict = {}
     for tp in cfg["tp"]:
@@ -332,10 +324,8 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
                     for skew in cfg["skews_us"]:
                         bar.set_postfix_str(f"tp={tp} trace {alg} {nbytes // 1024}KB "
                                             f"skew={skew:g}us")
-                        entry, lat = trace_case(call_trace, mesh, fns, cfg, tp, alg, nbytes, skew)
-                        traces.append(entry)
-                        if lat is not None:
-                            trace_latencies[(tp, alg, nbytes, skew)] = lat
+                        traces.append(trace_case(call_trace, mesh, fns, cfg, tp, alg, nbytes,
+                                                 skew)[0])
                         bar.update(1)
         sifar_jax.check()
         stats[tp] = {a: {k: v - stats0.get(a, {}).get(k, 0) for k, v in c.items()}
@@ -344,13 +334,12 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
     bar.close()
     meta = {"kind": kind, "devices": devices[: max(cfg["tp"])], "cfg": cfg, "retry": retry,
             "sizes": sizes, "checks": checks, "stats": stats,
-            "trace": {"records": traces} if call_trace else {"skipped": trace_skipped},
-            "trace_latencies": trace_latencies}
+            "trace": {"records": traces} if call_trace else {"skipped": trace_skipped}}
     return records, meta, warnings_out
 
 
 def jit_device_case(call_trace, mesh, fns, cfg, tp, alg, nbytes, x) -> dict:
-    """The jit_device level of one algorithm and size (see the module docstring)."""
+    """The jit_device level of one algorithm and size."""
     r2 = cfg["chain"][1]
     fn = fns.setdefault((tp, "j", alg, r2), chain_fn(mesh, alg, r2))
     common.warm_up(fn, (x,), cfg["warmup"])
@@ -385,9 +374,8 @@ def trace_case(call_trace, mesh, fns, cfg, tp, alg, nbytes, skew_us):
 
 # ---------------------------------------------------------------- comparison --
 def comparison(records) -> list[dict]:
-    """sifar (jit level) against every other algorithm that is not ours, per TP and
-    size: ratio = peer median / sifar median (> 1: sifar is faster); None where either
-    median is not resolved above its noise (common.resolved_us)."""
+    """sifar (jit level) against every algorithm not ours, per TP and size: ratio = peer / sifar
+    (> 1: sifar is faster); None where either median is not resolved above its noise."""
     ours = {(r["tp"], r["bytes"]): r["us_median"] for r in records
             if r["algorithm"] == "sifar" and r["level"] == "jit"}
     out = []
@@ -401,34 +389,6 @@ def comparison(records) -> list[dict]:
                     "peer_level": r["level"], "peer_us": r["us_median"], "sifar_us": s,
                     "ratio": round(ratio, 3) if ratio is not None else None})
     return out
-
-
-def target_verdict(comp, errors, sizes, wanted_peers) -> dict:
-    """Issue 14's target: sifar ahead of every peer at every size up to 32 KB at
-    TP=2, measured in one run."""
-    sizes_in = [b for b in sizes if b <= TARGET_MAX_BYTES]
-    rows = [c for c in comp if c["tp"] == TARGET_TP and c["bytes"] in sizes_in]
-    have = {(c["peer"], c["bytes"]) for c in rows if c["ratio"] is not None}
-    measured = sorted({p for p, _ in have})
-    behind = [c for c in rows if c["ratio"] is not None and c["ratio"] <= 1.0]
-    # A peer counts as measured only at every size of the target.
-    missing = [p for p in dict.fromkeys(wanted_peers + measured)
-               if any((p, b) not in have for b in sizes_in)]
-    if not rows or not sizes_in:
-        verdict = "not measured"
-    elif behind:
-        verdict = "missed"
-    elif missing:
-        verdict = "met against the peers measured; not measured against " + ", ".join(missing)
-    else:
-        verdict = "met"
-    worst = min((c for c in rows if c["ratio"] is not None), key=lambda c: c["ratio"], default=None)
-    return {"statement": f"sifar ahead of every peer at every size up to "
-                         f"{TARGET_MAX_BYTES // 1024} KB at TP={TARGET_TP}",
-            "verdict": verdict, "peers_measured": measured, "peers_missing": missing,
-            "behind": [{k: c[k] for k in ("peer", "bytes", "ratio")} for c in behind],
-            "lowest_ratio": {k: worst[k] for k in ("peer", "bytes", "ratio")} if worst else None,
-            "errors": [e for e in errors if e.get("tp") in (None, TARGET_TP)]}
 
 
 # -------------------------------------------------------------------- output --
@@ -587,9 +547,6 @@ def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
     host, gpu = env["host"], meta["kind"] == "gpu"
     cfg, sizes = meta["cfg"], meta["sizes"]
     comp = comparison(records)
-    wanted = peers.parse(args.peers) + ([BASELINE] if BASELINE in cfg["algorithms"] else [])
-    target = (target_verdict(comp, peer_out["errors"], sizes, wanted) if gpu else
-              {"verdict": "not measured: no GPUs (an XLA:CPU protocol demo)"})
     payload = {
         "schema": SCHEMA,
         "env": env,
@@ -600,7 +557,6 @@ def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
         "checks": meta["checks"],
         "stats": {str(k): v for k, v in meta["stats"].items()},
         "comparison": comp,
-        "target": target,
         "retry": meta["retry"],
         "trace": meta["trace"],
     }
@@ -610,11 +566,6 @@ def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
                  f"(t(R2) - t(R1)) / (R2 - R1), chains of {cfg['chain'][0]} and {cfg['chain'][1]}; "
                  f"median (p10-p90) over {cfg['runs']} runs, us, bf16 per device; 'not resolved': "
                  "within its noise bound (docs/reference.md, bench.allreduce).")
-    if gpu:
-        low = target["lowest_ratio"]
-        notes.append(f"Target (issue 14): {target['statement']}: **{target['verdict']}**"
-                     + (f"; lowest ratio {low['ratio']:.2f}x (peer / sifar), against {low['peer']} "
-                        f"at {low['bytes'] / 1024:g} KB" if low else "") + ".")
     notes += [f"**{w}**" for w in warnings_out]
     sections = [("What ran: sifar_jax.stats() per algorithm and its results against lax.psum",
                  common.markdown_table(*protocol_rows(meta)))]
@@ -647,12 +598,13 @@ def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
                                     f"All-reduce latency on {host}", env, sections, notes)
     png_path = None
     if gpu and not args.no_plot:
-        png_path = plot(records, comp, meta["trace_latencies"],
-                        common.results_path(out_dir, "allreduce", host, ".png"), host)
+        png_path = plot(records, comp, common.results_path(out_dir, "allreduce", host, ".png"),
+                        host)
     return json_path, md_path, png_path
 
 
-def plot(records, comp, trace_latencies, path, host):
+def plot(records, comp, path, host):
+    """Per TP: latency against size at the kernel and jit levels, and sifar against the peers."""
     plt = common.pyplot()
     if plt is None:
         return None
@@ -660,14 +612,11 @@ def plot(records, comp, trace_latencies, path, host):
     tps = sorted({r["tp"] for r in records})
     if not tps:
         return None
-    cols = ["kernel", "jit", "peers"] + (["trace"] if trace_latencies else [])
+    cols = ["kernel", "jit", "peers"]
     fig, axes = plt.subplots(len(tps), len(cols), figsize=(5 * len(cols), 4 * len(tps)),
                              squeeze=False)
     for row, tp in zip(axes, tps):
         for ax, col in zip(row, cols):
-            if col == "trace":
-                _plot_trace(ax, tp, trace_latencies)
-                continue
             if col == "peers":
                 lines = [("sifar", "jit", "-"), ("sifar", "kernel", ":")]
                 lines += [(c["peer"], c["peer_level"], "--") for c in comp if c["tp"] == tp]
@@ -698,28 +647,6 @@ def plot(records, comp, trace_latencies, path, host):
             if ax.lines:
                 ax.legend(fontsize=7)
     return common.save_figure(fig, f"All-reduce latency, {host}", path)
-
-
-def _plot_trace(ax, tp, trace_latencies):
-    """Survival function of per-call latency (log y shows the tail), one size."""
-    keys = [k for k in trace_latencies if k[0] == tp]
-    if not keys:
-        return
-    sizes = sorted({k[2] for k in keys})
-    size = min(sizes, key=lambda b: abs(b - 8192))
-    for k in sorted(k for k in keys if k[2] == size):
-        lat = np.sort(trace_latencies[k])
-        if lat.size == 0:
-            continue
-        surv = 1.0 - np.arange(lat.size) / lat.size
-        ax.step(lat, surv, where="post", label=f"{k[1]}, skew {k[3]:g} us")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("per-call latency (us, device timestamps)")
-    ax.set_ylabel("share of calls slower")
-    ax.set_title(f"per-call latency, {size / 1024:g} KB, TP={tp}")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
 
 
 def auto_table(records, env, kind: str):

@@ -89,8 +89,6 @@ def parse_args(argv=None):
         help="sifar algorithms whose rows 'sifar:<alg>' make the baseline ('none': no rows)")
     add("--fused", choices=("auto", "on", "off"), default="auto",
         help="the sifar+fused row (auto: where the library has it; on: also at TP=1)")
-    add("--prefetch-mib", nargs="+", type=float, default=None,
-        help="one more fused row per size 'sifar+fused:pf<MiB>' (the L2 prefetch, 0: none)")
     add("--sweep-all-variants", dest="sweep_all", action="store_true",
         help="the fused and baseline rows at every sweep point too")
     add("--breakdown", action="store_true",
@@ -140,10 +138,9 @@ def baseline_labels(args) -> list[str]:
 
 
 def parse_variants(args) -> list[tuple]:
-    """[(label, kind, algorithm, fused[, prefetch_bytes])]: ("psum", "psum", "auto", False),
-    ("sifar:oneshot", "sifar", "oneshot", False), ("sifar+fused", "sifar", "auto", True),
-    ("sifar+fused:pf8", "sifar", "auto", True, 8 << 20) (no prefetch_bytes: the default). The
-    baseline rows come right after psum."""
+    """[(label, kind, algorithm, fused)]: ("psum", "psum", "auto", False), ("sifar:oneshot",
+    "sifar", "oneshot", False), ("sifar+fused", "sifar", "auto", True); the baseline rows right
+    after psum."""
     items = [a.strip() for a in args.allreduce.split(",") if a.strip()]
     at = items.index("psum") + 1 if "psum" in items else 0
     items[at:at] = [b for b in baseline_labels(args) if b not in items]
@@ -172,17 +169,11 @@ def parse_variants(args) -> list[tuple]:
     if args.fused != "off" and not missing and any(v[0] == "sifar" for v in out):
         at = next(i for i, v in enumerate(out) if v[0] == "sifar")
         out.insert(at + 1, ("sifar+fused", "sifar", "auto", True))
-        for k, mib in enumerate(args.prefetch_mib or []):
-            out.insert(at + 2 + k, (f"sifar+fused:pf{mib:g}", "sifar", "auto", True,
-                                    int(mib * (1 << 20)) // 16 * 16))
-    elif args.prefetch_mib:
-        raise SystemExit("--prefetch-mib: needs the fused variant (sifar in --allreduce, "
-                         "--fused not off)")
     return out
 
 
 def prefetch_of(variant) -> int | None:
-    """The fused call's prefetch_bytes (None: the library's default), or None unfused."""
+    """A variant's prefetch_bytes for the fused call: None, the library's default."""
     return variant[4] if len(variant) > 4 else None
 
 
@@ -356,8 +347,8 @@ def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: 
                  kv_layout: str | None = None, min_rows: int = 1,
                  gemm_rows: int | None = None, attn_impl: str | None = None,
                  pack_params: bool | None = None):
-    """A Decoder whose cache of `context` positions is filled with random values. sifar's slot
-    is widened where a step's payload (batch x hidden) would not fit the default."""
+    """A Decoder with a random cache of `context` positions; sifar's slot widened to a step's
+    payload (batch x hidden) where the default is smaller."""
     _, kind, alg, fused = variant[:4]
     slot = None
     if kind in SIFAR_KINDS:
@@ -422,8 +413,7 @@ def time_pipelined(dec, s) -> tuple[list[float], list[np.ndarray]]:
 
 
 def time_on_device(dec, s) -> tuple[list[float], list[np.ndarray]]:
-    """chunk tokens per dispatch, streamed: gaps between chunk arrivals / chunk (the first
-    chunk, which compiles, untimed)."""
+    """Gaps between chunk arrivals / chunk (the first chunk, which compiles, untimed)."""
     k = s["chunk"]
     stamps, out = [], []
     for i, tok in enumerate(dec.decode(k * _chunks(s) + 1, loop="on_device", chunk=k,
@@ -440,11 +430,9 @@ TIMERS = {"sync": time_sync, "stream": time_stream, "pipelined": time_pipelined,
 
 # ------------------------------------------------------------------ records --
 def _prefetch_bytes(variant) -> int | None:
-    """What the fused call prefetches (resolved default), None for unfused variants."""
+    """What the fused call prefetches into L2 (the library's default), None unfused."""
     if not variant[3]:
         return None
-    if prefetch_of(variant) is not None:
-        return prefetch_of(variant)
     import sifar_jax.fused
 
     return sifar_jax.fused.DEFAULT_PREFETCH_BYTES
@@ -560,8 +548,8 @@ def step_breakdown(dec, context: int, first) -> dict:
 
 
 def trace_allreduces(dec, s, context: int, first) -> dict:
-    """Per-call latency of the all-reduces inside TRACE_STEPS back-to-back decode steps, from the
-    device's own timestamps (bench.calltrace.summarize), or {"error": why}."""
+    """Per-call latency of the all-reduces in TRACE_STEPS back-to-back steps from the device's
+    timestamps (bench.calltrace.summarize), or {"error": why}."""
     import sifar_jax
 
     try:
@@ -578,8 +566,7 @@ def trace_allreduces(dec, s, context: int, first) -> dict:
 
 
 def cache_copies(dec, loop: str, s) -> dict:
-    """{"entry": n, "loop": n}: KV-cache copies in the optimised HLO of the executable this loop
-    runs from here (compiling it now, as its first step would)."""
+    """{"entry": n, "loop": n}: KV-cache copies in the optimised HLO this loop runs from here."""
     exe = dec.compiled_chunk(s["chunk"]) if loop == "on_device" else dec.compiled_step()
     text, counts = exe.as_text(), {}
     for shape in hlo.cache_shapes(dec.state["cache"]):  # the array, a layer, a layer's keys
@@ -740,9 +727,8 @@ def baselines(records, s) -> dict:
 
 
 def with_baseline(records, s) -> list[dict]:
-    """Copies of the records, each with "baseline": the label of the fastest baseline row at its
-    (TP, loop, batch, context), None where no baseline row ran; "vs_baseline": its tokens/s over
-    the baseline's (> 1: faster)."""
+    """Copies of the records with "baseline" (the fastest baseline row's label at their point, or
+    None) and "vs_baseline" (tokens/s over the baseline's, > 1: faster)."""
     best = baselines(records, s)
     out = []
     for r in records:
@@ -754,8 +740,7 @@ def with_baseline(records, s) -> list[dict]:
 
 
 def floor_rows(records, s) -> tuple[list[str], list[list]]:
-    """Batch 1, the loops' context, every loop and variant (records annotated by
-    with_baseline): TPOT against the memory floor, lax.psum and the baseline."""
+    """Batch 1, the loops' context: TPOT against the memory floor, lax.psum and the baseline."""
     ctx = s["context"][0]
     headers = ["TP", "loop", "all-reduce", "TPOT ms", "floor ms", "x floor", "vs psum",
                "vs baseline"]
@@ -833,8 +818,7 @@ def paper_rows(records, s) -> tuple[list[str], list[list]]:
 
 
 def sweep_grid(records, s, tp: int, loop: str) -> tuple[list[str], list[list]] | None:
-    """The paper's kind of table: sifar's tokens/s gain over psum per batch (rows) and KV length
-    (columns); each cell 'sifar (fused) [identity]'."""
+    """sifar's tokens/s gain over psum per batch (rows) and KV length (columns)."""
     idx = _index(records)
     rows = []
     for b in s["batch"]:
@@ -897,8 +881,7 @@ def _bytes(n: float) -> str:
 
 
 def budget_lines(records, s) -> list[str]:
-    """Per TP, pipelined, batch 1: psum TPOT = weights streamed (at the assumed bandwidth) +
-    all-reduce share (psum - identity) + the rest."""
+    """Per TP, pipelined, batch 1: psum TPOT = weights streamed + all-reduce share + the rest."""
     idx = _index(records)
     ctx = s["context"][0]
     out = []
@@ -1040,58 +1023,29 @@ def write_outputs(args, s, env, records, platform, final: bool):
 
 
 def plot(records, order, path, host, s):
+    """Tokens/s per TP and loop at batch 1 and the loops' KV length, one bar per variant."""
     plt = common.pyplot()
     if plt is None:
         return None
-
-    idx = _index(records)
-    ctx = s["context"][0]
-    tps = sorted({r["tp"] for r in records})
+    idx, ctx = _index(records), s["context"][0]
     labels = [o for o in dict.fromkeys(order) if any(r["allreduce"] == o for r in records)]
-    loops = [x for x in LOOPS if any(r["loop"] == x for r in records)]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    ax = axes[0]
-    groups = [(tp, loop) for tp in tps for loop in loops
+    groups = [(tp, loop) for tp in sorted({r["tp"] for r in records}) for loop in LOOPS
               if any(idx.get((tp, loop, 1, ctx, lb)) for lb in labels)]
+    fig, ax = plt.subplots(figsize=(9, 4.8))
     width = 0.8 / max(1, len(labels))
     for i, label in enumerate(labels):
-        xs, ys = [], []
-        for j, (tp, loop) in enumerate(groups):
-            r = idx.get((tp, loop, 1, ctx, label))
-            if r is not None:
-                xs.append(j + (i - (len(labels) - 1) / 2) * width)
-                ys.append(r["tokens_per_s"])
-        if xs:
-            bars = ax.bar(xs, ys, width, label=label, hatch="//" if label == "identity" else None)
+        pts = [(j + (i - (len(labels) - 1) / 2) * width, r["tokens_per_s"])
+               for j, g in enumerate(groups) if (r := idx.get((*g, 1, ctx, label)))]
+        if pts:
+            bars = ax.bar(*zip(*pts), width, label=label,
+                          hatch="//" if label == "identity" else None)
             ax.bar_label(bars, fmt="%.0f", fontsize=6, rotation=90, padding=2)
-    ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([f"TP={tp}\n{loop}" for tp, loop in groups], fontsize=7)
+    ax.set_xticks(range(len(groups)), [f"TP={tp}\n{loop}" for tp, loop in groups], fontsize=7)
     ax.set_ylabel("tokens/s (batch 1)")
     ax.set_title(f"every loop, batch 1, KV length {ctx}")
     ax.margins(y=0.15)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7)
-    ax = axes[1]
-    top = max(tps)
-    loop = s["sweep_loops"][0] if s["sweep_loops"] else "pipelined"
-    for b in s["batch"]:
-        xs, ys = [], []
-        for c in s["context"]:
-            ps, sf = idx.get((top, loop, b, c, "psum")), idx.get((top, loop, b, c, "sifar"))
-            if ps and sf:
-                xs.append(c)
-                ys.append((ps["tpot_ms_median"] / sf["tpot_ms_median"] - 1) * 100)
-        if xs:
-            ax.plot(xs, ys, marker="o", label=f"batch {b}")
-    ax.axhline(0, color="k", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(s["context"], [str(c) for c in s["context"]])
-    ax.set_xlabel("KV length")
-    ax.set_ylabel("sifar tokens/s gain over lax.psum (%)")
-    ax.set_title(f"sweep, TP={top}, {loop}")
-    ax.grid(True, alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize=7)
     return common.save_figure(fig, f"Decode, {s['preset']} {s['dtype']}, {host}", path)
 
 
