@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 LAUNCHED = sifar_jax.distributed.initialize()  # under sifar_jax.launch: one process per GPU
 
-SCHEMA = "sifar-jax/bench.allreduce/3"  # 3: checks and stats in, target out
+SCHEMA = "sifar-jax/bench.allreduce/3"  # 3: checks and stats in, target and retry out
 PORTABLE = tuple(sifar_jax.algorithms.PORTABLE)
 BASELINE = "lax.psum"
 LEVELS = ("kernel", "jit", "jit_device")
@@ -80,7 +80,6 @@ def parse_args(argv=None):
     add("--trace-runs", type=int, default=None, help="long jit chains per trace (default 100)")
     add("--quick", action="store_true", help="fewer runs and shorter chains (CPU, CI)")
     add("--out", default=None, help="results directory")
-    add("--no-plot", action="store_true", help="skip the PNG")
     add("--write-auto-table", metavar="PATH", default=None,
         help="also write what algorithm='auto' should run per TP and size (sifar_jax.autotable)")
     return p.parse_args(argv)
@@ -88,17 +87,11 @@ def parse_args(argv=None):
 
 def settings(args, kind: str, n_devices: int) -> dict:
     gpu = kind == "gpu"
-    s = {
-        "runs": 30 if gpu else 10,
-        "kernel_r": 2000 if gpu else 20,
-        "chain": (20, 200) if gpu else (4, 16),
-        # One synchronous call per sample: the differences cancel the host's dispatch exactly
-        # (pipelined calls hide it behind the long run only, biasing the difference low).
-        "inner_kernel": 1,
-        "inner_jit": 1,
-        "warmup": 3,
-        "trace_runs": 100 if gpu else 5,
-    }
+    # One synchronous call per sample (inner 1): the differences cancel the host's dispatch
+    # exactly (pipelined calls hide it behind the long run only, biasing the difference low).
+    s = {"runs": 30 if gpu else 10, "kernel_r": 2000 if gpu else 20, "warmup": 3,
+         "chain": (20, 200) if gpu else (4, 16), "inner_kernel": 1, "inner_jit": 1,
+         "trace_runs": 100 if gpu else 5}
     if args.quick:
         s.update(runs=10, kernel_r=200 if gpu else 16, chain=(10, 50) if gpu else (4, 12), warmup=2,
                  trace_runs=20 if gpu else 5)
@@ -130,10 +123,8 @@ def settings(args, kind: str, n_devices: int) -> dict:
     s["levels"] = names(args.levels, LEVELS, "level")
     s["skews_us"] = [float(v) for v in args.skew_us.split(",") if v.strip()]
     s["sizes_kb"] = parse_sizes(args.sizes)
-    if args.tp:
-        s["tp"] = [int(v) for v in args.tp.split(",")]
-    else:
-        s["tp"] = common.powers_of_two_up_to(n_devices) if gpu else [2]
+    s["tp"] = ([int(v) for v in args.tp.split(",")] if args.tp else
+               common.powers_of_two_up_to(n_devices) if gpu else [2])
     for t in s["tp"]:
         if not 2 <= t <= n_devices:
             raise SystemExit(f"--tp {t}: have {n_devices} {kind} devices")
@@ -246,18 +237,11 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
     algs = cfg["algorithms"]
     sifar_algs = [a for a in algs if a != BASELINE]
     # the trace serves jit_device always, the mis-speculation part unless --no-trace
-    traced, trace_skipped = calltrace.find()
-    if trace_skipped:
-        print(f"NOTE: {trace_skipped}", flush=True)
-    call_trace = traced if args.trace else None
-    if not args.trace:
-        trace_skipped = "--no-trace"
+    call_trace = sifar_jax.call_trace if args.trace else None
 
     cases = []
     for tp in cfg["tp"]:
         for level in cfg["levels"]:
-            if level == "jit_device" and traced is None:
-                continue  # no per-call trace in this build (said above)
             for alg in (algs if level == "jit" else sifar_algs):
                 for nbytes in sizes:
                     cases.append((tp, level, alg, nbytes))
@@ -265,7 +249,6 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
                 if call_trace else 0)
 
     records: list[dict] = []
-    retry: list[dict] = []
     checks: list[dict] = []
     stats: dict = {}  # tp -> sifar_jax.stats() over that TP size's runs
     traces: list[dict] = []
@@ -282,7 +265,8 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
             x = on_mesh(mesh, random_bf16(zlib.crc32(repr((tp, level, alg, nbytes)).encode()), tp,
                                           nbytes // 2))
             if level == "jit_device":
-                records.append(jit_device_case(traced, mesh, fns, cfg, tp, alg, nbytes, x))
+                records.append(jit_device_case(sifar_jax.call_trace, mesh, fns, cfg, tp, alg,
+                                               nbytes, x))
                 bar.update(1)
                 continue
             if level == "kernel":
@@ -306,15 +290,7 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
                     bar.write(warnings_out[-1])
             common.warm_up(small, (x,), cfg["warmup"])
             common.warm_up(large, (x,), cfg["warmup"])
-            before = sifar_jax.stats().get(alg) if alg != BASELINE else None
             samples = common.paired_differences(small, large, (x,), extra, cfg["runs"], inner)
-            if before is not None:
-                after = sifar_jax.stats()[alg]
-                calls = after["calls"] - before["calls"]
-                if calls:
-                    rate = (after["retries"] - before["retries"]) / calls
-                    retry.append({"level": level, "tp": tp, "algorithm": alg, "bytes": nbytes,
-                                  "retries_per_call": rate})
             records.append({"algorithm": alg, "level": level, "tp": tp, "bytes": nbytes,
                             **common.summarize_us(samples)})
             bar.update(1)
@@ -332,9 +308,9 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
                      for a, c in sifar_jax.stats().items()}
         sifar_jax.shutdown()
     bar.close()
-    meta = {"kind": kind, "devices": devices[: max(cfg["tp"])], "cfg": cfg, "retry": retry,
+    meta = {"kind": kind, "devices": devices[: max(cfg["tp"])], "cfg": cfg,
             "sizes": sizes, "checks": checks, "stats": stats,
-            "trace": {"records": traces} if call_trace else {"skipped": trace_skipped}}
+            "trace": {"records": traces} if call_trace else {"skipped": "--no-trace"}}
     return records, meta, warnings_out
 
 
@@ -557,7 +533,6 @@ def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
         "checks": meta["checks"],
         "stats": {str(k): v for k, v in meta["stats"].items()},
         "comparison": comp,
-        "retry": meta["retry"],
         "trace": meta["trace"],
     }
     json_path = common.write_json(common.results_path(out_dir, "allreduce", host, ".json"), payload)
@@ -596,57 +571,7 @@ def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
         notes.append(f"Per-call trace: {meta['trace']['skipped']}.")
     md_path = common.write_markdown(common.results_path(out_dir, "allreduce", host, ".md"),
                                     f"All-reduce latency on {host}", env, sections, notes)
-    png_path = None
-    if gpu and not args.no_plot:
-        png_path = plot(records, comp, common.results_path(out_dir, "allreduce", host, ".png"),
-                        host)
-    return json_path, md_path, png_path
-
-
-def plot(records, comp, path, host):
-    """Per TP: latency against size at the kernel and jit levels, and sifar against the peers."""
-    plt = common.pyplot()
-    if plt is None:
-        return None
-
-    tps = sorted({r["tp"] for r in records})
-    if not tps:
-        return None
-    cols = ["kernel", "jit", "peers"]
-    fig, axes = plt.subplots(len(tps), len(cols), figsize=(5 * len(cols), 4 * len(tps)),
-                             squeeze=False)
-    for row, tp in zip(axes, tps):
-        for ax, col in zip(row, cols):
-            if col == "peers":
-                lines = [("sifar", "jit", "-"), ("sifar", "kernel", ":")]
-                lines += [(c["peer"], c["peer_level"], "--") for c in comp if c["tp"] == tp]
-                title = f"sifar vs peers, TP={tp}"
-            else:
-                lines = [(a, col, "--" if a == BASELINE else "-") for a in PORTABLE + (BASELINE,)]
-                title = f"{col} level, TP={tp}"
-            for alg, level, style in dict.fromkeys(lines):
-                pts = sorted(((r["bytes"], r) for r in records  # unresolved medians: no point
-                              if (r["algorithm"], r["level"], r["tp"]) == (alg, level, tp)
-                              and r["us_median"] is not None), key=lambda p: p[0])
-                if not pts:
-                    continue
-                xs = [b / 1024 for b, _ in pts]
-                label = alg if col != "peers" else f"{alg} ({level})"
-                (line,) = ax.plot(xs, [r["us_median"] for _, r in pts], style, marker="o",
-                                  label=label)
-                ax.fill_between(xs, [r["us_p10"] for _, r in pts], [r["us_p90"] for _, r in pts],
-                                color=line.get_color(), alpha=0.15)
-            ticks = sorted({r["bytes"] / 1024 for r in records if r["tp"] == tp})
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(ticks)
-            ax.set_xticklabels([f"{v:g}" for v in ticks])
-            ax.set_xlabel("payload per device (KB, bf16)")
-            ax.set_ylabel("us per all-reduce")
-            ax.set_title(title)
-            ax.grid(True, alpha=0.3)
-            if ax.lines:
-                ax.legend(fontsize=7)
-    return common.save_figure(fig, f"All-reduce latency, {host}", path)
+    return json_path, md_path
 
 
 def auto_table(records, env, kind: str):

@@ -17,16 +17,6 @@ from bench import common
 
 FIELDS = ("group", "rank", "epoch", "algorithm", "start_ns", "end_ns", "retried")
 RING_CALLS = 4096  # calls each rank's trace ring keeps (ffi/core/protocol.h kTraceCapacity)
-MISSING = ("sifar_jax.call_trace is not in this build of sifar_jax (it predates the per-call "
-           "trace ring); mis-speculation per call and tail latency were skipped")
-
-
-def find():
-    """(sifar_jax.call_trace, None) where the library has the per-call trace, else (None, why)."""
-    import sifar_jax
-
-    fn = getattr(sifar_jax, "call_trace", None)
-    return (fn, None) if callable(fn) else (None, MISSING)
 
 
 def collect(call_trace, axis_name: str, fn, args: tuple, runs: int, calls_per_run: int,

@@ -1,5 +1,5 @@
 """Helpers shared by the benchmarks: devices, timing, statistics, the environment, and JSON /
-Markdown / PNG output. Nothing here imports jax at module level: import this before jax for
+Markdown output. Nothing here imports jax at module level: import this before jax for
 `use_host_devices()` to take effect (XLA reads XLA_FLAGS once)."""
 
 from __future__ import annotations
@@ -406,27 +406,3 @@ def plain_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
         out.append("  ".join(str(c).rjust(w) if i else str(c).ljust(w)
                              for i, (c, w) in enumerate(zip(r, widths))))
     return "\n".join(out)
-
-
-def pyplot():
-    """matplotlib.pyplot on the Agg backend, or None (saying so) without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig, title: str, path):
-    """Titles, lays out, writes (PNG, 120 dpi) and closes a matplotlib figure."""
-    import matplotlib.pyplot as plt
-
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

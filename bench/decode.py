@@ -8,7 +8,7 @@ all-reduce: the upper bound), in every decode loop, then over batch sizes and KV
     python -m bench.decode --shapes tp2_rank  # one GPU: TP=2's per-rank shapes, no all-reduce
 
 The method, every option and the record fields: docs/reference.md (bench.decode); the results:
-docs/performance.md. Writes decode-<host>.{json,md,png} after every variant: to bench/results/
+docs/performance.md. Writes decode-<host>.{json,md} after every variant: to bench/results/
 on GPUs, to the git-ignored bench/results/local/ on a CPU.
 """
 
@@ -112,7 +112,6 @@ def parse_args(argv=None):
     add("--no-trace", action="store_true", help="skip the per-call all-reduce trace")
     add("--quick", action="store_true", help="tiny model, few steps (CPU, CI)")
     add("--out", default=None, help="results directory")
-    add("--no-plot", action="store_true", help="skip the PNG")
     add("--ttft", nargs="?", const="default", default=None, metavar="LENGTHS",
         help="also time to first token per variant (default 128,1024,4096; CPU 16,64)")
     add("--ttft-only", action="store_true", help="only the time to first token")
@@ -324,24 +323,6 @@ def kv_cache_bytes_per_rank(config, context: int, tp: int, batch: int = 1) -> in
     return 2 * config.num_layers * batch * context * heads * config.head_dim * itemsize
 
 
-def _sifar_counters() -> dict | None:
-    try:
-        import sifar_jax
-
-        return sifar_jax.stats()
-    except Exception:  # noqa: BLE001 - extension missing: no counters
-        return None
-
-
-def _counter_delta(before, after) -> dict:
-    out = {}
-    for alg, fields in (after or {}).items() if before else ():
-        d = {f: int(v) - int(before.get(alg, {}).get(f, 0)) for f, v in fields.items()}
-        if any(d.values()):
-            out[alg] = d
-    return out
-
-
 # ------------------------------------------------------------------- set-up --
 def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: int,
                  kv_layout: str | None = None, min_rows: int = 1,
@@ -443,27 +424,14 @@ def make_record(variant, loop: str, tp: int, batch: int, context: int, s, second
     label, kind, alg, fused = variant[:4]
     ms = [t * 1e3 for t in seconds]
     med = statistics.median(ms)
-    rec = {
-        "allreduce": label,
-        "tp": tp,
-        "loop": loop,
-        "fused": bool(fused),
-        "prefetch_bytes": _prefetch_bytes(variant),
-        "batch": batch,
-        "context": context,
-        "tpot_ms_median": round(med, 4),
-        "tpot_ms_p99": round(common.percentile(ms, 99), 4),
-        "tokens_per_s": round(batch * 1e3 / med, 2),
-        "tpot_samples": len(ms),
-        "kind": kind,
-        "algorithm": alg,
-        "preset": s["preset"],
-        "moe_impl": getattr(s["config"], "moe_impl", None),
-        "dtype": s["dtype"],
-        "start_position": context - steps_needed(loop, s) - 1,
-        "steps": steps_needed(loop, s),
-        "generated": [int(t[0]) for t in tokens],  # sequence 0
-    }
+    rec = {"allreduce": label, "tp": tp, "loop": loop, "fused": bool(fused),
+           "prefetch_bytes": _prefetch_bytes(variant), "batch": batch, "context": context,
+           "tpot_ms_median": round(med, 4), "tpot_ms_p99": round(common.percentile(ms, 99), 4),
+           "tokens_per_s": round(batch * 1e3 / med, 2), "tpot_samples": len(ms), "kind": kind,
+           "algorithm": alg, "preset": s["preset"], "dtype": s["dtype"],
+           "moe_impl": getattr(s["config"], "moe_impl", None),
+           "start_position": context - steps_needed(loop, s) - 1, "steps": steps_needed(loop, s),
+           "generated": [int(t[0]) for t in tokens]}  # sequence 0
     if loop in ("sync", "stream"):
         rec.update({f"tpot_ms_p{q:g}".replace(".", "_"): round(common.percentile(ms, q), 4)
                     for q in TAIL})
@@ -474,10 +442,14 @@ def make_record(variant, loop: str, tp: int, batch: int, context: int, s, second
 
 
 def sifar_fields(before) -> dict:
-    """Counters and check() over one variant (all its loops)."""
+    """sifar_jax.stats() since `before` and check() over one variant (all its loops)."""
     import sifar_jax
 
-    delta = _counter_delta(before, _sifar_counters())
+    delta = {}
+    for alg, counts in sifar_jax.stats().items():
+        d = {f: int(v) - int(before.get(alg, {}).get(f, 0)) for f, v in counts.items()}
+        if any(d.values()):
+            delta[alg] = d
     calls = sum(d.get("calls", 0) for d in delta.values())
     retries = sum(d.get("retries", 0) for d in delta.values())
     out = {"sifar_stats": delta, "algorithm_used": ",".join(sorted(delta)) or None,
@@ -495,7 +467,11 @@ def run_variant(config, mesh, params, case, s, bar) -> list[dict]:
     tp, batch, context, variant, loops = case
     label, kind = variant[0], variant[1]
     where = f"TP={tp} b={batch} ctx={context} {label}"
-    before = _sifar_counters() if kind in SIFAR_KINDS else None
+    before = None
+    if kind in SIFAR_KINDS:
+        import sifar_jax
+
+        before = sifar_jax.stats()
     t0 = time.perf_counter()
     bar.set_postfix_str(f"{where}: set-up")
     dec = make_decoder(config, mesh, params, variant, batch, context, s["seed"], s["kv_layout"],
@@ -593,14 +569,11 @@ def run(s, devices, on_record) -> list[dict]:
             used_sifar |= case[3][1] in SIFAR_KINDS
             recs = run_variant(config, mesh, params, case, s, bar)
             records += recs
-            for r in recs:
-                if r["cache_copies"]:
-                    bar.write(f"KV CACHE COPIED: TP={tp} {r['allreduce']} {r['loop']}: "
-                              f"{r['cache_copies']} (copies per call / per loop iteration)")
-            for r in recs:
-                if r.get("sifar_check", "ok") != "ok":
-                    bar.write(f"SIFAR CHECK FAILED: TP={tp} {r['allreduce']}: {r['sifar_check']}")
-                    break
+            for r in (r for r in recs if r["cache_copies"]):
+                bar.write(f"KV CACHE COPIED: TP={tp} {r['allreduce']} {r['loop']}: "
+                          f"{r['cache_copies']} (copies per call / per loop iteration)")
+            if recs[0].get("sifar_check", "ok") != "ok":
+                bar.write(f"SIFAR CHECK FAILED: TP={tp} {case[3][0]}: {recs[0]['sifar_check']}")
             bar.write(f"TP={tp} batch {case[1]} context {case[2]} {case[3][0]:>12}: " + ", ".join(
                 f"{r['loop']} {r['tpot_ms_median']:.3f} ms" for r in recs)
                 + f" (set-up {recs[0]['setup_s']:.1f} s)")
@@ -873,44 +846,6 @@ def allreduce_tail_rows(records) -> tuple[list[str], list[list]]:
     return headers, rows
 
 
-def _bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def budget_lines(records, s) -> list[str]:
-    """Per TP, pipelined, batch 1: psum TPOT = weights streamed + all-reduce share + the rest."""
-    idx = _index(records)
-    ctx = s["context"][0]
-    out = []
-    ref = idx.get((1, "pipelined", 1, ctx, "psum"))
-    for tp in sorted({r["tp"] for r in records}):
-        ps = idx.get((tp, "pipelined", 1, ctx, "psum"))
-        ident = idx.get((tp, "pipelined", 1, ctx, "identity"))
-        if not ps:
-            continue
-        w_ms = ps["weights_bytes_per_rank"] / HBM_BYTES_PER_S * 1e3
-        kv_ms = ps["kv_bytes_per_rank"] / HBM_BYTES_PER_S * 1e3
-        total = ps["tpot_ms_median"]
-        line = (f"TP={tp}: psum TPOT {total:.3f} ms = weights streamed {w_ms:.3f} ms "
-                f"({_bytes(ps['weights_bytes_per_rank'])}/rank at {HBM_BYTES_PER_S / 1e12:.1f} TB/s)")
-        if tp == 1:
-            line += f" + rest {total - w_ms:.3f} ms (TP=1: nothing to all-reduce)"
-        elif ident:
-            ar = total - ident["tpot_ms_median"]
-            line += (f" + all-reduce share {ar:.3f} ms (psum - identity, {ar / total * 100:.0f}%)"
-                     f" + rest {total - w_ms - ar:.3f} ms")
-        else:
-            line += f" + rest {total - w_ms:.3f} ms (no identity row: all-reduce share unknown)"
-        line += f"; the rest includes the KV cache read, {kv_ms:.3f} ms at that bandwidth"
-        if ref and tp != 1:
-            line += f"; {ref['tpot_ms_median'] / total:.2f}x TP=1 psum"
-        out.append(line)
-    return out
-
-
 # ------------------------------------------------------------------- output --
 def label_order(s) -> list[str]:
     """Rows and bars: psum, the sifar variants, identity, in the order asked."""
@@ -982,10 +917,6 @@ def gpu_sections(records, s) -> list[tuple[str, str]]:
     out += _section(f"Where a step's device time goes: {BREAKDOWN_STEPS} back-to-back steps traced "
                     "(batch 1, the loops' KV length; microseconds per step)",
                     breakdown_rows(records))
-    budget = budget_lines(records, s)
-    if budget:
-        out.append((f"Per-token budget, pipelined, batch 1 (assumed HBM bandwidth "
-                    f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s)", "\n".join(f"- {b}" for b in budget)))
     return out
 
 
@@ -1016,37 +947,7 @@ def write_outputs(args, s, env, records, platform, final: bool):
                          "performance result)", table_rows(records, order, gpu))
     md_path = common.write_markdown(common.results_path(d, "decode", host, ".md"),
                                     f"Decode TPOT on {host}", env, sections, notes)
-    png_path = None
-    if final and gpu and not args.no_plot and records:
-        png_path = plot(records, order, common.results_path(d, "decode", host, ".png"), host, s)
-    return json_path, md_path, png_path
-
-
-def plot(records, order, path, host, s):
-    """Tokens/s per TP and loop at batch 1 and the loops' KV length, one bar per variant."""
-    plt = common.pyplot()
-    if plt is None:
-        return None
-    idx, ctx = _index(records), s["context"][0]
-    labels = [o for o in dict.fromkeys(order) if any(r["allreduce"] == o for r in records)]
-    groups = [(tp, loop) for tp in sorted({r["tp"] for r in records}) for loop in LOOPS
-              if any(idx.get((tp, loop, 1, ctx, lb)) for lb in labels)]
-    fig, ax = plt.subplots(figsize=(9, 4.8))
-    width = 0.8 / max(1, len(labels))
-    for i, label in enumerate(labels):
-        pts = [(j + (i - (len(labels) - 1) / 2) * width, r["tokens_per_s"])
-               for j, g in enumerate(groups) if (r := idx.get((*g, 1, ctx, label)))]
-        if pts:
-            bars = ax.bar(*zip(*pts), width, label=label,
-                          hatch="//" if label == "identity" else None)
-            ax.bar_label(bars, fmt="%.0f", fontsize=6, rotation=90, padding=2)
-    ax.set_xticks(range(len(groups)), [f"TP={tp}\n{loop}" for tp, loop in groups], fontsize=7)
-    ax.set_ylabel("tokens/s (batch 1)")
-    ax.set_title(f"every loop, batch 1, KV length {ctx}")
-    ax.margins(y=0.15)
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
-    return common.save_figure(fig, f"Decode, {s['preset']} {s['dtype']}, {host}", path)
+    return json_path, md_path
 
 
 def print_gpu_summary(records, s) -> None:
@@ -1063,8 +964,6 @@ def print_gpu_summary(records, s) -> None:
     if rows:
         print(f"Where a step's device time goes ({BREAKDOWN_STEPS} steps traced, us per step):")
         print(common.plain_table(headers, rows) + "\n")
-    for line in budget_lines(records, s):
-        print(line)
 
 
 def main(argv=None) -> int:

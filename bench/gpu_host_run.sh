@@ -55,13 +55,11 @@ run_step() {
 
 log "host ($([[ $quick == 1 ]] && echo quick || echo full) suite: ${steps[*]}; budget ${BUDGET} s)"
 {
-  echo "multicast switches as found: NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE-<unset>}" \
-       "NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS-<unset>}" \
-       "TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST-<unset>}"
+  switches() { for v in NCCL_NVLS_ENABLE NVSHMEM_DISABLE_NVLS TORCH_SYMM_MEM_DISABLE_MULTICAST; do
+    printf ' %s=%s' "$v" "${!v-<unset>}"; done; echo; }
+  echo "multicast switches as found:$(switches)"
   export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-  echo "multicast switches as used:  NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE" \
-       "NVSHMEM_DISABLE_NVLS=$NVSHMEM_DISABLE_NVLS" \
-       "TORCH_SYMM_MEM_DISABLE_MULTICAST=$TORCH_SYMM_MEM_DISABLE_MULTICAST"
+  echo "multicast switches as used: $(switches)"
   echo "kernel: $(uname -srm); cores: $(nproc)"
   if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.sm,clocks.max.sm \
@@ -78,7 +76,7 @@ log "host ($([[ $quick == 1 ]] && echo quick || echo full) suite: ${steps[*]}; b
     \( -name '*.py' -o -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh' -o -name '*.txt' \
     -o -name '*.toml' \) 2>/dev/null | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-12)"
   "$PYTHON" -c "import importlib, platform; print('python', platform.python_version())
-for m in ('jax', 'jaxlib', 'numpy', 'ml_dtypes', 'flax', 'matplotlib', 'tqdm', 'torch'):
+for m in ('jax', 'jaxlib', 'numpy', 'ml_dtypes', 'flax', 'tqdm', 'torch'):
     try: print(m, importlib.import_module(m).__version__)
     except Exception as e: print(m, '-', type(e).__name__)"
 } 2>&1 | tee -a "$LOG"
@@ -124,12 +122,12 @@ for step in "${steps[@]}"; do
       # shellcheck disable=SC2086
       run_step "bench.allreduce, $nproc_mp processes" "${MP_TIMEOUT:-240}" \
         "$PYTHON" -m sifar_jax.launch -n "$nproc_mp" -- "$PYTHON" -m bench.allreduce \
-        ${quick_arg[@]+"${quick_arg[@]}"} --peers none --no-trace --no-plot --out "$OUT/mp" \
+        ${quick_arg[@]+"${quick_arg[@]}"} --peers none --no-trace --out "$OUT/mp" \
         ${MP_ARGS:---sizes 8,32 --algorithms sifar,sifar_push,lax.psum}
       # shellcheck disable=SC2086
       run_step "bench.decode, $nproc_mp processes" "${MP_TIMEOUT:-240}" \
         "$PYTHON" -m sifar_jax.launch -n "$nproc_mp" -- "$PYTHON" -m bench.decode \
-        ${quick_arg[@]+"${quick_arg[@]}"} --no-sweep --fused off --no-plot --out "$OUT/mp" ;;
+        ${quick_arg[@]+"${quick_arg[@]}"} --no-sweep --fused off --out "$OUT/mp" ;;
     *)
       log "unknown step '$step' (build, tests, allreduce, decode, mp)" ;;
   esac
