@@ -662,26 +662,26 @@ def table_rows(records, order, gpu: bool = True) -> tuple[list[str], list[list]]
 
 
 def protocol_rows(records, order) -> tuple[list[str], list[list]]:
-    """Per variant and point: which all-reduce ran, sifar_jax.stats() over its loops, check(), and
-    whether its tokens are lax.psum's in every loop (identity: no all-reduce, other tokens)."""
+    """Per variant but lax.psum (the reference) and point: which all-reduce ran, sifar_jax.stats()
+    over its loops, check(), and whether its tokens are lax.psum's at that point, per loop."""
     idx = _index(records)
     headers = ["TP", "batch", "KV length", "all-reduce", "algorithm used", "calls", "retries",
                "timeouts", "check", "same tokens as psum (per loop)"]
     rows, seen = [], set()
     for r in _sorted(records, order):
         point = (r["tp"], r["batch"], r["context"], r["allreduce"])
-        if point in seen:
+        if point in seen or r["kind"] == "psum":
             continue
         seen.add(point)
         mine = [x for x in records if (x["tp"], x["batch"], x["context"], x["allreduce"]) == point]
         same = ", ".join(f"{x['loop']} {_same_tokens(x, idx.get((*_key(x), 'psum')))}"
-                         for x in mine) if r["allreduce"] != "psum" else "(the reference)"
+                         for x in mine)
         stats = r.get("sifar_stats") or {}
         total = {f: sum(v.get(f, 0) for v in stats.values()) for f in ("calls", "retries",
                                                                        "timeouts")}
         sifar = r["kind"] in SIFAR_KINDS
         rows.append([r["tp"], r["batch"], r["context"], r["allreduce"],
-                     r.get("algorithm_used") or ("lax.psum" if r["kind"] == "psum" else "none"),
+                     r.get("algorithm_used") or "none (no all-reduce)",
                      *(total[f] if sifar else "-" for f in ("calls", "retries", "timeouts")),
                      r.get("sifar_check", "-"), same])
     return headers, rows
