@@ -1,69 +1,21 @@
-"""All-reduce latency of every portable SiFAR algorithm, of lax.psum and of the
-peers (torch NCCL, torch symmetric memory, XLA's one-shot kernel), in one run.
+"""All-reduce latency of every portable SiFAR algorithm, of lax.psum and of the peers (torch NCCL,
+torch symmetric memory, XLA's one-shot kernel), in one run.
 
-    python -m bench.allreduce                 # full run (GPU: the results the project commits)
+    python -m bench.allreduce                 # GPUs: the results the project commits
     python -m bench.allreduce --quick         # a quick look (CPU / CI: well under a minute)
     python -m bench.allreduce --peers none --no-trace   # ours and lax.psum only
     python -m bench.allreduce --sizes sweep --write-auto-table auto.json   # what "auto" runs
     python -m sifar_jax.launch -n 2 -- python -m bench.allreduce   # one process per GPU
 
-Levels (the "level" field of each record), each a per-all-reduce latency:
-
-  kernel            R all-reduces back to back inside one handler call / kernel
-                    launch (the paper's method): (t(R) - t(1)) / (R - 1).
-                    sifar algorithms only.
-  jit               a chain of R data-dependent all-reduces (y <- allreduce(y)) in
-                    one jitted shard_map function (XLA command buffers on GPUs):
-                    (t(R2) - t(R1)) / (R2 - R1), which cancels the launch. sifar
-                    algorithms, lax.psum, xla.one_shot.
-  jit_device        the jit chain of R2 all-reduces traced per call (sifar_jax.call_trace):
-                    per rank and run, (end of the last call - end of the first) / (R2 - 1)
-                    from the device's clock. The host's dispatch and the ranks' start skew
-                    fall outside it: the level that compares one process per GPU with one
-                    process for all. sifar algorithms, where the trace exists.
-  cuda_graph_chain  torch peers: chains of R1 and R2 all-reduces captured in CUDA
-                    graphs, replays timed with CUDA events, the same difference.
-
-jit and cuda_graph_chain are the like-for-like comparison: both are chains of
-kernels in one CUDA graph. Payloads are random bfloat16 (never zero), 4..64 KB
-per device by default (4 KB: one token of the MoE model's all-reduce), 1 KB..64 MB
-with `--sizes sweep`; every algorithm and peer is checked against a reference
-once per size (a peer with a wrong sum is reported and not timed).
-
-A latency is a difference of timings, so it can come out within its own noise, even
-negative: a median is reported only when it exceeds its noise bound (common.summarize_us),
-else it reads "not resolved" (null in the JSON, with the raw median and the bound beside it).
-
-Peers (bench.peers) run first, each in processes of its own, before this
-process starts JAX on the GPUs; a peer that is not importable, fails or hangs
-is recorded in "errors" with its message and the others go on.
-
-Per-call trace (bench.calltrace; needs sifar_jax.call_trace): the jit
-chain of each traced algorithm, without and with forced skew
-(sifar_jax.testing.inject_skew): the share of calls that mis-speculated, the
-latency of calls that retried against those that did not, and the
-p50/p90/p99/p99.9 of per-call latency from device timestamps.
-
-Runs on GPUs when at least two are visible (TP = 2, 4, ... up to the GPU
-count), else on 8 XLA:CPU host devices at TP=2, where the numbers only
-demonstrate the protocol. Writes allreduce-<host>.{json,md,png} to --out:
-bench/results/ on GPUs, bench/results/local/ (git-ignored) on the CPU.
-
-Started by `python -m sifar_jax.launch` (one process per GPU), the processes
-measure together and process 0 writes allreduce-<host>-<n>proc.*; the peers are
-skipped there (they start processes of their own).
-
-The JSON is an object: schema, env (machine, versions, date), settings,
-levels, records (one per algorithm, level, TP and size: us_median, which is null where
-the median is not resolved above its noise (common.summarize_us), us_median_raw, us_noise,
-us_p10, us_p90, samples), errors, comparison (sifar against each peer), target, retry
-(counters), trace ({"skipped": why} or {"records": [...]}).
+Levels (kernel, jit, jit_device, the peers' cuda_graph_chain), the noise rule ("not resolved"),
+the per-call trace and the JSON's fields: docs/reference.md (bench.allreduce). On a machine with
+fewer than two GPUs it runs on 8 XLA:CPU host devices at TP=2: a protocol demo (every algorithm
+checked bit for bit against lax.psum, sifar_jax.stats()), not a performance result.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import zlib
@@ -78,105 +30,68 @@ from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import sifar_jax  # noqa: E402
+import sifar_jax.benchmarking  # noqa: E402
 from bench import calltrace, peers  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 LAUNCHED = sifar_jax.distributed.initialize()  # under sifar_jax.launch: one process per GPU
 
-SCHEMA = "sifar-jax/bench.allreduce/2"
+SCHEMA = "sifar-jax/bench.allreduce/3"  # 3: checks and stats in, target and retry out
 PORTABLE = tuple(sifar_jax.algorithms.PORTABLE)
 BASELINE = "lax.psum"
 LEVELS = ("kernel", "jit", "jit_device")
 LEVEL_TEXT = {
-    "kernel": "R all-reduces back to back inside one launch: (t(R) - t(1)) / (R - 1)",
-    "jit": "chains of R1 and R2 data-dependent all-reduces in one jitted shard_map function: "
-           "(t(R2) - t(R1)) / (R2 - R1), synchronous calls timed on the host",
-    "jit_device": "the jit chain of R2 all-reduces, per rank and run (end of the last call - "
-                  "end of the first) / (R2 - 1) from the device's clock (sifar_jax.call_trace)",
+    "kernel": "R all-reduces in one launch: (t(R) - t(1)) / (R - 1)",
+    "jit": "jitted chains of R1 and R2 data-dependent all-reduces: (t(R2) - t(R1)) / (R2 - R1)",
+    "jit_device": "the R2 chain per rank and run from the device's clock: "
+                  "(end of the last call - end of the first) / (R2 - 1)",
     **{k: v for k, v in peers.LEVELS.items() if k != peers.LEVEL_JIT},
 }
-# Payload sizes per device, KB of bfloat16. default: the decoders' all-reduces (4 KB: one token
-# of hidden 2048, the MoE model; 8 KB: hidden 4096, Llama-3.1-8B) up to a few tokens' worth.
-# sweep: 1 KB to 64 MB in powers of two, where `auto` must choose between our algorithms and
-# lax.psum by size (issue 26); long on GPUs (the kernel level runs R all-reduces per sample).
+# KB of bf16 per device. default: the decoders' all-reduces (4 KB: one token of the MoE model,
+# 8 KB: Llama-3.1-8B's) up to a few tokens; sweep: 1 KB to 64 MB, for `auto`'s choice by size.
 SIZE_PRESETS = {"default": (4, 8, 16, 32, 64),
                 "sweep": tuple(float(2 ** k) for k in range(17))}  # 1 KB .. 65536 KB = 64 MB
-# The target of issue 14: sifar ahead of every peer at every size up to this, at TP=2.
-TARGET_TP, TARGET_MAX_BYTES = 2, 32 * 1024
-CPU_NOTE = (
-    "No GPUs here: these numbers come from XLA:CPU host devices (threads as ranks, "
-    "shared host memory). They demonstrate the protocol; they are not a performance result."
-)
+CPU_NOTE = ("No GPUs here: XLA:CPU host devices (threads as ranks, one shared memory) ran the "
+            "protocol for real; its timings mean nothing for GPUs. Speed figures: "
+            "docs/performance.md.")
 
 
 # ------------------------------------------------------------------ settings --
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        prog="python -m bench.allreduce",
-        description="Per-all-reduce latency of the SiFAR algorithms, lax.psum and the peers.",
-    )
-    p.add_argument("--sizes", default="default",
-                   help="payload sizes per device in KB of bfloat16, a comma list or a preset: "
-                        + "; ".join(f"{k}: {','.join(f'{v:g}' for v in kb)}"
-                                    for k, kb in SIZE_PRESETS.items()))
-    p.add_argument("--algorithms", default=",".join(PORTABLE + (BASELINE,)),
-                   help=f"comma list from {', '.join(PORTABLE + (BASELINE,))} (default: all)")
-    p.add_argument("--levels", default=",".join(LEVELS),
-                   help=f"comma list from {', '.join(LEVELS)} (default: all)")
-    p.add_argument("--tp", default=None,
-                   help="comma list of TP sizes (default: 2, 4, ... up to the GPU count; 2 on CPU)")
-    p.add_argument("--reps", type=int, default=None,
-                   help="timed runs per case, summarised as median/p10/p90 "
-                        "(default: 30 on GPU, 10 on CPU and with --quick)")
-    p.add_argument("--kernel-repeat", type=int, default=None,
-                   help="R, all-reduces per launch at kernel level (default: 2000 GPU, 20 CPU)")
-    p.add_argument("--chain", default=None,
-                   help="R1,R2: chain lengths at jit level and of the peers' graphs "
-                        "(default: 20,200 GPU; 4,16 CPU)")
-    p.add_argument("--peers", default="auto",
-                   help=f"comma list from {', '.join(peers.ALL)}, 'auto' (all; the torch ones "
-                        "need GPUs) or 'none'")
-    p.add_argument("--peer-timeout", type=float, default=120.0,
-                   help="seconds each peer process may run before it is killed (default 120; "
-                        "one normally takes 20-40 s)")
-    p.add_argument("--no-trace", dest="trace", action="store_false",
-                   help="skip the mis-speculation and tail part of the per-call trace (the "
-                        "jit_device level still runs)")
-    p.add_argument("--skew-us", default="0,2,10",
-                   help="forced skews for the trace, max microseconds each rank waits before "
-                        "each all-reduce (0 = none; default 0,2,10)")
-    p.add_argument("--trace-algorithms", default="sifar",
-                   help="algorithms traced per call (default: sifar)")
-    p.add_argument("--trace-runs", type=int, default=None,
-                   help="executions of the long jit chain per trace (default: 100 GPU, 5 CPU)")
-    p.add_argument("--quick", action="store_true", help="fewer runs and shorter chains (CPU, CI)")
-    p.add_argument("--out", default=None,
-                   help="directory for the results (default: bench/results on GPUs, "
-                        "bench/results/local on the CPU, which git ignores)")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--write-auto-table", metavar="PATH", default=None,
-                   help="also write what algorithm='auto' should run per TP and size: the fastest "
-                        "of our exact algorithms and lax.psum at the jit level of this run, lax.psum "
-                        "above the default slot (sifar_jax.autotable); load it with "
-                        "sifar_jax.init(mesh, auto_table=PATH) or $SIFAR_AUTO_TABLE")
+    p = argparse.ArgumentParser(prog="python -m bench.allreduce",
+                                description="Per-all-reduce latency of the SiFAR algorithms, "
+                                            "lax.psum and the peers (docs/reference.md).")
+    add = p.add_argument
+    add("--sizes", default="default", help="KB of bf16 per device, a comma list or a preset: "
+        + "; ".join(f"{k}: {','.join(f'{v:g}' for v in kb)}" for k, kb in SIZE_PRESETS.items()))
+    add("--algorithms", default=",".join(PORTABLE + (BASELINE,)),
+        help=f"comma list from {', '.join(PORTABLE + (BASELINE,))} (default: all)")
+    add("--levels", default=",".join(LEVELS), help=f"comma list from {', '.join(LEVELS)}")
+    add("--tp", default=None, help="comma list of TP sizes (default: 2, 4, ... up to the GPUs)")
+    add("--reps", type=int, default=None, help="timed runs per case (default 30 GPU, 10 CPU)")
+    add("--kernel-repeat", type=int, default=None, help="R at kernel level (default 2000; CPU 20)")
+    add("--chain", default=None, help="R1,R2: jit chain lengths (default 20,200; CPU 4,16)")
+    add("--peers", default="auto", help=f"comma list from {', '.join(peers.ALL)}, auto or none")
+    add("--peer-timeout", type=float, default=120.0, help="seconds per peer process")
+    add("--no-trace", dest="trace", action="store_false",
+        help="skip the mis-speculation and tail trace (jit_device still runs)")
+    add("--skew-us", default="0,2,10", help="forced skews for the trace, max us per call")
+    add("--trace-algorithms", default="sifar", help="algorithms traced per call")
+    add("--trace-runs", type=int, default=None, help="long jit chains per trace (default 100)")
+    add("--quick", action="store_true", help="fewer runs and shorter chains (CPU, CI)")
+    add("--out", default=None, help="results directory")
+    add("--write-auto-table", metavar="PATH", default=None,
+        help="also write what algorithm='auto' should run per TP and size (sifar_jax.autotable)")
     return p.parse_args(argv)
 
 
 def settings(args, kind: str, n_devices: int) -> dict:
     gpu = kind == "gpu"
-    s = {
-        "runs": 30 if gpu else 10,
-        "kernel_r": 2000 if gpu else 20,
-        "chain": (20, 200) if gpu else (4, 16),
-        # One synchronous call per sample: the differences then cancel the host's
-        # dispatch time exactly. Back-to-back (pipelined) calls hide dispatch
-        # behind the long run but not behind the short one, which biased the
-        # first GPU run low (oneshot came out faster chained than in one kernel).
-        "inner_kernel": 1,
-        "inner_jit": 1,
-        "warmup": 3,
-        "trace_runs": 100 if gpu else 5,
-    }
+    # One synchronous call per sample (inner 1): the differences cancel the host's dispatch
+    # exactly (pipelined calls hide it behind the long run only, biasing the difference low).
+    s = {"runs": 30 if gpu else 10, "kernel_r": 2000 if gpu else 20, "warmup": 3,
+         "chain": (20, 200) if gpu else (4, 16), "inner_kernel": 1, "inner_jit": 1,
+         "trace_runs": 100 if gpu else 5}
     if args.quick:
         s.update(runs=10, kernel_r=200 if gpu else 16, chain=(10, 50) if gpu else (4, 12), warmup=2,
                  trace_runs=20 if gpu else 5)
@@ -208,10 +123,8 @@ def settings(args, kind: str, n_devices: int) -> dict:
     s["levels"] = names(args.levels, LEVELS, "level")
     s["skews_us"] = [float(v) for v in args.skew_us.split(",") if v.strip()]
     s["sizes_kb"] = parse_sizes(args.sizes)
-    if args.tp:
-        s["tp"] = [int(v) for v in args.tp.split(",")]
-    else:
-        s["tp"] = common.powers_of_two_up_to(n_devices) if gpu else [2]
+    s["tp"] = ([int(v) for v in args.tp.split(",")] if args.tp else
+               common.powers_of_two_up_to(n_devices) if gpu else [2])
     for t in s["tp"]:
         if not 2 <= t <= n_devices:
             raise SystemExit(f"--tp {t}: have {n_devices} {kind} devices")
@@ -237,25 +150,9 @@ def payload_bytes(cfg) -> list[int]:
 
 
 # ----------------------------------------------------------------- functions --
-def repeated_psum():
-    """R all-reduces in one launch: sifar_jax.benchmarking.psum_repeated where the
-    library has it (`_repeat` is leaving sifar_psum's signature), else
-    sifar_psum(..., _repeat=R)."""
-    try:
-        fn = getattr(importlib.import_module("sifar_jax.benchmarking"), "psum_repeated", None)
-    except ImportError:
-        fn = None
-    if fn is not None:
-        return lambda x, axis, repeat, algorithm: fn(x, axis, repeat, algorithm=algorithm)
-    return lambda x, axis, repeat, algorithm: sifar_jax.sifar_psum(
-        x, axis, algorithm=algorithm, _repeat=repeat)
-
-
 def kernel_fn(mesh, algorithm: str, repeat: int):
-    psum_repeated = repeated_psum()
-
     def body(x):
-        return psum_repeated(x[0], "tp", repeat, algorithm)[None]
+        return sifar_jax.benchmarking.psum_repeated(x[0], "tp", repeat, algorithm=algorithm)[None]
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
 
@@ -307,16 +204,18 @@ def local_rows(a) -> np.ndarray:
     return np.concatenate([np.asarray(s.data, np.float32) for s in a.addressable_shards])
 
 
-def check_result(got, want, tp: int) -> bool:
+def check_result(got, want, tp: int) -> dict:
+    """A result against lax.psum's: the same bits on every rank and within any bf16 summation
+    order's rounding of lax.psum's (within_rounding), or bit for bit lax.psum's (identical)."""
     g, w = local_rows(got), local_rows(want)
     same = all(np.array_equal(g[i].view(np.uint32), g[0].view(np.uint32)) for i in range(len(g)))
-    return same and np.allclose(g, w, rtol=2 * tp * 2.0**-8, atol=0)
+    return {"within_rounding": bool(same and np.allclose(g, w, rtol=2 * tp * 2.0**-8, atol=0)),
+            "identical": bool(np.array_equal(g.view(np.uint32), w.view(np.uint32)))}
 
 
 # ------------------------------------------------------------------- running --
 def run_peers(args, n_gpus: int) -> tuple[dict, dict]:
-    """The peers, before this process starts JAX on the GPUs (so they have the
-    GPUs' memory, and nothing else runs on them meanwhile)."""
+    """The peers, before this process starts JAX on the GPUs (theirs alone meanwhile)."""
     kind = "gpu" if n_gpus >= 2 else "cpu"
     cfg = settings(args, kind, n_gpus if kind == "gpu" else 8)
     names = peers.parse(args.peers)
@@ -337,20 +236,12 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
     slot = max(sifar_jax.DEFAULT_SLOT_BYTES, max(sizes))
     algs = cfg["algorithms"]
     sifar_algs = [a for a in algs if a != BASELINE]
-    # The per-call trace serves the jit_device level always, the mis-speculation part unless
-    # --no-trace.
-    traced, trace_skipped = calltrace.find()
-    if trace_skipped:
-        print(f"NOTE: {trace_skipped}", flush=True)
-    call_trace = traced if args.trace else None
-    if not args.trace:
-        trace_skipped = "--no-trace"
+    # the trace serves jit_device always, the mis-speculation part unless --no-trace
+    call_trace = sifar_jax.call_trace if args.trace else None
 
     cases = []
     for tp in cfg["tp"]:
         for level in cfg["levels"]:
-            if level == "jit_device" and traced is None:
-                continue  # no per-call trace in this build (said above)
             for alg in (algs if level == "jit" else sifar_algs):
                 for nbytes in sizes:
                     cases.append((tp, level, alg, nbytes))
@@ -358,22 +249,24 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
                 if call_trace else 0)
 
     records: list[dict] = []
-    retry: list[dict] = []
+    checks: list[dict] = []
+    stats: dict = {}  # tp -> sifar_jax.stats() over that TP size's runs
     traces: list[dict] = []
-    trace_latencies: dict = {}  # (tp, alg, bytes, skew) -> per-call us, for the plot only
     bar = common.progress(len(cases) + n_traces, "all-reduce")
     fns: dict = {}
     for tp in cfg["tp"]:
         mesh = Mesh(np.array(devices[:tp]), ("tp",))
         sifar_jax.shutdown()
         sifar_jax.init(mesh, slot_bytes=slot)
+        stats0 = sifar_jax.stats()
         refs = {"kernel": kernel_ref_fn(mesh), "jit": chain_fn(mesh, BASELINE, 1)}
         for (_, level, alg, nbytes) in [c for c in cases if c[0] == tp]:
             bar.set_postfix_str(f"tp={tp} {level} {alg} {nbytes // 1024}KB")
             x = on_mesh(mesh, random_bf16(zlib.crc32(repr((tp, level, alg, nbytes)).encode()), tp,
                                           nbytes // 2))
             if level == "jit_device":
-                records.append(jit_device_case(traced, mesh, fns, cfg, tp, alg, nbytes, x))
+                records.append(jit_device_case(sifar_jax.call_trace, mesh, fns, cfg, tp, alg,
+                                               nbytes, x))
                 bar.update(1)
                 continue
             if level == "kernel":
@@ -388,21 +281,16 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
                 large = fns.setdefault((tp, "j", alg, r2), chain_fn(mesh, alg, r2))
                 extra, inner = r2 - r1, cfg["inner_jit"]
                 check = fns.setdefault((tp, "j", alg, 1), chain_fn(mesh, alg, 1))
-            if alg != BASELINE and not check_result(check(x), refs[level](x), tp):
-                msg = f"WRONG RESULT: tp={tp} {alg} {nbytes} bytes differs from lax.psum"
-                warnings_out.append(msg)
-                bar.write(msg)
+            if alg != BASELINE:
+                checks.append({"tp": tp, "level": level, "algorithm": alg, "bytes": nbytes,
+                               **check_result(check(x), refs[level](x), tp)})
+                if not checks[-1]["within_rounding"]:
+                    warnings_out.append(f"WRONG RESULT: tp={tp} {alg} {nbytes} bytes differs "
+                                        "from lax.psum")
+                    bar.write(warnings_out[-1])
             common.warm_up(small, (x,), cfg["warmup"])
             common.warm_up(large, (x,), cfg["warmup"])
-            before = sifar_jax.stats().get(alg) if alg != BASELINE else None
             samples = common.paired_differences(small, large, (x,), extra, cfg["runs"], inner)
-            if before is not None:
-                after = sifar_jax.stats()[alg]
-                calls = after["calls"] - before["calls"]
-                if calls:
-                    rate = (after["retries"] - before["retries"]) / calls
-                    retry.append({"level": level, "tp": tp, "algorithm": alg, "bytes": nbytes,
-                                  "retries_per_call": rate})
             records.append({"algorithm": alg, "level": level, "tp": tp, "bytes": nbytes,
                             **common.summarize_us(samples)})
             bar.update(1)
@@ -412,23 +300,22 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
                     for skew in cfg["skews_us"]:
                         bar.set_postfix_str(f"tp={tp} trace {alg} {nbytes // 1024}KB "
                                             f"skew={skew:g}us")
-                        entry, lat = trace_case(call_trace, mesh, fns, cfg, tp, alg, nbytes, skew)
-                        traces.append(entry)
-                        if lat is not None:
-                            trace_latencies[(tp, alg, nbytes, skew)] = lat
+                        traces.append(trace_case(call_trace, mesh, fns, cfg, tp, alg, nbytes,
+                                                 skew)[0])
                         bar.update(1)
         sifar_jax.check()
+        stats[tp] = {a: {k: v - stats0.get(a, {}).get(k, 0) for k, v in c.items()}
+                     for a, c in sifar_jax.stats().items()}
         sifar_jax.shutdown()
     bar.close()
-    meta = {"kind": kind, "devices": devices[: max(cfg["tp"])], "cfg": cfg, "retry": retry,
-            "sizes": sizes,
-            "trace": {"records": traces} if call_trace else {"skipped": trace_skipped},
-            "trace_latencies": trace_latencies}
+    meta = {"kind": kind, "devices": devices[: max(cfg["tp"])], "cfg": cfg,
+            "sizes": sizes, "checks": checks, "stats": stats,
+            "trace": {"records": traces} if call_trace else {"skipped": "--no-trace"}}
     return records, meta, warnings_out
 
 
 def jit_device_case(call_trace, mesh, fns, cfg, tp, alg, nbytes, x) -> dict:
-    """The jit_device level of one algorithm and size (see the module docstring)."""
+    """The jit_device level of one algorithm and size."""
     r2 = cfg["chain"][1]
     fn = fns.setdefault((tp, "j", alg, r2), chain_fn(mesh, alg, r2))
     common.warm_up(fn, (x,), cfg["warmup"])
@@ -463,9 +350,8 @@ def trace_case(call_trace, mesh, fns, cfg, tp, alg, nbytes, skew_us):
 
 # ---------------------------------------------------------------- comparison --
 def comparison(records) -> list[dict]:
-    """sifar (jit level) against every other algorithm that is not ours, per TP and
-    size: ratio = peer median / sifar median (> 1: sifar is faster); None where either
-    median is not resolved above its noise (common.resolved_us)."""
+    """sifar (jit level) against every algorithm not ours, per TP and size: ratio = peer / sifar
+    (> 1: sifar is faster); None where either median is not resolved above its noise."""
     ours = {(r["tp"], r["bytes"]): r["us_median"] for r in records
             if r["algorithm"] == "sifar" and r["level"] == "jit"}
     out = []
@@ -479,34 +365,6 @@ def comparison(records) -> list[dict]:
                     "peer_level": r["level"], "peer_us": r["us_median"], "sifar_us": s,
                     "ratio": round(ratio, 3) if ratio is not None else None})
     return out
-
-
-def target_verdict(comp, errors, sizes, wanted_peers) -> dict:
-    """Issue 14's target: sifar ahead of every peer at every size up to 32 KB at
-    TP=2, measured in one run."""
-    sizes_in = [b for b in sizes if b <= TARGET_MAX_BYTES]
-    rows = [c for c in comp if c["tp"] == TARGET_TP and c["bytes"] in sizes_in]
-    have = {(c["peer"], c["bytes"]) for c in rows if c["ratio"] is not None}
-    measured = sorted({p for p, _ in have})
-    behind = [c for c in rows if c["ratio"] is not None and c["ratio"] <= 1.0]
-    # A peer counts as measured only at every size of the target.
-    missing = [p for p in dict.fromkeys(wanted_peers + measured)
-               if any((p, b) not in have for b in sizes_in)]
-    if not rows or not sizes_in:
-        verdict = "not measured"
-    elif behind:
-        verdict = "missed"
-    elif missing:
-        verdict = "met against the peers measured; not measured against " + ", ".join(missing)
-    else:
-        verdict = "met"
-    worst = min((c for c in rows if c["ratio"] is not None), key=lambda c: c["ratio"], default=None)
-    return {"statement": f"sifar ahead of every peer at every size up to "
-                         f"{TARGET_MAX_BYTES // 1024} KB at TP={TARGET_TP}",
-            "verdict": verdict, "peers_measured": measured, "peers_missing": missing,
-            "behind": [{k: c[k] for k in ("peer", "bytes", "ratio")} for c in behind],
-            "lowest_ratio": {k: worst[k] for k in ("peer", "bytes", "ratio")} if worst else None,
-            "errors": [e for e in errors if e.get("tp") in (None, TARGET_TP)]}
 
 
 # -------------------------------------------------------------------- output --
@@ -546,14 +404,14 @@ def _cell(r, with_spread: bool) -> str:
     return common.fmt_us(r["us_median"])
 
 
-def tables(records, sizes, with_spread: bool):
+def tables(records, sizes, with_spread: bool, speedup: bool = True):
     out = []
     for level, tp, rs in _groups(records):
         algs = [a for a in PORTABLE + (BASELINE,) if any(r["algorithm"] == a for r in rs)]
         by = {(r["algorithm"], r["bytes"]): r for r in rs}
         headers = ["algorithm"] + [f"{b / 1024:g} KB" for b in sizes]
         rows = [[a] + [_cell(by.get((a, b)), with_spread) for b in sizes] for a in algs]
-        extra = _speedup_row(level, rs, sizes)
+        extra = _speedup_row(level, rs, sizes) if speedup else None
         if extra:
             rows.append(extra)
         out.append((level, tp, headers, rows))
@@ -634,20 +492,37 @@ def print_tables(records, comp, sizes, host):
     print()
     for level, tp, headers, rows in tables(records, sizes, with_spread=False):
         print(f"[{host}] level={level} TP={tp}: microseconds per all-reduce (median)")
-        print(common.plain_table(headers, rows))
-        print()
+        print(common.plain_table(headers, rows) + "\n")
     for tp, headers, rows in peer_tables(records, comp, sizes):
         print(f"[{host}] TP={tp}: sifar (jit) against every peer, median us (peer / sifar)")
         print(common.plain_table(headers, [[str(c).replace("**", "") for c in r] for r in rows]))
         print()
 
 
+def protocol_rows(meta) -> tuple[list[str], list[list]]:
+    """Per TP and algorithm: its all-reduces (sifar_jax.stats() over the run), retries, timeouts,
+    and its results against lax.psum's (one call per level and size)."""
+    headers = ["TP", "algorithm", "calls", "retries", "timeouts", "against lax.psum"]
+    rows = []
+    for tp, stats in meta["stats"].items():
+        for alg, c in stats.items():
+            mine = [x for x in meta["checks"] if (x["tp"], x["algorithm"]) == (tp, alg)]
+            if not mine and not c.get("calls"):
+                continue
+            same = sum(x["identical"] for x in mine)
+            wrong = sum(not x["within_rounding"] for x in mine)
+            verdict = (f"WRONG in {wrong} of {len(mine)} checks" if wrong else
+                       f"bit-identical in all {len(mine)} checks" if same == len(mine) else
+                       f"within bf16 rounding ({same} of {len(mine)} bit-identical)")
+            rows.append([tp, alg, c.get("calls", 0), c.get("retries", 0), c.get("timeouts", 0),
+                         verdict if mine else "-"])
+    return headers, rows
+
+
 def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
-    host = env["host"]
+    host, gpu = env["host"], meta["kind"] == "gpu"
     cfg, sizes = meta["cfg"], meta["sizes"]
     comp = comparison(records)
-    wanted = peers.parse(args.peers) + ([BASELINE] if BASELINE in cfg["algorithms"] else [])
-    target = target_verdict(comp, peer_out["errors"], sizes, wanted)
     payload = {
         "schema": SCHEMA,
         "env": env,
@@ -655,33 +530,21 @@ def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
         "levels": LEVEL_TEXT,
         "records": records,
         "errors": peer_out["errors"] + [{"error": w} for w in warnings_out],
+        "checks": meta["checks"],
+        "stats": {str(k): v for k, v in meta["stats"].items()},
         "comparison": comp,
-        "target": target,
-        "retry": meta["retry"],
         "trace": meta["trace"],
     }
     json_path = common.write_json(common.results_path(out_dir, "allreduce", host, ".json"), payload)
-
-    notes = []
-    if meta["kind"] == "cpu":
-        notes.append(CPU_NOTE)
-    notes.append(
-        f"kernel level: (t(R) - t(1)) / (R - 1) with R = {cfg['kernel_r']} all-reduces per launch; "
-        f"jit level: (t(R2) - t(R1)) / (R2 - R1) with chains of {cfg['chain'][0]} and "
-        f"{cfg['chain'][1]} data-dependent all-reduces with nothing between them; the torch peers "
-        f"the same chains in CUDA graphs, timed with CUDA events. Cells: median (p10-p90) "
-        f"over {cfg['runs']} runs, microseconds, bfloat16 payload per device. 'not resolved': "
-        f"the median did not exceed its noise bound ({common.NOISE_SE:g} standard errors of the "
-        f"median, from the samples' interquartile range; us_median null in the JSON, "
-        f"us_median_raw and us_noise beside it), so no figure is given."
-    )
-    low = target["lowest_ratio"]
-    notes.append(f"Target (issue 14): {target['statement']}: **{target['verdict']}**"
-                 + (f"; lowest ratio {low['ratio']:.2f}x (peer / sifar), against {low['peer']} at "
-                    f"{low['bytes'] / 1024:g} KB" if low else "") + ".")
+    notes = [] if gpu else [CPU_NOTE]
+    notes.append(f"kernel level: (t(R) - t(1)) / (R - 1), R = {cfg['kernel_r']}; jit level: "
+                 f"(t(R2) - t(R1)) / (R2 - R1), chains of {cfg['chain'][0]} and {cfg['chain'][1]}; "
+                 f"median (p10-p90) over {cfg['runs']} runs, us, bf16 per device; 'not resolved': "
+                 "within its noise bound (docs/reference.md, bench.allreduce).")
     notes += [f"**{w}**" for w in warnings_out]
-    sections = []
-    for tp, headers, rows in peer_tables(records, comp, sizes):
+    sections = [("What ran: sifar_jax.stats() per algorithm and its results against lax.psum",
+                 common.markdown_table(*protocol_rows(meta)))]
+    for tp, headers, rows in peer_tables(records, comp, sizes) if gpu else ():
         sections.append((f"sifar against every peer, TP={tp} (median us; in brackets peer / sifar "
                          f"at jit level, > 1 means sifar is faster)",
                          common.markdown_table(headers, rows)))
@@ -691,8 +554,9 @@ def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
                 for e in peer_out["errors"]]
         sections.append(("Peers that did not run or were not timed",
                          common.markdown_table(["peer", "TP", "size", "why"], rows)))
-    for level, tp, headers, rows in tables(records, sizes, with_spread=True):
-        sections.append((f"{level} level, TP={tp}", common.markdown_table(headers, rows)))
+    for level, tp, headers, rows in tables(records, sizes, with_spread=True, speedup=gpu):
+        sections.append((f"{level} level, TP={tp}" + ("" if gpu else " (XLA:CPU timings)"),
+                         common.markdown_table(headers, rows)))
     if "records" in meta["trace"]:
         (mh, mrows), (th, trows) = trace_tables(meta["trace"]["records"])
         sections.append(("Mis-speculation per call (device trace of the jit chain; retried: share "
@@ -705,99 +569,9 @@ def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
                              common.markdown_table(th, trows)))
     else:
         notes.append(f"Per-call trace: {meta['trace']['skipped']}.")
-    if meta["retry"]:
-        rows = [[r["level"], r["tp"], r["algorithm"], f"{r['bytes'] / 1024:g} KB",
-                 f"{r['retries_per_call']:.3f}"]
-                for r in sorted(meta["retry"], key=lambda r: (LEVELS.index(r["level"]), r["tp"],
-                                                               r["algorithm"], r["bytes"]))
-                if r["algorithm"] in ("sifar", "sifar_flag", "sifar_push")]
-        if rows:
-            sections.append((
-                "Mis-speculation counters (retries per all-reduce per rank; per warp on GPUs)",
-                common.markdown_table(["level", "TP", "algorithm", "size", "retries"], rows),
-            ))
-    md_path = common.write_markdown(
-        common.results_path(out_dir, "allreduce", host, ".md"),
-        f"All-reduce latency on {host}", env, sections, notes,
-    )
-    png_path = None
-    if not args.no_plot:
-        png_path = plot(records, comp, meta["trace_latencies"],
-                        common.results_path(out_dir, "allreduce", host, ".png"), host, meta["kind"])
-    return json_path, md_path, png_path
-
-
-def plot(records, comp, trace_latencies, path, host, kind):
-    plt = common.pyplot()
-    if plt is None:
-        return None
-
-    tps = sorted({r["tp"] for r in records})
-    if not tps:
-        return None
-    cols = ["kernel", "jit", "peers"] + (["trace"] if trace_latencies else [])
-    fig, axes = plt.subplots(len(tps), len(cols), figsize=(5 * len(cols), 4 * len(tps)),
-                             squeeze=False)
-    for row, tp in zip(axes, tps):
-        for ax, col in zip(row, cols):
-            if col == "trace":
-                _plot_trace(ax, tp, trace_latencies)
-                continue
-            if col == "peers":
-                lines = [("sifar", "jit", "-"), ("sifar", "kernel", ":")]
-                lines += [(c["peer"], c["peer_level"], "--") for c in comp if c["tp"] == tp]
-                title = f"sifar vs peers, TP={tp}"
-            else:
-                lines = [(a, col, "--" if a == BASELINE else "-") for a in PORTABLE + (BASELINE,)]
-                title = f"{col} level, TP={tp}"
-            for alg, level, style in dict.fromkeys(lines):
-                pts = sorted(((r["bytes"], r) for r in records  # unresolved medians: no point
-                              if (r["algorithm"], r["level"], r["tp"]) == (alg, level, tp)
-                              and r["us_median"] is not None), key=lambda p: p[0])
-                if not pts:
-                    continue
-                xs = [b / 1024 for b, _ in pts]
-                label = alg if col != "peers" else f"{alg} ({level})"
-                (line,) = ax.plot(xs, [r["us_median"] for _, r in pts], style, marker="o",
-                                  label=label)
-                ax.fill_between(xs, [r["us_p10"] for _, r in pts], [r["us_p90"] for _, r in pts],
-                                color=line.get_color(), alpha=0.15)
-            ticks = sorted({r["bytes"] / 1024 for r in records if r["tp"] == tp})
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(ticks)
-            ax.set_xticklabels([f"{v:g}" for v in ticks])
-            ax.set_xlabel("payload per device (KB, bf16)")
-            ax.set_ylabel("us per all-reduce")
-            ax.set_title(title)
-            ax.grid(True, alpha=0.3)
-            if ax.lines:
-                ax.legend(fontsize=7)
-    title = f"All-reduce latency, {host}"
-    if kind == "cpu":
-        title += " (XLA:CPU protocol demo, not GPU performance)"
-    return common.save_figure(fig, title, path)
-
-
-def _plot_trace(ax, tp, trace_latencies):
-    """Survival function of per-call latency (log y shows the tail), one size."""
-    keys = [k for k in trace_latencies if k[0] == tp]
-    if not keys:
-        return
-    sizes = sorted({k[2] for k in keys})
-    size = min(sizes, key=lambda b: abs(b - 8192))
-    for k in sorted(k for k in keys if k[2] == size):
-        lat = np.sort(trace_latencies[k])
-        if lat.size == 0:
-            continue
-        surv = 1.0 - np.arange(lat.size) / lat.size
-        ax.step(lat, surv, where="post", label=f"{k[1]}, skew {k[3]:g} us")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("per-call latency (us, device timestamps)")
-    ax.set_ylabel("share of calls slower")
-    ax.set_title(f"per-call latency, {size / 1024:g} KB, TP={tp}")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    md_path = common.write_markdown(common.results_path(out_dir, "allreduce", host, ".md"),
+                                    f"All-reduce latency on {host}", env, sections, notes)
+    return json_path, md_path
 
 
 def auto_table(records, env, kind: str):
@@ -833,7 +607,11 @@ def main(argv=None) -> int:
         env["host"] += f"-{jax.process_count()}proc"
     env.update({k: v for k, v in peer_out["info"].items() if k in ("torch", "nccl")})
     env["peers_info"] = peer_out["info"]
-    print_tables(records, comparison(records), meta["sizes"], env["host"])
+    if kind == "gpu":
+        print_tables(records, comparison(records), meta["sizes"], env["host"])
+    else:
+        print(f"\n[{env['host']}] What ran: {CPU_NOTE}")
+        print(common.plain_table(*protocol_rows(meta)) + "\n")
     out_dir = args.out if args.out else common.default_out(kind)
     paths = write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out)
     for p in paths:

@@ -1,27 +1,10 @@
 """Per-call device trace of sifar all-reduces: mis-speculation and tail latency.
 
-The library's trace, `sifar_jax.call_trace(axis_name)` (src/sifar_jax/stats.py), is a
-context manager yielding an object whose `.records()` (read after the block)
-returns a numpy structured array with one record per call and rank: group,
-rank, epoch, chain, algorithm, start_ns, end_ns (%globaltimer on GPUs, the host's
-steady clock on the CPU) and retried (block 0 of that rank re-read at least
-one stale word). Each rank keeps its last RING_CALLS calls, and entering the
-block empties the ring, so `collect` traces in blocks short enough never to
-wrap. Where the library has no trace, `find()` says so and bench.allreduce
-skips this part with that message.
-
-From one trace (one TP size, algorithm, payload size and forced skew) `summarize`
-gives:
-- retried share: the share of calls (per rank) that mis-speculated, the paper's
-  "32% of all-reduces mis-speculated" (TP=8). Block 0's view: a lower bound of
-  the share in which any block retried;
-- the latency (end - start, per call and rank, block 0's clock) of the calls
-  that retried and of those that did not (median and mean);
-- cost: 1 - mean(clean) / mean(all), the share of the time spent above the
-  clean calls' mean (the paper: 1.6%). An upper bound of what mis-speculation
-  costs: a call retries when its peers are late, and a barrier would have
-  waited for them too;
-- tails: p50/p90/p99/p99.9 of every call's latency.
+`sifar_jax.call_trace(axis_name)` records one entry per call and rank (group, rank, epoch, chain,
+algorithm, start_ns, end_ns on %globaltimer or the host's steady clock, retried: block 0 re-read a
+stale word). Each rank keeps its last RING_CALLS calls, so `collect` traces in blocks that never
+wrap. `summarize` gives the retried share (block 0's view: a lower bound), clean and retried
+latencies, cost = 1 - mean(clean) / mean(all) (an upper bound) and p50-p99.9 tails.
 """
 
 from __future__ import annotations
@@ -34,24 +17,13 @@ from bench import common
 
 FIELDS = ("group", "rank", "epoch", "algorithm", "start_ns", "end_ns", "retried")
 RING_CALLS = 4096  # calls each rank's trace ring keeps (ffi/core/protocol.h kTraceCapacity)
-MISSING = ("sifar_jax.call_trace is not in this build of sifar_jax (it predates the per-call "
-           "trace ring); mis-speculation per call and tail latency were skipped")
-
-
-def find():
-    """(sifar_jax.call_trace, None) where the library has the per-call trace, else (None, why)."""
-    import sifar_jax
-
-    fn = getattr(sifar_jax, "call_trace", None)
-    return (fn, None) if callable(fn) else (None, MISSING)
 
 
 def collect(call_trace, axis_name: str, fn, args: tuple, runs: int, calls_per_run: int,
             skew_us: float = 0.0, ring_calls: int = RING_CALLS) -> np.ndarray:
-    """Runs fn(*args) `runs` times (each waited for), making `calls_per_run`
-    all-reduces per rank each, inside traces of at most `ring_calls` calls per
-    rank; with every rank waiting a random 0..skew_us before each all-reduce
-    when skew_us > 0. Returns every record."""
+    """Every record of `runs` waited runs of fn(*args) (`calls_per_run` all-reduces per rank
+    each), traced in blocks of at most `ring_calls` calls, with a random 0..skew_us wait per
+    rank before each all-reduce when skew_us > 0."""
     from sifar_jax import testing
 
     per_block = max(1, ring_calls // max(1, calls_per_run))
@@ -73,11 +45,9 @@ def collect(call_trace, axis_name: str, fn, args: tuple, runs: int, calls_per_ru
 
 
 def chain_seconds_per_call(rec: np.ndarray, calls_per_run: int) -> list[float]:
-    """Per rank and run of a chain of `calls_per_run` all-reduces (as `collect` runs them): the
-    device time from the end of its first call to the end of its last, over calls_per_run - 1.
-    The steady-state time per call of a chain in one executable, launch gaps included, from the
-    device's clock alone: the host's dispatch and the ranks' start skew (one process per GPU
-    starts each run at its own time) fall before the first call ends."""
+    """Per rank and run of a chain of `calls_per_run` all-reduces: (end of the last call - end of
+    the first) / (calls_per_run - 1) on the device's clock, so the host's dispatch and the ranks'
+    start skew fall outside it."""
     out = []
     for rank in np.unique(rec["rank"]):
         mine = rec[(rec["rank"] == rank) & (rec["start_ns"] > 0)]
@@ -89,8 +59,7 @@ def chain_seconds_per_call(rec: np.ndarray, calls_per_run: int) -> list[float]:
 
 
 def latencies_us(rec: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(latency in us of each valid record, the mask of valid records): a record
-    is valid when it was written (start > 0) and ends after it starts."""
+    """(latency in us of each valid record, the mask: written, start > 0, and end > start)."""
     start = rec["start_ns"].astype(np.int64)
     end = rec["end_ns"].astype(np.int64)
     ok = (start > 0) & (end > start)

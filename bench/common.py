@@ -1,10 +1,6 @@
-"""Helpers shared by the benchmarks: device set-up, timing, statistics, a host
-tag, a description of the environment, and JSON / Markdown / PNG output.
-
-Import this module before jax when you want `use_host_devices()` to take
-effect: XLA reads XLA_FLAGS once, when its backend starts. Nothing here imports
-jax at module level.
-"""
+"""Helpers shared by the benchmarks: devices, timing, statistics, the environment, and JSON /
+Markdown output. Nothing here imports jax at module level: import this before jax for
+`use_host_devices()` to take effect (XLA reads XLA_FLAGS once)."""
 
 from __future__ import annotations
 
@@ -27,15 +23,11 @@ import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-# CPU demo output: git-ignored, so a run on a laptop or in CI leaves the checkout
-# clean (bench/results/ holds only GPU results, which are committed).
 LOCAL_OUT = DEFAULT_OUT / "local"
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
-# NVLink multicast stays off on every host here (a program that uses it can take
-# a shared host's GPUs out of service): the values the GPU hosts set, forced
-# into every process a benchmark starts. The same as sifar_jax.multicast.DISABLING
-# (a test keeps them equal), kept here so that the torch peers' processes need not
-# import sifar_jax, hence jax.
+# NVLink multicast stays off everywhere (it can take a shared host's GPUs out of service): forced
+# into every process a benchmark starts. sifar_jax.multicast.DISABLING's values (a test keeps them
+# equal), here so that the torch peers need not import sifar_jax, hence jax.
 MULTICAST_OFF = {
     "NCCL_NVLS_ENABLE": "0",
     "NVSHMEM_DISABLE_NVLS": "1",
@@ -45,9 +37,7 @@ MULTICAST_OFF = {
 
 # ------------------------------------------------------------------ devices --
 def use_host_devices(n: int = 8) -> None:
-    """Asks XLA:CPU for n host devices (unless XLA_FLAGS already says how many).
-    Call before jax is imported; harmless on GPU hosts (only the CPU backend
-    reads the flag)."""
+    """Asks XLA:CPU for n host devices unless XLA_FLAGS says how many (before jax is imported)."""
     flags = os.environ.get("XLA_FLAGS", "")
     if _HOST_DEVICES_FLAG not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {_HOST_DEVICES_FLAG}={n}".strip()
@@ -67,10 +57,8 @@ def bench_devices(min_gpus: int = 2) -> tuple[str, list]:
 
 
 def visible_gpu_count() -> int:
-    """NVIDIA GPUs this process may use, found without starting any framework
-    (nvidia-smi, else the /dev/nvidiaN nodes), limited by CUDA_VISIBLE_DEVICES.
-    Lets a benchmark run its GPU peers in other processes before JAX takes
-    the GPUs' memory."""
+    """NVIDIA GPUs this process may use, without starting a framework (nvidia-smi, else the
+    /dev/nvidiaN nodes), limited by CUDA_VISIBLE_DEVICES: the peers run before JAX starts."""
     n = 0
     exe = shutil.which("nvidia-smi")
     if exe is not None:
@@ -90,17 +78,11 @@ def visible_gpu_count() -> int:
 
 
 def child_env(**extra: str) -> dict:
-    """The environment for a process a benchmark starts: ours, multicast forced
-    off (MULTICAST_OFF), plus `extra`."""
+    """The environment for a process a benchmark starts: ours, multicast off, plus `extra`."""
     env = dict(os.environ)
     env.update(MULTICAST_OFF)
     env.update(extra)
     return env
-
-
-def multicast_env() -> dict:
-    """The three multicast switches as this process sees them (for the logs)."""
-    return {k: os.environ.get(k) for k in MULTICAST_OFF}
 
 
 def powers_of_two_up_to(n: int, start: int = 2) -> list[int]:
@@ -190,7 +172,7 @@ def describe_environment(devices: Sequence | None = None) -> dict:
         "jax": jax.__version__,
         "jaxlib": getattr(jaxlib, "__version__", None) or jax.lib.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "multicast_env": " ".join(f"{k}={v}" for k, v in multicast_env().items()),
+        "multicast_env": " ".join(f"{k}={os.environ.get(k)}" for k in MULTICAST_OFF),
     }
     try:
         env["platform_version"] = devices[0].client.platform_version
@@ -213,8 +195,7 @@ def block(x):
 
 
 def time_calls(fn: Callable, args: tuple, inner: int = 1) -> float:
-    """Seconds per call: `inner` back-to-back calls (dispatched asynchronously),
-    then one wait for the last result."""
+    """Seconds per call of `inner` back-to-back calls and one wait for the last."""
     t0 = time.perf_counter()
     out = None
     for _ in range(inner):
@@ -237,12 +218,8 @@ def paired_differences(
     inner: int = 1,
     on_run: Callable[[], None] | None = None,
 ) -> list[float]:
-    """Per-unit seconds from runs of (fn_large - fn_small) / extra_work.
-
-    The two functions differ only in `extra_work` units (e.g. all-reduces), so
-    the difference cancels launch and dispatch overhead. They are timed
-    alternately, run by run, so slow drifts hit both alike.
-    """
+    """Per-unit seconds of runs of (fn_large - fn_small) / extra_work: functions that differ only
+    in `extra_work` units (all-reduces), timed alternately; the difference cancels the launch."""
     out = []
     for _ in range(runs):
         t_small = time_calls(fn_small, args, inner)
@@ -264,8 +241,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def tails_us(values_us) -> dict:
-    """{us_p50, us_p90, us_p99, us_p99_9} of latencies in microseconds (linear
-    interpolation, as percentile())."""
+    """{us_p50, us_p90, us_p99, us_p99_9} of latencies in microseconds."""
     v = np.asarray(values_us, dtype=np.float64)
     if v.size == 0:
         return {"us_p50": None, "us_p90": None, "us_p99": None, "us_p99_9": None}
@@ -274,20 +250,16 @@ def tails_us(values_us) -> dict:
             "us_p99": round(float(p[2]), 3), "us_p99_9": round(float(p[3]), 3)}
 
 
-# A latency obtained as a difference of timings, (t(R2) - t(R1)) / (R2 - R1), carries the noise
-# of both: a sample can come out negative, and so can a median (bench.allreduce once printed
-# -1.08 us). A median is reported only when it lies above its noise bound: NOISE_SE standard
-# errors of the median, the standard error estimated from the samples' own spread as
-# 1.2533 * sigma / sqrt(n) with sigma = IQR / 1.349 (both exact for normal samples; the IQR
-# ignores the outliers a busy host adds), i.e. about 1.86 x IQR / sqrt(n). Fewer than
-# MIN_SAMPLES samples bound nothing.
+# A latency from a difference of timings carries both timings' noise and can come out negative.
+# A median is reported only above NOISE_SE standard errors of the median, estimated from the
+# samples' interquartile range: 1.2533 * (IQR / 1.349) / sqrt(n) (exact for normal samples; the
+# IQR ignores a busy host's outliers). Fewer than MIN_SAMPLES samples bound nothing.
 NOISE_SE = 2.0
 MIN_SAMPLES = 3
 
 
 def noise_bound_us(us: Sequence[float]) -> float | None:
-    """NOISE_SE standard errors of the median of `us`, from their interquartile range; None
-    below MIN_SAMPLES samples."""
+    """NOISE_SE standard errors of the median of `us`; None below MIN_SAMPLES samples."""
     if len(us) < MIN_SAMPLES:
         return None
     iqr = percentile(us, 75) - percentile(us, 25)
@@ -295,17 +267,15 @@ def noise_bound_us(us: Sequence[float]) -> float | None:
 
 
 def resolved_us(median: float, noise: float | None) -> float | None:
-    """The median, if it is resolved above its noise (positive and larger than the bound);
-    else None: a negative or within-noise difference is never reported as a number."""
+    """The median if it lies above its noise bound, else None (never a within-noise figure)."""
     if noise is None or not math.isfinite(median) or median <= noise:
         return None
     return median
 
 
 def summarize_us(seconds: Sequence[float]) -> dict:
-    """Per-unit seconds as microseconds: us_median (None when not resolved above its noise,
-    see resolved_us), us_median_raw (the samples' median either way), us_p10, us_p90 (their
-    spread), us_noise (the bound) and samples (n)."""
+    """Per-unit seconds as us_median (None within its noise), us_median_raw, us_p10, us_p90,
+    us_noise (the bound) and samples."""
     us = [s * 1e6 for s in seconds]
     median = statistics.median(us)
     noise = noise_bound_us(us)
@@ -321,43 +291,24 @@ def summarize_us(seconds: Sequence[float]) -> dict:
 
 
 def fmt_latency(rec: dict, unit: str = "") -> str:
-    """A record's us_median for a table or a log line: the figure (with `unit`), or
-    'not resolved'."""
+    """A record's us_median (with `unit`), or 'not resolved'."""
     if rec.get("us_median") is None:
         return "not resolved"
     return fmt_us(rec["us_median"]) + unit
 
 
 def progress(total: int, desc: str):
-    """A tqdm bar on stderr (a no-op stand-in when tqdm is missing)."""
-    try:
-        from tqdm import tqdm
+    """A tqdm bar on stderr (tqdm comes with the bench and test extras)."""
+    from tqdm import tqdm
 
-        return tqdm(total=total, desc=desc, unit="case", dynamic_ncols=True, file=sys.stderr,
-                    mininterval=0.5)
-    except ImportError:  # pragma: no cover
-
-        class _Bar:
-            def update(self, n=1):
-                pass
-
-            def set_postfix_str(self, s):
-                pass
-
-            def write(self, s):
-                print(s, file=sys.stderr)
-
-            def close(self):
-                pass
-
-        return _Bar()
+    return tqdm(total=total, desc=desc, unit="case", dynamic_ncols=True, file=sys.stderr,
+                mininterval=0.5)
 
 
 # ----------------------------------------------------------------- payloads --
 def random_payload(seed: int, ranks: int, elems: int) -> np.ndarray:
-    """float32 (ranks, elems) of bfloat16-representable values, |x| in [0.5, 2)
-    with a random sign: never zero, exact in bf16 (any framework converts them
-    without rounding, so every peer reduces the same numbers)."""
+    """float32 (ranks, elems) of bf16-exact values, |x| in [0.5, 2), random signs: never zero,
+    so every peer reduces the same numbers."""
     import ml_dtypes
 
     rng = np.random.default_rng(seed)
@@ -366,11 +317,9 @@ def random_payload(seed: int, ranks: int, elems: int) -> np.ndarray:
 
 
 def allreduce_mismatch(got, inputs, ranks: Sequence[int] | None = None) -> str | None:
-    """None when every result row of `got` (results, elems) is the sum of
-    `inputs` (ranks, elems) within the error of any summation order in
-    bfloat16 or better (2 * ranks * 2^-8 * sum |x_i| per element); else what is
-    wrong. `ranks` names the rows of `got` (default 0, 1, ...). A missing or
-    stale partial (an error of at least min |x_i| = 0.5) fails."""
+    """None when every row of `got` (results, elems) is the sum of `inputs` (ranks, elems) within
+    any bf16 summation order's error (2 * ranks * 2^-8 * sum |x_i|), else what is wrong; `ranks`
+    names got's rows. A missing or stale partial (an error >= min |x_i| = 0.5) fails."""
     g = np.asarray(got, dtype=np.float64)
     x = np.asarray(inputs, dtype=np.float64)
     want = x.sum(0)
@@ -390,9 +339,7 @@ def allreduce_mismatch(got, inputs, ranks: Sequence[int] | None = None) -> str |
 
 # ------------------------------------------------------------------- output --
 def default_out(kind: str) -> Path:
-    """Where results go unless --out says otherwise: bench/results/ for GPU
-    runs (the results the project commits), bench/results/local/ (git-ignored)
-    for CPU demo runs."""
+    """bench/results/ for GPU runs (committed), bench/results/local/ (git-ignored) on a CPU."""
     return DEFAULT_OUT if kind == "gpu" else LOCAL_OUT
 
 
@@ -459,28 +406,3 @@ def plain_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
         out.append("  ".join(str(c).rjust(w) if i else str(c).ljust(w)
                              for i, (c, w) in enumerate(zip(r, widths))))
     return "\n".join(out)
-
-
-def pyplot():
-    """matplotlib.pyplot on the Agg backend, or None (saying so) where matplotlib is not
-    installed: the results are in the JSON and markdown either way."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig, title: str, path):
-    """Titles, lays out, writes (PNG, 120 dpi) and closes a matplotlib figure."""
-    import matplotlib.pyplot as plt
-
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

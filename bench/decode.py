@@ -1,57 +1,15 @@
-"""End-to-end decode: time per output token (TPOT) of the Flax decoder (Llama, or any model family's
---preset) with lax.psum, with the paper's baseline (the better of a one-shot and a two-shot
-all-reduce, run inside our decoder: rows sifar:oneshot and sifar:twoshot), with sifar_psum
-(unfused, and fused with the residual add and RMSNorm when sifar_jax has it), and with the
-all-reduce replaced by identity, in every decode loop, over batch sizes and KV lengths.
+"""End-to-end decode: time per output token (TPOT) of the decoder (Llama, or any family's --preset)
+with lax.psum, the paper's baseline inside our decoder (the better of sifar:oneshot and
+sifar:twoshot), sifar (unfused and fused with the residual add and RMSNorm) and identity (no
+all-reduce: the upper bound), in every decode loop, then over batch sizes and KV lengths.
 
     python -m bench.decode                    # GPU: Llama-3.1-8B shapes, bf16, TP=2 (4, 8) then 1
     python -m bench.decode --quick            # CPU demo (tiny model): about a minute on 2 cores
-    python -m bench.decode --preset qwen3_30b_a3b --moe-impl ragged   # the MoE (GPU)
-    python -m bench.decode --tp 2 --batch 1 --context 1024 --no-sweep   # the loops only
+    python -m bench.decode --shapes tp2_rank  # one GPU: TP=2's per-rank shapes, no all-reduce
 
-Two parts, per TP size (TP=1 runs only lax.psum, the reference: nothing to reduce):
-
-1. The loops, at batch 1 and the first --context: every loop of models.decode (LOOPS), timed
-   from host timestamps:
-     sync       one step, then wait for its token: the median of per-step times
-     stream     Decoder.decode(loop="stream"): the median gap between consecutive tokens
-     pipelined  steps dispatched back to back, the tokens read once at the end: the difference
-                of runs of 20 and 4 steps over (20 - 4), the median over the samples (today's TPOT)
-     on_device  K = --chunk tokens per dispatch in a lax.fori_loop, streamed: the median gap
-                between consecutive chunks / K
-   tokens/s = batch / TPOT. sync and stream also give the tail: p50/p90/p99/p99.9 of the
-   per-step (per-token) times.
-2. The sweep: --batch x --context with the --sweep-loops (default pipelined).
-
-No prompt is prefilled: the KV cache is filled with random values and each loop starts at the
-position that lets all its steps attend within `context` positions (context is one attention
-bucket), so a step costs what a filled context of that length costs, at every length (a 16K
-prefill of an 8B model would take longer than the whole run). Every variant starts from the same
-cache and token, so the generated tokens are comparable ("same tokens as psum").
-
-sifar variants also trace their all-reduces inside the decode step (sifar_jax.call_trace: device
-%globaltimer stamps per call and rank, bench.calltrace): TRACE_STEPS pipelined steps after the
-timed loops, giving "allreduce_trace" (p50/p90/p99/p99.9 of per-call latency, the share of calls
-that mis-speculated) on each of the variant's records.
-
-Each record also says whether the optimised HLO of the executable its loop runs copies the KV cache
-(per call, or per iteration of the on-device loop: "cache_copies", models.hlo).
-
-Against what a step cannot beat and what a user would otherwise pick, every record carries:
-  floor_ms, floor_ratio  the memory floor, the step's weights and KV cache per rank read once at
-                         HBM_BYTES_PER_S, and TPOT / floor_ms (the same formula on a CPU)
-  baseline, vs_baseline  the fastest of the --baselines rows at the record's TP, loop, batch and
-                         KV length (None where none ran), and tokens/s over its
-With --breakdown (GPUs), each variant at the loops' point also carries "breakdown": BREAKDOWN_STEPS
-steps traced on the device, microseconds per step of matmul / attention / all-reduce / other /
-idle (bench.probes.step_kernels).
-
-Started by `python -m sifar_jax.launch -n N` (one process per GPU), the N processes decode
-together at TP=N (TP=1, a mesh of one process's GPU, is skipped), each timing its own host loop;
-process 0 reports, as decode-<host>-<N>proc.*.
-
-Writes decode-<host>.{json,md,png} after every variant (a run cut short keeps what it measured):
-to bench/results/ on GPUs (the committed results), to bench/results/local/ (git-ignored) on a CPU.
+The method, every option and the record fields: docs/reference.md (bench.decode); the results:
+docs/performance.md. Writes decode-<host>.{json,md} after every variant: to bench/results/
+on GPUs, to the git-ignored bench/results/local/ on a CPU.
 """
 
 from __future__ import annotations
@@ -63,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import calltrace, common, ttft
+from bench import breakdown, calltrace, common, ttft
 
 common.use_host_devices(8)  # before jax is imported; only XLA:CPU reads it
 
@@ -92,21 +50,19 @@ LAUNCHED = _start_processes()
 PIPELINE_STEPS = (4, 20)  # back-to-back runs whose difference gives one pipelined TPOT sample
 TAIL = (50, 90, 99, 99.9)  # percentiles of per-step times (sync, stream)
 HBM_BYTES_PER_S = 4.3e12  # assumed H200 HBM3e bandwidth actually reached when streaming weights
-# The paper's baseline: the better of a one-shot and a two-shot all-reduce, here run inside our
-# decoder (sifar:oneshot, sifar:twoshot) so that it gets every decoder improvement ours gets.
-BASELINE_ALGORITHMS = ("oneshot", "twoshot")
+BASELINE_ALGORITHMS = ("oneshot", "twoshot")  # the paper's baseline, run inside our decoder
 BREAKDOWN_STEPS = 8  # profiled back-to-back steps per variant with --breakdown
-# preset name -> f(**overrides) -> its config, over every model family (tiny, llama3_8b,
-# qwen3_moe_tiny, qwen3_30b_a3b, ...)
+TRACE_STEPS = 48  # traced pipelined steps: 48 x 64 all-reduces (8B) stay within one trace ring
 PRESETS = {name: family.presets[name] for name, family in families.presets().items()}
-# The SiFAR paper's end-to-end decode (8x H200, CUDA 12.9, Llama-3.1-8B FP8, batch 1): tokens/s
-# gain over NCCL with SiFAR, and with no all-reduce at all. None: not reported.
+# The model's shapes: as the preset says, or one rank's share at TP=2 run on one device
+SHAPES = ("full", "tp2_rank")
+# The SiFAR paper's end-to-end decode (8x H200, Llama-3.1-8B FP8, batch 1): tokens/s gain over
+# NCCL with SiFAR, and with no all-reduce at all. None: not reported.
 PAPER_SIFAR_GAIN = {2: 9.1, 4: 14.9, 8: 18.6}
 PAPER_NO_ALLREDUCE_GAIN = {2: 18.0, 4: None, 8: 43.0}
-CPU_NOTE = (
-    "No GPUs here: these numbers come from XLA:CPU host devices (threads as ranks, shared host "
-    "memory) and a tiny model. They show that the benchmark runs; they are not a performance result."
-)
+CPU_NOTE = ("No GPUs here: XLA:CPU host devices (threads as ranks, one shared memory) run a tiny "
+            "model. This shows the protocol running and its tokens against lax.psum's; the timings "
+            "mean nothing for GPUs. Speed figures: docs/performance.md.")
 
 
 # ------------------------------------------------------------------ settings --
@@ -115,92 +71,51 @@ def _ints(text: str) -> list[int]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        prog="python -m bench.decode",
-        description="Time per output token of the Llama decoder with psum / sifar / identity, "
-                    "in every decode loop, over batch sizes and KV lengths.",
-    )
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="model shapes, any family's (default: llama3_8b on GPU, tiny on CPU)")
-    p.add_argument("--moe-impl", choices=MOE_IMPLS, default=None,
-                   help="an MoE preset's expert computation (models.qwen3_moe; default: the "
-                        "preset's)")
-    p.add_argument("--dtype", default=None,
-                   help="parameter/activation dtype (default: bfloat16 on GPU, the preset's on CPU)")
-    p.add_argument("--allreduce", default="psum,sifar,identity",
-                   help="comma list of psum, sifar (algorithm auto), identity, sifar:<algorithm>, "
-                        "sifar_buffers[:<algorithm>] (explicit dual buffers in the decode state)")
-    p.add_argument("--algorithms", default="",
-                   help="comma list of sifar algorithms, each one more row 'sifar:<alg>'")
-    p.add_argument("--baselines", default=",".join(BASELINE_ALGORITHMS),
-                   help="sifar algorithms whose in-decoder rows 'sifar:<alg>' are the baseline: "
-                        "the fastest of them at each point is named 'baseline' beside lax.psum "
-                        f"(default: {','.join(BASELINE_ALGORITHMS)}, the paper's baseline; "
-                        "'none': no baseline rows)")
-    p.add_argument("--fused", choices=("auto", "on", "off"), default="auto",
-                   help="one more row: sifar fused with the residual add and RMSNorm (auto: when "
-                        "sifar_jax.psum_add_rmsnorm exists; on: required, and at TP=1 too, where "
-                        "the fused call is a residual add + RMSNorm kernel of ours in place of "
-                        "XLA's add, reduce and multiply fusions)")
-    p.add_argument("--prefetch-mib", nargs="+", type=float, default=None,
-                   help="one more fused row per size 'sifar+fused:pf<MiB>': the fused call "
-                        "prefetching that much of the next matmul's weight into L2 (0: none); "
-                        "the plain sifar+fused row uses sifar_jax's default")
-    p.add_argument("--sweep-all-variants", "--fused-sweep", dest="sweep_all", action="store_true",
-                   help="time the fused and the baseline rows at every sweep point too (default: "
-                        "only at the loops' point)")
-    p.add_argument("--breakdown", action="store_true",
-                   help="GPUs: per variant, at the loops' point, a device trace of "
-                        f"{BREAKDOWN_STEPS} steps split into matmul / attention / all-reduce / "
-                        "other / idle microseconds (bench.probes.step_kernels), in the records; "
-                        "skipped with a note on a CPU")
-    p.add_argument("--tp", nargs="+", default=None,
-                   help="TP sizes, run in that order (default: every power of two up to the "
-                        "device count, largest first, then 1; on CPU: 2 1)")
-    p.add_argument("--loops", default=",".join(LOOPS),
-                   help=f"loops timed at batch 1 and the first context (default: all: {','.join(LOOPS)})")
-    p.add_argument("--batch", nargs="+", default=None,
-                   help="sweep batch sizes (default: 1 2 4 8; --quick: 1 2)")
-    p.add_argument("--context", nargs="+", default=None,
-                   help="sweep KV lengths, each a power of two >= 64 (default: 1024 4096 16384; "
-                        "--quick: 256 512); the first is the loops' context")
-    p.add_argument("--sweep-loops", default="pipelined", help="loops timed in the sweep")
-    p.add_argument("--no-sweep", action="store_true", help="time the loops only")
-    p.add_argument("--tokens", type=int, default=None,
-                   help="timed steps of sync, stream and on_device (at least 4 chunks) "
-                        "(default 128; 16 with --quick)")
-    p.add_argument("--samples", type=int, default=None,
-                   help="pipelined samples (default 6; 2 with --quick)")
-    p.add_argument("--chunk", type=int, default=16, help="on_device tokens per dispatch")
-    p.add_argument("--in-flight", type=int, default=2, help="stream: steps dispatched ahead")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-layout", choices=("auto", *sorted(KV_LAYOUTS)), default="auto",
-                   help="KV cache layout (auto: sharding.default_kv_layout, bhsd on GPUs)")
-    p.add_argument("--min-rows", type=int, default=1,
-                   help="Decoder(min_rows=): at least this many rows on the device, the extra "
-                        "ones copies never returned (tokens/s counts the batch only)")
-    p.add_argument("--gemm-rows", type=int, default=None,
-                   help="Decoder(gemm_rows=): the rows a batch-1 step's projections run with "
-                        "(default: models.decode.default_gemm_rows, 2 on GPUs)")
-    p.add_argument("--attn-impl", choices=ATTN_IMPLS, default=None,
-                   help="Decoder(attn_impl=): how a step of one token attends (default: "
-                        "models.decode.default_attn_impl, JAX's Pallas decode kernel on GPUs)")
-    p.add_argument("--no-trace", action="store_true",
-                   help="skip the per-call all-reduce trace of the sifar variants")
-    p.add_argument("--quick", action="store_true", help="tiny model, few steps (CPU, CI)")
-    p.add_argument("--out", default=None,
-                   help="results directory (default: bench/results on GPUs, bench/results/local "
-                        "on a CPU)")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--ttft", nargs="?", const="default", default=None, metavar="LENGTHS",
-                   help="also time to first token per variant for prompts of these lengths "
-                        "(comma list; alone: 128,1024,4096 on GPUs, 16,64 on a CPU), beside "
-                        "the prefill's floor (bench/ttft.py): ttft-<host>.{json,md}")
-    p.add_argument("--ttft-only", action="store_true",
-                   help="only the time to first token (--ttft), not the decode loops")
-    p.add_argument("--no-compile-cache", action="store_true",
-                   help="do not use JAX's persistent compilation cache (models/compile_cache.py: "
-                        "on by default; SIFAR_JAX_NO_COMPILE_CACHE=1 also turns it off)")
+    p = argparse.ArgumentParser(prog="python -m bench.decode",
+                                description="Time per output token of the decoder with psum / "
+                                            "sifar / identity, every loop, batch x KV length "
+                                            "(docs/reference.md).")
+    add = p.add_argument
+    add("--preset", choices=sorted(PRESETS), default=None,
+        help="model shapes, any family's (default: llama3_8b on GPU, tiny on CPU)")
+    add("--shapes", choices=SHAPES, default="full",
+        help="tp2_rank: one rank's share of TP=2 (half the heads, MLP and vocabulary) as a model "
+             "on one device, TP=1, no all-reduce")
+    add("--moe-impl", choices=MOE_IMPLS, default=None, help="an MoE preset's expert computation")
+    add("--dtype", default=None, help="default: bfloat16 on GPU, the preset's on CPU")
+    add("--allreduce", default="psum,sifar,identity",
+        help="comma list of psum, sifar, identity, sifar:<algorithm>, sifar_buffers[:<algorithm>]")
+    add("--baselines", default=",".join(BASELINE_ALGORITHMS),
+        help="sifar algorithms whose rows 'sifar:<alg>' make the baseline ('none': no rows)")
+    add("--fused", choices=("auto", "on", "off"), default="auto",
+        help="the sifar+fused row (auto: where the library has it; on: also at TP=1)")
+    add("--sweep-all-variants", dest="sweep_all", action="store_true",
+        help="the fused and baseline rows at every sweep point too")
+    add("--breakdown", action="store_true",
+        help=f"GPUs: {BREAKDOWN_STEPS} steps traced per variant, us by kernel kind")
+    add("--tp", nargs="+", default=None,
+        help="TP sizes in order (default: powers of two up to the devices, then 1; CPU: 2 1)")
+    add("--loops", default=",".join(LOOPS), help="loops at batch 1 and the first context")
+    add("--batch", nargs="+", default=None, help="sweep batch sizes (default 1 2 4 8; quick 1 2)")
+    add("--context", nargs="+", default=None,
+        help="sweep KV lengths, powers of two >= 64 (default 1024 4096 16384; quick 256 512)")
+    add("--sweep-loops", default="pipelined", help="loops timed in the sweep")
+    add("--no-sweep", action="store_true", help="time the loops only")
+    add("--tokens", type=int, default=None, help="timed steps (default 128; quick 16)")
+    add("--samples", type=int, default=None, help="pipelined samples (default 6; quick 2)")
+    add("--chunk", type=int, default=16, help="on_device tokens per dispatch")
+    add("--in-flight", type=int, default=2, help="stream: steps dispatched ahead")
+    add("--seed", type=int, default=0)
+    add("--kv-layout", choices=("auto", *sorted(KV_LAYOUTS)), default="auto")
+    add("--gemm-rows", type=int, default=None, help="Decoder(gemm_rows=)")
+    add("--attn-impl", choices=ATTN_IMPLS, default=None, help="Decoder(attn_impl=)")
+    add("--no-trace", action="store_true", help="skip the per-call all-reduce trace")
+    add("--quick", action="store_true", help="tiny model, few steps (CPU, CI)")
+    add("--out", default=None, help="results directory")
+    add("--ttft", nargs="?", const="default", default=None, metavar="LENGTHS",
+        help="also time to first token per variant (default 128,1024,4096; CPU 16,64)")
+    add("--ttft-only", action="store_true", help="only the time to first token")
+    add("--no-compile-cache", action="store_true", help="no persistent compilation cache")
     return p.parse_args(argv)
 
 
@@ -209,8 +124,7 @@ def _baseline_algorithms(args) -> list[str]:
 
 
 def baseline_labels(args) -> list[str]:
-    """The rows whose fastest is the baseline: 'sifar:<alg>' per --baselines; none without the
-    extension (a run of psum and identity alone)."""
+    """'sifar:<alg>' per --baselines; none without the extension (psum and identity alone)."""
     algs = _baseline_algorithms(args)
     if not algs:
         return []
@@ -223,15 +137,12 @@ def baseline_labels(args) -> list[str]:
 
 
 def parse_variants(args) -> list[tuple]:
-    """[(label, kind, algorithm, fused[, prefetch_bytes])]: ("psum", "psum", "auto", False),
-    ("sifar:oneshot", "sifar", "oneshot", False), ("sifar+fused", "sifar", "auto", True),
-    ("sifar+fused:pf8", "sifar", "auto", True, 8 << 20). No prefetch_bytes: the default. The
-    baseline rows (--baselines) come right after psum."""
+    """[(label, kind, algorithm, fused)]: ("psum", "psum", "auto", False), ("sifar:oneshot",
+    "sifar", "oneshot", False), ("sifar+fused", "sifar", "auto", True); the baseline rows right
+    after psum."""
     items = [a.strip() for a in args.allreduce.split(",") if a.strip()]
-    items += [f"sifar:{a.strip()}" for a in args.algorithms.split(",") if a.strip()]
-    base = baseline_labels(args)
     at = items.index("psum") + 1 if "psum" in items else 0
-    items[at:at] = [b for b in base if b not in items]
+    items[at:at] = [b for b in baseline_labels(args) if b not in items]
     out, seen = [], set()
     for item in items:
         kind, _, alg = item.partition(":")
@@ -257,18 +168,24 @@ def parse_variants(args) -> list[tuple]:
     if args.fused != "off" and not missing and any(v[0] == "sifar" for v in out):
         at = next(i for i, v in enumerate(out) if v[0] == "sifar")
         out.insert(at + 1, ("sifar+fused", "sifar", "auto", True))
-        for k, mib in enumerate(args.prefetch_mib or []):
-            out.insert(at + 2 + k, (f"sifar+fused:pf{mib:g}", "sifar", "auto", True,
-                                    int(mib * (1 << 20)) // 16 * 16))
-    elif args.prefetch_mib:
-        raise SystemExit("--prefetch-mib: needs the fused variant (sifar in --allreduce, "
-                         "--fused not off)")
     return out
 
 
 def prefetch_of(variant) -> int | None:
-    """The fused call's prefetch_bytes (None: the library's default), or None unfused."""
+    """A variant's prefetch_bytes for the fused call: None, the library's default."""
     return variant[4] if len(variant) > 4 else None
+
+
+def tp2_rank_config(config):
+    """One rank's share of `config` at TP=2 as a model of its own: half the query and KV heads,
+    the MLP (or each expert's) width and the vocabulary; the same hidden size and head size."""
+    fields = ("num_heads", "num_kv_heads", "intermediate_size", "moe_intermediate_size",
+              "vocab_size")
+    half = {f: getattr(config, f) for f in fields if hasattr(config, f)}
+    odd = [f for f, v in half.items() if v % 2]
+    if odd:
+        raise SystemExit(f"--shapes tp2_rank: {', '.join(odd)} of this preset is odd")
+    return config.replace(**{f: v // 2 for f, v in half.items()})
 
 
 def settings(args, platform: str, n_devices: int) -> dict:
@@ -279,6 +196,7 @@ def settings(args, platform: str, n_devices: int) -> dict:
     quick = args.quick or not gpu
     s = {
         "preset": preset,
+        "shapes": args.shapes,
         "dtype": dtype,
         "batch": _ints(" ".join(args.batch)) if args.batch else ([1, 2] if quick else [1, 2, 4, 8]),
         "context": (_ints(" ".join(args.context)) if args.context
@@ -290,12 +208,10 @@ def settings(args, platform: str, n_devices: int) -> dict:
         "warmup": 2,
         "seed": args.seed,
         "kv_layout": None if args.kv_layout == "auto" else args.kv_layout,
-        "min_rows": max(1, args.min_rows),
         "gemm_rows": args.gemm_rows,
         "attn_impl": args.attn_impl,
         "fused_tp1": args.fused == "on",
         "sweep_all": args.sweep_all,
-        "baselines": None,  # below, from the variants
         "breakdown": args.breakdown and gpu,
         "trace": not args.no_trace,
         "loops": _loops(args.loops),
@@ -304,6 +220,8 @@ def settings(args, platform: str, n_devices: int) -> dict:
     }
     wanted = {f"sifar:{a}" for a in _baseline_algorithms(args)}
     s["baselines"] = [v[0] for v in s["variants"] if v[0] in wanted]
+    if args.shapes == "tp2_rank":
+        config = tp2_rank_config(config)
     s["config"] = config.replace(dtype=dtype, max_seq_len=max(s["context"]))
     if args.moe_impl:
         if not hasattr(config, "moe_impl"):
@@ -316,12 +234,22 @@ def settings(args, platform: str, n_devices: int) -> dict:
         if need >= c // 2:
             raise SystemExit(f"--context {c}: the loops need {need} steps, which must stay in the "
                              f"top half of the context; raise --context or lower --tokens/--samples")
+    s["tp"] = tp_sizes(args, config, platform, n_devices)
+    return s
+
+
+def tp_sizes(args, config, platform: str, n_devices: int) -> list[int]:
     if args.tp:
         tps = _ints(" ".join(args.tp))
+    elif args.shapes == "tp2_rank":
+        tps = [1]
     elif jax.process_count() > 1:
         tps = [n_devices]  # every process's GPUs in one mesh
     else:
+        gpu = platform == "gpu"
         tps = sorted(common.powers_of_two_up_to(n_devices) if gpu else [2], reverse=True) + [1]
+    if args.shapes == "tp2_rank" and tps != [1]:
+        raise SystemExit("--shapes tp2_rank is one rank of TP=2 on one device: --tp 1 only")
     if jax.process_count() > 1:
         local = len(jax.local_devices())
         skipped = [t for t in tps if t % local or t < local * jax.process_count()]
@@ -338,8 +266,7 @@ def settings(args, platform: str, n_devices: int) -> dict:
             families.family_of(config).check_tp(config, t)
         except ValueError as e:
             raise SystemExit(f"--tp {t}: {e}") from None
-    s["tp"] = list(dict.fromkeys(tps))
-    return s
+    return list(dict.fromkeys(tps))
 
 
 def _loops(text: str) -> list[str]:
@@ -365,10 +292,8 @@ def _chunks(s) -> int:
 
 def cases(s) -> list[tuple[int, int, int, tuple, list[str]]]:
     """[(tp, batch, context, variant, loops)]: the loops at batch 1 and the first context, the
-    sweep elsewhere (and its loops added at that point). TP=1 runs only lax.psum (and the fused
-    rows with --fused on: one rank's add + RMSNorm kernel); the fused and
-    the baseline rows only at the loops' point unless --sweep-all-variants (the sweep compares
-    psum, sifar and identity, and each variant costs a compile per point)."""
+    sweep elsewhere. TP=1 runs lax.psum (and the fused rows with --fused on); the fused and
+    baseline rows run at the loops' point only unless --sweep-all-variants."""
     base = (1, s["context"][0])
     points = [base] + [(b, c) for c in s["context"] for b in s["batch"] if (b, c) != base]
     out = []
@@ -386,17 +311,8 @@ def cases(s) -> list[tuple[int, int, int, tuple, list[str]]]:
 
 
 # -------------------------------------------------------------- weights, KV --
-def streamed_bytes_per_rank(config, params, tp: int) -> int:
-    """Parameter bytes one rank reads per batch-1 decode step (ModelFamily.step_weight_bytes):
-    every parameter's local shard, an MoE's experts only the top-k of them, the embedding table
-    one row (plus, when tied, its vocab/tp slice as the lm_head). `params` (unused) is the
-    tree whose shapes the family's tp layout gives."""
-    return families.family_of(config).step_weight_bytes(config, tp)
-
-
 def floor_ms(weights_bytes: int, kv_bytes: int) -> float:
-    """A step's memory floor: its weights and KV cache read once at HBM_BYTES_PER_S (the same
-    formula on a CPU, where it means nothing)."""
+    """A step's memory floor: its weights and KV cache read once at HBM_BYTES_PER_S."""
     return (weights_bytes + kv_bytes) / HBM_BYTES_PER_S * 1e3
 
 
@@ -407,33 +323,13 @@ def kv_cache_bytes_per_rank(config, context: int, tp: int, batch: int = 1) -> in
     return 2 * config.num_layers * batch * context * heads * config.head_dim * itemsize
 
 
-def _sifar_counters() -> dict | None:
-    try:
-        import sifar_jax
-
-        return sifar_jax.stats()
-    except Exception:  # noqa: BLE001 - extension missing: no counters
-        return None
-
-
-def _counter_delta(before, after) -> dict:
-    out = {}
-    if not before or not after:
-        return out
-    for alg, fields in after.items():
-        d = {f: int(v) - int(before.get(alg, {}).get(f, 0)) for f, v in fields.items()}
-        if any(d.values()):
-            out[alg] = d
-    return out
-
-
 # ------------------------------------------------------------------- set-up --
 def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: int,
                  kv_layout: str | None = None, min_rows: int = 1,
                  gemm_rows: int | None = None, attn_impl: str | None = None,
                  pack_params: bool | None = None):
-    """A Decoder whose cache of `context` positions is filled with random values. sifar's slot
-    is widened where a step's payload (batch x hidden) would not fit the default."""
+    """A Decoder with a random cache of `context` positions; sifar's slot widened to a step's
+    payload (batch x hidden) where the default is smaller."""
     _, kind, alg, fused = variant[:4]
     slot = None
     if kind in SIFAR_KINDS:
@@ -498,8 +394,7 @@ def time_pipelined(dec, s) -> tuple[list[float], list[np.ndarray]]:
 
 
 def time_on_device(dec, s) -> tuple[list[float], list[np.ndarray]]:
-    """chunk tokens per dispatch, streamed: gaps between chunk arrivals / chunk (the first
-    chunk, which compiles, untimed)."""
+    """Gaps between chunk arrivals / chunk (the first chunk, which compiles, untimed)."""
     k = s["chunk"]
     stamps, out = [], []
     for i, tok in enumerate(dec.decode(k * _chunks(s) + 1, loop="on_device", chunk=k,
@@ -516,11 +411,9 @@ TIMERS = {"sync": time_sync, "stream": time_stream, "pipelined": time_pipelined,
 
 # ------------------------------------------------------------------ records --
 def _prefetch_bytes(variant) -> int | None:
-    """What the fused call prefetches (resolved default), None for unfused variants."""
+    """What the fused call prefetches into L2 (the library's default), None unfused."""
     if not variant[3]:
         return None
-    if prefetch_of(variant) is not None:
-        return prefetch_of(variant)
     import sifar_jax.fused
 
     return sifar_jax.fused.DEFAULT_PREFETCH_BYTES
@@ -531,27 +424,14 @@ def make_record(variant, loop: str, tp: int, batch: int, context: int, s, second
     label, kind, alg, fused = variant[:4]
     ms = [t * 1e3 for t in seconds]
     med = statistics.median(ms)
-    rec = {
-        "allreduce": label,
-        "tp": tp,
-        "loop": loop,
-        "fused": bool(fused),
-        "prefetch_bytes": _prefetch_bytes(variant),
-        "batch": batch,
-        "context": context,
-        "tpot_ms_median": round(med, 4),
-        "tpot_ms_p99": round(common.percentile(ms, 99), 4),
-        "tokens_per_s": round(batch * 1e3 / med, 2),
-        "tpot_samples": len(ms),
-        "kind": kind,
-        "algorithm": alg,
-        "preset": s["preset"],
-        "moe_impl": getattr(s["config"], "moe_impl", None),
-        "dtype": s["dtype"],
-        "start_position": context - steps_needed(loop, s) - 1,
-        "steps": steps_needed(loop, s),
-        "generated": [int(t[0]) for t in tokens],  # sequence 0
-    }
+    rec = {"allreduce": label, "tp": tp, "loop": loop, "fused": bool(fused),
+           "prefetch_bytes": _prefetch_bytes(variant), "batch": batch, "context": context,
+           "tpot_ms_median": round(med, 4), "tpot_ms_p99": round(common.percentile(ms, 99), 4),
+           "tokens_per_s": round(batch * 1e3 / med, 2), "tpot_samples": len(ms), "kind": kind,
+           "algorithm": alg, "preset": s["preset"], "dtype": s["dtype"],
+           "moe_impl": getattr(s["config"], "moe_impl", None),
+           "start_position": context - steps_needed(loop, s) - 1, "steps": steps_needed(loop, s),
+           "generated": [int(t[0]) for t in tokens]}  # sequence 0
     if loop in ("sync", "stream"):
         rec.update({f"tpot_ms_p{q:g}".replace(".", "_"): round(common.percentile(ms, q), 4)
                     for q in TAIL})
@@ -562,10 +442,14 @@ def make_record(variant, loop: str, tp: int, batch: int, context: int, s, second
 
 
 def sifar_fields(before) -> dict:
-    """Counters and check() over one variant (all its loops)."""
+    """sifar_jax.stats() since `before` and check() over one variant (all its loops)."""
     import sifar_jax
 
-    delta = _counter_delta(before, _sifar_counters())
+    delta = {}
+    for alg, counts in sifar_jax.stats().items():
+        d = {f: int(v) - int(before.get(alg, {}).get(f, 0)) for f, v in counts.items()}
+        if any(d.values()):
+            delta[alg] = d
     calls = sum(d.get("calls", 0) for d in delta.values())
     retries = sum(d.get("retries", 0) for d in delta.values())
     out = {"sifar_stats": delta, "algorithm_used": ",".join(sorted(delta)) or None,
@@ -583,11 +467,15 @@ def run_variant(config, mesh, params, case, s, bar) -> list[dict]:
     tp, batch, context, variant, loops = case
     label, kind = variant[0], variant[1]
     where = f"TP={tp} b={batch} ctx={context} {label}"
-    before = _sifar_counters() if kind in SIFAR_KINDS else None
+    before = None
+    if kind in SIFAR_KINDS:
+        import sifar_jax
+
+        before = sifar_jax.stats()
     t0 = time.perf_counter()
     bar.set_postfix_str(f"{where}: set-up")
     dec = make_decoder(config, mesh, params, variant, batch, context, s["seed"], s["kv_layout"],
-                       s["min_rows"], s.get("gemm_rows"), s.get("attn_impl"))
+                       gemm_rows=s.get("gemm_rows"), attn_impl=s.get("attn_impl"))
     first = start_tokens(config, batch, s["seed"])
     setup_s = time.perf_counter() - t0
     timed = []
@@ -599,13 +487,14 @@ def run_variant(config, mesh, params, case, s, bar) -> list[dict]:
         seconds, tokens = TIMERS[loop](dec, s)
         timed.append((loop, seconds, tokens, time.perf_counter() - t1, copies))
     trace = trace_allreduces(dec, s, context, first) if kind in SIFAR_KINDS and s["trace"] else None
-    breakdown = None
+    split = None
     if s["breakdown"] and (batch, context) == (1, s["context"][0]):
         bar.set_postfix_str(f"{where}: breakdown")
-        breakdown = step_breakdown(dec, context, first)
-    weights = streamed_bytes_per_rank(config, params, tp)
+        split = step_breakdown(dec, context, first)
+    weights = families.family_of(config).step_weight_bytes(config, tp)  # an MoE: top-k experts
     kv = kv_cache_bytes_per_rank(config, context, tp, batch)
-    common_fields = {"setup_s": round(setup_s, 2), "kv_layout": dec.kv_layout, "rows": dec.rows,
+    common_fields = {"setup_s": round(setup_s, 2), "shapes": s["shapes"], "kv_layout": dec.kv_layout,
+                     "rows": dec.rows,
                      "gemm_rows": dec.gemm_rows, "attn_impl": dec.attn_impl,
                      "pack_params": dec.pack_params, "arrays_per_call": len(dec._leaves),
                      "weights_bytes_per_rank": weights, "kv_bytes_per_rank": kv,
@@ -614,34 +503,29 @@ def run_variant(config, mesh, params, case, s, bar) -> list[dict]:
         common_fields.update(sifar_fields(before))
     if trace is not None:
         common_fields["allreduce_trace"] = trace
-    if breakdown is not None:
-        common_fields["breakdown"] = breakdown
+    if split is not None:
+        common_fields["breakdown"] = split
     del dec
     return [make_record(variant, loop, tp, batch, context, s, seconds, tokens,
                         dict(common_fields, loop_s=round(loop_s, 2), cache_copies=copies))
             for loop, seconds, tokens, loop_s, copies in timed]
 
 
-TRACE_STEPS = 48  # traced pipelined steps: 48 x 64 all-reduces (8B) stay within one trace ring
-
-
 def step_breakdown(dec, context: int, first) -> dict:
     """BREAKDOWN_STEPS back-to-back steps traced on the device, their time split by kernel kind
-    (bench.probes.step_kernels.step_breakdown), or {"error": why}."""
-    from bench.probes import step_kernels
-
+    (bench.breakdown), or {"error": why}."""
     try:
         dec.seek(context - BREAKDOWN_STEPS - 8, first)
         dec.advance(3)  # compiled and warm before the trace starts
         dec.token()
-        return step_kernels.step_breakdown(dec, BREAKDOWN_STEPS)
+        return breakdown.step_breakdown(dec, BREAKDOWN_STEPS)
     except Exception as e:  # noqa: BLE001 - recorded; the benchmark goes on
         return {"error": f"{type(e).__name__}: {e}"}
 
 
 def trace_allreduces(dec, s, context: int, first) -> dict:
-    """Per-call latency of the all-reduces inside TRACE_STEPS back-to-back decode steps, from the
-    device's own timestamps (bench.calltrace.summarize), or {"error": why}."""
+    """Per-call latency of the all-reduces in TRACE_STEPS back-to-back steps from the device's
+    timestamps (bench.calltrace.summarize), or {"error": why}."""
     import sifar_jax
 
     try:
@@ -658,8 +542,7 @@ def trace_allreduces(dec, s, context: int, first) -> dict:
 
 
 def cache_copies(dec, loop: str, s) -> dict:
-    """{"entry": n, "loop": n}: KV-cache copies in the optimised HLO of the executable this loop
-    runs from here (compiling it now, as its first step would)."""
+    """{"entry": n, "loop": n}: KV-cache copies in the optimised HLO this loop runs from here."""
     exe = dec.compiled_chunk(s["chunk"]) if loop == "on_device" else dec.compiled_step()
     text, counts = exe.as_text(), {}
     for shape in hlo.cache_shapes(dec.state["cache"]):  # the array, a layer, a layer's keys
@@ -686,14 +569,11 @@ def run(s, devices, on_record) -> list[dict]:
             used_sifar |= case[3][1] in SIFAR_KINDS
             recs = run_variant(config, mesh, params, case, s, bar)
             records += recs
-            for r in recs:
-                if r["cache_copies"]:
-                    bar.write(f"KV CACHE COPIED: TP={tp} {r['allreduce']} {r['loop']}: "
-                              f"{r['cache_copies']} (copies per call / per loop iteration)")
-            for r in recs:
-                if r.get("sifar_check", "ok") != "ok":
-                    bar.write(f"SIFAR CHECK FAILED: TP={tp} {r['allreduce']}: {r['sifar_check']}")
-                    break
+            for r in (r for r in recs if r["cache_copies"]):
+                bar.write(f"KV CACHE COPIED: TP={tp} {r['allreduce']} {r['loop']}: "
+                          f"{r['cache_copies']} (copies per call / per loop iteration)")
+            if recs[0].get("sifar_check", "ok") != "ok":
+                bar.write(f"SIFAR CHECK FAILED: TP={tp} {case[3][0]}: {recs[0]['sifar_check']}")
             bar.write(f"TP={tp} batch {case[1]} context {case[2]} {case[3][0]:>12}: " + ", ".join(
                 f"{r['loop']} {r['tpot_ms_median']:.3f} ms" for r in recs)
                 + f" (set-up {recs[0]['setup_s']:.1f} s)")
@@ -720,12 +600,7 @@ def _index(records) -> dict:
 
 
 def _prefix_match(a: list, b: list) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _gain(t_ref: float, t_x: float) -> str:
@@ -734,36 +609,7 @@ def _gain(t_ref: float, t_x: float) -> str:
 
 def _gap(t_psum: float, t_identity: float, t_x: float) -> str:
     d = t_psum - t_identity
-    if d <= 0:
-        return "n/a (psum <= identity)"
-    return f"{(t_psum - t_x) / d * 100:.0f}%"
-
-
-def table_rows(records, order) -> tuple[list[str], list[list]]:
-    """Every record (annotated by with_baseline): TP, loop, batch, context, variant, with the
-    ratios against psum and the baseline, and to the memory floor."""
-    idx = _index(records)
-    headers = ["TP", "loop", "batch", "context", "all-reduce", "TPOT median ms", "TPOT p99 ms",
-               "tokens/s", "vs psum", "vs baseline", "x floor", "gap recovered", "retries/call",
-               "same tokens as psum"]
-    rows = []
-    for r in sorted(records, key=lambda r: (r["tp"], LOOPS.index(r["loop"]), r["batch"],
-                                            r["context"], _order(order, r["allreduce"]))):
-        ps, ident = idx.get((*_key(r), "psum")), idx.get((*_key(r), "identity"))
-        vs = f"{ps['tpot_ms_median'] / r['tpot_ms_median']:.3f}x" if ps else "-"
-        gap = "-"
-        if r["kind"] in SIFAR_KINDS and ps and ident:
-            gap = _gap(ps["tpot_ms_median"], ident["tpot_ms_median"], r["tpot_ms_median"])
-        rpc = r.get("retries_per_call")
-        match = "-"
-        if ps and r is not ps:
-            match = f"{_prefix_match(r['generated'], ps['generated'])}/{len(ps['generated'])}"
-        rows.append([r["tp"], r["loop"], r["batch"], r["context"], _named(r),
-                     f"{r['tpot_ms_median']:.3f}", f"{r['tpot_ms_p99']:.3f}",
-                     f"{r['tokens_per_s']:.1f}", vs, _ratio(r.get("vs_baseline")),
-                     _ratio(r.get("floor_ratio")), gap, "-" if rpc is None else f"{rpc:.4f}",
-                     match])
-    return headers, rows
+    return "n/a (psum <= identity)" if d <= 0 else f"{(t_psum - t_x) / d * 100:.0f}%"
 
 
 def _order(order, label) -> int:
@@ -779,6 +625,68 @@ def _named(r) -> str:
     return r["allreduce"] + (" (baseline)" if r.get("baseline") == r["allreduce"] else "")
 
 
+def _same_tokens(r, ps) -> str:
+    """How many of lax.psum's generated tokens (sequence 0) r repeats before the first change."""
+    return "-" if not ps or r is ps else \
+        f"{_prefix_match(r['generated'], ps['generated'])}/{len(ps['generated'])}"
+
+
+def _sorted(records, order):
+    return sorted(records, key=lambda r: (r["tp"], LOOPS.index(r["loop"]), r["batch"],
+                                          r["context"], _order(order, r["allreduce"])))
+
+
+def table_rows(records, order, gpu: bool = True) -> tuple[list[str], list[list]]:
+    """Every record (annotated by with_baseline); on a CPU without the ratios to lax.psum, the
+    baseline and the floor (they mean nothing there)."""
+    idx = _index(records)
+    headers = ["TP", "loop", "batch", "context", "all-reduce", "TPOT median ms", "TPOT p99 ms",
+               "tokens/s", "retries/call", "same tokens as psum"]
+    if gpu:
+        headers[8:8] = ["vs psum", "vs baseline", "x floor", "gap recovered"]
+    rows = []
+    for r in _sorted(records, order):
+        ps, ident = idx.get((*_key(r), "psum")), idx.get((*_key(r), "identity"))
+        rpc = r.get("retries_per_call")
+        row = [r["tp"], r["loop"], r["batch"], r["context"], _named(r), f"{r['tpot_ms_median']:.3f}",
+               f"{r['tpot_ms_p99']:.3f}", f"{r['tokens_per_s']:.1f}",
+               "-" if rpc is None else f"{rpc:.4f}", _same_tokens(r, ps)]
+        if gpu:
+            gap = "-"
+            if r["kind"] in SIFAR_KINDS and ps and ident:
+                gap = _gap(ps["tpot_ms_median"], ident["tpot_ms_median"], r["tpot_ms_median"])
+            row[8:8] = [f"{ps['tpot_ms_median'] / r['tpot_ms_median']:.3f}x" if ps else "-",
+                        _ratio(r.get("vs_baseline")), _ratio(r.get("floor_ratio")), gap]
+        rows.append(row)
+    return headers, rows
+
+
+def protocol_rows(records, order) -> tuple[list[str], list[list]]:
+    """Per variant but lax.psum (the reference) and point: which all-reduce ran, sifar_jax.stats()
+    over its loops, check(), and whether its tokens are lax.psum's at that point, per loop."""
+    idx = _index(records)
+    headers = ["TP", "batch", "KV length", "all-reduce", "algorithm used", "calls", "retries",
+               "timeouts", "check", "same tokens as psum (per loop)"]
+    rows, seen = [], set()
+    for r in _sorted(records, order):
+        point = (r["tp"], r["batch"], r["context"], r["allreduce"])
+        if point in seen or r["kind"] == "psum":
+            continue
+        seen.add(point)
+        mine = [x for x in records if (x["tp"], x["batch"], x["context"], x["allreduce"]) == point]
+        same = ", ".join(f"{x['loop']} {_same_tokens(x, idx.get((*_key(x), 'psum')))}"
+                         for x in mine)
+        stats = r.get("sifar_stats") or {}
+        total = {f: sum(v.get(f, 0) for v in stats.values()) for f in ("calls", "retries",
+                                                                       "timeouts")}
+        sifar = r["kind"] in SIFAR_KINDS
+        rows.append([r["tp"], r["batch"], r["context"], r["allreduce"],
+                     r.get("algorithm_used") or "none (no all-reduce)",
+                     *(total[f] if sifar else "-" for f in ("calls", "retries", "timeouts")),
+                     r.get("sifar_check", "-"), same])
+    return headers, rows
+
+
 # ----------------------------------------------------- baseline and floor --
 def baselines(records, s) -> dict:
     """{(tp, loop, batch, context): the fastest record of the baseline rows (s["baselines"])}."""
@@ -792,9 +700,8 @@ def baselines(records, s) -> dict:
 
 
 def with_baseline(records, s) -> list[dict]:
-    """Copies of the records, each with "baseline": the label of the fastest baseline row at its
-    (TP, loop, batch, context), None where no baseline row ran; "vs_baseline": its tokens/s over
-    the baseline's (> 1: faster)."""
+    """Copies of the records with "baseline" (the fastest baseline row's label at their point, or
+    None) and "vs_baseline" (tokens/s over the baseline's, > 1: faster)."""
     best = baselines(records, s)
     out = []
     for r in records:
@@ -806,8 +713,7 @@ def with_baseline(records, s) -> list[dict]:
 
 
 def floor_rows(records, s) -> tuple[list[str], list[list]]:
-    """Batch 1, the loops' context, every loop and variant (records annotated by
-    with_baseline): TPOT against the memory floor, lax.psum and the baseline."""
+    """Batch 1, the loops' context: TPOT against the memory floor, lax.psum and the baseline."""
     ctx = s["context"][0]
     headers = ["TP", "loop", "all-reduce", "TPOT ms", "floor ms", "x floor", "vs psum",
                "vs baseline"]
@@ -830,9 +736,7 @@ def breakdown_rows(records) -> tuple[list[str], list[list]]:
     """Per TP and variant with a device-trace breakdown: microseconds per step by kind."""
     if not any(r.get("breakdown") for r in records):
         return [], []
-    from bench.probes import step_kernels
-
-    headers = (["TP", "all-reduce"] + [k.replace("_", "-") + " us" for k in step_kernels.BREAKDOWN]
+    headers = (["TP", "all-reduce"] + [k.replace("_", "-") + " us" for k in breakdown.BREAKDOWN]
                + ["idle us", "overlap us", "span us", "kernels", "by name only"])
     rows, seen = [], set()
     for r in records:
@@ -845,7 +749,7 @@ def breakdown_rows(records) -> tuple[list[str], list[list]]:
                         + [""] * (len(headers) - 3))
             continue
         rows.append([r["tp"], r["allreduce"]]
-                    + [f"{b[f'{k}_us']:.1f}" for k in step_kernels.BREAKDOWN]
+                    + [f"{b[f'{k}_us']:.1f}" for k in breakdown.BREAKDOWN]
                     + [f"{b['idle_us']:.1f}", f"{b.get('overlap_us', 0.0):.1f}",
                        f"{b['span_us']:.1f}", f"{b['kernels']:g}",
                        f"{b['unmatched']:g}"])
@@ -887,8 +791,7 @@ def paper_rows(records, s) -> tuple[list[str], list[list]]:
 
 
 def sweep_grid(records, s, tp: int, loop: str) -> tuple[list[str], list[list]] | None:
-    """The paper's kind of table: sifar's tokens/s gain over psum per batch (rows) and KV length
-    (columns); each cell 'sifar (fused) [identity]'."""
+    """sifar's tokens/s gain over psum per batch (rows) and KV length (columns)."""
     idx = _index(records)
     rows = []
     for b in s["batch"]:
@@ -943,45 +846,6 @@ def allreduce_tail_rows(records) -> tuple[list[str], list[list]]:
     return headers, rows
 
 
-def _bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def budget_lines(records, s) -> list[str]:
-    """Per TP, pipelined, batch 1: psum TPOT = weights streamed (at the assumed bandwidth) +
-    all-reduce share (psum - identity) + the rest."""
-    idx = _index(records)
-    ctx = s["context"][0]
-    out = []
-    ref = idx.get((1, "pipelined", 1, ctx, "psum"))
-    for tp in sorted({r["tp"] for r in records}):
-        ps = idx.get((tp, "pipelined", 1, ctx, "psum"))
-        ident = idx.get((tp, "pipelined", 1, ctx, "identity"))
-        if not ps:
-            continue
-        w_ms = ps["weights_bytes_per_rank"] / HBM_BYTES_PER_S * 1e3
-        kv_ms = ps["kv_bytes_per_rank"] / HBM_BYTES_PER_S * 1e3
-        total = ps["tpot_ms_median"]
-        line = (f"TP={tp}: psum TPOT {total:.3f} ms = weights streamed {w_ms:.3f} ms "
-                f"({_bytes(ps['weights_bytes_per_rank'])}/rank at {HBM_BYTES_PER_S / 1e12:.1f} TB/s)")
-        if tp == 1:
-            line += f" + rest {total - w_ms:.3f} ms (TP=1: nothing to all-reduce)"
-        elif ident:
-            ar = total - ident["tpot_ms_median"]
-            line += (f" + all-reduce share {ar:.3f} ms (psum - identity, {ar / total * 100:.0f}%)"
-                     f" + rest {total - w_ms - ar:.3f} ms")
-        else:
-            line += f" + rest {total - w_ms:.3f} ms (no identity row: all-reduce share unknown)"
-        line += f"; the rest includes the KV cache read, {kv_ms:.3f} ms at that bandwidth"
-        if ref and tp != 1:
-            line += f"; {ref['tpot_ms_median'] / total:.2f}x TP=1 psum"
-        out.append(line)
-    return out
-
-
 # ------------------------------------------------------------------- output --
 def label_order(s) -> list[str]:
     """Rows and bars: psum, the sifar variants, identity, in the order asked."""
@@ -1000,8 +864,8 @@ def describe_run(s) -> str:
             f"{s['batch']} x KV length {s['context']}; {s['tokens']} timed steps (sync, stream, "
             f"on_device), {s['samples']} pipelined samples, on_device {s['chunk']} tokens per "
             f"dispatch, stream {s['in_flight']} steps in flight"
-            + (f"; at least {s['min_rows']} rows on the device (extra rows copies, not counted)"
-               if s["min_rows"] > 1 else ""))
+            + ("; TP=2's per-rank shapes on one device (--shapes tp2_rank)"
+               if s["shapes"] == "tp2_rank" else ""))
 
 
 def out_dir(args, platform: str) -> Path:
@@ -1009,45 +873,60 @@ def out_dir(args, platform: str) -> Path:
     return Path(args.out) if args.out else common.default_out(platform)
 
 
-BREAKDOWN_SKIPPED = ("--breakdown: skipped, a CPU run has no device trace of GPU kernels to "
-                     "break down")
+BREAKDOWN_SKIPPED = "--breakdown: skipped, a CPU run has no device trace of GPU kernels"
 
 
 def floor_note(s) -> str:
     floor = (f"Floor: a step's weights and KV cache (per rank) read once at "
-             f"{HBM_BYTES_PER_S / 1e12:g} TB/s (floor_ms; x floor = TPOT / floor_ms, floor_ratio "
-             "in the JSON). ")
+             f"{HBM_BYTES_PER_S / 1e12:g} TB/s (floor_ms; x floor = TPOT / floor_ms). ")
     if not s["baselines"]:
         return floor + "Baseline: none (no in-decoder one-shot or two-shot row ran)."
     return floor + (f"Baseline: the fastest of the in-decoder rows {' or '.join(s['baselines'])} "
-                    "at the same TP, loop, batch and KV length (the paper's baseline, the better "
-                    "of a one-shot and a two-shot all-reduce, given every decoder improvement ours "
-                    "gets); vs baseline: tokens/s over the baseline's.")
+                    "at the same TP, loop, batch and KV length (the paper's baseline, given every "
+                    "decoder improvement ours gets); vs baseline: tokens/s over the baseline's.")
 
 
 METHOD_NOTE = (
-    "TPOT per loop (tokens/s = batch / TPOT): sync, the median of one step followed by reading "
-    "its token; stream, the median gap between consecutive tokens of Decoder.decode(loop="
-    "'stream'); pipelined, steps dispatched back to back with the tokens read once at the end, from "
-    f"the difference of runs of {PIPELINE_STEPS[1]} and {PIPELINE_STEPS[0]} steps (the device-bound "
-    "step time); on_device, the median gap between chunks of K tokens run in one lax.fori_loop "
-    "dispatch, / K. vs psum: tokens/s relative to lax.psum at the same TP, loop, batch and KV "
-    "length. Gap recovered: (t_psum - t_x) / (t_psum - t_identity), the share of the all-reduce "
-    "cost removed (identity = no all-reduce: wrong numbers, the upper bound of an unfused model). "
-    "Attention runs over exactly the KV length (one bucket), filled between "
-    "KV length - steps and KV length. Same tokens as psum: generated tokens (sequence 0) equal to "
-    "lax.psum's before the first difference (bf16 rounding of another summation order may flip an "
-    "argmax; identity differs at once).")
+    "TPOT per loop (tokens/s = batch / TPOT): sync, one step then its token read; stream, the gap "
+    "between tokens of Decoder.decode(loop='stream'); pipelined, steps back to back, "
+    f"(t({PIPELINE_STEPS[1]} steps) - t({PIPELINE_STEPS[0]})) / {PIPELINE_STEPS[1] - PIPELINE_STEPS[0]}"
+    "; on_device, the gap between chunks of one lax.fori_loop dispatch / its length. Gap "
+    "recovered: (t_psum - t_x) / (t_psum - t_identity). Same tokens as psum: generated tokens "
+    "(sequence 0) equal to lax.psum's before the first difference (identity differs at once). "
+    "Method: docs/reference.md, bench.decode.")
+
+
+def _section(title: str, table) -> list[tuple[str, str]]:
+    return [(title, common.markdown_table(*table))] if table[1] else []
+
+
+def gpu_sections(records, s) -> list[tuple[str, str]]:
+    ctx = s["context"][0]
+    out = _section(f"Against the paper: batch 1, KV length {ctx} (paper: 8x H200, Llama-3.1-8B "
+                   "FP8, SiFAR vs NCCL)", paper_rows(records, s))
+    out += _section(f"Memory floor, lax.psum and the baseline: batch 1, KV length {ctx}",
+                    floor_rows(records, s))
+    for tp in sorted({r["tp"] for r in records if r["tp"] > 1}):
+        for loop in s["sweep_loops"]:
+            grid = sweep_grid(records, s, tp, loop)
+            out += _section(f"Sweep, TP={tp}, {loop}: tokens/s gain over lax.psum", grid or ([], []))
+    out += _section("Tail of the per-step time (batch 1)", tail_rows(records))
+    out += _section("sifar all-reduces inside the decode step: per-call latency from device "
+                    f"timestamps ({TRACE_STEPS} back-to-back steps, every rank, block 0's view)",
+                    allreduce_tail_rows(records))
+    out += _section(f"Where a step's device time goes: {BREAKDOWN_STEPS} back-to-back steps traced "
+                    "(batch 1, the loops' KV length; microseconds per step)",
+                    breakdown_rows(records))
+    return out
 
 
 def write_outputs(args, s, env, records, platform, final: bool):
-    host = env["host"]
-    order = label_order(s)
+    gpu, host, order = platform == "gpu", env["host"], label_order(s)
     d = out_dir(args, platform)
     records = with_baseline(records, s)
     json_path = common.write_json(common.results_path(d, "decode", host, ".json"), records)
-    notes = [CPU_NOTE] if platform == "cpu" else []
-    notes += [describe_run(s) + ".", METHOD_NOTE, floor_note(s)]
+    notes = ([] if gpu else [CPU_NOTE]) + [describe_run(s) + ".", METHOD_NOTE]
+    notes += [floor_note(s)] if gpu else []
     if args.breakdown and not s["breakdown"]:
         notes.append(BREAKDOWN_SKIPPED)
     if not final:
@@ -1058,126 +937,33 @@ def write_outputs(args, s, env, records, platform, final: bool):
               f"{r['cache_copies']}" for r in records if r.get("cache_copies")]
     notes.append("**The optimised HLO copies the KV cache** (per call: entry, per iteration: loop): "
                  + "; ".join(copied) if copied else
-                 "The optimised HLO of every timed executable updates the KV cache in place: no "
-                 "copy per call, none per on-device loop iteration (models.hlo.cache_copies).")
-    sections = []
-    headers, rows = paper_rows(records, s)
-    if rows:
-        sections.append(("Against the paper: batch 1, KV length "
-                         f"{s['context'][0]} (paper: 8x H200, Llama-3.1-8B FP8, SiFAR vs NCCL)",
-                         common.markdown_table(headers, rows)))
-    headers, rows = floor_rows(records, s)
-    if rows:
-        sections.append((f"Memory floor, lax.psum and the baseline: batch 1, KV length "
-                         f"{s['context'][0]}", common.markdown_table(headers, rows)))
-    for tp in sorted({r["tp"] for r in records if r["tp"] > 1}):
-        for loop in s["sweep_loops"]:
-            grid = sweep_grid(records, s, tp, loop)
-            if grid:
-                sections.append((f"Sweep, TP={tp}, {loop}: tokens/s gain over lax.psum",
-                                 common.markdown_table(*grid)))
-    headers, rows = tail_rows(records)
-    if rows:
-        sections.append(("Tail of the per-step time (batch 1)", common.markdown_table(headers, rows)))
-    headers, rows = allreduce_tail_rows(records)
-    if rows:
-        sections.append(("sifar all-reduces inside the decode step: per-call latency from device "
-                         f"timestamps ({TRACE_STEPS} back-to-back steps, every rank, block 0's view)",
-                         common.markdown_table(headers, rows)))
-    headers, rows = breakdown_rows(records)
-    if rows:
-        sections.append((f"Where a step's device time goes: {BREAKDOWN_STEPS} back-to-back steps "
-                         "traced (batch 1, the loops' KV length; microseconds per step)",
-                         common.markdown_table(headers, rows)))
-    budget = budget_lines(records, s)
-    if budget:
-        sections.append((f"Per-token budget, pipelined, batch 1 (assumed HBM bandwidth "
-                         f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s)", "\n".join(f"- {b}" for b in budget)))
-    sections.append(("Every record", common.markdown_table(*table_rows(records, order))))
-    sifar_rows = [[r["allreduce"], r["tp"], r["batch"], r["context"], r.get("algorithm_used") or "-",
-                   " ".join(f"{a}: {v.get('calls', 0)} calls, {v.get('retries', 0)} retries, "
-                            f"{v.get('timeouts', 0)} timeouts"
-                            for a, v in r.get("sifar_stats", {}).items()) or "-",
-                   r.get("sifar_check", "-")]
-                  for r in records if r["kind"] in SIFAR_KINDS and r["loop"] == _first_loop(r, records)]
-    if sifar_rows:
-        sections.append(("sifar_jax.stats() per variant (all its loops; calls once per rank, "
-                         "retries per warp on GPUs)",
-                         common.markdown_table(["all-reduce", "TP", "batch", "KV length",
-                                                "algorithm used", "counters", "check"], sifar_rows)))
+                 "The optimised HLO of every timed executable updates the KV cache in place "
+                 "(models.hlo.cache_copies).")
+    sections = gpu_sections(records, s) if gpu else []
+    sections += _section("What ran: sifar_jax.stats() per variant (all its loops; calls once per "
+                         "rank, retries per warp on GPUs) and its tokens against lax.psum's",
+                         protocol_rows(records, order))
+    sections += _section("Every record" if gpu else "Every record (XLA:CPU timings: not a "
+                         "performance result)", table_rows(records, order, gpu))
     md_path = common.write_markdown(common.results_path(d, "decode", host, ".md"),
                                     f"Decode TPOT on {host}", env, sections, notes)
-    png_path = None
-    if final and not args.no_plot and records:
-        png_path = plot(records, order, common.results_path(d, "decode", host, ".png"), host,
-                        platform, s)
-    return json_path, md_path, png_path
+    return json_path, md_path
 
 
-def _first_loop(r, records) -> str:
-    """The first loop recorded for r's variant and point (one stats row per variant)."""
-    return next(x["loop"] for x in records
-                if (x["tp"], x["batch"], x["context"], x["allreduce"])
-                == (r["tp"], r["batch"], r["context"], r["allreduce"]))
-
-
-def plot(records, order, path, host, platform, s):
-    plt = common.pyplot()
-    if plt is None:
-        return None
-
-    idx = _index(records)
-    ctx = s["context"][0]
-    tps = sorted({r["tp"] for r in records})
-    labels = [o for o in dict.fromkeys(order) if any(r["allreduce"] == o for r in records)]
-    loops = [x for x in LOOPS if any(r["loop"] == x for r in records)]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    ax = axes[0]
-    groups = [(tp, loop) for tp in tps for loop in loops
-              if any(idx.get((tp, loop, 1, ctx, lb)) for lb in labels)]
-    width = 0.8 / max(1, len(labels))
-    for i, label in enumerate(labels):
-        xs, ys = [], []
-        for j, (tp, loop) in enumerate(groups):
-            r = idx.get((tp, loop, 1, ctx, label))
-            if r is not None:
-                xs.append(j + (i - (len(labels) - 1) / 2) * width)
-                ys.append(r["tokens_per_s"])
-        if xs:
-            bars = ax.bar(xs, ys, width, label=label, hatch="//" if label == "identity" else None)
-            ax.bar_label(bars, fmt="%.0f", fontsize=6, rotation=90, padding=2)
-    ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([f"TP={tp}\n{loop}" for tp, loop in groups], fontsize=7)
-    ax.set_ylabel("tokens/s (batch 1)")
-    ax.set_title(f"every loop, batch 1, KV length {ctx}")
-    ax.margins(y=0.15)
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
-    ax = axes[1]
-    top = max(tps)
-    loop = s["sweep_loops"][0] if s["sweep_loops"] else "pipelined"
-    for b in s["batch"]:
-        xs, ys = [], []
-        for c in s["context"]:
-            ps, sf = idx.get((top, loop, b, c, "psum")), idx.get((top, loop, b, c, "sifar"))
-            if ps and sf:
-                xs.append(c)
-                ys.append((ps["tpot_ms_median"] / sf["tpot_ms_median"] - 1) * 100)
-        if xs:
-            ax.plot(xs, ys, marker="o", label=f"batch {b}")
-    ax.axhline(0, color="k", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(s["context"], [str(c) for c in s["context"]])
-    ax.set_xlabel("KV length")
-    ax.set_ylabel("sifar tokens/s gain over lax.psum (%)")
-    ax.set_title(f"sweep, TP={top}, {loop}")
-    ax.grid(True, alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize=7)
-    title = f"Decode, {s['preset']} {s['dtype']}, {host}"
-    if platform == "cpu":
-        title += " (XLA:CPU smoke test, not GPU performance)"
-    return common.save_figure(fig, title, path)
+def print_gpu_summary(records, s) -> None:
+    headers, rows = paper_rows(records, s)
+    if rows:
+        print(common.plain_table(headers, rows) + "\n")
+    headers, rows = floor_rows(records, s)
+    if rows:
+        print(f"Batch 1 against the memory floor (weights and KV cache per rank read once at "
+              f"{HBM_BYTES_PER_S / 1e12:g} TB/s), lax.psum and the baseline "
+              f"(the fastest of {', '.join(s['baselines']) or 'none'}):")
+        print(common.plain_table(headers, rows) + "\n")
+    headers, rows = breakdown_rows(records)
+    if rows:
+        print(f"Where a step's device time goes ({BREAKDOWN_STEPS} steps traced, us per step):")
+        print(common.plain_table(headers, rows) + "\n")
 
 
 def main(argv=None) -> int:
@@ -1203,6 +989,8 @@ def main(argv=None) -> int:
         ttft_records = ttft.run(s["config"], devices, s["tp"], s["variants"],
                                 ttft.parse_lengths(args.ttft, platform), s["samples"], s["seed"],
                                 s["kv_layout"], HBM_BYTES_PER_S)
+        for r in ttft_records:
+            r["shapes"] = s["shapes"]
         if lead:
             ttft_paths = ttft.write(ttft_records, out_dir(args, platform), env,
                                     [CPU_NOTE] if platform == "cpu" else [])
@@ -1216,28 +1004,14 @@ def main(argv=None) -> int:
     if not lead:
         return 1 if any(r.get("sifar_check", "ok") != "ok" for r in records) else 0
     paths = write_outputs(args, s, env, records, platform, final=True) + tuple(ttft_paths)
-
-    print()
-    print(f"[{env['host']}] {describe_run(s)}")
+    print(f"\n[{env['host']}] {describe_run(s)}")
     records = with_baseline(records, s)
-    headers, rows = paper_rows(records, s)
-    if rows:
-        print(common.plain_table(headers, rows))
-        print()
-    headers, rows = floor_rows(records, s)
-    if rows:
-        print(f"Batch 1 against the memory floor (weights and KV cache per rank read once at "
-              f"{HBM_BYTES_PER_S / 1e12:g} TB/s), lax.psum and the baseline "
-              f"(the fastest of {', '.join(s['baselines']) or 'none'}):")
-        print(common.plain_table(headers, rows))
-        print()
-    headers, rows = breakdown_rows(records)
-    if rows:
-        print(f"Where a step's device time goes ({BREAKDOWN_STEPS} steps traced, us per step):")
-        print(common.plain_table(headers, rows))
-        print()
-    for line in budget_lines(records, s):
-        print(line)
+    if platform == "gpu":
+        print_gpu_summary(records, s)
+    else:
+        print("What ran (XLA:CPU: the protocol and its tokens; speed figures are GPU results, "
+              "docs/performance.md):")
+        print(common.plain_table(*protocol_rows(records, label_order(s))))
     print()
     for p in paths:
         if p is not None:

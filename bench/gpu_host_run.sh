@@ -1,28 +1,14 @@
 #!/usr/bin/env bash
-# The GPU suite, each command sized for one 10-minute device call. One log and
-# the result files land in $OUT, which the device tool brings back (8 files at
-# most): run.log, allreduce-<host>.{json,md,png}, decode/decode-<host>.*,
-# mp/*-<host>-<n>proc.*.
-#
-#   bash bench/gpu_host_run.sh                  # the evaluation: build, bench.allreduce (sifar,
-#                                               #  lax.psum, the peers, the per-call trace),
-#                                               #  bench.decode (the loops, then the batch x KV
-#                                               #  length sweep, TP 2.. and 1)
+# The GPU suite, each command sized for one 10-minute device call; one log (run.log) and the
+# result files land in $OUT.
+#   bash bench/gpu_host_run.sh                  # build, bench.allreduce (peers, trace), bench.decode
 #   bash bench/gpu_host_run.sh build tests mp   # the GPU tests and one process per GPU
-#   bash bench/gpu_host_run.sh --quick ...      # the same on a CPU machine (quick variants;
-#                                               #  the build only if the extension is missing)
-#
-# Steps: build tests allreduce decode mp. Environment: OUT (default
-# /tmp/sifar-out), PYTHON (python3), ALLREDUCE_ARGS, DECODE_ARGS (e.g.
-# --no-sweep), MP_ARGS (bench.allreduce under the launcher), TESTS_ARGS (pytest
-# arguments replacing the default GPU test selection), BUILD_TIMEOUT /
-# TESTS_TIMEOUT / ALLREDUCE_TIMEOUT / DECODE_TIMEOUT / MP_TIMEOUT (seconds per
-# step), SUITE_BUDGET_S (default 570: one device call is 600 s; the suite ends
-# within it, each step's timeout is cut to what is left, a step that cannot
-# start in time is skipped and says so).
-#
-# NVLink multicast stays off: the three switches are forced off here (they only
-# ever turn multicast off), and logged as found and as used.
+#   bash bench/gpu_host_run.sh --quick ...      # the same on a CPU machine (quick variants)
+# Steps: build tests allreduce decode mp. Environment: OUT (/tmp/sifar-out), PYTHON (python3),
+# ALLREDUCE_ARGS, DECODE_ARGS, MP_ARGS, TESTS_ARGS (pytest arguments in place of the GPU tests),
+# BUILD_/TESTS_/ALLREDUCE_/DECODE_/MP_TIMEOUT (seconds per step), SUITE_BUDGET_S (570: every
+# step's timeout is cut to what is left; a step that cannot start in time is skipped, saying so).
+# NVLink multicast stays off: its three switches are forced off, logged as found and as used.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 export TQDM_DISABLE=1  # progress bars are noise in a log
@@ -69,13 +55,11 @@ run_step() {
 
 log "host ($([[ $quick == 1 ]] && echo quick || echo full) suite: ${steps[*]}; budget ${BUDGET} s)"
 {
-  echo "multicast switches as found: NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE-<unset>}" \
-       "NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS-<unset>}" \
-       "TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST-<unset>}"
+  switches() { for v in NCCL_NVLS_ENABLE NVSHMEM_DISABLE_NVLS TORCH_SYMM_MEM_DISABLE_MULTICAST; do
+    printf ' %s=%s' "$v" "${!v-<unset>}"; done; echo; }
+  echo "multicast switches as found:$(switches)"
   export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-  echo "multicast switches as used:  NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE" \
-       "NVSHMEM_DISABLE_NVLS=$NVSHMEM_DISABLE_NVLS" \
-       "TORCH_SYMM_MEM_DISABLE_MULTICAST=$TORCH_SYMM_MEM_DISABLE_MULTICAST"
+  echo "multicast switches as used: $(switches)"
   echo "kernel: $(uname -srm); cores: $(nproc)"
   if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.sm,clocks.max.sm \
@@ -91,25 +75,10 @@ log "host ($([[ $quick == 1 ]] && echo quick || echo full) suite: ${steps[*]}; b
   echo "sources: $(find ffi src/sifar_jax models bench/*.py CMakeLists.txt pyproject.toml -type f \
     \( -name '*.py' -o -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh' -o -name '*.txt' \
     -o -name '*.toml' \) 2>/dev/null | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-12)"
-  "$PYTHON" - <<'PY'
-import importlib
-import platform
-
-print("python", platform.python_version())
-for name in ("jax", "jaxlib", "numpy", "ml_dtypes", "flax", "matplotlib", "tqdm", "torch"):
-    try:
-        print(name, importlib.import_module(name).__version__)
-    except Exception as e:  # noqa: BLE001 - a version report, not a check
-        print(name, "-", type(e).__name__)
-try:
-    import torch
-
-    if torch.cuda.is_available():
-        print("torch cuda", torch.version.cuda, "nccl", ".".join(map(str, torch.cuda.nccl.version())),
-              "gpus", torch.cuda.device_count())
-except Exception as e:  # noqa: BLE001
-    print("torch cuda -", type(e).__name__)
-PY
+  "$PYTHON" -c "import importlib, platform; print('python', platform.python_version())
+for m in ('jax', 'jaxlib', 'numpy', 'ml_dtypes', 'flax', 'tqdm', 'torch'):
+    try: print(m, importlib.import_module(m).__version__)
+    except Exception as e: print(m, '-', type(e).__name__)"
 } 2>&1 | tee -a "$LOG"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
@@ -142,9 +111,7 @@ for step in "${steps[@]}"; do
       run_step "bench.allreduce" "${ALLREDUCE_TIMEOUT:-480}" \
         "$PYTHON" -m bench.allreduce ${quick_arg[@]+"${quick_arg[@]}"} --out "$OUT" ${ALLREDUCE_ARGS:-} ;;
     decode)
-      # The four loops at batch 1 and the first KV length (every variant: psum, the baseline
-      # rows sifar:oneshot/twoshot, sifar, sifar+fused, identity), then batch x KV length
-      # (pipelined; psum / sifar / identity), per TP size.
+      # the loops at batch 1 (every variant), then batch x KV length (psum, sifar, identity)
       # shellcheck disable=SC2086
       run_step "bench.decode" "${DECODE_TIMEOUT:-480}" \
         "$PYTHON" -m bench.decode ${quick_arg[@]+"${quick_arg[@]}"} --out "$OUT/decode" \
@@ -155,12 +122,12 @@ for step in "${steps[@]}"; do
       # shellcheck disable=SC2086
       run_step "bench.allreduce, $nproc_mp processes" "${MP_TIMEOUT:-240}" \
         "$PYTHON" -m sifar_jax.launch -n "$nproc_mp" -- "$PYTHON" -m bench.allreduce \
-        ${quick_arg[@]+"${quick_arg[@]}"} --peers none --no-trace --no-plot --out "$OUT/mp" \
+        ${quick_arg[@]+"${quick_arg[@]}"} --peers none --no-trace --out "$OUT/mp" \
         ${MP_ARGS:---sizes 8,32 --algorithms sifar,sifar_push,lax.psum}
       # shellcheck disable=SC2086
       run_step "bench.decode, $nproc_mp processes" "${MP_TIMEOUT:-240}" \
         "$PYTHON" -m sifar_jax.launch -n "$nproc_mp" -- "$PYTHON" -m bench.decode \
-        ${quick_arg[@]+"${quick_arg[@]}"} --no-sweep --fused off --no-plot --out "$OUT/mp" ;;
+        ${quick_arg[@]+"${quick_arg[@]}"} --no-sweep --fused off --out "$OUT/mp" ;;
     *)
       log "unknown step '$step' (build, tests, allreduce, decode, mp)" ;;
   esac

@@ -1,14 +1,11 @@
-"""Time to first token (TTFT) of the decoder, per all-reduce variant of bench.decode, for prompts of
-given lengths: `python -m bench.decode --ttft 128,1024,4096` (with --quick on a CPU: 16,64).
+"""Time to first token (TTFT) per bench.decode variant for prompts of given lengths:
+`python -m bench.decode --ttft 128,1024,4096` (on a CPU: 16,64).
 
-TTFT is what a user waits for: Decoder.start(prompt) (the prompt's prefill, its first token
-sampled on the device) and that token read on the host, after a first untimed run has compiled
-the prompt's bucket; the median over `samples` runs. Beside it, the floor: the prefill's matmul
-FLOPs (2 x parameters x prompt length, split over the TP ranks) at the device's dense bf16 rate,
-or the weights' bytes per rank at HBM bandwidth, whichever is larger (attention's own FLOPs and
-the KV cache's bytes are left out: a lower bound). Each record says which all-reduce the prefill
-ran: a prompt's payload (prompt x hidden) past sifar's slot runs lax.psum
-(Decoder.prefill_allreduce). Written as ttft-<host>.{json,md} beside bench.decode's results.
+TTFT: Decoder.start(prompt) (the prefill and its first sampled token) and that token read on the
+host, after an untimed run compiled the prompt's bucket; the median over `samples` runs. Its
+floor: the prefill's matmul FLOPs (2 x parameters x prompt / TP) at the device's dense bf16 rate,
+or the weights' bytes per rank at HBM bandwidth, the larger. Each record says which all-reduce
+the prefill ran (a payload past sifar's slot runs lax.psum). Written as ttft-<host>.{json,md}.
 """
 
 from __future__ import annotations

@@ -15,7 +15,10 @@
 #   SIFAR_BUILD_ISOLATION=0   build in PYTHON's own environment instead of an
 #                             isolated one (offline); it then compiles against that
 #                             environment's jax headers, so use the oldest jax the
-#                             wheel supports (pyproject.toml pins 0.10.2 for isolated builds).
+#                             wheel supports. pyproject.toml pins jax/jaxlib 0.10.2 for
+#                             isolated builds: without isolation the dependency check
+#                             is skipped (--skip-dependency-check), else `build` would
+#                             stop at any other installed jax.
 #
 # Steps: `python -m build --wheel` (SIFAR_ENABLE_CUDA=ON, a fresh build folder),
 # then `auditwheel repair` to a manylinux tag where auditwheel (with patchelf)
@@ -40,7 +43,7 @@ trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$OUT"
 
 args=(--wheel --outdir "$WORK/raw" -C "build-dir=$WORK/build")
-[[ "${SIFAR_BUILD_ISOLATION:-1}" == 0 ]] && args+=(--no-isolation)
+[[ "${SIFAR_BUILD_ISOLATION:-1}" == 0 ]] && args+=(--no-isolation --skip-dependency-check)
 t0=$(date +%s)
 "$PY" -m build "${args[@]}" "$ROOT"
 t1=$(date +%s)

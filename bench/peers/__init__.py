@@ -1,23 +1,10 @@
-"""Other all-reduces than ours, measured by bench.allreduce in the same run.
+"""Other all-reduces than ours, measured by bench.allreduce in the same run: torch.nccl
+(torch.distributed.all_reduce), torch.symm_mem.one_shot / two_shot (symmetric memory), each in a
+CUDA graph, and xla.one_shot (lax.psum with XLA's one-shot kernel flag).
 
-    torch.nccl               torch.distributed.all_reduce (NCCL), in a CUDA graph
-    torch.symm_mem.one_shot  torch.ops.symm_mem.one_shot_all_reduce_copy_out, in a CUDA graph
-    torch.symm_mem.two_shot  torch.ops.symm_mem.two_shot_all_reduce_ (in place), in a CUDA graph
-    xla.one_shot             lax.psum with XLA's own one-shot kernel
-                             (--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true)
-
-Every peer runs in processes of its own: torch needs one process per GPU and
-must not share a process with JAX; XLA reads XLA_FLAGS once per process. Each
-peer (and each TP size of a torch peer) is one child process with a timeout,
-so a peer that fails, hangs or computes a wrong sum costs only its own rows:
-the failure is recorded in the results ("errors") with its message.
-
-NVLink multicast is never used: every child gets MULTICAST_OFF
-(bench.common) in its environment, and the torch child refuses to start
-without it.
-
-The children write JSON {"records": [...], "errors": [...], "info": {...}}
-after every size, so a child killed by its timeout keeps what it measured.
+Every peer runs in processes of its own (torch needs one per GPU and no JAX beside it; XLA reads
+XLA_FLAGS once), each with a timeout: a peer that fails, hangs or sums wrong costs only its own
+rows, recorded in "errors". Children get MULTICAST_OFF and write their JSON after every size.
 """
 
 from __future__ import annotations

@@ -3,34 +3,13 @@
     python -m bench.peers.torch_allreduce --algorithm torch.nccl --tp 2 \\
         --sizes 4096,8192 --chain 20,200 --runs 30 --warmup 3 --json out.json
 
-Starts `--tp` workers with torch.multiprocessing (spawn), one per GPU, in one
-process group on localhost (NCCL), plus a gloo group for host barriers and
-for exchanging results. Per payload size (bytes of bfloat16), on every rank:
-
-1. Check once: random non-zero bf16 inputs (bench.common.random_payload, the
-   same numbers on every rank), one all-reduce, each rank's result against
-   the float64 sum. A wrong sum is recorded as an error; that size is not timed.
-2. Capture two CUDA graphs holding chains of R1 and R2 data-dependent
-   all-reduces (y <- allreduce(y)), warm up, then `--runs` samples: each
-   replays the short and the long graph once, each replay started after a
-   host barrier and timed with CUDA events. A sample is
-   (t(R2) - t(R1)) / (R2 - R1), the mean over the ranks (the difference cancels
-   the graph launch and the ranks' start skew). Median, p10, p90.
-
-The algorithms:
-  torch.nccl               dist.all_reduce(y), in place
-  torch.symm_mem.one_shot  one_shot_all_reduce_copy_out(symm, y, "sum", group, y'): the
-                           kernel copies y into the symmetric buffer, barrier, pulls every
-                           peer's buffer, writes y' (y and y' alternate), barrier
-  torch.symm_mem.two_shot  two_shot_all_reduce_(symm, "sum", group): in place on the
-                           symmetric buffer (reduce-scatter, all-gather, barriers)
-
-NVLink multicast stays off: every process refuses to start unless
-bench.common.MULTICAST_OFF is in its environment (TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-keeps symm_mem from creating a multicast object).
-
-`--device cpu` runs the torch.nccl code path over gloo on the CPU without
-graphs (level eager_chain): a test of this file where there is no GPU, not a result.
+Per size, every rank: one checked all-reduce (bench.common.random_payload, against the float64
+sum; a wrong sum is an error, not timed), then chains of R1 and R2 all-reduces captured in two
+CUDA graphs, each replay after a host barrier timed with CUDA events: (t(R2) - t(R1)) / (R2 - R1),
+the mean over ranks. torch.nccl: dist.all_reduce in place; one_shot:
+one_shot_all_reduce_copy_out; two_shot: two_shot_all_reduce_ in place. Refuses to start unless
+MULTICAST_OFF is in its environment. `--device cpu` runs torch.nccl's path over gloo without
+graphs (level eager_chain): a test of this file, not a result.
 """
 
 from __future__ import annotations

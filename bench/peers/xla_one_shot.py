@@ -1,15 +1,7 @@
-"""XLA's own one-shot all-reduce kernel, a peer of bench.allreduce (bench.peers runs this).
-
-    XLA_FLAGS=--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true \\
-        python -m bench.peers.xla_one_shot --tp 2 --sizes 4096,8192 --chain 20,200 \\
-        --runs 30 --warmup 3 --json out.json
-
-lax.psum chains timed exactly as bench.allreduce times its jit level (the
-same chain function, the same differencing of synchronous calls), in a
-process of its own because XLA reads XLA_FLAGS once. Each size is checked
-once against the float64 sum before it is timed; a wrong sum is recorded as
-an error and not timed. On a machine without GPUs it runs on XLA:CPU host
-devices, where the flag does nothing: a test of the code path, not a result.
+"""XLA's own one-shot all-reduce kernel, a peer of bench.allreduce (bench.peers runs this):
+lax.psum chains timed as bench.allreduce's jit level, in a process of its own because XLA reads
+XLA_FLAGS once; each size checked against the float64 sum first. On XLA:CPU the flag does
+nothing: a test of the code path, not a result.
 """
 
 from __future__ import annotations

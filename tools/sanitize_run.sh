@@ -1,7 +1,7 @@
-# Sourced by the sanitize_*.sh probes: sanitize_command CMD... runs CMD under compute-sanitizer's
+# Sourced by tools/sanitize_*.sh: sanitize_command CMD... runs CMD under compute-sanitizer's
 # memcheck, racecheck and synccheck in turn, prints each tool's summary, and returns 1 if any
 # tool reported an error (or the command failed), else 0. sanitize_python CODE: the same for a
-# Python snippet.
+# Python snippet (run by $PYTHON, default python3).
 sanitize_command() {
   local tool rc fail=0
   for tool in memcheck racecheck synccheck; do
@@ -16,5 +16,5 @@ sanitize_command() {
 }
 
 sanitize_python() {
-  sanitize_command python3 -c "$1"
+  sanitize_command "${PYTHON:-python3}" -c "$1"
 }

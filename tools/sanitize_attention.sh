@@ -5,8 +5,9 @@
 # query heads, rows starting past slot 0, a bucket smaller than the cache, the last layer of the
 # cache array. Every buffer is its
 # own allocation (XLA_PYTHON_CLIENT_ALLOCATOR=platform), so memcheck sees an access past any.
-#   bash bench/probes/sanitize_attention.sh     (from the repository root; no build needed)
+#   bash tools/sanitize_attention.sh     (from the repository root; no build needed)
 set -uo pipefail
+cd "$(dirname "$0")/.."
 export PYTHONPATH="${PYTHONPATH:-}:src:." XLA_PYTHON_CLIENT_ALLOCATOR=platform
 export XLA_FLAGS="--xla_gpu_enable_command_buffer="
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -26,5 +27,5 @@ for dt in (jnp.float32, jnp.bfloat16):
         assert out is not None and bool(jnp.isfinite(out).all())
 print("sanitize_attention: all calls ran")
 PY
-source "$(dirname "$0")/sanitize_run.sh"
+source tools/sanitize_run.sh
 sanitize_python "$CODE"

@@ -3,9 +3,10 @@
 # (every lanes width, split and unsplit K, a column tail, clipped ids, the MoE experts' two
 # calls), small cases on one GPU. Every buffer is its own allocation
 # (XLA_PYTHON_CLIENT_ALLOCATOR=platform), so memcheck sees an access past any of them.
-#   bash bench/probes/sanitize_matvec.sh        (from the repository root, sifar-jax installed)
+#   bash tools/sanitize_matvec.sh        (from any directory; sifar-jax installed, or built into src/)
 set -uo pipefail
-export XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="--xla_gpu_enable_command_buffer="
+cd "$(dirname "$0")/.."
+export PYTHONPATH="${PYTHONPATH:-}:src:." XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="--xla_gpu_enable_command_buffer="
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 read -r -d '' CODE <<'PY'
 import jax, jax.numpy as jnp, numpy as np
@@ -26,5 +27,5 @@ for dt in ("float32", "bfloat16"):
     jax.block_until_ready(qwen3_moe.experts_matvec(xs, wts, e_ids, gate_up, down))
 print("sanitize_matvec: all calls ran")
 PY
-source "$(dirname "$0")/sanitize_run.sh"
+source tools/sanitize_run.sh
 sanitize_python "$CODE"

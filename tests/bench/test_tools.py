@@ -1,0 +1,58 @@
+"""tools/: the sanitizer scripts' Python cases still run against the product's kernels (on the
+CPU here, through the CPU handlers and Pallas' interpreter; compute-sanitizer runs them on a
+GPU host), so an API change in sifar_jax.matvec or models/ shows here, not in GPU time."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from bench import common
+
+TOOLS = common.REPO_ROOT / "tools"
+
+
+@pytest.mark.parametrize("script", ["sanitize_matvec.sh", "sanitize_attention.sh"])
+def test_sanitizer_cases_run_on_the_cpu(script):
+    text = (TOOLS / script).read_text()
+    (code,) = re.findall(r"<<'PY'\n(.*?)\nPY\n", text, re.S)
+    assert "source tools/sanitize_run.sh" in text and "sanitize_python" in text
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+        filter(None, [os.environ.get("PYTHONPATH"), str(common.REPO_ROOT / "src"),
+                      str(common.REPO_ROOT)])))
+    r = subprocess.run([sys.executable, "-c", code], cwd=common.REPO_ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"{script[:-3]}: all calls ran" in r.stdout
+
+
+def test_readme_setup_builds_once_and_ci_runs_its_test_command():
+    """The README's two set-up commands: the first installs every extra the benchmarks and the
+    tests need in one build, the second is the test command, and .ci/run runs that command
+    after installing the same extras."""
+    readme = (common.REPO_ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    block = re.search(r"## Set-up.*?```bash\n(.*?)```", readme, re.S).group(1).splitlines()
+    install, test = (line.split("#")[0].strip() for line in block)
+    assert install.count("pip install") == 1 and '-e ".[bench,test]"' in install
+    assert "pip install" not in test and test == "python -m pytest -q tests"
+    ci = (common.REPO_ROOT / ".ci" / "run").read_text()
+    assert '"$VPY" -m pytest -q tests\n' in ci and '-e ".[bench,test]"' in ci
+
+
+def test_bench_holds_what_a_user_runs_within_its_line_budget():
+    """bench/ outside results/: at most 3,500 lines in all tracked files and no CUDA (the lab
+    left the tree: docs/performance.md, Probe ledger)."""
+    r = subprocess.run(["git", "ls-files", "bench"], cwd=common.REPO_ROOT, capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip("not a git checkout")
+    files = [f for f in r.stdout.split() if not f.startswith("bench/results/")]
+    assert not [f for f in files if f.endswith((".cu", ".cuh"))]
+    lines = sum(len((common.REPO_ROOT / f).read_text().splitlines()) for f in files
+                if (common.REPO_ROOT / f).exists())
+    assert lines <= 3500, lines
