@@ -285,6 +285,47 @@ struct WideShared {
   uint32_t part_ok[2][kMaxClusterBlocks];        // each thread block's outcome, by cluster rank
 };
 
+// The row's sum for FusedWideBlock, in the narrower rows' order: each
+// protocol block's lanes' butterfly and then its warps in order, every
+// block's sum sent through distributed shared memory to every thread block of
+// the cluster at its place along the row, one cluster barrier, then the row's
+// blocks added in order.  `ok` becomes the cluster's AND.  Block-uniform;
+// every thread block of the cluster calls it.
+__device__ __forceinline__ float WideRowSum(const float (&term)[kMaxGroup], uint32_t group,
+                                            uint32_t cluster_rank, WideShared& sh,
+                                            uint32_t parity, bool& ok, bool& started_pending) {
+#pragma unroll
+  for (uint32_t i = 0; i < kMaxGroup; ++i) {
+    if (i >= group) break;
+    float v = term[i];
+#pragma unroll
+    for (uint32_t o = 1; o < 32; o <<= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if ((threadIdx.x & 31u) == 0) sh.warp_sums[parity][i][threadIdx.x / 32] = v;
+  }
+  ok = __syncthreads_and(ok) != 0;
+  if (started_pending) {
+    ClusterWait();
+    started_pending = false;
+  }
+  // Thread i * 8 + b sends block block0 + i's sum (and thread b this thread
+  // block's outcome) into cluster block b's shared memory.
+  if (threadIdx.x < group * kMaxClusterBlocks) {
+    const uint32_t i = threadIdx.x / kMaxClusterBlocks, to = threadIdx.x % kMaxClusterBlocks;
+    float t = sh.warp_sums[parity][i][0];
+    for (uint32_t k = 1; k < kThreads / 32; ++k) t = __fadd_rn(t, sh.warp_sums[parity][i][k]);
+    StoreClusterShared(&sh.part[parity][cluster_rank * group + i], to, __float_as_uint(t));
+    if (i == 0) StoreClusterShared(&sh.part_ok[parity][cluster_rank], to, ok ? 1u : 0u);
+  }
+  ClusterArrive();
+  ClusterWait();
+  float total = sh.part[parity][0];
+  for (uint32_t b = 1; b < group * kMaxClusterBlocks; ++b) total = __fadd_rn(total, sh.part[parity][b]);
+  bool all_ok = sh.part_ok[parity][0] != 0;
+  for (uint32_t b = 1; b < kMaxClusterBlocks; ++b) all_ok = all_ok && sh.part_ok[parity][b] != 0;
+  ok = all_ok;
+  return total;
+}
+
 // FusedBlock for the wide rows: the same calls, outcomes and outputs.
 // Block-uniform; every thread block of a cluster calls it.
 template <typename T, int NR, typename E>
@@ -406,40 +447,7 @@ __device__ __forceinline__ bool FusedWideBlock(const FusedArgs& f) {
       for (uint32_t i = 0; i < kMaxGroup; ++i)
         late[i] = i < group ? LoadLateLine<E>(f, round + i * kThreads + threadIdx.x)
                             : typename E::Late{};
-      // Each block's sum: its lanes' butterfly, then its warps in order.
-      const uint32_t parity = exchange++ & 1u;
-#pragma unroll
-      for (uint32_t i = 0; i < kMaxGroup; ++i) {
-        if (i >= group) break;
-        float v = term[i];
-#pragma unroll
-        for (uint32_t o = 1; o < 32; o <<= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
-        if ((threadIdx.x & 31u) == 0) sh.warp_sums[parity][i][threadIdx.x / 32] = v;
-      }
-      ok = __syncthreads_and(ok) != 0;
-      if (started_pending) {
-        ClusterWait();
-        started_pending = false;
-      }
-      // Thread i * 8 + b sends block block0 + i's sum (and thread b this
-      // thread block's outcome) into cluster block b's shared memory, at the
-      // block's place along the row.
-      if (threadIdx.x < group * kMaxClusterBlocks) {
-        const uint32_t i = threadIdx.x / kMaxClusterBlocks, to = threadIdx.x % kMaxClusterBlocks;
-        float t = sh.warp_sums[parity][i][0];
-        for (uint32_t k = 1; k < kThreads / 32; ++k) t = __fadd_rn(t, sh.warp_sums[parity][i][k]);
-        StoreClusterShared(&sh.part[parity][cluster_rank * group + i], to, __float_as_uint(t));
-        if (i == 0) StoreClusterShared(&sh.part_ok[parity][cluster_rank], to, ok ? 1u : 0u);
-      }
-      ClusterArrive();
-      ClusterWait();
-      float total = sh.part[parity][0];
-      for (uint32_t b = 1; b < group * kMaxClusterBlocks; ++b)
-        total = __fadd_rn(total, sh.part[parity][b]);
-      bool all_ok = sh.part_ok[parity][0] != 0;
-      for (uint32_t b = 1; b < kMaxClusterBlocks; ++b)
-        all_ok = all_ok && sh.part_ok[parity][b] != 0;
-      ok = all_ok;
+      float total = WideRowSum(term, group, cluster_rank, sh, exchange++ & 1u, ok, started_pending);
       go = ok;
       if (!go) break;
       const float factor = E::Row(f, total);
