@@ -24,7 +24,7 @@ export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/validate-ffi}; PY=${PYTHON:-python3}; W=$PWD/.validate; B=$W/before
 BEFORE_TAR=${BEFORE_TAR:-.before/base-71ea98f.tar.gz}
 STRESS_CALLS=${STRESS_CALLS:-10000000}; STRESS_S=${STRESS_S:-200}; STRESS_MP_CALLS=${STRESS_MP_CALLS:-10000}
-AB_ROUNDS=${AB_ROUNDS:-3}; JOBS=${JOBS:-$(nproc)}
+AB_ROUNDS=${AB_ROUNDS:-3}; JOBS=${JOBS:-$(nproc)}  # BUDGET_S: later steps skipped past it
 mkdir -p "$OUT" "$W"; LOG=$OUT/validate.log; T0=$(date +%s)
 log() { echo "=== +$(( $(date +%s) - T0 ))s $*" | tee -a "$LOG"; }
 quiet() { grep -v "^[WI][0-9]\{4\}\|^\[[0-9]\] [WI][0-9]\{4\}" | tee -a "$LOG"; }
@@ -41,6 +41,9 @@ pytest_() { timeout --kill-after=10 "${TESTS_TIMEOUT:-300}" env PYTHONPATH="$PWD
   "$PY" -m pytest -q -rs -p no:cacheprovider "$@" 2>&1 | quiet | tail -25; }
 
 for step in "${steps[@]}"; do
+  if (( $(date +%s) - T0 > ${BUDGET_S:-540} - 60 )); then  # one device call: 600 s
+    log "$step: SKIPPED, under a minute of the ${BUDGET_S:-540} s budget left"; continue
+  fi
   if [[ $step != build ]] && ! ls src/sifar_jax/_sifar*.so "$B"/src/sifar_jax/_sifar*.so >/dev/null 2>&1; then
     log "$step: SKIPPED, no built module in this tree or $B (run the build step)"; continue
   fi
@@ -154,7 +157,7 @@ for hidden, rows in ((64, 3), (4096, 2), (8192, 1), (16384, 1), (40960, 1)):  # 
 vr.close(); print("sanitize harness:", "; ".join(fails) or "every call ran"); sys.exit(1 if fails else 0)
 PY
   for tool in memcheck racecheck synccheck; do
-    timeout 240 compute-sanitizer --tool $tool --error-exitcode 7 "$PY" -c "$CODE" 2>&1 | quiet | tail -4
+    timeout 150 compute-sanitizer --tool $tool --error-exitcode 7 "$PY" -c "$CODE" 2>&1 | quiet | tail -4
     log "sanitize $tool: exit status ${PIPESTATUS[0]} (0: clean)"
   done ;;
 ab)
