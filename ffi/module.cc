@@ -220,19 +220,8 @@ NB_MODULE(_sifar, m) {
     });
     return ids;
   });
-  m.def("set_skew", [](int id, uint32_t max_ns, uint32_t seed) {
-    WithComm(id, [&](Comm& c) { c.SetSkew(max_ns, seed); });
-  });
   m.def("set_timeout", [](int id, double s) { WithComm(id, [&](Comm& c) { c.SetTimeout(s); }); });
-  m.def("set_poll", [](int id, uint32_t depth, uint32_t gap_ns) {
-    WithComm(id, [&](Comm& c) { c.SetPoll(depth, gap_ns); });
-  });
-  m.def("set_epochs", [](int id, uint32_t epoch) {
-    WithComm(id, [&](Comm& c) { c.SetEpochs(epoch); });
-  });
-  m.def("set_epoch_mask", [](int id, uint32_t mask) {
-    WithComm(id, [&](Comm& c) { c.SetEpochMask(mask); });
-  });
+  // The call trace (sifar_jax.stats.trace): on/off, then the records.
   m.def("set_trace", [](int id, bool on) { WithComm(id, [&](Comm& c) { c.SetTrace(on); }); });
   // [(group, rank, epoch, chain, algorithm, start_ns, end_ns, retried)], oldest first per rank.
   m.def("comm_trace", [](int id) {
@@ -243,12 +232,6 @@ NB_MODULE(_sifar, m) {
     });
     return out;
   });
-  m.def(
-      "set_drop",
-      [](int id, int rank, bool drop, int from_block) {
-        WithComm(id, [&](Comm& c) { c.SetDrop(rank, drop, from_block); });
-      },
-      nb::arg("id"), nb::arg("rank"), nb::arg("drop"), nb::arg("from_block") = 0);
 
   RegisterMulticastBindings(m);
   RegisterPeerBindings(m);

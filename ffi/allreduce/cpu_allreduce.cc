@@ -285,6 +285,24 @@ class CpuRank {
     Store(call_.elem, acc_.data(), nwords_, out_);
   }
 
+  // One body per portable algorithm of the table, an overload on Alg<id>;
+  // RunBody<id> runs it (false: the row is not portable, no CPU body).
+  void Body(Alg<kOneshot>) { Oneshot(true); }
+  void Body(Alg<kOneshotDB>) { Oneshot(false); }
+  void Body(Alg<kTwoshot>) { Twoshot(); }
+  void Body(Alg<kSifarFlag>) { SifarFlag(); }
+  void Body(Alg<kSifar>) { Sifar(false); }
+  void Body(Alg<kSifarPush>) { Sifar(true); }
+  template <int ALG>
+  bool RunBody() {
+    if constexpr (PortableAlgorithm(ALG)) {
+      Body(Alg<ALG>{});
+      return true;
+    } else {
+      return false;
+    }
+  }
+
   void FillFailed() { cpu::FillFailed(call_.elem, out_, nwords_ * 4); }
 
   // One all-reduce (repeat calls this `repeat` times).
@@ -309,18 +327,18 @@ class CpuRank {
     deadline_ += std::chrono::nanoseconds(skew);
     try {
       if (WrapsAt(prev, epoch_)) ClearTaggedAtWrap();
-      switch (call_.algorithm) {
-        case kOneshot: Oneshot(true); break;
-        case kOneshotDB: Oneshot(false); break;
-        case kTwoshot: Twoshot(); break;
-        case kSifarFlag: SifarFlag(); break;
-        case kSifar: Sifar(false); break;
-        case kSifarPush: Sifar(true); break;
-        default:
-          return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                            std::string("sifar_jax: algorithm '") +
-                                AlgorithmName(call_.algorithm) + "' has no CPU implementation");
+      bool ran = false;
+      switch (call_.algorithm) {  // the table's bodies (protocol.h)
+#define SIFAR_CPU_BODY(e, ...) \
+  case e: ran = RunBody<e>(); break;
+        SIFAR_ALGORITHMS(SIFAR_CPU_BODY)
+#undef SIFAR_CPU_BODY
+        default: break;
       }
+      if (!ran)
+        return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                          std::string("sifar_jax: algorithm '") +
+                              AlgorithmName(call_.algorithm) + "' has no CPU implementation");
     } catch (const Timeout& t) {
       Count(kTimeouts);
       RecordFailure(t.peer);

@@ -21,6 +21,11 @@ namespace sifar {
 namespace cuda {
 
 // ------------------------------------------------------------- bodies ----
+// One body per portable algorithm of the table (protocol.h), each an overload
+// on Alg<id>: AllReduceKernel<T, ALG> calls Body<T, NR>(Alg<ALG>{}, ...).
+// `first`: this thread's input line of the first round (tagged algorithms),
+// loaded at kernel start.
+//
 // oneshot / oneshot_db: publish, top barrier, pull-reduce [, bottom barrier].
 template <typename T>
 __device__ bool Oneshot(const Ws& w, CallState& s, bool bottom) {
@@ -124,19 +129,44 @@ __device__ bool SifarFlag(const Ws& w, CallState& s) {
   return true;
 }
 
-// The whole payload, line by line.  `first`: this thread's input line of the
-// first round, loaded at kernel start.
+// sifar / sifar_push: the whole payload, line by line.
 template <typename T, int NR, bool PUSH>
-__device__ bool Sifar(const Ws& w, CallState& s, uint32_t depth, uint32_t gap_ns, uint2 first) {
+__device__ bool Sifar(const Ws& w, CallState& s, uint2 first) {
   const size_t nlines = w.a.nbytes / 8;  // an LL line carries 8 payload bytes
   const uint2* in = static_cast<const uint2*>(w.a.in);
   SIFAR_FOR_EACH_LINE(line, nlines) {
     uint2 sum;
-    if (!PullLine<T, NR, PUSH>(w, s, line, line < kRoundLines ? first : in[line], depth, gap_ns, sum))
+    if (!PullLine<T, NR, PUSH>(w, s, line, line < kRoundLines ? first : in[line], sum))
       return false;
     static_cast<uint2*>(w.a.out)[line] = sum;
   }
   return true;
+}
+
+// The table's bodies.
+template <typename T, int NR>
+__device__ __forceinline__ bool Body(Alg<kOneshot>, const Ws& w, CallState& s, uint2) {
+  return Oneshot<T>(w, s, true);
+}
+template <typename T, int NR>
+__device__ __forceinline__ bool Body(Alg<kOneshotDB>, const Ws& w, CallState& s, uint2) {
+  return Oneshot<T>(w, s, false);
+}
+template <typename T, int NR>
+__device__ __forceinline__ bool Body(Alg<kTwoshot>, const Ws& w, CallState& s, uint2) {
+  return Twoshot<T>(w, s);
+}
+template <typename T, int NR>
+__device__ __forceinline__ bool Body(Alg<kSifarFlag>, const Ws& w, CallState& s, uint2) {
+  return SifarFlag<T>(w, s);
+}
+template <typename T, int NR>
+__device__ __forceinline__ bool Body(Alg<kSifar>, const Ws& w, CallState& s, uint2 first) {
+  return Sifar<T, NR, false>(w, s, first);
+}
+template <typename T, int NR>
+__device__ __forceinline__ bool Body(Alg<kSifarPush>, const Ws& w, CallState& s, uint2 first) {
+  return Sifar<T, NR, true>(w, s, first);
 }
 
 // --------------------------------------------------------------- kernel ----
@@ -174,23 +204,12 @@ __global__ void __launch_bounds__(kThreads) AllReduceKernel(KernelArgs a) {
   s.timeout_ns = st.timeout_ns;
   bool ok = true, warp0_retried = false;
   for (int i = 0; i < a.repeat; ++i) {
-    const bool wraps = NextCall(w, st, epoch, s);
     // Where the call has block-wide barriers (barrier algorithms, the wrap's
     // clearing) every warp must agree first; a failed warp keeps looping
     // (doing nothing) so it still takes part.  Tagged calls have no block
     // barrier: their warps run ahead independently.
-    if (!TaggedAlgorithm(ALG) || wraps) ok = __syncthreads_and(ok) != 0;
-    if (!ok) continue;
-    InjectSkew(w, st, epoch);
-    if (wraps) ok = ClearTaggedAtWrap(w, s);
-    if (ok) {
-      if (ALG == kOneshot) ok = Oneshot<T>(w, s, true);
-      if (ALG == kOneshotDB) ok = Oneshot<T>(w, s, false);
-      if (ALG == kTwoshot) ok = Twoshot<T>(w, s);
-      if (ALG == kSifarFlag) ok = SifarFlag<T>(w, s);
-      if (ALG == kSifar) ok = Sifar<T, NR, false>(w, s, st.c1.x, st.c1.y, first);
-      if (ALG == kSifarPush) ok = Sifar<T, NR, true>(w, s, st.c1.x, st.c1.y, first);
-    }
+    if (!BeginCall<!TaggedAlgorithm(ALG)>(w, st, epoch, s, ok, blockIdx.x)) continue;
+    if (ok) ok = Body<T, NR>(Alg<ALG>{}, w, s, first);
     if (!ok && s.failed_peer >= 0) RecordFailure(w, ALG, s);
     warp0_retried |= EndCall(w, ALG, s);
     ok = __all_sync(0xffffffffu, ok);  // the warp agrees on the outcome

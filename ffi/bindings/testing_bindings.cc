@@ -1,5 +1,7 @@
-// `sifar_jax._testing`: hooks for the test suite only (never used by the
-// library itself): raw access to a communicator's Control words.
+// `sifar_jax._sifar.testing`: the test controls (sifar_jax.testing's fault
+// injection: skew, dropped ranks, epochs, epoch bits) and hooks for the test
+// suite only (sifar_jax._testing): raw access to a communicator's Control
+// words.  The production module's bindings (module.cc) hold none of these.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 
@@ -25,6 +27,24 @@ void WithComm(int id, F&& f) {
 }  // namespace
 
 void RegisterTestingBindings(nb::module_& t) {
+  // sifar_jax.testing.inject_skew (kept by sifar_jax.comm for communicators made later).
+  t.def("set_skew", [](int id, uint32_t max_ns, uint32_t seed) {
+    WithComm(id, [&](Comm& c) { c.SetSkew(max_ns, seed); });
+  });
+  // sifar_jax.testing.drop_rank: blocks from `from_block` on of `rank` skip their calls.
+  t.def(
+      "set_drop",
+      [](int id, int rank, bool drop, int from_block) {
+        WithComm(id, [&](Comm& c) { c.SetDrop(rank, drop, from_block); });
+      },
+      nb::arg("id"), nb::arg("rank"), nb::arg("drop"), nb::arg("from_block") = 0);
+  // sifar_jax.testing.set_epochs and epoch_bits.
+  t.def("set_epochs", [](int id, uint32_t epoch) {
+    WithComm(id, [&](Comm& c) { c.SetEpochs(epoch); });
+  });
+  t.def("set_epoch_mask", [](int id, uint32_t mask) {
+    WithComm(id, [&](Comm& c) { c.SetEpochMask(mask); });
+  });
   // The host address of Control::failed of (group, rank): CPU communicators only.
   t.def("control_failed_address", [](int id, int group, int rank) {
     uintptr_t addr = 0;
@@ -74,7 +94,7 @@ void RegisterTestingBindings(nb::module_& t) {
     nb::gil_scoped_release release;
     WithComm(id, [&](Comm& c) {
       for (int i = 0; i < iterations; ++i) {
-        c.SetPoll(1 + (i & 1), 0);
+        c.SetTimeout((i & 1) ? 30.0 : 60.0);
         c.SetSkew(0, static_cast<uint32_t>(i));
       }
     });

@@ -9,8 +9,10 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -122,6 +124,91 @@ class VirtualRanks {
       for (int f = 0; f < kNumStats; ++f) d[f] += after[r][algorithm][f] - before[r][algorithm][f];
     return {nb::bytes(out.data(), out.size()), DescribeFailure(comm), d[kCalls], d[kRetries],
             d[kTimeouts]};
+  }
+
+  // Kernel-level timing: `samples` launches of every rank's kernel with
+  // `repeat` all-reduces back to back inside it (no skew unless set), each
+  // sample timed on the host from the first launch to the last stream's end.
+  // (t(R) - t(1)) / (R - 1) over two such runs is one all-reduce's latency
+  // inside a kernel, the launch cancelled.  Returns the samples' seconds.
+  // The same harness builds against the tree before a change (tools/validate_ffi.sh).
+  std::vector<double> TimeRepeated(int algorithm, int elem, size_t nbytes, int repeat, int samples) {
+    Comm& comm = Live();
+    if (!ValidAlgorithm(algorithm) || algorithm == kMulticast)
+      throw std::invalid_argument("VirtualRanks: algorithm must be a portable one");
+    if (elem < 0 || elem >= kNumElems) throw std::invalid_argument("VirtualRanks: bad element type");
+    if (nbytes == 0 || nbytes % 16 != 0 || nbytes > MaxBytes(algorithm))
+      throw std::invalid_argument("VirtualRanks: nbytes must be a positive multiple of 16, at most " +
+                                  std::to_string(MaxBytes(algorithm)));
+    if (repeat < 1 || samples < 1) throw std::invalid_argument("VirtualRanks: repeat, samples >= 1");
+    std::vector<double> out;
+    nb::gil_scoped_release release;
+    OnDevice on(ordinal_);
+    const size_t total = static_cast<size_t>(nranks_) * nbytes;
+    Reserve(total);
+    SIFAR_CUDA_CHECK(cudaMemset(in_, 0, total));  // zeros: every sum exact, never NaN
+    SIFAR_CUDA_CHECK(cudaDeviceSynchronize());
+    for (int k = 0; k < samples; ++k) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int r = 0; r < nranks_; ++r) {
+        RankCall c = HarnessCall(comm, r, elem, algorithm, static_cast<size_t>(r) * nbytes, nbytes);
+        c.repeat = repeat;
+        SIFAR_CUDA_CHECK(LaunchRankAllReduce(c, streams_[r]));
+      }
+      for (cudaStream_t s : streams_) SIFAR_CUDA_CHECK(cudaStreamSynchronize(s));
+      out.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    if (!DescribeFailure(comm).empty()) throw std::runtime_error(DescribeFailure(comm));
+    return out;
+  }
+
+  // TimeRepeated for psum_add_rmsnorm's kernel: `rows` rows of `hidden`
+  // zeros per rank (as RunFused lays them out), `repeat` fused calls per launch.
+  std::vector<double> TimeFusedRepeated(int elem, size_t hidden, size_t rows, int repeat,
+                                        int samples) {
+    Comm& comm = Live();
+    if (elem != static_cast<int>(Elem::kF32) && elem != static_cast<int>(Elem::kBf16) &&
+        elem != static_cast<int>(Elem::kF16))
+      throw std::invalid_argument("VirtualRanks: psum_add_rmsnorm takes float32, bfloat16, float16");
+    const size_t esize = elem == static_cast<int>(Elem::kF32) ? 4 : 2;
+    FusedCall fused;
+    fused.hidden = hidden;
+    fused.row_bytes = hidden * esize;
+    fused.padded_row_bytes = FusedPaddedRowBytes(fused.row_bytes);
+    fused.row_blocks = FusedRowBlocks(fused.row_bytes);
+    fused.eps = 1e-6f;
+    const size_t nbytes = rows * fused.row_bytes;
+    if (rows == 0 || fused.row_blocks == 0 || rows * fused.padded_row_bytes > comm.slot_bytes())
+      throw std::invalid_argument("VirtualRanks: rows the fused kernel does not hold in the slot");
+    const int blocks = BlocksFor(rows * fused.padded_row_bytes / 8, kThreadsPerBlock);
+    if (blocks / FusedBlocksPerThreadBlock(fused.row_blocks) * nranks_ > sms_)
+      throw std::invalid_argument("VirtualRanks: the ranks' thread blocks exceed the SMs");
+    if (repeat < 1 || samples < 1) throw std::invalid_argument("VirtualRanks: repeat, samples >= 1");
+    std::vector<double> out;
+    nb::gil_scoped_release release;
+    OnDevice on(ordinal_);
+    const size_t total = static_cast<size_t>(nranks_) * nbytes;
+    Reserve(2 * total + nbytes + fused.row_bytes);  // x, residual, weight | new_residual, normed
+    SIFAR_CUDA_CHECK(cudaMemset(in_, 0, 2 * total + nbytes + fused.row_bytes));
+    SIFAR_CUDA_CHECK(cudaDeviceSynchronize());
+    fused.residual = in_ + total;
+    fused.weight = in_ + total + nbytes;
+    for (int k = 0; k < samples; ++k) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int r = 0; r < nranks_; ++r) {
+        const size_t at = static_cast<size_t>(r) * nbytes;
+        RankCall c = HarnessCall(comm, r, elem, kSifar, at, nbytes);
+        c.repeat = repeat;
+        FusedCall f = fused;
+        f.normed = out_ + total + at;
+        FusedLaunch shape;
+        SIFAR_CUDA_CHECK(LaunchRankFused(c, f, streams_[r], shape));
+      }
+      for (cudaStream_t s : streams_) SIFAR_CUDA_CHECK(cudaStreamSynchronize(s));
+      out.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    if (!DescribeFailure(comm).empty()) throw std::runtime_error(DescribeFailure(comm));
+    return out;
   }
 
   // psum_add_rmsnorm's kernel: `iterations` fused calls of `rows` rows of
@@ -254,6 +341,10 @@ void RegisterGpuTestingBindings(nb::module_& t) {
       .def("run_fused", &VirtualRanks::RunFused, nb::arg("elem"), nb::arg("x"),
            nb::arg("residual"), nb::arg("weight"), nb::arg("hidden"), nb::arg("rows"),
            nb::arg("eps"), nb::arg("iterations"))
+      .def("time_repeated", &VirtualRanks::TimeRepeated, nb::arg("algorithm"), nb::arg("elem"),
+           nb::arg("nbytes"), nb::arg("repeat"), nb::arg("samples"))
+      .def("time_fused_repeated", &VirtualRanks::TimeFusedRepeated, nb::arg("elem"),
+           nb::arg("hidden"), nb::arg("rows"), nb::arg("repeat"), nb::arg("samples"))
       .def("close", &VirtualRanks::Close);
 }
 

@@ -354,8 +354,9 @@ __device__ __forceinline__ bool ClearTaggedAtWrap(const Ws& w, CallState& s) {
 // sifar: publish epoch-tagged words; pull every peer's words at once; re-read
 // only the words whose tag is stale.  No flag and no barrier: correct without
 // any timing assumption, because validity travels inside each 8-byte word.
-// While waiting, up to `depth` polling loads per peer stay in flight, `gap` ns
-// apart.  NR bounds the ranks at compile time (registers).
+// One polling load per peer line stays in flight while waiting (more, spaced
+// in time, measured no faster: docs/performance.md).  NR bounds the ranks at
+// compile time (registers).
 // PUSH (sifar_push): the same words are stored into every peer's slot and each
 // rank polls its own memory, trading N-1 remote stores for local polls.
 //
@@ -364,10 +365,9 @@ __device__ __forceinline__ bool ClearTaggedAtWrap(const Ws& w, CallState& s) {
 // this thread timed out (s.failed_peer) or saw the communicator fail.
 template <typename T, int NR, bool PUSH>
 __device__ __forceinline__ bool PullLine(const Ws& w, CallState& s, size_t line, uint2 mine,
-                                         uint32_t depth, uint32_t gap_ns, uint2& sum) {
+                                         uint2& sum) {
   const KernelArgs& a = w.a;
   const uint32_t e = s.epoch, tag = s.tag;
-  constexpr int D = kMaxPollDepth;
   const uint64_t lo = PackLL(mine.x, tag), hi = PackLL(mine.y, tag);
   if (PUSH) {
 #pragma unroll
@@ -382,35 +382,26 @@ __device__ __forceinline__ bool PullLine(const Ws& w, CallState& s, size_t line,
 #pragma unroll
   for (int p = 0; p < NR; ++p)
     if (p < a.nranks && p != a.rank) missing |= 3u << (2 * p);
-  uint64_t v[D][NR][2];
-  uint64_t got[NR][2];
+  uint64_t v[NR][2];
+  uint64_t got[NR][2];  // a re-read loads both words of a peer: the fresh ones kept here
 #pragma unroll
-  for (int d = 0; d < D; ++d) {
-    if (d >= static_cast<int>(depth)) break;
-    if (d) __nanosleep(gap_ns);
-#pragma unroll
-    for (int p = 0; p < NR; ++p)
-      if ((missing >> (2 * p)) & 3u) LoadLL(src(p), v[d][p][0], v[d][p][1]);
-  }
+  for (int p = 0; p < NR; ++p)
+    if ((missing >> (2 * p)) & 3u) LoadLL(src(p), v[p][0], v[p][1]);
   for (uint32_t spins = 0; missing; ++spins) {
 #pragma unroll
-    for (int d = 0; d < D; ++d) {
-      if (d >= static_cast<int>(depth) || !missing) break;
+    for (int p = 0; p < NR; ++p)
 #pragma unroll
-      for (int p = 0; p < NR; ++p)
+      for (int k = 0; k < 2; ++k)
+        if (((missing >> (2 * p + k)) & 1u) && LLTag(v[p][k]) == tag) {
+          got[p][k] = v[p][k];
+          missing &= ~(1u << (2 * p + k));
+        }
+    if (!missing) break;
+    s.retried = true;  // mis-speculation: this wave was (partly) stale
 #pragma unroll
-        for (int k = 0; k < 2; ++k)
-          if (((missing >> (2 * p + k)) & 1u) && LLTag(v[d][p][k]) == tag) {
-            got[p][k] = v[d][p][k];
-            missing &= ~(1u << (2 * p + k));
-          }
-      if (!missing) break;
-      s.retried = true;  // mis-speculation: this wave was (partly) stale
-#pragma unroll
-      for (int p = 0; p < NR; ++p)
-        if ((missing >> (2 * p)) & 3u) LoadLL(src(p), v[d][p][0], v[d][p][1]);
-    }
-    if (missing && Expired(w, s, (__ffs(missing) - 1) / 2, spins)) return false;
+    for (int p = 0; p < NR; ++p)
+      if ((missing >> (2 * p)) & 3u) LoadLL(src(p), v[p][0], v[p][1]);
+    if (Expired(w, s, (__ffs(missing) - 1) / 2, spins)) return false;
   }
   Acc<T> acc[2 * Elem<T>::kPerWord];
 #pragma unroll
@@ -433,8 +424,7 @@ __device__ __forceinline__ bool PullLine(const Ws& w, CallState& s, size_t line,
 // add them up) and re-reads only the stale words.  A word once fresh stays so
 // until this call of its block ends (a peer rewrites that slot two epochs
 // later, after this block's next call), so the loaded words are the results.
-// Lines whose bit in `want` is clear are not read (sum = mine).  The poll depth
-// and gap (PullLine's knobs) do not apply.  False: this thread timed out
+// Lines whose bit in `want` is clear are not read (sum = mine).  False: this thread timed out
 // (s.failed_peer) or saw the communicator fail.
 __device__ __forceinline__ void PublishLine(const Ws& w, size_t line, uint32_t epoch, uint32_t tag,
                                             uint2 mine) {
@@ -504,14 +494,18 @@ __device__ __forceinline__ bool PollLines(const Ws& w, CallState& s, uint32_t wa
 }
 
 // ------------------------------------------------------- call framing ----
-// Shared by every portable kernel (AllReduceKernel, FusedKernel).
+// Shared by every portable kernel (AllReduceKernel, the fused kernels of
+// fused/cuda_fused.cu): each protocol block reads its start (ReadBlockStartOf),
+// begins every call (BeginCall), ends it (EndCall) and commits its epoch
+// (CommitBlockOf); what runs between BeginCall and EndCall is the algorithm's
+// body, or the sifar pull and the fused op's epilogue.
 //
 // What one thread of each block reads at kernel start and shares: every warp
 // of a block must take the same path (a warp that left on `failed` while the
 // others wait at a barrier would hang or split the block).
 struct BlockStart {
   uint4 c0;  // failed, skew_max_ns, skew_seed, drop
-  uint4 c1;  // poll_depth, poll_gap_ns, trace, epoch_mask
+  uint4 c1;  // unused, unused, trace, epoch_mask
   uint64_t timeout_ns;
   uint32_t epoch;
   uint64_t calls;  // block 0: this lane's count for the algorithm
@@ -536,7 +530,7 @@ __device__ __forceinline__ void ReadBlockStartOf(const Ws& w, int alg, BlockStar
                                                  Block block) {
   const Control* ctl = w.ctl(w.a.rank);
   const uint4 c0 = LoadStrong16(ctl);
-  const uint4 c1 = LoadStrong16(&ctl->poll_depth);
+  const uint4 c1 = LoadStrong16(&ctl->unused[0]);
   const uint64_t timeout_ns = LoadLLWord(&ctl->timeout_ns);
   const uint32_t epoch = LoadStrong(w.epochs() + static_cast<uint32_t>(block));
   const uint64_t calls = static_cast<uint32_t>(block) == 0 ? LoadLLWord(w.calls(alg)) : 0;
@@ -573,6 +567,26 @@ __device__ __forceinline__ void InjectSkew(const Ws& w, const BlockStart& st, ui
     while (GlobalTimerNs() < until) {
     }
   }
+}
+
+// Starts one call of protocol block `block` (blockIdx.x but in the fused
+// kernel's wide rows), as every portable kernel does: the next epoch and tag;
+// the thread block's agreement on `ok` where the call has block-wide barriers
+// (AGREE) or the tag wraps (its clearing is block-wide); the injected skew
+// (`skew`: once per thread block); the wrap's clearing.  Returns false when
+// the call is skipped (`ok` was false: the block failed earlier); else `ok`
+// becomes the wrap's outcome (a failed wait is the caller's to record).
+// Block-wide where AGREE or on a wrap: every thread calls it.
+template <bool AGREE>
+__device__ __forceinline__ bool BeginCall(const Ws& w, const BlockStart& st, uint32_t& epoch,
+                                          CallState& s, bool& ok, uint32_t block,
+                                          bool skew = true) {
+  const bool wraps = NextCall(w, st, epoch, s);
+  if (AGREE || wraps) ok = __syncthreads_and(ok) != 0;
+  if (!ok) return false;
+  if (skew) InjectSkew(w, st, epoch);
+  if (wraps) ok = ClearTaggedAtWrapOf(w, s, block);
+  return true;
 }
 
 // Ends one call: mis-speculations and timeouts counted per warp (rare, so

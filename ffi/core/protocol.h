@@ -16,8 +16,8 @@
 namespace sifar {
 
 // The one list of algorithms.  Everything else is generated from it: the enum,
-// the names, the CUDA launch and preload tables, the CPU dispatch, and the
-// Python ids (sifar_jax.algorithms reads them from the extension).
+// the names, the CUDA launch and preload tables and kernel bodies, the CPU
+// dispatch, and the Python ids (sifar_jax.algorithms reads them from the extension).
 //
 //   X(enum, id, name, line_bytes, tagged, exact, portable, description)
 //   line_bytes  payload bytes one thread moves per line (8: an LL line of two
@@ -75,6 +75,17 @@ SIFAR_HD constexpr bool TaggedAlgorithm(int a) { return SIFAR_ALGORITHMS(SIFAR_A
 #define SIFAR_ALG_LINE(e, id, name, line, ...) a == id ? line:
 SIFAR_HD constexpr int LineBytes(int a) { return SIFAR_ALGORITHMS(SIFAR_ALG_LINE) 16; }
 #undef SIFAR_ALG_LINE
+#define SIFAR_ALG_PORTABLE(e, id, name, line, tagged, exact, portable, ...) (a == id && portable) ||
+SIFAR_HD constexpr bool PortableAlgorithm(int a) { return SIFAR_ALGORITHMS(SIFAR_ALG_PORTABLE) false; }
+#undef SIFAR_ALG_PORTABLE
+// An algorithm as a type: each backend defines one body per portable
+// algorithm as an overload on it (Body(Alg<kSifar>, ...)), and its dispatch,
+// generated from the table, names them; a portable row without a body does
+// not compile.
+template <int ALG>
+struct Alg {
+  static constexpr int kId = ALG;
+};
 
 constexpr int kMaxRanks = 8;
 // Thread blocks of one all-reduce.  Every block keeps its own epoch, and a line
@@ -204,8 +215,7 @@ struct Control {
   uint32_t skew_max_ns;  // testing.inject_skew: random wait before each call
   uint32_t skew_seed;
   uint32_t drop;         // testing.drop_rank: blocks >= drop-1 of this rank skip (0: none)
-  uint32_t poll_depth;   // sifar: polling loads kept in flight per peer line (1..kMaxPollDepth)
-  uint32_t poll_gap_ns;  // sifar: spacing between those loads
+  uint32_t unused[2];    // keeps trace and epoch_mask where the start's second load reads them
   uint32_t trace;        // nonzero: record every call in the trace ring
   uint32_t epoch_mask;   // tag epoch bits (0: kEpochTagMask); testing only
   uint64_t timeout_ns;   // bound on every spin
@@ -213,9 +223,6 @@ struct Control {
   uint32_t pad0;
   uint64_t pad[2];
 };
-constexpr uint32_t kMaxPollDepth = 4;
-constexpr uint32_t kDefaultPollDepth = 1;
-constexpr uint32_t kDefaultPollGapNs = 0;
 static_assert(sizeof(Control) == 64, "Control is one cache-line-sized record");
 
 // A failure description, written once per rank by its first thread that

@@ -1,20 +1,16 @@
-// psum_add_rmsnorm on CUDA: the fused all-reduce + residual add + RMSNorm
-// kernel, its launch and its FFI handler.  The kernel runs the sifar pull of
-// epoch-tagged words exactly as AllReduceKernel runs it (the same lines,
-// blocks, per-block epochs, tags, wrap and failure rules), then an epilogue
-// on each row of `hidden` elements:
-//
-//   new_residual = round(float(sum) + float(residual))
-//   ss           = fp32 sum of float(new_residual)^2 over the row, in a fixed
-//                  order (the same bits on every rank)
-//   s            = rsqrt(ss / hidden + eps)
-//   normed       = round(float(weight) * float(round(float(new_residual) * s)))
+// The fused kernels (psum_add_rmsnorm today), their launch and their FFI
+// handler.  A fused kernel runs the sifar pull of epoch-tagged words with the
+// call framing of AllReduceKernel (core/device.cuh: the same lines, blocks,
+// per-block epochs, tags, wrap and failure rules), then its epilogue
+// (fused/epilogue.cuh, a template parameter) on each row of `hidden`
+// elements, with one fp32 reduction over the row in a fixed order (the same
+// bits on every rank).
 //
 // A row is data_lines LL lines (8 payload bytes each), laid out in the
 // payload padded to row_lines, the next power of two (FusedPaddedRowBytes):
 // the padding lines are zero on every rank, pulled like any line (so the
-// padded payload keeps BlockOfLine's ownership), add nothing to the sum of
-// squares and are never stored.  Rows of at most one block's lines lie in
+// padded payload keeps BlockOfLine's ownership), add nothing to the row's
+// reduction and are never stored.  Rows of at most one block's lines lie in
 // aligned segments of one block (a segmented reduction: warp shuffles, then
 // the row's warps through shared memory).  Rows of 2-8 blocks span row_blocks
 // whole blocks, launched as one thread-block cluster: each block stores its
@@ -32,63 +28,13 @@
 #include "allreduce/launch.h"
 #include "core/cuda_check.h"
 #include "core/device.cuh"
+#include "fused/epilogue.cuh"
 #include "fused/fused.h"
 #include "fused/launch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace sifar {
 namespace cuda {
-
-struct FusedArgs {
-  KernelArgs a;  // in: x, out: the new residual, nbytes: the padded payload
-  const void* residual;
-  const void* weight;
-  void* normed;
-  size_t data_bytes;    // the buffers' size: x, residual and both outputs
-  uint32_t data_lines;  // LL lines of data per row
-  uint32_t row_lines;   // LL lines per padded row, a power of two >= data_lines
-  uint32_t row_shift;   // log2(row_lines)
-  uint32_t row_blocks;  // blocks per row (1: rows within a block); up to 8, the cluster size
-  uint32_t hidden;      // elements per row
-  float eps;
-  const char* prefetch;  // the next operation's operand (never read here), or null
-  size_t prefetch_bytes;
-  uint32_t ar_blocks;    // the all-reduce's thread blocks; the grid's others only prefetch
-  uint32_t group;        // the protocol's blocks per thread block: 1, or 2-8 (FusedWideBlock)
-};
-
-// ------------------------------------------------------------- numbers ----
-// The elements of one LL line (two 32-bit words) as fp32, and back, rounded.
-template <typename T>
-constexpr int kLineElems = 2 * Elem<T>::kPerWord;
-template <typename T>
-__device__ __forceinline__ void Unpack(uint2 w, float* v) {
-  Elem<T>::Add(v, w.x, true);
-  Elem<T>::Add(v + Elem<T>::kPerWord, w.y, true);
-}
-template <typename T>
-__device__ __forceinline__ uint2 Pack(const float* v) {
-  return make_uint2(Elem<T>::Round(v), Elem<T>::Round(v + Elem<T>::kPerWord));
-}
-
-// Line `line` of the padded payload: whether it holds data, and where in the
-// (unpadded) buffers.
-__device__ __forceinline__ bool DataLine(const FusedArgs& f, size_t line, size_t& at) {
-  const uint32_t j = static_cast<uint32_t>(line) & (f.row_lines - 1);
-  at = (line >> f.row_shift) * f.data_lines + j;
-  return j < f.data_lines;
-}
-
-// One thread's line of the three inputs (zero on a padding line).
-struct FusedIn {
-  uint2 x, residual, weight;
-};
-__device__ __forceinline__ FusedIn LoadFusedIn(const FusedArgs& f, size_t line) {
-  size_t at;
-  if (!DataLine(f, line, at)) return FusedIn{};
-  return {static_cast<const uint2*>(f.a.in)[at], static_cast<const uint2*>(f.residual)[at],
-          static_cast<const uint2*>(f.weight)[line & (f.row_lines - 1)]};
-}
 
 // ----------------------------------------------------------- prefetch ----
 // While the all-reduce waits for its peers the GPU's memory is idle, and the
@@ -225,12 +171,12 @@ inline cudaLaunchConfig_t RowClusterLaunch(int grid, uint32_t cluster, cudaStrea
 }
 
 // ------------------------------------------------------------- kernel ----
-// The calls of one all-reduce block (blockIdx.x < ar_blocks): both outputs of
-// its lines written, NaN if the block (its cluster) failed.  Returns whether
-// they succeeded.  Block-uniform; every block of a cluster calls it.
-template <typename T, int NR>
+// The calls of one all-reduce block (blockIdx.x < ar_blocks): the epilogue's
+// outputs of its lines written, NaN if the block (its cluster) failed.
+// Returns whether they succeeded.  Block-uniform; every block of a cluster
+// calls it.
+template <typename T, int NR, typename E>
 __device__ __forceinline__ bool FusedBlock(const FusedArgs& f) {
-  constexpr int K = kLineElems<T>;
   const KernelArgs& a = f.a;
   const Ws w{a};
   __shared__ BlockStart b0;
@@ -239,9 +185,9 @@ __device__ __forceinline__ bool FusedBlock(const FusedArgs& f) {
   const bool cluster = f.row_blocks > 1;
   // This thread's first line of every input, loaded while thread 0's control
   // words are in flight.
-  FusedIn first{};
+  FusedLine<E> first{};
   if (static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x < nlines)
-    first = LoadFusedIn(f, static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x);
+    first = LoadFusedLine<E>(f, static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x);
   if (threadIdx.x == 0) ReadBlockStart(w, kSifar, b0);
   __syncthreads();
   const BlockStart st = b0;
@@ -265,10 +211,8 @@ __device__ __forceinline__ bool FusedBlock(const FusedArgs& f) {
   if (cluster) ClusterArriveRelaxed();
   uint32_t exchange = 0;  // row exchanges so far: the parity of RowShared's buffers
   for (int i = 0; i < a.repeat && go; ++i) {
-    if (ok && !dropped) {
-      const bool wraps = NextCall(w, st, epoch, s);
-      InjectSkew(w, st, epoch);
-      if (wraps) ok = ClearTaggedAtWrap(w, s);  // block-wide
+    if (ok && !dropped) {  // block-uniform: BeginCall's agreement has every thread
+      BeginCall<false>(w, st, epoch, s, ok, blockIdx.x);
       if (!ok && s.failed_peer >= 0) RecordFailure(w, kSifar, s);
     }
     // Rounds of kRoundLines: the same count for every block of a cluster (the
@@ -277,28 +221,19 @@ __device__ __forceinline__ bool FusedBlock(const FusedArgs& f) {
          base += kRoundLines) {
       const size_t line = base + threadIdx.x;
       const bool mine = line < nlines;  // rows within a block: the last block may be partial
-      const FusedIn in = base < kRoundLines ? first : mine ? LoadFusedIn(f, line) : FusedIn{};
+      const FusedLine<E> in =
+          base < kRoundLines ? first : mine ? LoadFusedLine<E>(f, line) : FusedLine<E>{};
       uint2 sum = in.x;
       if (mine && ok && !dropped) {
-        const bool pulled = PullLine<T, NR, false>(w, s, line, in.x, st.c1.x, st.c1.y, sum);
+        const bool pulled = PullLine<T, NR, false>(w, s, line, in.x, sum);
         if (!pulled && s.failed_peer >= 0) RecordFailure(w, kSifar, s);
         ok = pulled;
       }
-      // The new residual and this line's squares.
-      float v[K], r[K];
-      Unpack<T>(sum, v);
-      Unpack<T>(in.residual, r);
-#pragma unroll
-      for (int k = 0; k < K; ++k) v[k] = __fadd_rn(v[k], r[k]);
-      const uint2 new_residual = Pack<T>(v);
-      Unpack<T>(new_residual, v);  // the rounded value is what the norm sees
-      float ss = 0.f;
-      if (mine) {
-#pragma unroll
-        for (int k = 0; k < K; ++k) ss = __fadd_rn(ss, __fmul_rn(v[k], v[k]));
-      }
+      // The epilogue's kept value and this line's term of the row's reduction.
+      uint2 kept = make_uint2(0u, 0u);
+      const float term = mine ? E::template Line<T>(sum, in.early, kept) : 0.f;
       const uint32_t parity = exchange++ & 1u;
-      float total = BlockRowSum(ss, f.row_lines, sh.warp_sums[parity], ok);
+      float total = BlockRowSum(term, f.row_lines, sh.warp_sums[parity], ok);
       if (cluster) {
         if (started_pending) {
           ClusterWait();
@@ -309,25 +244,13 @@ __device__ __forceinline__ bool FusedBlock(const FusedArgs& f) {
       go = ok;
       if (!go) break;
       size_t at;
-      if (mine && DataLine(f, line, at)) {
-        const float mean = __fdiv_rn(total, static_cast<float>(f.hidden));
-        const float scale = rsqrtf(__fadd_rn(mean, f.eps));
-        float g[K];
-        Unpack<T>(in.weight, g);
-#pragma unroll
-        for (int k = 0; k < K; ++k) v[k] = __fmul_rn(v[k], scale);
-        Unpack<T>(Pack<T>(v), v);  // y rounded to the payload type, as the model does
-#pragma unroll
-        for (int k = 0; k < K; ++k) v[k] = __fmul_rn(g[k], v[k]);
-        static_cast<uint2*>(a.out)[at] = new_residual;
-        static_cast<uint2*>(f.normed)[at] = Pack<T>(v);
-      }
+      if (mine && DataLine(f, line, at))
+        E::template Finish<T>(f, at, kept, in.late, E::Row(f, total));
     }
     if (!dropped) warp0_retried |= EndCall(w, kSifar, s);
   }
-  if (!go) {  // the block (the cluster) failed: both outputs NaN, every line
-    FillNaN<T>(a.out, f.data_bytes, threadIdx.x, kThreads);
-    FillNaN<T>(f.normed, f.data_bytes, threadIdx.x, kThreads);
+  if (!go) {  // the block (the cluster) failed: every output NaN, every line
+    E::template Fail<T>(f);
   } else if (!dropped) {
     CommitBlock(w, kSifar, st, epoch, warp0_retried);
   }
@@ -352,7 +275,7 @@ __device__ __forceinline__ bool FusedBlock(const FusedArgs& f) {
 // protocol block, its warps' butterflies added in order, then the row's blocks
 // in order, every block's sum exchanged through distributed shared memory.
 constexpr uint32_t kMaxGroup = kMaxRowBlocks / kMaxClusterBlocks;
-constexpr uint32_t kPollChunk = 4;  // v[4][NR][2]: the registers of PullLine's deepest poll
+constexpr uint32_t kPollChunk = 4;  // lines polled together: v[4][NR][2] registers
 static_assert(kMaxGroup % kPollChunk == 0, "whole chunks");
 
 struct WideShared {
@@ -362,22 +285,51 @@ struct WideShared {
   uint32_t part_ok[2][kMaxClusterBlocks];        // each thread block's outcome, by cluster rank
 };
 
-// Line `line` of x or the residual (`buf`), or of the weight: zero on a padding line.
-__device__ __forceinline__ uint2 LoadDataLine(const FusedArgs& f, const void* buf, size_t line) {
-  size_t at;
-  return DataLine(f, line, at) ? static_cast<const uint2*>(buf)[at] : make_uint2(0u, 0u);
-}
-__device__ __forceinline__ uint2 LoadWeightLine(const FusedArgs& f, size_t line) {
-  size_t at;
-  return DataLine(f, line, at) ? static_cast<const uint2*>(f.weight)[line & (f.row_lines - 1)]
-                               : make_uint2(0u, 0u);
+// The row's sum for FusedWideBlock, in the narrower rows' order: each
+// protocol block's lanes' butterfly and then its warps in order, every
+// block's sum sent through distributed shared memory to every thread block of
+// the cluster at its place along the row, one cluster barrier, then the row's
+// blocks added in order.  `ok` becomes the cluster's AND.  Block-uniform;
+// every thread block of the cluster calls it.
+__device__ __forceinline__ float WideRowSum(const float (&term)[kMaxGroup], uint32_t group,
+                                            uint32_t cluster_rank, WideShared& sh,
+                                            uint32_t parity, bool& ok, bool& started_pending) {
+#pragma unroll
+  for (uint32_t i = 0; i < kMaxGroup; ++i) {
+    if (i >= group) break;
+    float v = term[i];
+#pragma unroll
+    for (uint32_t o = 1; o < 32; o <<= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if ((threadIdx.x & 31u) == 0) sh.warp_sums[parity][i][threadIdx.x / 32] = v;
+  }
+  ok = __syncthreads_and(ok) != 0;
+  if (started_pending) {
+    ClusterWait();
+    started_pending = false;
+  }
+  // Thread i * 8 + b sends block block0 + i's sum (and thread b this thread
+  // block's outcome) into cluster block b's shared memory.
+  if (threadIdx.x < group * kMaxClusterBlocks) {
+    const uint32_t i = threadIdx.x / kMaxClusterBlocks, to = threadIdx.x % kMaxClusterBlocks;
+    float t = sh.warp_sums[parity][i][0];
+    for (uint32_t k = 1; k < kThreads / 32; ++k) t = __fadd_rn(t, sh.warp_sums[parity][i][k]);
+    StoreClusterShared(&sh.part[parity][cluster_rank * group + i], to, __float_as_uint(t));
+    if (i == 0) StoreClusterShared(&sh.part_ok[parity][cluster_rank], to, ok ? 1u : 0u);
+  }
+  ClusterArrive();
+  ClusterWait();
+  float total = sh.part[parity][0];
+  for (uint32_t b = 1; b < group * kMaxClusterBlocks; ++b) total = __fadd_rn(total, sh.part[parity][b]);
+  bool all_ok = sh.part_ok[parity][0] != 0;
+  for (uint32_t b = 1; b < kMaxClusterBlocks; ++b) all_ok = all_ok && sh.part_ok[parity][b] != 0;
+  ok = all_ok;
+  return total;
 }
 
 // FusedBlock for the wide rows: the same calls, outcomes and outputs.
 // Block-uniform; every thread block of a cluster calls it.
-template <typename T, int NR>
+template <typename T, int NR, typename E>
 __device__ __forceinline__ bool FusedWideBlock(const FusedArgs& f) {
-  constexpr int K = kLineElems<T>;
   const KernelArgs& a = f.a;
   const Ws w{a};
   __shared__ WideShared sh;
@@ -391,7 +343,7 @@ __device__ __forceinline__ bool FusedWideBlock(const FusedArgs& f) {
 #pragma unroll
   for (uint32_t i = 0; i < kMaxGroup; ++i)
     first[i] = i < group
-                   ? LoadDataLine(f, a.in, static_cast<size_t>(block0 + i) * kThreads + threadIdx.x)
+                   ? LoadXLine(f, static_cast<size_t>(block0 + i) * kThreads + threadIdx.x)
                    : make_uint2(0u, 0u);
   if (threadIdx.x < group) ReadBlockStartOf(w, kSifar, sh.start[threadIdx.x], block0 + threadIdx.x);
   __syncthreads();
@@ -422,14 +374,13 @@ __device__ __forceinline__ bool FusedWideBlock(const FusedArgs& f) {
   ClusterArriveRelaxed();
   uint32_t exchange = 0;
   for (int it = 0; it < a.repeat && go; ++it) {
-    // Each protocol block starts its call (block-uniform, in block order: the
-    // peers' thread blocks run the same blocks in the same order).
+    // Each protocol block begins its call (block-uniform, in block order: the
+    // peers' thread blocks run the same blocks in the same order; one skew
+    // per thread block).
 #pragma unroll
     for (uint32_t i = 0; i < kMaxGroup; ++i) {
       if (i >= group || !ok || ((dropped >> i) & 1u)) continue;
-      const bool wraps = NextCall(w, sh.start[i], epoch[i], s);
-      if (i == 0) InjectSkew(w, sh.start[i], epoch[i]);  // one skew per thread block
-      if (wraps) ok = ClearTaggedAtWrapOf(w, s, block0 + i);  // block-wide
+      BeginCall<false>(w, sh.start[i], epoch[i], s, ok, block0 + i, i == 0);
       if (!ok && s.failed_peer >= 0) RecordFailureOf(w, kSifar, s, block0 + i, epoch[i]);
     }
     // Rounds of kRoundLines: the same count for every thread block of a
@@ -437,15 +388,18 @@ __device__ __forceinline__ bool FusedWideBlock(const FusedArgs& f) {
     for (size_t round = static_cast<size_t>(block0) * kThreads; round < nlines;
          round += kRoundLines) {
       const bool first_round = round < kRoundLines;
-      // Every block's line: x and the residual loaded together, then x published.
-      uint2 x[kMaxGroup], residual[kMaxGroup];
+      // Every block's line: x and the epilogue's early operands loaded
+      // together, then x published.
+      uint2 x[kMaxGroup];
+      typename E::Early early[kMaxGroup];
 #pragma unroll
       for (uint32_t i = 0; i < kMaxGroup; ++i) {
-        x[i] = residual[i] = make_uint2(0u, 0u);
+        x[i] = make_uint2(0u, 0u);
+        early[i] = typename E::Early{};
         if (i >= group) continue;
         const size_t line = round + i * kThreads + threadIdx.x;
-        x[i] = first_round ? first[i] : LoadDataLine(f, a.in, line);
-        residual[i] = LoadDataLine(f, f.residual, line);
+        x[i] = first_round ? first[i] : LoadXLine(f, line);
+        early[i] = LoadEarlyLine<E>(f, line);
       }
       const bool pulling = ok;  // this thread's lines so far all succeeded
 #pragma unroll
@@ -453,10 +407,10 @@ __device__ __forceinline__ bool FusedWideBlock(const FusedArgs& f) {
         if (i < group && pulling && !((dropped >> i) & 1u))
           PublishLine(w, round + i * kThreads + threadIdx.x, epoch[i],
                       Tag(chain, epoch[i], mask), x[i]);
-      // The sums (this rank's partial on a dropped block's line), the new
-      // residual and its squares, chunk by chunk.
-      uint2 new_residual[kMaxGroup];
-      float ss[kMaxGroup];
+      // The sums (this rank's partial on a dropped block's line), then the
+      // epilogue's kept values and row terms, chunk by chunk.
+      uint2 kept[kMaxGroup];
+      float term[kMaxGroup];
 #pragma unroll
       for (uint32_t c = 0; c < kMaxGroup; c += kPollChunk) {
         if (c >= group) break;
@@ -484,84 +438,30 @@ __device__ __forceinline__ bool FusedWideBlock(const FusedArgs& f) {
         for (uint32_t j = 0; j < kPollChunk; ++j) {
           const uint32_t i = c + j;
           if (i >= group) continue;
-          float v[K], r[K];
-          Unpack<T>(sum[j], v);
-          Unpack<T>(residual[i], r);
-#pragma unroll
-          for (int k = 0; k < K; ++k) v[k] = __fadd_rn(v[k], r[k]);
-          new_residual[i] = Pack<T>(v);
-          Unpack<T>(new_residual[i], v);  // the rounded value is what the norm sees
-          float q = 0.f;
-#pragma unroll
-          for (int k = 0; k < K; ++k) q = __fadd_rn(q, __fmul_rn(v[k], v[k]));
-          ss[i] = q;
+          term[i] = E::template Line<T>(sum[j], early[i], kept[i]);
         }
       }
-      // The weight, in flight during the exchange.
-      uint2 weight[kMaxGroup];
+      // The late operands, in flight during the exchange.
+      typename E::Late late[kMaxGroup];
 #pragma unroll
       for (uint32_t i = 0; i < kMaxGroup; ++i)
-        weight[i] = i < group ? LoadWeightLine(f, round + i * kThreads + threadIdx.x)
-                              : make_uint2(0u, 0u);
-      // Each block's sum: its lanes' butterfly, then its warps in order.
-      const uint32_t parity = exchange++ & 1u;
-#pragma unroll
-      for (uint32_t i = 0; i < kMaxGroup; ++i) {
-        if (i >= group) break;
-        float v = ss[i];
-#pragma unroll
-        for (uint32_t o = 1; o < 32; o <<= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
-        if ((threadIdx.x & 31u) == 0) sh.warp_sums[parity][i][threadIdx.x / 32] = v;
-      }
-      ok = __syncthreads_and(ok) != 0;
-      if (started_pending) {
-        ClusterWait();
-        started_pending = false;
-      }
-      // Thread i * 8 + b sends block block0 + i's sum (and thread b this
-      // thread block's outcome) into cluster block b's shared memory, at the
-      // block's place along the row.
-      if (threadIdx.x < group * kMaxClusterBlocks) {
-        const uint32_t i = threadIdx.x / kMaxClusterBlocks, to = threadIdx.x % kMaxClusterBlocks;
-        float t = sh.warp_sums[parity][i][0];
-        for (uint32_t k = 1; k < kThreads / 32; ++k) t = __fadd_rn(t, sh.warp_sums[parity][i][k]);
-        StoreClusterShared(&sh.part[parity][cluster_rank * group + i], to, __float_as_uint(t));
-        if (i == 0) StoreClusterShared(&sh.part_ok[parity][cluster_rank], to, ok ? 1u : 0u);
-      }
-      ClusterArrive();
-      ClusterWait();
-      float total = sh.part[parity][0];
-      for (uint32_t b = 1; b < group * kMaxClusterBlocks; ++b)
-        total = __fadd_rn(total, sh.part[parity][b]);
-      bool all_ok = sh.part_ok[parity][0] != 0;
-      for (uint32_t b = 1; b < kMaxClusterBlocks; ++b)
-        all_ok = all_ok && sh.part_ok[parity][b] != 0;
-      ok = all_ok;
+        late[i] = i < group ? LoadLateLine<E>(f, round + i * kThreads + threadIdx.x)
+                            : typename E::Late{};
+      float total = WideRowSum(term, group, cluster_rank, sh, exchange++ & 1u, ok, started_pending);
       go = ok;
       if (!go) break;
-      const float mean = __fdiv_rn(total, static_cast<float>(f.hidden));
-      const float scale = rsqrtf(__fadd_rn(mean, f.eps));
+      const float factor = E::Row(f, total);
 #pragma unroll
       for (uint32_t i = 0; i < kMaxGroup; ++i) {
         size_t at;
         if (i >= group || !DataLine(f, round + i * kThreads + threadIdx.x, at)) continue;
-        float v[K], g[K];
-        Unpack<T>(new_residual[i], v);
-        Unpack<T>(weight[i], g);
-#pragma unroll
-        for (int k = 0; k < K; ++k) v[k] = __fmul_rn(v[k], scale);
-        Unpack<T>(Pack<T>(v), v);  // y rounded to the payload type, as the model does
-#pragma unroll
-        for (int k = 0; k < K; ++k) v[k] = __fmul_rn(g[k], v[k]);
-        static_cast<uint2*>(a.out)[at] = new_residual[i];
-        static_cast<uint2*>(f.normed)[at] = Pack<T>(v);
+        E::template Finish<T>(f, at, kept[i], late[i], factor);
       }
     }
     if (!all_dropped) warp0_retried |= EndCall(w, kSifar, s);
   }
-  if (!go) {  // the cluster failed: both outputs NaN, every line
-    FillNaN<T>(a.out, f.data_bytes, threadIdx.x, kThreads);
-    FillNaN<T>(f.normed, f.data_bytes, threadIdx.x, kThreads);
+  if (!go) {  // the cluster failed: every output NaN, every line
+    E::template Fail<T>(f);
   } else {
 #pragma unroll
     for (uint32_t i = 0; i < kMaxGroup; ++i)
@@ -572,17 +472,18 @@ __device__ __forceinline__ bool FusedWideBlock(const FusedArgs& f) {
   return go;
 }
 
-// WIDE: rows of 16-64 blocks (FusedWideBlock); else FusedBlock's rows.
-template <typename T, int NR, bool WIDE>
+// WIDE: rows of 16-64 blocks (FusedWideBlock); else FusedBlock's rows.  E:
+// the epilogue.
+template <typename T, int NR, bool WIDE, typename E>
 __global__ void __launch_bounds__(kThreads) FusedKernel(FusedArgs f) {
   if (blockIdx.x >= f.ar_blocks) {  // whole clusters of their own: no barrier to meet
     PrefetchShare(f);
     return;
   }
   if constexpr (WIDE) {
-    FusedWideBlock<T, NR>(f);
+    FusedWideBlock<T, NR, E>(f);
   } else {
-    FusedBlock<T, NR>(f);
+    FusedBlock<T, NR, E>(f);
   }
 }
 
@@ -590,9 +491,9 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(FusedArgs f) {
 }  // namespace sifar
 
 // ------------------------------------------------------- launch, handler ----
-// One instance per element type, rank bound and row width; rows longer than a
-// block launched as thread-block clusters (cudaLaunchKernelEx, which CUDA
-// graphs capture like any launch).
+// One instance per epilogue, element type, rank bound and row width; rows
+// longer than a block launched as thread-block clusters (cudaLaunchKernelEx,
+// which CUDA graphs capture like any launch).
 namespace ffi = xla::ffi;
 
 namespace sifar {
@@ -606,30 +507,40 @@ using cuda::kThreads;
 // a loss.
 constexpr int kPrefetchBlocks = 16;
 
-template <typename T, int NR, bool WIDE>
+template <typename T, int NR, bool WIDE, typename E>
 cudaError_t LaunchNR(const FusedArgs& f, const FusedLaunch& l, cudaStream_t stream) {
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t cfg = cuda::RowClusterLaunch(l.grid, l.cluster, stream, attr);
-  return cudaLaunchKernelEx(&cfg, cuda::FusedKernel<T, NR, WIDE>, f);
+  return cudaLaunchKernelEx(&cfg, cuda::FusedKernel<T, NR, WIDE, E>, f);
 }
-template <typename T, bool WIDE>
+template <typename T, bool WIDE, typename E>
 cudaError_t LaunchWidth(const FusedArgs& f, const FusedLaunch& l, cudaStream_t stream) {
-  if (f.a.nranks <= 2) return LaunchNR<T, 2, WIDE>(f, l, stream);
-  if (f.a.nranks <= 4) return LaunchNR<T, 4, WIDE>(f, l, stream);
-  return LaunchNR<T, 8, WIDE>(f, l, stream);
+  if (f.a.nranks <= 2) return LaunchNR<T, 2, WIDE, E>(f, l, stream);
+  if (f.a.nranks <= 4) return LaunchNR<T, 4, WIDE, E>(f, l, stream);
+  return LaunchNR<T, 8, WIDE, E>(f, l, stream);
 }
-template <typename T>
-cudaError_t Launch(const FusedArgs& f, const FusedLaunch& l, cudaStream_t stream) {
-  return l.group > 1 ? LaunchWidth<T, true>(f, l, stream) : LaunchWidth<T, false>(f, l, stream);
+template <typename T, typename E>
+cudaError_t LaunchType(const FusedArgs& f, const FusedLaunch& l, cudaStream_t stream) {
+  return l.group > 1 ? LaunchWidth<T, true, E>(f, l, stream) : LaunchWidth<T, false, E>(f, l, stream);
+}
+template <typename E>
+cudaError_t LaunchEpilogue(Elem elem, const FusedArgs& f, const FusedLaunch& l,
+                           cudaStream_t stream) {
+  switch (elem) {
+    case Elem::kF32: return LaunchType<float, E>(f, l, stream);
+    case Elem::kBf16: return LaunchType<__nv_bfloat16, E>(f, l, stream);
+    case Elem::kF16: return LaunchType<__half, E>(f, l, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 // Loads a kernel now and checks that its widest cluster can run on this
 // device: clusters of 8 of its thread blocks, each with its registers and
 // shared memory (a portable size on sm_90 and sm_100, so this only fails on a
 // device or build that breaks that promise, and then clearly, at init).
-template <typename T, int NR, bool WIDE>
+template <typename T, int NR, bool WIDE, typename E>
 void LoadKernel() {
-  const auto kernel = cuda::FusedKernel<T, NR, WIDE>;
+  const auto kernel = cuda::FusedKernel<T, NR, WIDE, E>;
   cudaFuncAttributes attr;
   SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
   cudaLaunchAttribute cluster;
@@ -639,18 +550,24 @@ void LoadKernel() {
   SIFAR_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
   if (clusters < 1)
     throw std::runtime_error(
-        "sifar_jax: psum_add_rmsnorm's kernel cannot run clusters of " +
+        "sifar_jax: the fused kernel cannot run clusters of " +
         std::to_string(kMaxClusterBlocks) + " thread blocks of " + std::to_string(kThreads) +
         " threads on this device (" + std::to_string(attr.numRegs) + " registers per thread)");
 }
-template <typename T>
+template <typename T, typename E>
 void LoadRow() {
-  LoadKernel<T, 2, false>();
-  LoadKernel<T, 4, false>();
-  LoadKernel<T, 8, false>();
-  LoadKernel<T, 2, true>();
-  LoadKernel<T, 4, true>();
-  LoadKernel<T, 8, true>();
+  LoadKernel<T, 2, false, E>();
+  LoadKernel<T, 4, false, E>();
+  LoadKernel<T, 8, false, E>();
+  LoadKernel<T, 2, true, E>();
+  LoadKernel<T, 4, true, E>();
+  LoadKernel<T, 8, true, E>();
+}
+template <typename E>
+void LoadEpilogue() {
+  LoadRow<float, E>();
+  LoadRow<__nv_bfloat16, E>();
+  LoadRow<__half, E>();
 }
 
 }  // namespace
@@ -658,6 +575,7 @@ void LoadRow() {
 cudaError_t LaunchRankFused(const RankCall& c, const FusedCall& fused, cudaStream_t stream,
                             FusedLaunch& l) {
   if (c.comm == nullptr || c.algorithm != kSifar || fused.row_blocks == 0 ||
+      fused.epilogue < 0 || fused.epilogue >= kNumFusedEpilogues ||
       fused.row_blocks != FusedRowBlocks(fused.row_bytes) || c.nbytes % fused.row_bytes != 0 ||
       fused.padded_row_bytes != FusedPaddedRowBytes(fused.row_bytes))
     return cudaErrorInvalidValue;
@@ -696,10 +614,11 @@ cudaError_t LaunchRankFused(const RankCall& c, const FusedCall& fused, cudaStrea
                         : (kPrefetchBlocks + static_cast<int>(l.cluster) - 1) /
                               static_cast<int>(l.cluster) * static_cast<int>(l.cluster);
   l.grid = grid + extra;
-  switch (c.elem) {
-    case Elem::kF32: return Launch<float>(f, l, stream);
-    case Elem::kBf16: return Launch<__nv_bfloat16>(f, l, stream);
-    case Elem::kF16: return Launch<__half>(f, l, stream);
+  switch (fused.epilogue) {  // the table's epilogues (fused.h)
+#define SIFAR_EPILOGUE_LAUNCH(e, name) \
+  case e: return LaunchEpilogue<cuda::name>(c.elem, f, l, stream);
+    SIFAR_FUSED_EPILOGUES(SIFAR_EPILOGUE_LAUNCH)
+#undef SIFAR_EPILOGUE_LAUNCH
     default: return cudaErrorInvalidValue;
   }
 }
@@ -737,9 +656,9 @@ ffi::Error CudaPsumAddRmsNormImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
 }  // namespace
 
 void PreloadFusedKernels() {
-  LoadRow<float>();
-  LoadRow<__nv_bfloat16>();
-  LoadRow<__half>();
+#define SIFAR_EPILOGUE_LOAD(e, name) LoadEpilogue<cuda::name>();
+  SIFAR_FUSED_EPILOGUES(SIFAR_EPILOGUE_LOAD)
+#undef SIFAR_EPILOGUE_LOAD
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaPsumAddRmsNorm, CudaPsumAddRmsNormImpl,

@@ -1,6 +1,7 @@
-// psum_add_rmsnorm's checks (PlanFusedCall: both backends run them) and its
-// CPU backend: the sifar all-reduce of allreduce/cpu_allreduce.cc (the same
-// epochs, slots and tags as a plain call of the communicator), then the
+// psum_add_rmsnorm's checks (PlanFusedCall: both backends run them) and the
+// fused ops' CPU backend (RunCpuFused): the sifar all-reduce of
+// allreduce/cpu_allreduce.cc (the same epochs, slots and tags as a plain call
+// of the communicator), then the epilogue's reference.  AddRmsNorm's is the
 // epilogue the CUDA kernel runs, with its rounding points:
 //   new_residual = round(float(allreduce(x)) + float(residual))
 //   s            = 1 / sqrt(sum(float(new_residual)^2) / hidden + eps)   (fp32)
@@ -139,26 +140,62 @@ float RowSumOfSquares(const float* v, size_t padded_hidden, size_t per_line) {
   return total;
 }
 
-// `new_residual` holds allreduce(x) on entry; both outputs on return.
-void Epilogue(Elem t, const FusedCall& f, size_t rows, void* new_residual) {
-  const size_t h = f.hidden;
-  const size_t elem_bytes = t == Elem::kF32 ? 4 : 2;
-  const size_t per_line = 8 / elem_bytes;
-  // The row as the kernel lays it out: the data, then zeros (masked lanes).
-  std::vector<float> v(f.padded_row_bytes / elem_bytes, 0.f);
-  for (size_t row = 0; row < rows; ++row) {
-    const size_t at = row * h;
-    for (size_t i = 0; i < h; ++i)
-      v[i] = Store(t, new_residual, at + i,
-                   Load(t, new_residual, at + i) + Load(t, f.residual, at + i));
-    const float ss = RowSumOfSquares(v.data(), v.size(), per_line);
-    const float scale = 1.f / std::sqrt(ss / static_cast<float>(h) + f.eps);
-    for (size_t i = 0; i < h; ++i) {
-      const float y = Round(t, v[i] * scale);
-      Store(t, f.normed, at + i, Load(t, f.weight, i) * y);
+}  // namespace
+
+namespace cpu {
+
+// The CPU references of the fused epilogues (SIFAR_FUSED_EPILOGUES, fused.h):
+// Run computes every output from the all-reduce's result, which `kept` holds
+// on entry; Fail fills every output with NaN.
+struct AddRmsNorm {
+  // `kept` (the new residual) holds allreduce(x) on entry; both outputs on return.
+  static void Run(Elem t, const FusedCall& f, size_t rows, void* kept) {
+    const size_t h = f.hidden;
+    const size_t elem_bytes = t == Elem::kF32 ? 4 : 2;
+    const size_t per_line = 8 / elem_bytes;
+    // The row as the kernel lays it out: the data, then zeros (masked lanes).
+    std::vector<float> v(f.padded_row_bytes / elem_bytes, 0.f);
+    for (size_t row = 0; row < rows; ++row) {
+      const size_t at = row * h;
+      for (size_t i = 0; i < h; ++i)
+        v[i] = Store(t, kept, at + i, Load(t, kept, at + i) + Load(t, f.residual, at + i));
+      const float ss = RowSumOfSquares(v.data(), v.size(), per_line);
+      const float scale = 1.f / std::sqrt(ss / static_cast<float>(h) + f.eps);
+      for (size_t i = 0; i < h; ++i) {
+        const float y = Round(t, v[i] * scale);
+        Store(t, f.normed, at + i, Load(t, f.weight, i) * y);
+      }
     }
   }
+  static void Fail(Elem t, const FusedCall& f, void* kept, size_t bytes) {
+    FillFailed(t, kept, bytes);
+    FillFailed(t, f.normed, bytes);
+  }
+};
+
+}  // namespace cpu
+
+// The CPU backend's fused call: the sifar all-reduce of
+// allreduce/cpu_allreduce.cc (its call framing: epochs, slots, tags, skew,
+// wrap, failures) into the kept output, then the epilogue's reference,
+// dispatched from the table.  Never a plausible number after a failure.
+ffi::Error RunCpuFused(const RankCall& call, const FusedCall& fused) {
+  if (call.nbytes == 0) return ffi::Error::Success();
+  const ffi::Error err = RunCpuAllReduce(call);
+  const size_t rows = call.nbytes / fused.row_bytes;
+  switch (fused.epilogue) {
+#define SIFAR_CPU_EPILOGUE(e, name)                                       \
+  case e:                                                                 \
+    if (err.failure()) cpu::name::Fail(call.elem, fused, call.out, call.nbytes); \
+    else cpu::name::Run(call.elem, fused, rows, call.out);                \
+    return err;
+    SIFAR_FUSED_EPILOGUES(SIFAR_CPU_EPILOGUE)
+#undef SIFAR_CPU_EPILOGUE
+    default: return Invalid("fused call: unknown epilogue");
+  }
 }
+
+namespace {
 
 ffi::Error CpuPsumAddRmsNormImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual,
                                  ffi::AnyBuffer weight, ffi::RemainingArgs rest,
@@ -172,15 +209,7 @@ ffi::Error CpuPsumAddRmsNormImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuff
                                  axis_key, nranks, algorithm, repeat, chain, eps, prefetch_bytes,
                                  &call, &fused);
   if (err.failure()) return err;
-  if (call.nbytes == 0) return ffi::Error::Success();
-  err = RunCpuAllReduce(call);  // into new_residual
-  if (err.failure()) {  // never a plausible number: both outputs NaN
-    cpu::FillFailed(call.elem, call.out, call.nbytes);
-    cpu::FillFailed(call.elem, fused.normed, call.nbytes);
-    return err;
-  }
-  Epilogue(call.elem, fused, call.nbytes / fused.row_bytes, call.out);
-  return ffi::Error::Success();
+  return RunCpuFused(call, fused);
 }
 
 }  // namespace

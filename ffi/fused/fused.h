@@ -58,9 +58,24 @@ SIFAR_HD int FusedBlocksPerThreadBlock(int row_blocks) {
   return row_blocks / FusedClusterBlocks(row_blocks);
 }
 
+// The fused ops' epilogues, one row each: X(enum, name), the CUDA epilogue
+// struct cuda::name (fused/epilogue.cuh, its kernels generated from this
+// table) and its CPU reference cpu::name (fused.cc).  A new fused op adds its
+// row here, its struct and reference, and its FFI target (targets.h).
+#define SIFAR_FUSED_EPILOGUES(X) \
+  X(kAddRmsNorm, AddRmsNorm) /* psum_add_rmsnorm: residual add, then RMSNorm */
+
+enum FusedEpilogue : int {
+#define SIFAR_EPILOGUE_ENUM(e, name) e,
+  SIFAR_FUSED_EPILOGUES(SIFAR_EPILOGUE_ENUM)
+#undef SIFAR_EPILOGUE_ENUM
+  kNumFusedEpilogues
+};
+
 // The fused call's operands beyond the all-reduce's (RankCall: x -> the new
 // residual), checked and resolved by PlanFusedCall.
 struct FusedCall {
+  int epilogue = kAddRmsNorm;  // FusedEpilogue
   const void* residual = nullptr;
   const void* weight = nullptr;
   void* normed = nullptr;
@@ -87,5 +102,9 @@ xla::ffi::Error PlanFusedCall(int ordinal, xla::ffi::AnyBuffer x, xla::ffi::AnyB
                               int32_t axis_key, int32_t nranks, int32_t algorithm, int32_t repeat,
                               int32_t chain, float eps, int64_t prefetch_bytes, RankCall* call,
                               FusedCall* fused);
+
+// The CPU backend of a planned fused call: the sifar all-reduce into the kept
+// output, then the epilogue's CPU reference (every output NaN on a failure).
+xla::ffi::Error RunCpuFused(const RankCall& call, const FusedCall& fused);
 
 }  // namespace sifar

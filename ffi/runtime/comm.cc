@@ -242,8 +242,6 @@ Comm::Comm(int id, Platform platform, int axis_key, std::string axis_name,
     // `failed` included (each process initialises its own ranks').
     Control init{};
     init.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
-    init.poll_depth = kDefaultPollDepth;
-    init.poll_gap_ns = kDefaultPollGapNs;
     for (int g = 0; g < static_cast<int>(groups_.size()); ++g)
       for (int r = 0; r < nranks_; ++r)
         if (IsLocal(g, r))
@@ -348,13 +346,6 @@ void Comm::SetSkew(uint32_t max_ns, uint32_t seed) {
 
 void Comm::SetTimeout(double seconds) {
   WriteControlField(-1, offsetof(Control, timeout_ns), static_cast<uint64_t>(seconds * 1e9));
-}
-
-void Comm::SetPoll(uint32_t depth, uint32_t gap_ns) {
-  if (depth < 1 || depth > kMaxPollDepth)
-    throw std::out_of_range("sifar_jax: poll depth must be 1.." + std::to_string(kMaxPollDepth));
-  WriteControlField(-1, offsetof(Control, poll_depth), depth);
-  WriteControlField(-1, offsetof(Control, poll_gap_ns), gap_ns);
 }
 
 void Comm::SetDrop(int rank, bool drop, int from_block) {

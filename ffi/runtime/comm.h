@@ -131,7 +131,6 @@ class Comm {
   void SetTimeout(double seconds);
   // In every group; blocks from `from_block` on skip (a CPU rank is block 0).
   void SetDrop(int rank, bool drop, int from_block = 0);
-  void SetPoll(uint32_t depth, uint32_t gap_ns);
   // Testing and benchmarks (no kernel may run while the host writes epochs).
   void SetEpochs(uint32_t epoch);        // every block of every lane of every rank
   void SetEpochMask(uint32_t mask);      // tag epoch bits (0: the default 24)

@@ -284,7 +284,7 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None,
                 lanes,
             ), ())
             if _settings["skew"] != (0, 0):
-                _ext.lib.set_skew(comm_id, *_settings["skew"])
+                _ext.lib.testing.set_skew(comm_id, *_settings["skew"])
             _comms.setdefault(axis, []).append(
                 Communicator(axis, key, comm_id, platform, len(groups[0]), slot_bytes, ids, lanes,
                              processes)
@@ -356,7 +356,7 @@ def set_skew(max_ns: int, seed: int) -> None:
     with _lock:
         _settings["skew"] = (int(max_ns), int(seed))
         for c in communicators():
-            _ext.lib.set_skew(c.comm_id, int(max_ns), int(seed))
+            _ext.lib.testing.set_skew(c.comm_id, int(max_ns), int(seed))
 
 
 def set_timeout(seconds: float) -> None:

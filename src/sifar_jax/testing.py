@@ -1,4 +1,7 @@
-"""Fault injection for tests: skew (forces mis-speculation), dropped ranks, timeouts."""
+"""Fault injection for tests: skew (forces mis-speculation), dropped ranks, timeouts.
+
+The controls live in the extension's testing submodule (`_sifar.testing`), not
+among the production bindings."""
 
 from __future__ import annotations
 
@@ -35,12 +38,12 @@ def drop_rank(axis_name: str, rank: int, from_block: int = 0):
     if not comms:
         raise ValueError(f"drop_rank: no communicator for axis {axis_name!r}")
     for c in comms:
-        _ext.lib.set_drop(c.comm_id, rank, True, from_block)
+        _ext.lib.testing.set_drop(c.comm_id, rank, True, from_block)
     try:
         yield
     finally:
         for c in comms:
-            _ext.lib.set_drop(c.comm_id, rank, False)
+            _ext.lib.testing.set_drop(c.comm_id, rank, False)
 
 
 @contextlib.contextmanager
@@ -59,7 +62,7 @@ def set_epochs(axis_name: str, epoch: int) -> None:
     `epoch` (the next call uses the epoch after it). Only while no all-reduce
     runs. For tests that start just below the tag wrap."""
     for c in comm.communicators(axis_name):
-        _ext.lib.set_epochs(c.comm_id, int(epoch) & 0xFFFFFFFF)
+        _ext.lib.testing.set_epochs(c.comm_id, int(epoch) & 0xFFFFFFFF)
 
 
 @contextlib.contextmanager
@@ -70,9 +73,9 @@ def epoch_bits(axis_name: str, bits: int):
         raise ValueError("epoch_bits: bits must be 2..24")
     comms = comm.communicators(axis_name)
     for c in comms:
-        _ext.lib.set_epoch_mask(c.comm_id, (1 << bits) - 1)
+        _ext.lib.testing.set_epoch_mask(c.comm_id, (1 << bits) - 1)
     try:
         yield
     finally:
         for c in comms:
-            _ext.lib.set_epoch_mask(c.comm_id, 0)
+            _ext.lib.testing.set_epoch_mask(c.comm_id, 0)

@@ -142,7 +142,7 @@ f = jax.jit(jax.shard_map(lambda v: sifar_jax.sifar_psum(v[0], "tp", algorithm="
 x = np.ones((4, 1024), np.float32)
 np.asarray(f(x))
 [c] = sifar_jax.communicators("tp")
-_ext.lib.set_drop(c.comm_id, 1, True)  # ranks 0, 2, 3 wait for rank 1 until the timeout
+_ext.lib.testing.set_drop(c.comm_id, 1, True)  # ranks 0, 2, 3 wait for rank 1 until the timeout
 result = {}
 
 def run():
