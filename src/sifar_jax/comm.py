@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import threading
 import warnings
 
@@ -45,12 +44,7 @@ import numpy as np
 
 from . import _ext, _jax_compat, architectures, autotable, distributed
 
-DEFAULT_SLOT_BYTES = 64 * 1024
-# Lanes per communicator: independent call chains (a scan body and its caller,
-# executables run from several threads) that may be in flight at once without
-# sharing epochs or slots (docs/design.md, "Ordering").
-DEFAULT_LANES = 4
-DEFAULT_TIMEOUT_S = float(os.environ.get("SIFAR_TIMEOUT_S", "5.0"))
+from .defaults import DEFAULT_LANES, DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT_S  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
