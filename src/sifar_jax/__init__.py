@@ -8,8 +8,9 @@
 from . import algorithms, benchmarking, distributed, fused, testing
 from .algorithms import ALL as ALGORITHMS
 from .architectures import build_info
+from .choice import AllReduceChoice, allreduce_choice
 from .buffers import DualBuffers, buffer_spec, make_buffers, sifar_psum_into
-from .comm import DEFAULT_SLOT_BYTES, communicators, init, shutdown, workspace_bytes
+from .comm import DEFAULT_SLOT_BYTES, communicators, init, shutdown, unsupported, workspace_bytes
 from .errors import NotInitializedError, SifarError, UnboundAxisError
 from .fused import *  # noqa: F403 - the fused ops: fused.__all__ (psum_add_rmsnorm)
 from .info import info  # the function (python -m sifar_jax.info prints the same)
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ALGORITHMS",
+    "AllReduceChoice",
     "DEFAULT_SLOT_BYTES",
     "DualBuffers",
     "MulticastDisabledError",
@@ -31,6 +33,7 @@ __all__ = [
     "SifarError",
     "UnboundAxisError",
     "algorithms",
+    "allreduce_choice",
     "benchmarking",
     "buffer_spec",
     "build_info",
@@ -47,6 +50,7 @@ __all__ = [
     "sifar_psum_into",
     "stats",
     "testing",
+    "unsupported",
     "workspace_bytes",
     *fused.__all__,
 ]

@@ -17,6 +17,26 @@ from jax.extend.core import Effect, Primitive  # noqa: F401
 from jax.interpreters import ad, batching, mlir  # noqa: F401
 
 
+def _original_psum():
+    """JAX's own psum function, whatever `jax.lax.psum` names now.
+
+    sifar_jax's internals call this, never `jax.lax.psum` looked up at call
+    time: a user's `jax.lax.psum = sifar_jax.sifar_psum` (or
+    sifar_jax.replace_psum) would otherwise make sifar call itself.
+    `jax._src.lax.parallel.psum` is where `jax.lax.psum` comes from (0.10.2,
+    0.11.x); if it moves, the public name as it was when sifar_jax was imported.
+    """
+    try:
+        from jax._src.lax import parallel
+
+        return parallel.psum
+    except (ImportError, AttributeError):  # moved in a later JAX
+        return jax.lax.psum
+
+
+lax_psum = _original_psum()
+
+
 def trace_of(x):
     """The trace a tracer belongs to, or None for a concrete value.
 
