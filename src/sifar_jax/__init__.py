@@ -18,6 +18,7 @@ from .multicast import MulticastDisabledError
 from .ordering import dispatch_lock
 from .plan import SUPPORTED_DTYPES
 from .psum import sifar_psum
+from .replace import replace_psum
 from .stats import call_trace, check, stats
 
 __version__ = "0.1.0"
@@ -45,6 +46,7 @@ __all__ = [
     "info",
     "init",
     "make_buffers",
+    "replace_psum",
     "shutdown",
     "sifar_psum",
     "sifar_psum_into",

@@ -80,6 +80,8 @@ _comms: dict[str, list[Communicator]] = {}
 _unsupported: dict[str, list[Unsupported]] = {}
 # {algorithm: [calls, retries, timeouts]} of communicators a re-init replaced.
 _retired: dict[str, list[int]] = {}
+# The shapes ((axis, size), ...) of the meshes init set up since the last shutdown.
+_mesh_shapes: set[tuple] = set()
 _settings = {"skew": (0, 0), "timeout_s": DEFAULT_TIMEOUT_S}
 
 
@@ -386,6 +388,7 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None,
         if timeout_s is not None:
             set_timeout(timeout_s)  # existing communicators too
         _note_not_made(mesh, made)
+        _mesh_shapes.add(tuple((a, int(mesh.shape[a])) for a in mesh.axis_names))
         replaced = [r for axis in [*mesh.axis_names, *made]
                     if (r := _init_axis(mesh, axis, slot_bytes, keep_slot, lanes)) is not None]
         if replaced:
@@ -406,6 +409,7 @@ def shutdown(release_memory: bool = False) -> None:
         _comms.clear()
         _unsupported.clear()
         _retired.clear()
+        _mesh_shapes.clear()
         if release_memory:
             _ext.lib.release_pooled_memory()
             distributed.release_pooled()
@@ -430,6 +434,12 @@ def communicators_over(axes: tuple[str, ...]) -> list[Communicator]:
         raise ValueError(f"sifar_jax: repeated axis in {axes}")
     with _lock:
         return communicators(product_key(axes))
+
+
+def initialised_mesh(shape: tuple) -> bool:
+    """Whether init set up a mesh of this shape ((axis, size), ... in order)."""
+    with _lock:
+        return tuple(shape) in _mesh_shapes
 
 
 def unsupported(axis_name=None) -> list[Unsupported]:
