@@ -19,6 +19,7 @@ from .ordering import dispatch_lock
 from .plan import SUPPORTED_DTYPES
 from .psum import sifar_psum
 from .replace import replace_psum
+from .sharded import row_parallel, row_parallel_add_rmsnorm
 from .stats import call_trace, check, stats
 
 __version__ = "0.1.0"
@@ -47,6 +48,8 @@ __all__ = [
     "init",
     "make_buffers",
     "replace_psum",
+    "row_parallel",
+    "row_parallel_add_rmsnorm",
     "shutdown",
     "sifar_psum",
     "sifar_psum_into",

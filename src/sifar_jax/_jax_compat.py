@@ -204,3 +204,18 @@ def kv_client():
         return jax_distributed.global_state.client
     except (ImportError, AttributeError):  # moved in a later JAX: no spanning communicators
         return None
+
+
+def explicit_spec(x) -> tuple | None:
+    """x's PartitionSpec as its type carries it over Explicit mesh axes
+    (`aval.sharding`, public through jax.typeof in 0.10.2 and 0.11.x), padded
+    to x's rank; None where the type says nothing (auto axes)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    mesh = getattr(sharding, "mesh", None)
+    if spec is None or mesh is None or getattr(mesh, "empty", True):
+        return None
+    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    if not any(t == explicit for t in getattr(mesh, "axis_types", ())):
+        return None
+    return tuple(spec) + (None,) * (x.ndim - len(spec))
