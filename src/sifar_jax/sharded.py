@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from . import _jax_compat, algorithms
+from . import _jax_compat, algorithms, plan
 from ._jax_compat import lax_psum
 from .fused import psum_add_rmsnorm, rms_norm
 from .psum import sifar_psum
@@ -46,23 +46,24 @@ def _mesh(mesh):
     return mesh
 
 
-def _specs(x, w, axis: str, mesh):
+def _specs(x, w, axis, mesh):
     """(x's spec, w's spec, the product's spec, the axes the shard_map is manual over)."""
-    if axis not in mesh.axis_names:
-        raise ValueError(f"sifar_jax.row_parallel: the mesh has no axis {axis!r} "
+    axes = plan.axes_of(axis)
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"sifar_jax.row_parallel: the mesh has no axis {missing[0]!r} "
                          f"(its axes: {tuple(mesh.axis_names)})")
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"sifar_jax.row_parallel: x [..., K] and w [K, N] expected, got "
                          f"{x.shape} and {w.shape}")
-    others = [a for a in mesh.axis_names if a != axis and mesh.shape[a] > 1]
+    others = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
     lead_x, out_w = [None] * (x.ndim - 1), None
     manual = None  # every axis
-    if others:
-        sx, sw = _jax_compat.explicit_spec(x), _jax_compat.explicit_spec(w)
-        if sx is not None and sw is not None:  # explicit axes: the types' own shardings
-            lead_x, out_w = list(sx[:-1]), sw[1]
-        else:
-            manual = frozenset({axis})  # auto axes: left to the compiler
+    sx, sw = _jax_compat.explicit_spec(x), _jax_compat.explicit_spec(w)
+    if sx is not None and sw is not None:  # explicit axes: the types' own shardings
+        lead_x, out_w = list(sx[:-1]), sw[1]
+    elif others:
+        manual = frozenset(axes)  # auto axes: left to the compiler
     return (P(*lead_x, axis), P(axis, out_w), P(*lead_x, out_w), manual)
 
 
@@ -71,11 +72,12 @@ def _shard_map(body, mesh, in_specs, out_specs, manual):
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kw)
 
 
-def row_parallel(x, w, axis: str = "tp", *, mesh=None, algorithm: str = algorithms.AUTO):
+def row_parallel(x, w, axis="tp", *, mesh=None, algorithm: str = algorithms.AUTO):
     """`x @ w` for a row-parallel projection, its all-reduce over `axis` on SiFAR.
 
-    x: [..., K] and w: [K, N], K split over the mesh axis `axis` (XLA reshards
-    them to that where they are not). Returns the reduced product [..., N],
+    x: [..., K] and w: [K, N], K split over the mesh axis `axis` (a name, or a
+    tuple of names: K split over their product; XLA reshards the operands to
+    that where they are not). Returns the reduced product [..., N],
     replicated over `axis`, equal to `x @ w` up to the sum's rounding (sifar
     adds the partial products in rank order in float32 and rounds once).
     mesh: the mesh (default: the one set with jax.sharding.set_mesh). Call it
@@ -129,7 +131,7 @@ def _fused_bwd(axis, eps, algorithm, mesh, saved, cts):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def row_parallel_add_rmsnorm(x, w, residual, weight, axis: str = "tp", *, eps: float,
+def row_parallel_add_rmsnorm(x, w, residual, weight, axis="tp", *, eps: float,
                              mesh=None, algorithm: str = algorithms.AUTO):
     """`residual + row_parallel(x, w)` and the RMSNorm of that, in one call.
 

@@ -130,3 +130,24 @@ def test_explicit_mesh_and_errors(cpu_mesh):
         jax.jit(sifar_jax.row_parallel)(np.ones((2, 4), np.float32), np.ones((4, 2), np.float32))
     with pytest.raises(ValueError, match="no axis 'mp'"):
         sifar_jax.row_parallel(x, w, "mp", mesh=mesh)
+
+
+def test_tuple_of_axes_with_a_size_one_axis(cpu_mesh):
+    """K split over ("y", "z") with z of one device (jax-llm-examples' tensor axes): one sifar
+    all-reduce over y, no all-reduce of XLA's left in the program."""
+    mesh = jax.make_mesh((2, 1), ("y", "z"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+                         devices=jax.devices()[:2])
+    sifar_jax.init(mesh)
+    rng = np.random.default_rng(2)
+    x = jax.device_put(jnp.asarray(rng.standard_normal((1, 3, 16)), jnp.float32),
+                       NamedSharding(mesh, P(None, None, ("y", "z"))))
+    w = jax.device_put(jnp.asarray(rng.standard_normal((16, 8)), jnp.float32),
+                       NamedSharding(mesh, P(("y", "z"), None)))
+    f = jax.jit(functools.partial(sifar_jax.row_parallel, axis=("y", "z")))
+    with jax.sharding.set_mesh(mesh):
+        text = f.lower(x, w).compile().as_text()
+        before = _calls()
+        y = f(x, w)
+        assert _calls() - before == 2
+    assert " all-reduce(" not in text and text.count('custom_call_target="sifar_allreduce"') == 1
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ np.asarray(w), rtol=1e-5, atol=1e-5)
