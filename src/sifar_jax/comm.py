@@ -389,8 +389,11 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None,
             set_timeout(timeout_s)  # existing communicators too
         _note_not_made(mesh, made)
         _mesh_shapes.add(tuple((a, int(mesh.shape[a])) for a in mesh.axis_names))
-        replaced = [r for axis in [*mesh.axis_names, *made]
-                    if (r := _init_axis(mesh, axis, slot_bytes, keep_slot, lanes)) is not None]
+        replaced = []
+        for axis in [*mesh.axis_names, *made]:  # a loop: the warnings' stack levels hold
+            r = _init_axis(mesh, axis, slot_bytes, keep_slot, lanes)
+            if r is not None:
+                replaced.append(r)
         if replaced:
             _warn_replaced(replaced)
 
