@@ -117,19 +117,20 @@ def _record(call: ReplacedCall) -> None:
             ctx.calls.append(call)
 
 
-def psum(x, axis_name, *, axis_index_groups=None):
+def psum(x, axis_name, *, axis_index_groups=None, **kwargs):
     """jax.lax.psum as replace_psum installs it: sifar_psum where it serves
-    the call, JAX's own psum otherwise (module docstring)."""
+    the call, JAX's own psum otherwise (module docstring). Keywords a later
+    JAX may add go to JAX's psum, untouched."""
     from .psum import sifar_psum
 
     axes = plan.axes_of(axis_name)
     leaves, tree = jax.tree.flatten(x)
     reason = ("axis_index_groups" if axis_index_groups is not None
-              else _why_not_sifar(leaves, axes))
+              else f"keywords {sorted(kwargs)}" if kwargs else _why_not_sifar(leaves, axes))
     served = [i for i, leaf in enumerate(leaves) if _served(leaf)] if reason is None else []
     if not served:
         _record(ReplacedCall(_caller(), axes, "lax.psum", reason or "dtypes sifar does not sum"))
-        return lax_psum(x, axis_name, axis_index_groups=axis_index_groups)
+        return lax_psum(x, axis_name, axis_index_groups=axis_index_groups, **kwargs)
     _record(ReplacedCall(_caller(), axes, "sifar_psum"))
     outs = list(leaves)
     for i, out in zip(served, sifar_psum([leaves[i] for i in served], axis_name)):
