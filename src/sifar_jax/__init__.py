@@ -8,8 +8,9 @@
 from . import algorithms, benchmarking, distributed, fused, testing
 from .algorithms import ALL as ALGORITHMS
 from .architectures import build_info
+from .choice import AllReduceChoice, allreduce_choice
 from .buffers import DualBuffers, buffer_spec, make_buffers, sifar_psum_into
-from .comm import DEFAULT_SLOT_BYTES, communicators, init, shutdown, workspace_bytes
+from .comm import DEFAULT_SLOT_BYTES, communicators, init, shutdown, unsupported, workspace_bytes
 from .errors import NotInitializedError, SifarError, UnboundAxisError
 from .fused import *  # noqa: F403 - the fused ops: fused.__all__ (psum_add_rmsnorm)
 from .info import info  # the function (python -m sifar_jax.info prints the same)
@@ -17,12 +18,15 @@ from .multicast import MulticastDisabledError
 from .ordering import dispatch_lock
 from .plan import SUPPORTED_DTYPES
 from .psum import sifar_psum
+from .replace import replace_psum
+from .sharded import row_parallel, row_parallel_add_rmsnorm
 from .stats import call_trace, check, stats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ALGORITHMS",
+    "AllReduceChoice",
     "DEFAULT_SLOT_BYTES",
     "DualBuffers",
     "MulticastDisabledError",
@@ -31,6 +35,7 @@ __all__ = [
     "SifarError",
     "UnboundAxisError",
     "algorithms",
+    "allreduce_choice",
     "benchmarking",
     "buffer_spec",
     "build_info",
@@ -42,11 +47,15 @@ __all__ = [
     "info",
     "init",
     "make_buffers",
+    "replace_psum",
+    "row_parallel",
+    "row_parallel_add_rmsnorm",
     "shutdown",
     "sifar_psum",
     "sifar_psum_into",
     "stats",
     "testing",
+    "unsupported",
     "workspace_bytes",
     *fused.__all__,
 ]

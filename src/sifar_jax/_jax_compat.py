@@ -17,6 +17,26 @@ from jax.extend.core import Effect, Primitive  # noqa: F401
 from jax.interpreters import ad, batching, mlir  # noqa: F401
 
 
+def _original_psum():
+    """JAX's own psum function, whatever `jax.lax.psum` names now.
+
+    sifar_jax's internals call this, never `jax.lax.psum` looked up at call
+    time: a user's `jax.lax.psum = sifar_jax.sifar_psum` (or
+    sifar_jax.replace_psum) would otherwise make sifar call itself.
+    `jax._src.lax.parallel.psum` is where `jax.lax.psum` comes from (0.10.2,
+    0.11.x); if it moves, the public name as it was when sifar_jax was imported.
+    """
+    try:
+        from jax._src.lax import parallel
+
+        return parallel.psum
+    except (ImportError, AttributeError):  # moved in a later JAX
+        return jax.lax.psum
+
+
+lax_psum = _original_psum()
+
+
 def trace_of(x):
     """The trace a tracer belongs to, or None for a concrete value.
 
@@ -184,3 +204,18 @@ def kv_client():
         return jax_distributed.global_state.client
     except (ImportError, AttributeError):  # moved in a later JAX: no spanning communicators
         return None
+
+
+def explicit_spec(x) -> tuple | None:
+    """x's PartitionSpec as its type carries it over Explicit mesh axes
+    (`aval.sharding`, public through jax.typeof in 0.10.2 and 0.11.x), padded
+    to x's rank; None where the type says nothing (auto axes)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    mesh = getattr(sharding, "mesh", None)
+    if spec is None or mesh is None or getattr(mesh, "empty", True):
+        return None
+    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    if not any(t == explicit for t in getattr(mesh, "axis_types", ())):
+        return None
+    return tuple(spec) + (None,) * (x.ndim - len(spec))

@@ -41,6 +41,7 @@ import threading
 import jax
 
 from . import algorithms
+from .defaults import DEFAULT_SLOT_BYTES
 
 SCHEMA = "sifar-jax/auto-table/1"
 PSUM = "psum"  # the choice that hands a payload to lax.psum
@@ -160,7 +161,6 @@ def from_records(records: list[dict], platform: str, *, device_kinds: tuple = ()
     row). Above `max_ours_bytes` (default: the default slot) lax.psum is
     chosen whatever was measured: the table must never need a bigger slot."""
     if max_ours_bytes is None:
-        from .comm import DEFAULT_SLOT_BYTES
         max_ours_bytes = DEFAULT_SLOT_BYTES
     best: dict = {}
     for r in records:

@@ -6,12 +6,14 @@ device a symmetric workspace (two payload slots plus epoch and signal words).
 The FFI handler finds its group and rank from the device it runs on.
 
 A communicator over several axes at once, e.g. ("dp", "tp") (one group per
-block of devices spanned by them, rank = `lax.axis_index(("dp", "tp"))`), is
-made when sifar_psum first reduces over that tuple (`communicators_over`), and
-made again by every later `init` of a mesh that has those axes.
+block of devices spanned by them, ranks in the mesh's axis order), is made by
+`init` too: for every product of the mesh's axes of more than one device by
+default, or for those given as `init(mesh, products=[...])`. Nothing is made
+while a function is traced (that would allocate, and across processes
+exchange keys, in the middle of a trace).
 
 Memory. Each device reserves `workspace_bytes(slot_bytes, nranks, lanes)` per
-communicator it belongs to (one per mesh axis): lanes x 2 slots, each with the
+communicator it belongs to (one per mesh axis and product of axes): lanes x 2 slots, each with the
 plain payload, twoshot's reduced piece and the epoch-tagged words (twice the
 payload per rank), so about lanes x (4 + 4 x nranks) x slot_bytes plus 128 KiB
 of call trace: 3.1 MiB for 2 ranks and 9.1 MiB for 8 ranks at the default
@@ -35,22 +37,17 @@ back when every process agrees (sifar_jax/distributed.py, "Pooling").
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-import os
 import threading
 import warnings
 
 import jax
 import numpy as np
 
-from . import _ext, _jax_compat, architectures, autotable, distributed
+from . import _ext, _jax_compat, algorithms, architectures, autotable, distributed
 
-DEFAULT_SLOT_BYTES = 64 * 1024
-# Lanes per communicator: independent call chains (a scan body and its caller,
-# executables run from several threads) that may be in flight at once without
-# sharing epochs or slots (docs/design.md, "Ordering").
-DEFAULT_LANES = 4
-DEFAULT_TIMEOUT_S = float(os.environ.get("SIFAR_TIMEOUT_S", "5.0"))
+from .defaults import DEFAULT_LANES, DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT_S  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +78,10 @@ _lock = threading.RLock()
 _axis_keys: dict[str, int] = {}
 _comms: dict[str, list[Communicator]] = {}
 _unsupported: dict[str, list[Unsupported]] = {}
-_meshes: list = []  # (mesh, slot_bytes, lanes) of every init since the last shutdown
-_products: set[tuple[str, ...]] = set()  # axis tuples ever reduced over (kept by shutdown)
+# {algorithm: [calls, retries, timeouts]} of communicators a re-init replaced.
+_retired: dict[str, list[int]] = {}
+# The shapes ((axis, size), ...) of the meshes init set up since the last shutdown.
+_mesh_shapes: set[tuple] = set()
 _settings = {"skew": (0, 0), "timeout_s": DEFAULT_TIMEOUT_S}
 
 
@@ -155,7 +154,23 @@ def wait_for_effects() -> None:
             pass
 
 
-def _drop_overlapping(axis: str, devices: set[int]) -> list[Communicator]:
+def _retire(c: Communicator) -> None:
+    """Keeps the counts of a communicator about to be destroyed by a re-init,
+    so that stats() totals survive it (shutdown() starts them again)."""
+    for rank in _ext.lib.comm_stats(c.comm_id):
+        for name, i in algorithms.IDS.items():
+            row = _retired.setdefault(name, [0] * len(rank[i]))
+            for f, v in enumerate(rank[i]):
+                row[f] += int(v)
+
+
+def retired_counts() -> dict:
+    """{algorithm: [calls, retries, timeouts]} of communicators re-inits replaced."""
+    with _lock:
+        return {name: list(row) for name, row in _retired.items()}
+
+
+def _drop_overlapping(axis, devices: set[int]) -> list[Communicator]:
     """A device serves one communicator per axis name: a new mesh that reuses
     devices under the same axis name replaces the communicators it overlaps.
     Returns those it destroyed."""
@@ -166,6 +181,7 @@ def _drop_overlapping(axis: str, devices: set[int]) -> list[Communicator]:
         else:
             wait_for_effects()
             distributed.before_destroy([c.comm_id])
+            _retire(c)
             _ext.lib.destroy_comm(c.comm_id)
             dropped.append(c)
     _comms[axis] = keep
@@ -176,15 +192,18 @@ def _settings_text(groups, slot_bytes: int, lanes: int) -> str:
     return f"devices {[list(g) for g in groups]}, slot_bytes={slot_bytes}, lanes={lanes}"
 
 
-def _warn_replaced(axis, old: list[Communicator], groups, slot_bytes: int, lanes: int) -> None:
-    """Says at the init that replaces communicators of `axis` what changed:
-    code traced before for the old ones must be traced again."""
-    was = "; ".join(_settings_text(c.groups, c.slot_bytes, c.lanes) for c in old)
+def _warn_replaced(replaced: list) -> None:
+    """Says once, in one line, at the init that replaces communicators, which
+    axes and what changed: code traced before for the old ones must be traced
+    again. `replaced`: (axis, old communicators, new groups, slot, lanes)."""
+    parts = []
+    for axis, old, groups, slot_bytes, lanes in replaced:
+        was = "; ".join(_settings_text(c.groups, c.slot_bytes, c.lanes) for c in old)
+        parts.append(f"axis {_label(axis)!r} replaces its communicator ({was}) with a new one "
+                     f"({_settings_text(groups, slot_bytes, lanes)})")
     warnings.warn(
-        f"sifar_jax.init: axis {_label(axis)!r} replaces its communicator ({was}) with a new one "
-        f"({_settings_text(groups, slot_bytes, lanes)}); functions traced before this init "
-        f"were planned for the old one: trace them again (a new jax.jit, or jax.clear_caches())",
-        stacklevel=3)
+        f"sifar_jax.init: {'; '.join(parts)}; functions traced before this init were planned for "
+        f"the old ones: trace them again (a new jax.jit, or jax.clear_caches())", stacklevel=3)
 
 
 def _round_slot(slot_bytes: int) -> int:
@@ -211,19 +230,139 @@ def workspace_bytes(slot_bytes: int = DEFAULT_SLOT_BYTES, nranks: int = 2,
                                            _check_lanes(lanes, "workspace_bytes")))
 
 
+# ------------------------------------------------------------------ products --
+NOT_MADE = "init made no communicator over this product of axes"
+
+
+def product_key(axes) -> tuple[str, ...]:
+    """A product of axes as init keys it: as named (its ranks are row-major
+    over the axes in that order, like lax.axis_index(axes))."""
+    return tuple(axes)
+
+
+def _big_axes(mesh) -> list[str]:
+    return [a for a in mesh.axis_names if mesh.shape[a] > 1]
+
+
+# Up to this many axes of more than one device, init makes every ordering of
+# every product by default (2 axes: 2 communicators; 3 axes: 12); past it only
+# the mesh's own order (the orderings grow factorially).
+ALL_ORDERINGS_UP_TO = 3
+
+
+def _all_products(mesh, orderings: bool | None = None) -> list[tuple[str, ...]]:
+    big = _big_axes(mesh)
+    if orderings is None:
+        orderings = len(big) <= ALL_ORDERINGS_UP_TO
+    pick = itertools.permutations if orderings else itertools.combinations
+    return [c for k in range(2, len(big) + 1) for c in pick(big, k)]
+
+
+def products_for(mesh, products) -> list[tuple[str, ...]]:
+    """The products of axes init makes communicators over: by default every
+    product of two or more axes of more than one device, in every order (the
+    mesh's order only past ALL_ORDERINGS_UP_TO such axes), or those named
+    (size-1 axes dropped: they add nothing to a sum)."""
+    if products is None:
+        return _all_products(mesh)
+    out = []
+    for p in products:
+        p = (p,) if isinstance(p, str) else tuple(p)
+        bad = [a for a in p if a not in mesh.axis_names]
+        if bad or len(set(p)) != len(p):
+            raise ValueError(f"sifar_jax.init: products: {p!r} must name distinct axes of the "
+                             f"mesh {tuple(mesh.axis_names)}")
+        key = tuple(a for a in p if mesh.shape[a] > 1)
+        if len(key) > 1 and key not in out:
+            out.append(key)
+    return out
+
+
+def _note_not_made(mesh, made: list) -> None:
+    """Records, for unsupported(), each product of this mesh's axes init did not make."""
+    for key in _all_products(mesh, orderings=True):
+        if key in made:
+            _unsupported[key] = [u for u in _unsupported.get(key, []) if u.reason != NOT_MADE]
+            continue
+        n = math.prod(mesh.shape[a] for a in key)
+        u = Unsupported(key, n, NOT_MADE)
+        if u not in _unsupported.get(key, []):
+            _unsupported.setdefault(key, []).append(u)
+
+
+def not_made_text(axes, algorithm: str | None = None) -> str:
+    want = list(axes)
+    return (f"{NOT_MADE} {tuple(axes)!r}: pass it to init, e.g. sifar_jax.init(mesh, "
+            f"products=[{tuple(want)!r}]) (init makes every product by default)")
+
+
+# ---------------------------------------------------------------------- init --
+def _axis_groups(mesh, axis):
+    """The device groups of `axis` this process sets up (None: none of its own)."""
+    groups = _groups(mesh, axis)
+    if not distributed.spans_processes(groups):
+        # Every group lies in one process: each serves its own groups.
+        groups = [g for g in groups if g[0].process_index == jax.process_index()]
+    return groups or None
+
+
+def _init_axis(mesh, axis, slot_bytes: int, keep_slot: bool, lanes: int) -> tuple | None:
+    """Sets up the communicator of one axis (or product of axes); returns what
+    it replaced, (axis, old, groups, slot, lanes), or None."""
+    groups = _axis_groups(mesh, axis)
+    if groups is None:
+        return None
+    ids = tuple(tuple(d.id for d in g) for g in groups)
+    platform = _platform(groups[0][0])
+    if any(c.groups == ids and (keep_slot or c.slot_bytes == slot_bytes)
+           and c.lanes == lanes for c in _comms.get(axis, [])):
+        return None  # already set up: init is idempotent
+    old = _drop_overlapping(axis, {d for g in ids for d in g})
+    replaced = (axis, old, ids, slot_bytes, lanes) if old and len(ids[0]) > 1 else None
+    reason = _why_unsupported(groups, platform)
+    shared = None  # (comm id, processes) of an axis spanning processes
+    if reason is None and distributed.spans_processes(groups):
+        shared = distributed.create_comm(platform, _axis_key(axis), _label(axis), groups,
+                                         slot_bytes, _settings["timeout_s"], lanes)
+        if shared is None:
+            return replaced  # no device of this process lies on the axis
+        if isinstance(shared, str):  # every process falls back, for the same reason
+            reason, shared = shared, None
+    if reason is not None:
+        u = Unsupported(axis, len(groups[0]), reason)
+        if u not in _unsupported.get(axis, []):
+            _unsupported.setdefault(axis, []).append(u)
+        if reason.startswith(architectures.REASON_PREFIX):  # a GPU this build lacks
+            warnings.warn(f"sifar_jax.init: axis {_label(axis)!r} falls back to lax.psum: "
+                          f"{reason}", stacklevel=3)
+        return replaced
+    key = _axis_key(axis)
+    comm_id, processes = shared or (_ext.lib.create_comm(
+        platform, key, _label(axis), [[distributed.device_ordinal(d) for d in g] for g in groups],
+        slot_bytes, _settings["timeout_s"], lanes), ())
+    if _settings["skew"] != (0, 0):
+        _ext.lib.testing.set_skew(comm_id, *_settings["skew"])
+    _comms.setdefault(axis, []).append(
+        Communicator(axis, key, comm_id, platform, len(groups[0]), slot_bytes, ids, lanes,
+                     processes))
+    return replaced
+
+
 def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None,
-         lanes: int | None = None, auto_table=None) -> None:
-    """Sets up a communicator for every axis of `mesh`. Idempotent.
+         lanes: int | None = None, auto_table=None, products=None) -> None:
+    """Sets up a communicator for every axis of `mesh`, and for products of
+    its axes (reductions over several axes at once). Idempotent.
 
     Calling it with another mesh that reuses devices under the same axis name,
-    or with other settings, replaces their communicators and warns then,
-    naming the axis and the old and new settings (functions traced for the old
-    ones raise a clear error when they run, until traced again).
+    or with other settings, replaces their communicators and says so in one
+    warning line naming the axes and the old and new settings (functions
+    traced for the old ones raise a clear error when they run, until traced
+    again). stats() keeps the replaced communicators' counts.
 
     slot_bytes: the largest payload (per all-reduce, per device) served without
       falling back to `lax.psum`; rounded up to 16 bytes. Default 64 KiB; when
       omitted, an axis already set up keeps its slot. Each device reserves
-      `workspace_bytes(slot_bytes, nranks, lanes)` per axis (module docstring).
+      `workspace_bytes(slot_bytes, nranks, lanes)` per communicator (module docstring).
     timeout_s: bound on every wait for a peer (default $SIFAR_TIMEOUT_S or 5 s).
     lanes: independent call chains that may be in flight at once (default 4):
       each lane holds its own epochs and dual slots (memory grows with it).
@@ -231,64 +370,32 @@ def init(mesh, *, slot_bytes: int | None = None, timeout_s: float | None = None,
       (or a sifar_jax.autotable.Table): what algorithm="auto" runs per payload
       size and group size, for the platform it was measured on, in place of
       $SIFAR_AUTO_TABLE and the built-in table (sifar_jax.autotable).
+    products: the tuples of axes that sifar_psum may reduce over at once, e.g.
+      [("dp", "tp")]; None (the default) makes every combination of two or more
+      axes of more than one device (a 2-axis mesh: one; 3 axes: four), () none.
+      Communicators are only made here, never while a function is traced: a
+      reduction over a product init did not make raises for a named algorithm
+      (saying what to pass here) and goes to lax.psum under "auto" (the reason
+      in unsupported()).
     """
     if auto_table is not None:
         autotable.use(auto_table)
     lanes = _check_lanes(DEFAULT_LANES if lanes is None else lanes, "init")
     keep_slot = slot_bytes is None
     slot_bytes = _round_slot(DEFAULT_SLOT_BYTES if keep_slot else slot_bytes)
+    made = products_for(mesh, products)
     with _lock:
         if timeout_s is not None:
             set_timeout(timeout_s)  # existing communicators too
-        _meshes[:] = [e for e in _meshes if e[0] != mesh] + [(mesh, slot_bytes, lanes)]
-        products = [p for p in sorted(_products) if set(p) <= set(mesh.axis_names)]
-        for axis in [*mesh.axis_names, *products]:
-            groups = _groups(mesh, axis)
-            if not distributed.spans_processes(groups):
-                # Every group lies in one process: each serves its own groups.
-                groups = [g for g in groups if g[0].process_index == jax.process_index()]
-                if not groups:
-                    continue
-            ids = tuple(tuple(d.id for d in g) for g in groups)
-            platform = _platform(groups[0][0])
-            if any(c.groups == ids and (keep_slot or c.slot_bytes == slot_bytes)
-                   and c.lanes == lanes for c in _comms.get(axis, [])):
-                continue  # already set up: init is idempotent
-            replaced = _drop_overlapping(axis, {d for g in ids for d in g})
-            if replaced:
-                _warn_replaced(axis, replaced, ids, slot_bytes, lanes)
-            reason = _why_unsupported(groups, platform)
-            shared = None  # (comm id, processes) of an axis spanning processes
-            if reason is None and distributed.spans_processes(groups):
-                shared = distributed.create_comm(platform, _axis_key(axis), _label(axis),
-                                                 groups, slot_bytes, _settings["timeout_s"],
-                                                 lanes)
-                if shared is None:
-                    continue  # no device of this process lies on the axis
-                if isinstance(shared, str):  # every process falls back, for the same reason
-                    reason, shared = shared, None
-            if reason is not None:
-                _unsupported.setdefault(axis, []).append(Unsupported(axis, len(groups[0]), reason))
-                if reason.startswith(architectures.REASON_PREFIX):  # a GPU this build lacks
-                    warnings.warn(f"sifar_jax.init: axis {_label(axis)!r} falls back to lax.psum: "
-                                  f"{reason}", stacklevel=2)
-                continue
-            key = _axis_key(axis)
-            comm_id, processes = shared or (_ext.lib.create_comm(
-                platform,
-                key,
-                _label(axis),
-                [[distributed.device_ordinal(d) for d in g] for g in groups],
-                slot_bytes,
-                _settings["timeout_s"],
-                lanes,
-            ), ())
-            if _settings["skew"] != (0, 0):
-                _ext.lib.testing.set_skew(comm_id, *_settings["skew"])
-            _comms.setdefault(axis, []).append(
-                Communicator(axis, key, comm_id, platform, len(groups[0]), slot_bytes, ids, lanes,
-                             processes)
-            )
+        _note_not_made(mesh, made)
+        _mesh_shapes.add(tuple((a, int(mesh.shape[a])) for a in mesh.axis_names))
+        replaced = []
+        for axis in [*mesh.axis_names, *made]:  # a loop: the warnings' stack levels hold
+            r = _init_axis(mesh, axis, slot_bytes, keep_slot, lanes)
+            if r is not None:
+                replaced.append(r)
+        if replaced:
+            _warn_replaced(replaced)
 
 
 def shutdown(release_memory: bool = False) -> None:
@@ -304,7 +411,8 @@ def shutdown(release_memory: bool = False) -> None:
         _ext.lib.destroy_all()
         _comms.clear()
         _unsupported.clear()
-        _meshes.clear()
+        _retired.clear()
+        _mesh_shapes.clear()
         if release_memory:
             _ext.lib.release_pooled_memory()
             distributed.release_pooled()
@@ -314,22 +422,27 @@ def communicators(axis_name=None) -> list[Communicator]:
     with _lock:
         if axis_name is None:
             return [c for cs in _comms.values() for c in cs]
+        if isinstance(axis_name, (tuple, list)) and len(axis_name) > 1:
+            axis_name = product_key(axis_name)
+        elif isinstance(axis_name, (tuple, list)):
+            axis_name = axis_name[0]
         return list(_comms.get(axis_name, []))
 
 
 def communicators_over(axes: tuple[str, ...]) -> list[Communicator]:
-    """Communicators over the product of several axes, made on first use for
-    every initialised mesh that has them (and again by each later init)."""
+    """Communicators over the product of several axes (in this order), as init
+    made them: never made here (a trace must not allocate or exchange keys)."""
     axes = tuple(axes)
     if len(set(axes)) != len(axes):
         raise ValueError(f"sifar_jax: repeated axis in {axes}")
     with _lock:
-        if axes not in _products:
-            _products.add(axes)
-            for mesh, slot_bytes, lanes in list(_meshes):
-                if set(axes) <= set(mesh.axis_names):
-                    init(mesh, slot_bytes=slot_bytes, lanes=lanes)
-        return communicators(axes)
+        return communicators(product_key(axes))
+
+
+def initialised_mesh(shape: tuple) -> bool:
+    """Whether init set up a mesh of this shape ((axis, size), ... in order)."""
+    with _lock:
+        return tuple(shape) in _mesh_shapes
 
 
 def unsupported(axis_name=None) -> list[Unsupported]:
@@ -337,6 +450,10 @@ def unsupported(axis_name=None) -> list[Unsupported]:
     with _lock:
         if axis_name is None:
             return [u for us in _unsupported.values() for u in us]
+        if isinstance(axis_name, (tuple, list)) and len(axis_name) > 1:
+            axis_name = product_key(axis_name)
+        elif isinstance(axis_name, (tuple, list)):
+            axis_name = axis_name[0]
         return list(_unsupported.get(axis_name, []))
 
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ext, _jax_compat, algorithms, ordering, psum
+from ._jax_compat import lax_psum
 from .plan import Fallback, Plan, plan_array, too_large, warn_once
 
 __all__ = ["psum_add_rmsnorm"]  # the fused ops (sifar_jax exports them)
@@ -102,7 +103,7 @@ def _result_types(x, residual, weight, axis_name, flat):
     lax.psum(x)` and its norm would be: invariant over axis_name unless the
     residual or the weight vary over it."""
     def composed(x, residual, weight):
-        return _unfused(x, residual, weight, 1.0, lambda v: jax.lax.psum(v, axis_name))
+        return _unfused(x, residual, weight, 1.0, lambda v: lax_psum(v, axis_name))
 
     like = jax.typeof(flat)
     return [_jax_compat.with_varying(like, _jax_compat.varying_axes(t))
@@ -157,8 +158,9 @@ def _plan(x, axis_name, algorithm: str) -> Plan | Fallback:
     if isinstance(plan, Fallback):
         return plan
     nbytes = fused_payload_bytes(x)
-    if nbytes > plan.slot:  # only the fusion cannot run: sifar_psum can
-        return Fallback(f"rows padded to whole powers of two of lines: {too_large(nbytes, plan)}")
+    if nbytes > plan.slot:  # only the fusion cannot run: sifar_psum can (quiet under "auto")
+        return Fallback(f"rows padded to whole powers of two of lines: {too_large(nbytes, plan)}",
+                        chosen=not plan.explicit)
     # The fused kernel is the sifar all-reduce (whatever auto's table would
     # pick for the plain all-reduce of this size).
     return dataclasses.replace(plan, algorithm=algorithms.SIFAR)

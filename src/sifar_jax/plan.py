@@ -9,8 +9,12 @@ reason it cannot. What an op does with a Fallback follows one rule,
 `fallback_or_raise`:
 
 * algorithm="auto" falls back (to lax.psum, warning once with the reason:
-  `Fallback.psum`), except where auto's table (sifar_jax.autotable) chose
-  lax.psum for the payload's size: a choice, without a warning (`choose`);
+  `Fallback.psum`), except where handing the payload to lax.psum is the right
+  choice, not a shortcoming: auto's table (sifar_jax.autotable) chose lax.psum
+  for the payload's size, the payload is larger than the slot, or init was
+  told not to make the product of axes it is reduced over. Those are quiet
+  (`Fallback.chosen`): the reason is logged at debug level on the "sifar_jax"
+  logger and said by `sifar_jax.allreduce_choice`;
 * a named algorithm raises instead, naming it and the reason: nothing the
   user asked for is silently replaced.
 
@@ -22,6 +26,7 @@ fusion cannot run: its fallback, the unfused composition, still runs
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import warnings
 
@@ -30,9 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ext, _jax_compat, algorithms, autotable, comm, multicast, ordering
+from ._jax_compat import lax_psum
 from .errors import NotInitializedError, UnboundAxisError
 
 LINE = 16  # bytes: the payload is moved in whole 16-byte lines
+log = logging.getLogger("sifar_jax")
 
 
 def _native_dtypes() -> tuple:
@@ -107,8 +114,9 @@ def warn_once(message: str, stacklevel: int = 1) -> None:
 class Fallback:
     """Why sifar does not run this call; the op runs its fallback instead.
 
-    chosen: auto's table handed the payload to lax.psum (a choice, not a
-    shortcoming): nothing to warn about."""
+    chosen: handing the payload to lax.psum is auto's choice, not a
+    shortcoming (the table's choice, a payload past the slot, a product of
+    axes init was told not to make): nothing to warn about."""
 
     reason: str
     chosen: bool = False
@@ -126,7 +134,7 @@ class Fallback:
         """lax.psum(x, axis_name, **kwargs), warning once with the reason
         (stacklevel 1 is the caller's line)."""
         self.warn(stacklevel=stacklevel + 1)
-        return jax.lax.psum(x, axis_name, **kwargs)
+        return lax_psum(x, axis_name, **kwargs)
 
 
 def fallback_or_raise(reason: str, *, algorithm: str, api: str,
@@ -165,14 +173,20 @@ def too_large(nbytes: int, plan: Plan) -> str:
     )
 
 
+def quiet(reason: str) -> Fallback:
+    """A fallback that is auto's choice: logged at debug level, never warned."""
+    log.debug("sifar_jax: lax.psum: %s", reason)
+    return Fallback(reason, chosen=True)
+
+
 def choose(plan: Plan, nbytes: int, api: str, what: str = "") -> Plan | Fallback:
     """How one payload of `nbytes` (whole lines) runs under `plan`.
 
     A named algorithm runs it while it fits the slot, else raises. "auto"
     asks the auto table (sifar_jax.autotable) for this size and group size:
-    lax.psum (a chosen Fallback: no warning), or one of our algorithms while
-    the payload fits the slot (else the usual warning fallback); with no
-    table for these ranks, sifar while it fits the slot.
+    lax.psum, or one of our algorithms while the payload fits the slot; past
+    the slot lax.psum (large payloads are lax.psum's to serve). Both are quiet
+    fallbacks. With no table for these ranks, sifar while it fits the slot.
     """
     if plan.explicit:
         if nbytes > plan.slot:
@@ -180,13 +194,27 @@ def choose(plan: Plan, nbytes: int, api: str, what: str = "") -> Plan | Fallback
         return plan
     pick = autotable.choice(plan.comms[0], plan.nranks, nbytes)
     if pick == autotable.PSUM:
-        return Fallback(f"the auto table hands {nbytes}-byte payloads over {plan.nranks} ranks "
-                        f"to lax.psum", chosen=True)
+        return quiet(f"the auto table hands {nbytes}-byte payloads over {plan.nranks} ranks "
+                     f"to lax.psum")
     if nbytes > plan.slot:
-        return Fallback(what + too_large(nbytes, plan))
+        return quiet(what + too_large(nbytes, plan))
     if pick is not None and pick != plan.algorithm:
         return dataclasses.replace(plan, algorithm=pick)
     return plan
+
+
+def payload_choice(plan: Plan, size: int, dtype, algorithm: str, api: str) -> Plan | Fallback:
+    """How an array of `size` elements of `dtype` runs under `plan` (the rule
+    sifar_psum applies to each leaf, and allreduce_choice reports): empty
+    arrays and dtypes sifar does not sum go to lax.psum, the rest as
+    `choose` says for its padded size."""
+    dtype = jnp.dtype(jnp.int32 if jnp.dtype(dtype) == np.bool_ else dtype)
+    if size == 0:
+        return Fallback("an empty array: nothing to add", chosen=True)
+    if dtype not in SUPPORTED_DTYPES:
+        return fallback_or_raise(f"dtype {dtype} is not summed natively", algorithm=algorithm,
+                                 api=api, error=unsupported_dtype(dtype, api, algorithm))
+    return choose(plan, padded_bytes(size, dtype), api)
 
 
 def padded_bytes(size: int, dtype) -> int:
@@ -204,7 +232,7 @@ def _psum_unbound_text(axis_name, fallback: str) -> str:
     x. ..."), so that code matching them matches ours; `fallback` (JAX's
     core text, "unbound axis name: x") if lax.psum says nothing here."""
     try:
-        jax.eval_shape(lambda v: jax.lax.psum(v, axis_name), jax.ShapeDtypeStruct((), jnp.float32))
+        jax.eval_shape(lambda v: lax_psum(v, axis_name), jax.ShapeDtypeStruct((), jnp.float32))
     except NameError as e:
         return str(e)
     except Exception:  # noqa: BLE001 - any other complaint: JAX's core text will do
@@ -251,31 +279,46 @@ def _why_not(axes: tuple, nranks: int) -> str | None:
 
 
 def route(axes: tuple, algorithm: str, api: str) -> tuple[Plan | Fallback, tuple]:
-    """Which communicator serves a reduction over the mesh axes `axes`.
+    """Which communicator serves a reduction over the mesh axes `axes`, at
+    trace time (the axes' sizes are the bound ones).
 
     Returns (plan, rest): sifar reduces over plan.axes, lax.psum over `rest`;
     a Fallback instead of the plan when sifar serves none of them ("auto";
-    a named algorithm raises). Several axes share one communicator where their
-    devices reach each other (always on the CPU); otherwise sifar takes the
-    axes that have their own communicator (the NVLink ones) and lax.psum the
-    others.
+    a named algorithm raises). The decision is `route_sizes`'.
     """
     sizes = {a: axis_size(a, api) for a in axes}
-    n = math.prod(sizes.values())
     partitioned = _jax_compat.partitioned_axes()
     if partitioned:
         return fallback_or_raise(partially_manual(partitioned), algorithm=algorithm,
                                  api=api), axes
+    return route_sizes(axes, sizes, algorithm, api)
+
+
+def _not_initialised(axes: tuple, n: int, api: str) -> NotInitializedError:
+    return NotInitializedError(
+        f"sifar_jax.{api}: no communicator for axis {axes[0] if len(axes) == 1 else axes!r} "
+        f"of size {n}; call sifar_jax.init(mesh) with the mesh you pass to shard_map first")
+
+
+def route_sizes(axes: tuple, sizes: dict, algorithm: str, api: str
+                ) -> tuple[Plan | Fallback, tuple]:
+    """route's decision for axes of the given sizes (also what
+    sifar_jax.allreduce_choice asks outside a trace). Several axes share one
+    communicator where init made it and their devices reach each other
+    (always on the CPU); otherwise sifar takes the axes that have their own
+    communicator (the NVLink ones) and lax.psum the others."""
+    n = math.prod(sizes[a] for a in axes)
     comms = _comms_for(axes, n)
     rest: tuple = ()
     reason = None
     if not comms:
         reason = _why_not(axes, n)
         if reason is None:
-            raise NotInitializedError(
-                f"sifar_jax.{api}: no communicator for axis {axes[0] if len(axes) == 1 else axes!r}"
-                f" of size {n}; call sifar_jax.init(mesh) with the mesh you pass to shard_map first"
-            )
+            raise _not_initialised(axes, n, api)
+        if reason == comm.NOT_MADE:  # the user's choice at init: say what to pass
+            text = comm.not_made_text(axes)
+            return (quiet(text) if algorithm == algorithms.AUTO else
+                    fallback_or_raise(text, algorithm=algorithm, api=api)), axes
         served = tuple(a for a in axes if len(axes) > 1 and _comms_for((a,), sizes[a]))
         for part in ([served] if len(served) > 1 else []) + [(a,) for a in served]:
             comms = _comms_for(part, math.prod(sizes[a] for a in part))

@@ -31,9 +31,10 @@ import numpy as np
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from . import _ext, _jax_compat, algorithms, ordering
-from .plan import (SUPPORTED_DTYPES, Fallback, Plan, axes_of, axis_size, choose,
-                   fallback_or_raise, padded_bytes, route, unsupported_dtype)
+from . import _ext, _jax_compat, algorithms, ordering, size_one
+from ._jax_compat import lax_psum
+from .plan import (Fallback, Plan, axes_of, axis_size, choose, fallback_or_raise, padded_bytes,
+                   payload_choice, route)
 
 ad, batching, mlir = _jax_compat.ad, _jax_compat.batching, _jax_compat.mlir
 
@@ -105,7 +106,7 @@ def _jvp(primals, tangents, *, plan, repeat):
     t = tangents[0]
     if type(t) is ad.Zero:
         return out, _jax_compat.zero_tangent(out)
-    return out, jax.lax.psum(t, plan.axes)
+    return out, lax_psum(t, plan.axes)
 
 
 def _transpose(ct, payload, *order, plan, repeat):
@@ -113,7 +114,7 @@ def _transpose(ct, payload, *order, plan, repeat):
     assert ad.is_undefined_primal(payload)
     if type(ct) is ad.Zero:
         return [ad.Zero(payload.aval)] + [None] * len(order)
-    psum = functools.partial(jax.lax.psum, axis_name=plan.axes)
+    psum = functools.partial(lax_psum, axis_name=plan.axes)
     (ct_in,) = jax.linear_transpose(psum, payload.aval)(ct)
     return [ct_in] + [None] * len(order)
 
@@ -158,11 +159,11 @@ def _reduce_payload(leaves: list, plan: Plan, rest: tuple) -> list:
     """All-reduces leaves of one dtype and type as one payload; returns them."""
     if len(leaves) == 1:  # as it is: the lowering flattens and pads it
         out = allreduce(leaves[0], plan)
-        return [jax.lax.psum(out, rest) if rest else out]
+        return [lax_psum(out, rest) if rest else out]
     payload = jnp.concatenate([leaf.reshape(-1) for leaf in leaves])
     out = allreduce(payload, plan)
     if rest:  # axes whose devices sifar cannot reach
-        out = jax.lax.psum(out, rest)
+        out = lax_psum(out, rest)
     outs, start = [], 0
     for leaf in leaves:
         outs.append(out[start : start + leaf.size].reshape(leaf.shape))
@@ -194,18 +195,12 @@ def _sort_leaves(leaves, want, mesh_axes, plan: Plan, algorithm: str, api: str):
             leaf = jax.lax.convert_element_type(leaf, leaf.dtype)  # lax.psum drops it
         leaves[i] = leaf
         aval = jax.typeof(leaf)
-        nbytes = padded_bytes(leaf.size, leaf.dtype)
-        if leaf.size == 0:
-            to_psum[i] = None  # nothing to add; lax.psum gives the exact empty result
-        elif jnp.dtype(leaf.dtype) not in SUPPORTED_DTYPES:
-            to_psum[i] = fallback_or_raise(
-                f"dtype {leaf.dtype} is not summed natively", algorithm=algorithm, api=api,
-                error=unsupported_dtype(leaf.dtype, api, algorithm)).reason
+        # The rule allreduce_choice reports: empty, dtype, slot, auto's table.
+        chosen = payload_choice(plan, leaf.size, leaf.dtype, algorithm, api)
+        if isinstance(chosen, Fallback):
+            to_psum[i] = None if chosen.chosen else chosen.reason
         elif not _same_type(_jax_compat.psum_type(aval, mesh_axes), want[i]):
             to_psum[i] = f"lax.psum types {aval} differently"  # e.g. a type JAX added later
-        elif nbytes > plan.slot:  # named: raises; auto: the table's choice or a fallback
-            chosen = choose(plan, nbytes, api)
-            to_psum[i] = None if chosen.chosen else chosen.reason
         else:
             # One payload per dtype and type (varying/unreduced axes): the
             # primitive types its result from its one operand.
@@ -218,46 +213,31 @@ def _sort_leaves(leaves, want, mesh_axes, plan: Plan, algorithm: str, api: str):
 _USER = 3
 
 
-def _psum(x, axis_name, *, axis_index_groups, algorithm: str, api: str):
-    algorithms.validate(algorithm)
-    axes = axes_of(axis_name)
-    for a in axes:
-        axis_size(a, api)  # an unbound name: UnboundAxisError (a NameError)
-    if axis_index_groups is not None:
-        fallback = fallback_or_raise("axis_index_groups", algorithm=algorithm, api=api, error=ValueError(
-            f"sifar_jax.{api}(algorithm={algorithm!r}): axis_index_groups is served by "
-            f"lax.psum only; use algorithm='auto'"))
-        return fallback.psum(x, axis_name, stacklevel=_USER, axis_index_groups=axis_index_groups)
-
-    leaves, tree = jax.tree.flatten(x)
-    if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-        # Constants: lax.psum returns size * x at trace time; nothing to communicate.
-        return jax.lax.psum(x, axis_name)
-    # Mesh axes of one device need no communication either: lax.psum sums
-    # them (XLA drops an all-reduce of one participant), like vmap axes.
+def _split_axes(axes: tuple, api: str) -> tuple[tuple, tuple, tuple]:
+    """(mesh axes of more than one device, mesh axes of one device, vmap axes)."""
     manual = _jax_compat.manual_axes()
-    mesh_axes = tuple(a for a in axes if a in manual and axis_size(a, api) > 1)
-    others = tuple(a for a in axes if a not in mesh_axes)
-    if not mesh_axes or len(set(axes)) != len(axes):
-        # vmap axes only: a local sum, no communication. A repeated axis:
-        # lax.psum's own error (it raises when lowered).
-        return jax.lax.psum(x, axis_name)
-    # lax.psum's own result type for every leaf; raises lax.psum's errors.
-    want = jax.eval_shape(functools.partial(jax.lax.psum, axis_name=axes), leaves)
-    if others:  # vmap axes, one-device axes: lax.psum, without communication
-        leaves = tree.flatten_up_to(jax.lax.psum(x, others))
+    sizes = {a: axis_size(a, api) for a in axes}  # an unbound name: UnboundAxisError
+    big = tuple(a for a in axes if a in manual and sizes[a] > 1)
+    ones = tuple(a for a in axes if a in manual and sizes[a] == 1)
+    return big, ones, tuple(a for a in axes if a not in manual)
 
+
+def _reduce_leaves(leaves, want, mesh_axes, ones, algorithm: str, api: str) -> list:
+    """Every leaf summed over mesh_axes + ones: by sifar where the plan serves
+    it (the axes of one device only change the type: no communication, one
+    rounding), else by lax.psum."""
+    axes = mesh_axes + ones
     plan, rest = route(mesh_axes, algorithm, api)
     if isinstance(plan, Fallback):
-        return tree.unflatten(plan.psum(leaves, mesh_axes, stacklevel=_USER))
-    payloads, to_psum = _sort_leaves(leaves, want, mesh_axes, plan, algorithm, api)
-
+        return plan.psum(leaves, axes, stacklevel=_USER + 1)
+    plan = dataclasses.replace(plan, axes=plan.axes + ones)
+    payloads, to_psum = _sort_leaves(leaves, want, axes, plan, algorithm, api)
     outs: list = [None] * len(leaves)
     for (dtype, _, _), idx in payloads.items():
         for group in _pack([leaves[i].size for i in idx], dtype, plan.slot):
             members = [idx[g] for g in group]
             chosen = choose(plan, padded_bytes(sum(leaves[i].size for i in members), dtype), api)
-            if isinstance(chosen, Fallback):  # auto's table: lax.psum at this size, no warning
+            if isinstance(chosen, Fallback):  # auto's choice: lax.psum at this size, no warning
                 to_psum.update(dict.fromkeys(members))
                 continue
             sums = _reduce_payload([leaves[i] for i in members], chosen, rest)
@@ -267,11 +247,38 @@ def _psum(x, axis_name, *, axis_index_groups, algorithm: str, api: str):
         late = sorted(to_psum)
         reasons = "; ".join(sorted({r for r in to_psum.values() if r}))
         parts = [leaves[i] for i in late]
-        sums = (Fallback(reasons).psum(parts, mesh_axes, stacklevel=_USER) if reasons
-                else jax.lax.psum(parts, mesh_axes))
+        sums = (Fallback(reasons).psum(parts, axes, stacklevel=_USER + 1) if reasons
+                else lax_psum(parts, axes))
         for i, out in zip(late, sums):
             outs[i] = out
-    return tree.unflatten(outs)
+    return outs
+
+
+def _psum(x, axis_name, *, axis_index_groups, algorithm: str, api: str):
+    algorithms.validate(algorithm)
+    axes = axes_of(axis_name)
+    mesh_axes, ones, vmapped = _split_axes(axes, api)
+    if axis_index_groups is not None:
+        fallback = fallback_or_raise("axis_index_groups", algorithm=algorithm, api=api, error=ValueError(
+            f"sifar_jax.{api}(algorithm={algorithm!r}): axis_index_groups is served by "
+            f"lax.psum only; use algorithm='auto'"))
+        return fallback.psum(x, axis_name, stacklevel=_USER, axis_index_groups=axis_index_groups)
+
+    leaves, tree = jax.tree.flatten(x)
+    if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves) or len(set(axes)) != len(axes):
+        # Constants: lax.psum returns size * x at trace time; nothing to communicate.
+        # A repeated axis: lax.psum's own error (it raises when lowered).
+        return lax_psum(x, axis_name)
+    if not mesh_axes and not ones:
+        return lax_psum(x, axis_name)  # vmap axes only: a local sum, no communication
+    # lax.psum's own result type for every leaf; raises lax.psum's errors.
+    want = jax.eval_shape(functools.partial(lax_psum, axis_name=axes), leaves)
+    if vmapped:  # vmap axes: lax.psum, a local sum without communication
+        leaves = tree.flatten_up_to(lax_psum(x, vmapped))
+    if not mesh_axes:  # mesh axes of one device only: the type changes, nothing moves
+        return tree.unflatten([size_one.psum(leaf, ones) if isinstance(leaf, jax.core.Tracer)
+                               else lax_psum(leaf, ones) for leaf in leaves])
+    return tree.unflatten(_reduce_leaves(leaves, want, mesh_axes, ones, algorithm, api))
 
 
 def sifar_psum(x, axis_name, *, axis_index_groups=None, algorithm: str = algorithms.AUTO):

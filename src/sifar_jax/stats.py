@@ -19,7 +19,11 @@ def stats(per_rank: bool = False) -> dict:
     retries: mis-speculations detected and re-read (once per rank and call on the
       CPU, once per warp and call on GPUs).
     timeouts: waits that hit the deadline.
-    With per_rank=True: {axis: [[per-rank dict], ...]} instead.
+    With per_rank=True: {axis: [[per-rank dict], ...]} instead (live
+    communicators only).
+
+    Totals span re-inits: the counts of communicators an init replaced are
+    kept (per_rank=False). shutdown() starts every count from zero.
     """
     if per_rank:
         out: dict = {}
@@ -33,6 +37,9 @@ def stats(per_rank: bool = False) -> dict:
             )
         return out
     total = {name: dict.fromkeys(FIELDS, 0) for name in algorithms.ALL}
+    for name, row in comm.retired_counts().items():
+        for f, v in zip(FIELDS, row):
+            total[name][f] += v
     for c in comm.communicators():
         for rank in _ext.lib.comm_stats(c.comm_id):
             for name, i in algorithms.IDS.items():

@@ -52,6 +52,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+# tests/ holds the shared references (reference.py) since the tests mirror the code.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from reference import chain_reference_f32  # noqa: E402
 from test_faults import scan_chain_fn  # noqa: E402
 

@@ -170,13 +170,19 @@ def test_init_auto_table_chooses_per_size_and_psum_is_not_a_warning(cpu_mesh, fr
         _sizes_fn(mesh, [16 * KB], "sifar").lower(*_inputs(2, [16 * KB]))
 
 
-def test_table_choice_past_the_slot_still_warns(cpu_mesh, fresh):
-    """A table that gives a size to ours while the slot is too small: the usual
-    fallback warning (raise slot_bytes), not a silent choice."""
+def test_table_choice_past_the_slot_is_quiet(cpu_mesh, fresh):
+    """A table that gives a size to ours while the slot is too small: under
+    "auto" lax.psum runs it without a warning (the reason is in
+    allreduce_choice); a named algorithm still raises."""
     autotable.use(cpu_table({2: ((64 * KB, "sifar"),)}))
     mesh = cpu_mesh(2, slot_bytes=4 * KB)
-    with pytest.warns(UserWarning, match="exceeds the 4096-byte slot"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         _sizes_fn(mesh, [8 * KB]).lower(*_inputs(2, [8 * KB]))
+    choice = sifar_jax.allreduce_choice((8 * KB // 4,), np.float32, "tp")
+    assert not choice.sifar and "exceeds the 4096-byte slot" in choice.reason, choice
+    with pytest.raises(ValueError, match="exceeds the 4096-byte slot"):
+        _sizes_fn(mesh, [8 * KB], "sifar").lower(*_inputs(2, [8 * KB]))
 
 
 def test_env_table_and_vmap_and_fused_follow_it(cpu_mesh, fresh, tmp_path, monkeypatch):
@@ -212,11 +218,14 @@ def test_env_table_and_vmap_and_fused_follow_it(cpu_mesh, fresh, tmp_path, monke
 
 def test_no_table_for_the_cpu_keeps_the_rule_before_tables(cpu_mesh, fresh):
     """The built-in table is the GPUs': on the CPU auto runs sifar up to the
-    slot and warns past it, as before."""
+    slot and hands larger payloads to lax.psum, quietly."""
     mesh = cpu_mesh(2, slot_bytes=4 * KB)
     assert autotable.table_for(sifar_jax.communicators("tp")[0]) is None
-    with pytest.warns(UserWarning, match="exceeds the 4096-byte slot"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         _sizes_fn(mesh, [8 * KB]).lower(*_inputs(2, [8 * KB]))
+    assert sifar_jax.allreduce_choice((4 * KB // 4,), np.float32, "tp").sifar
+    assert not sifar_jax.allreduce_choice((8 * KB // 4,), np.float32, "tp").sifar
 
 
 # ----------------------------------------------------------------- the bench --

@@ -45,7 +45,8 @@ def test_info_quiet_prints_nothing(capsys):
 
 
 def test_info_lists_each_communicators_workspace(cpu_mesh):
-    cpu_mesh(shape=(2, 4), axis_names=("dp", "tp"), slot_bytes=8192)
+    mesh = cpu_mesh(shape=(2, 4), axis_names=("dp", "tp"), init=False)
+    sifar_jax.init(mesh, slot_bytes=8192, products=())  # the axes' own (products: init's default)
     d = sifar_jax.info(quiet=True)
     by_axis = {c["axis"]: c for c in d["communicators"]}
     assert set(by_axis) == {"dp", "tp"}

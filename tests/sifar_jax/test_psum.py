@@ -159,7 +159,13 @@ class TestMatrix:
 
     @pytest.mark.parametrize("dtype_name", list(DTYPES))
     @pytest.mark.parametrize("shape", [("S+1",), (3, "S/2")], ids=["slot+1", "3xslot/2"])
-    def test_auto_past_slot_falls_back(self, tp, monkeypatch, dtype_name, shape):
+    def test_auto_past_slot_falls_back(self, tp, monkeypatch, dtype_name, shape, caplog):
+        """Past the slot, "auto" hands the payload to lax.psum quietly: no
+        warning (large payloads are lax.psum's), the reason at debug level and
+        in allreduce_choice."""
+        import logging
+        import warnings
+
         n = tp.shape["tp"]
         dtype = DTYPES[dtype_name]
         shape = resolve(shape, dtype)
@@ -171,8 +177,12 @@ class TestMatrix:
             return sifar_jax.sifar_psum(v[0], "tp")[None]
 
         f = jax.jit(jax.shard_map(body, mesh=tp, in_specs=P("tp"), out_specs=P("tp")))
-        with pytest.warns(UserWarning, match=r"falling back to lax\.psum.*slot"):
+        with warnings.catch_warnings(), caplog.at_level(logging.DEBUG, logger="sifar_jax"):
+            warnings.simplefilter("error")
             got = np.asarray(f(x))
+        assert any("slot" in r.getMessage() for r in caplog.records), caplog.records
+        choice = sifar_jax.allreduce_choice(x.shape[1:], dtype, "tp")
+        assert not choice.sifar and "slot" in choice.reason and not choice.raises, choice
         assert_close_to_psum(got[0], reference(x), dtype, n, f"fallback n={n} {shape}")
         after = sifar_jax.stats()
         assert after == before, "the fallback must not run a sifar all-reduce"
