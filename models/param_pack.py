@@ -87,3 +87,23 @@ def unpack(plan: PackPlan, arrays: Sequence[jax.Array]) -> list[jax.Array]:
             out[i] = jax.lax.slice(buf, (off,), (off + int(np.prod(shape, dtype=np.int64)),)
                                    ).reshape(shape)
     return out
+
+
+class PackedParams:
+    """A decoder's parameters as the flat list of arrays every call takes, flattened once (no
+    per-call flattening of a nested dict), packed with `pack` when `packed` (keep[i]: leaf i
+    stays an array of its own)."""
+
+    def __init__(self, params: dict, mesh, packed: bool = True,
+                 keep: Optional[Sequence[bool]] = None):
+        self.params = params
+        paths, self.treedef = jax.tree_util.tree_flatten_with_path(params)
+        self.paths = [p for p, _ in paths]
+        leaves = [a for _, a in paths]
+        self.plan, self.leaves = pack(leaves, mesh, keep=keep) if packed else (None, leaves)
+
+    def unflatten(self, leaves) -> dict:
+        """The params tree from the arrays a call takes (packed ones unpacked: static slices)."""
+        if self.plan is not None:
+            leaves = unpack(self.plan, leaves)
+        return jax.tree.unflatten(self.treedef, leaves)

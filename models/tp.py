@@ -75,22 +75,19 @@ def project(equation: str, x: jax.Array, w: jax.Array, rows: int = 1, **kw) -> j
     return jnp.einsum(equation, x, w, **kw)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """Llama's RMSNorm: float32 statistics, then the scale in the activation dtype (as
-    transformers does): weight * bf16(x * rsqrt(mean(x^2) + eps))."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
-
-
 class RMSNorm(nnx.Module):
-    """rms_norm over the last axis with a learned gain (replicated over the tp axis)."""
+    """Llama's RMSNorm over the last axis with a learned gain (replicated over the tp axis):
+    the library's sifar_jax.fused.rms_norm (float32 statistics, then the scale in the activation
+    dtype, as transformers does), imported when a model is traced, so that importing models
+    needs no built extension."""
 
     def __init__(self, dim: int, eps: float, dtype):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        from sifar_jax.fused import rms_norm
+
         return rms_norm(x, self.weight[...], self.eps)
 
 
@@ -99,6 +96,8 @@ def unfused_psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float,
     """The contract of `sifar_jax.psum_add_rmsnorm`, as three separate ops:
     new_residual = residual + allreduce(x) (in x.dtype, rounded once), normed = rms_norm(it).
     Returns (normed, new_residual)."""
+    from sifar_jax.fused import rms_norm
+
     new_residual = residual + allreduce(x, axis_name)
     return rms_norm(new_residual, weight, eps), new_residual
 

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import sifar_jax  # noqa: E402
-from models.tp import rms_norm  # noqa: E402
+from sifar_jax.fused import rms_norm  # noqa: E402
 
 EPS = 1e-5
 
