@@ -6,7 +6,7 @@ all-reduce replaced by identity, in every decode loop, over batch sizes and KV l
 
     python -m bench.decode                    # GPU: Llama-3.1-8B shapes, bf16, TP=2 (4, 8) then 1
     python -m bench.decode --quick            # CPU demo (tiny model): about a minute on 2 cores
-    python -m bench.decode --preset qwen3_30b_a3b --moe-impl ragged   # the MoE (GPU)
+    python -m bench.decode --preset qwen3_30b_a3b --moe-impl gather   # the MoE (GPU)
     python -m bench.decode --tp 2 --batch 1 --context 1024 --no-sweep   # the loops only
 
 Two parts, per TP size (TP=1 runs only lax.psum, the reference: nothing to reduce):
@@ -75,6 +75,7 @@ from models.attention import ATTN_IMPLS  # noqa: E402
 from models.sharding import KV_LAYOUTS  # noqa: E402
 from models.tp import ALLREDUCE_KINDS, fused_add_norm_available  # noqa: E402
 from models.decode import LOOPS, SIFAR_KINDS, Decoder, make_mesh  # noqa: E402
+from models.options import DecodeOptions  # noqa: E402
 from models.qwen3_moe import MOE_IMPLS  # noqa: E402
 
 
@@ -176,15 +177,12 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-layout", choices=("auto", *sorted(KV_LAYOUTS)), default="auto",
                    help="KV cache layout (auto: sharding.default_kv_layout, bhsd on GPUs)")
-    p.add_argument("--min-rows", type=int, default=1,
-                   help="Decoder(min_rows=): at least this many rows on the device, the extra "
-                        "ones copies never returned (tokens/s counts the batch only)")
     p.add_argument("--gemm-rows", type=int, default=None,
-                   help="Decoder(gemm_rows=): the rows a batch-1 step's projections run with "
-                        "(default: models.decode.default_gemm_rows, 2 on GPUs)")
+                   help="DecodeOptions(gemm_rows=): the rows a batch-1 step's projections run with "
+                        "(default: models.options.default_gemm_rows, 2 on GPUs)")
     p.add_argument("--attn-impl", choices=ATTN_IMPLS, default=None,
-                   help="Decoder(attn_impl=): how a step of one token attends (default: "
-                        "models.decode.default_attn_impl, JAX's Pallas decode kernel on GPUs)")
+                   help="DecodeOptions(attn_impl=): how a step of one token attends (default: "
+                        "models.options.default_attn_impl, JAX's Pallas decode kernel on GPUs)")
     p.add_argument("--no-trace", action="store_true",
                    help="skip the per-call all-reduce trace of the sifar variants")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (CPU, CI)")
@@ -290,7 +288,6 @@ def settings(args, platform: str, n_devices: int) -> dict:
         "warmup": 2,
         "seed": args.seed,
         "kv_layout": None if args.kv_layout == "auto" else args.kv_layout,
-        "min_rows": max(1, args.min_rows),
         "gemm_rows": args.gemm_rows,
         "attn_impl": args.attn_impl,
         "fused_tp1": args.fused == "on",
@@ -391,7 +388,8 @@ def streamed_bytes_per_rank(config, params, tp: int) -> int:
     every parameter's local shard, an MoE's experts only the top-k of them, the embedding table
     one row (plus, when tied, its vocab/tp slice as the lm_head). `params` (unused) is the
     tree whose shapes the family's tp layout gives."""
-    return families.family_of(config).step_weight_bytes(config, tp)
+    family = families.family_of(config)
+    return family.step_weight_bytes(family.layout(config, tp))
 
 
 def floor_ms(weights_bytes: int, kv_bytes: int) -> float:
@@ -403,7 +401,7 @@ def floor_ms(weights_bytes: int, kv_bytes: int) -> float:
 def kv_cache_bytes_per_rank(config, context: int, tp: int, batch: int = 1) -> int:
     """K and V of every layer over `context` positions: what attention reads per step."""
     itemsize = np.dtype(jax.numpy.dtype(config.dtype)).itemsize
-    heads = families.family_of(config).layout(config, tp).num_kv_heads // tp
+    heads = families.family_of(config).layout(config, tp).shapes.num_kv_heads // tp
     return 2 * config.num_layers * batch * context * heads * config.head_dim * itemsize
 
 
@@ -429,7 +427,7 @@ def _counter_delta(before, after) -> dict:
 
 # ------------------------------------------------------------------- set-up --
 def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: int,
-                 kv_layout: str | None = None, min_rows: int = 1,
+                 kv_layout: str | None = None,
                  gemm_rows: int | None = None, attn_impl: str | None = None,
                  pack_params: bool | None = None):
     """A Decoder whose cache of `context` positions is filled with random values. sifar's slot
@@ -439,12 +437,13 @@ def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: 
     if kind in SIFAR_KINDS:
         import sifar_jax
 
-        payload = max(batch, min_rows) * config.hidden_size * np.dtype(jax.numpy.dtype(config.dtype)).itemsize
+        payload = batch * config.hidden_size * np.dtype(jax.numpy.dtype(config.dtype)).itemsize
         slot = payload if payload > sifar_jax.DEFAULT_SLOT_BYTES else None
-    dec = Decoder(config, mesh, params, allreduce=kind, algorithm=alg, fused=fused,
-                  slot_bytes=slot, batch_size=batch, max_seq_len=context, kv_layout=kv_layout,
-                  min_rows=min_rows, prefetch_bytes=prefetch_of(variant), gemm_rows=gemm_rows,
-                  attn_impl=attn_impl, pack_params=pack_params)
+    options = DecodeOptions(allreduce=kind, algorithm=alg, fused=fused, slot_bytes=slot,
+                            kv_layout=kv_layout, prefetch_bytes=prefetch_of(variant),
+                            gemm_rows=gemm_rows, attn_impl=attn_impl,
+                            pack_params=True if pack_params is None else pack_params)
+    dec = Decoder(config, mesh, params, options, batch_size=batch, max_seq_len=context)
     dec.reset(context)
     dec.randomize_cache(seed)
     return dec
@@ -587,7 +586,7 @@ def run_variant(config, mesh, params, case, s, bar) -> list[dict]:
     t0 = time.perf_counter()
     bar.set_postfix_str(f"{where}: set-up")
     dec = make_decoder(config, mesh, params, variant, batch, context, s["seed"], s["kv_layout"],
-                       s["min_rows"], s.get("gemm_rows"), s.get("attn_impl"))
+                       s.get("gemm_rows"), s.get("attn_impl"))
     first = start_tokens(config, batch, s["seed"])
     setup_s = time.perf_counter() - t0
     timed = []
@@ -607,7 +606,7 @@ def run_variant(config, mesh, params, case, s, bar) -> list[dict]:
     kv = kv_cache_bytes_per_rank(config, context, tp, batch)
     common_fields = {"setup_s": round(setup_s, 2), "kv_layout": dec.kv_layout, "rows": dec.rows,
                      "gemm_rows": dec.gemm_rows, "attn_impl": dec.attn_impl,
-                     "pack_params": dec.pack_params, "arrays_per_call": len(dec._leaves),
+                     "pack_params": dec.pack_params, "arrays_per_call": len(dec.weights.leaves),
                      "weights_bytes_per_rank": weights, "kv_bytes_per_rank": kv,
                      "floor_ms": float(f"{floor_ms(weights, kv):.4g}")}
     if kind in SIFAR_KINDS:
@@ -999,9 +998,7 @@ def describe_run(s) -> str:
             f"{s['context'][0]}; sweep ({','.join(s['sweep_loops']) or 'none'}) batch "
             f"{s['batch']} x KV length {s['context']}; {s['tokens']} timed steps (sync, stream, "
             f"on_device), {s['samples']} pipelined samples, on_device {s['chunk']} tokens per "
-            f"dispatch, stream {s['in_flight']} steps in flight"
-            + (f"; at least {s['min_rows']} rows on the device (extra rows copies, not counted)"
-               if s["min_rows"] > 1 else ""))
+            f"dispatch, stream {s['in_flight']} steps in flight")
 
 
 def out_dir(args, platform: str) -> Path:

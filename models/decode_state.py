@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .capacity import MAX_STOP_IDS, attention_buckets, bucket_up, prompt_bucket
+from .capacity import attention_buckets, bucket_up
+from .prompts import as_batch, check_ids, left_pad, prompt_rows, prompt_width, stop_array
 from .random_weights import hash_uniform, mix32
 from .sampling import Sampling, key_data
 from .sharding import cache_dims, cache_spec
@@ -44,10 +45,10 @@ def _random_like(a, seed: int, sharding):
     return jax.lax.with_sharding_constraint(jnp.stack(layers).astype(a.dtype), sharding)
 
 
-class DecodeState:
-    """The state dict (`arrays`), the cache's capacity, and the host's mirrors of the device
-    state: pos (the next slot: picks buckets, checks bounds, never synced), step (the bucket
-    limit and executable of the current step), last_tok (the last step's token copy)."""
+class CacheState:
+    """The state dict (`arrays`) and its KV cache's capacity: allocated, grown (never beyond
+    the limit), filled with random values. step: the bucket limit and executable of the current
+    step (a cache that grows invalidates it)."""
 
     def __init__(self, config: Any, mesh, options, family, layout, buffers=None):
         self.config, self.mesh, self.options = config, mesh, options
@@ -59,10 +60,7 @@ class DecodeState:
         self._buffers = buffers  # sifar_buffers' two buffers, owned by the state once made
         self.arrays: Optional[dict] = None
         self.capacity = 0
-        self.pos = 0
         self.step: tuple = (0, None)
-        self.last_tok: Optional[jax.Array] = None
-        self.sampling = Sampling()
 
     def put(self, value) -> jax.Array:
         return jax.device_put(np.asarray(value), self.rep)
@@ -99,26 +97,46 @@ class DecodeState:
         self.ensure_capacity(end)
         return next(b for b in attention_buckets(self.capacity) if b >= end)
 
+    def allocate(self, need: int) -> None:
+        """A cache of at least `need` positions, unless the one held is large enough (its stale
+        entries are masked and overwritten before they become visible)."""
+        if self.arrays is not None and self.capacity >= need:
+            return
+        size = self.capacity_for(need)
+        ar = {}
+        if self.arrays is not None:
+            ar = self.arrays["ar"]
+            self.arrays = None  # free the old cache before allocating the new one
+        elif self._buffers is not None:
+            ar, self._buffers = dict(self._buffers._asdict()), None  # the state owns them
+        cache = self.family.init_cache(self.layout, self.mesh, self.rows, size,
+                                       self.options.axis_name, self.options.kv_layout)
+        self.arrays = {"cache": cache, "ar": ar}
+        self.capacity = size
+
+    def randomize_cache(self, seed: int = 0) -> None:
+        if self.arrays is None:
+            self.reset()
+        self.arrays["cache"] = _random_like(self.arrays["cache"], seed, self.cache_sharding)
+
+
+class DecodeState(CacheState):
+    """CacheState, and the host's mirrors of the device state: pos (the next slot: picks
+    buckets, checks bounds, never synced), last_tok (the last step's token copy), sampling."""
+
+    def __init__(self, config: Any, mesh, options, family, layout, buffers=None):
+        super().__init__(config, mesh, options, family, layout, buffers)
+        self.pos = 0
+        self.last_tok: Optional[jax.Array] = None
+        self.sampling = Sampling()
+
     def reset(self, capacity: Optional[int] = None) -> None:
-        """Position 0, with a cache of at least `capacity` positions (kept if large enough:
-        stale entries are masked and overwritten before they become visible)."""
-        need = capacity or 1
-        if self.arrays is None or self.capacity < need:
-            size = self.capacity_for(need)
-            ar = {}
-            if self.arrays is not None:
-                ar = self.arrays["ar"]
-                self.arrays = None  # free the old cache before allocating the new one
-            elif self._buffers is not None:
-                ar, self._buffers = dict(self._buffers._asdict()), None  # the state owns them
-            cache = self.family.init_cache(self.layout, self.mesh, self.rows, size,
-                                           self.options.axis_name, self.options.kv_layout)
-            self.arrays = {"cache": cache, "ar": ar}
-            self.capacity = size
+        """Position 0, with a cache of at least `capacity` positions (allocate)."""
+        self.allocate(capacity or 1)
         b = self.rows
         self.arrays.update(
             pos=self.put(np.int32(0)), tok=self.put(np.zeros((b, 1), np.int32)),
-            done=self.put(np.zeros(b, bool)), eos=self.put(self.stop_array(())),
+            done=self.put(np.zeros(b, bool)), eos=self.put(stop_array((), self.config.vocab_size)),
             key=self.put(key_data(0)), start=self.put(np.zeros(b, np.int32)),
             temp=self.put(np.float32(0)), top_p=self.put(np.float32(1)))
         self.pos, self.step, self.last_tok = 0, (0, None), None
@@ -126,90 +144,29 @@ class DecodeState:
     def seek(self, position: int, token) -> None:
         """Continue from `position` of the current cache with `token` ([B]) as the last token."""
         self.ensure_capacity(position + 1)
-        tok = self.check_ids(token).reshape(self.rows, 1)
+        tok = check_ids(token, self.config.vocab_size).reshape(self.rows, 1)
         self.arrays.update(pos=self.put(np.int32(position)), tok=self.put(tok),
                            done=self.put(np.zeros(self.rows, bool)),
                            start=self.put(np.zeros(self.rows, np.int32)))
         self.pos, self.step, self.last_tok = position, (0, None), None
 
-    def randomize_cache(self, seed: int = 0) -> None:
-        if self.arrays is None:
-            self.reset()
-        self.arrays["cache"] = _random_like(self.arrays["cache"], seed, self.cache_sharding)
-
-    # ---- a request's host values ----------------------------------------------------------------
-
-    def check_ids(self, tokens) -> np.ndarray:
-        """tokens as int32, or a ValueError naming the first id outside [0, vocab_size) (an id
-        past the embedding table would be read as garbage, never as an error, on a device)."""
-        tokens = np.asarray(tokens)
-        if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"token ids must be integers, got {tokens.dtype}")
-        bad = (tokens < 0) | (tokens >= self.config.vocab_size)
-        if bad.any():
-            raise ValueError(f"token id {int(tokens[bad].flat[0])} is outside the vocabulary "
-                             f"[0, {self.config.vocab_size})")
-        return tokens.astype(np.int32)
-
-    def _batch(self, tokens: np.ndarray, what: str) -> np.ndarray:
-        if tokens.ndim == 1:
-            tokens = tokens[None, :] if self.rows == 1 else tokens[:, None]
-        if tokens.ndim != 2 or tokens.shape[0] != self.rows:
-            raise ValueError(f"{what} of shape {tokens.shape}: expected [batch_size="
-                             f"{self.rows}, T]")
-        return tokens
+    # ---- a request's host values (prompts.py) ----------------------------------------------------
 
     def tokens(self, tokens) -> jax.Array:
         """tokens [B, T] (or [T] for batch 1) checked and on the devices."""
-        return self.put(self._batch(self.check_ids(tokens), "tokens"))
-
-    def prompts(self, prompt) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens [batch_size, T], lengths [batch_size]) of a prompt [B, T] (or [T] for batch
-        1), or of B sequences of different lengths (a list: each row's tokens first, then
-        zeros); ids checked."""
-        if isinstance(prompt, (list, tuple)) and prompt and all(
-                np.ndim(p) == 1 for p in prompt) and len({len(p) for p in prompt}) > 1:
-            if len(prompt) != self.rows:
-                raise ValueError(f"{len(prompt)} prompts for batch_size={self.rows}")
-            rows = [self.check_ids(p) for p in prompt]
-            lengths = np.array([len(r) for r in rows], np.int32)
-            if not lengths.min():
-                raise ValueError("empty prompt: a sequence needs at least one token")
-            tokens = np.zeros((len(rows), lengths.max()), np.int32)
-            for row, r in enumerate(rows):
-                tokens[row, :len(r)] = r
-            return tokens, lengths
-        tokens = self._batch(self.check_ids(prompt), "prompt")
-        if tokens.shape[1] == 0:
-            raise ValueError("empty prompt: a sequence needs at least one token")
-        return tokens, np.full(self.rows, tokens.shape[1], np.int32)
-
-    def prompt_width(self, t: int, reserve: int) -> int:
-        """The slots a prompt of t tokens takes: its bucket, or t itself where the bucket and
-        the reserve would not fit the cache's limit (an executable of its own)."""
-        width = prompt_bucket(t)
-        return width if width + reserve <= self.limit() else t
-
-    def stop_array(self, ids: tuple) -> np.ndarray:
-        for e in ids:
-            if not 0 <= e < self.config.vocab_size:
-                raise ValueError(f"stop id {e} is outside the vocabulary [0, "
-                                 f"{self.config.vocab_size})")
-        return np.array(list(ids) + [-1] * (MAX_STOP_IDS - len(ids)), np.int32)
+        return self.put(as_batch(check_ids(tokens, self.config.vocab_size), self.rows))
 
     def begin(self, prompt, stops: tuple, sampling: Sampling, seed: int,
               reserve: int) -> tuple[jax.Array, int]:
         """A new request's state: `prompt` left-padded to its width, the cache reset to hold it
         and `reserve` positions more, the stop ids and sampling values in the state. Returns
         (the padded prompt on the devices, its width)."""
-        tokens, lengths = self.prompts(prompt)
-        stop_arr = self.stop_array(stops)
+        vocab = self.config.vocab_size
+        tokens, lengths = prompt_rows(prompt, self.rows, vocab)
+        stop_arr = stop_array(stops, vocab)
         reserve = max(reserve, 1)
-        width = self.prompt_width(tokens.shape[1], reserve)
-        pad = width - lengths  # left padding: every row's last prompt token in slot width - 1
-        padded = np.zeros((self.rows, width), np.int32)
-        for row, (toks, n) in enumerate(zip(tokens, lengths)):
-            padded[row, pad[row]:] = toks[:n]
+        width = prompt_width(tokens.shape[1], reserve, self.limit())
+        padded, pad = left_pad(tokens, lengths, width)
         self.reset(width + reserve)
         self.sampling = sampling
         self.arrays.update(eos=self.put(stop_arr), key=self.put(key_data(seed)),

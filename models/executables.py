@@ -38,10 +38,12 @@ def _with_token(state: dict):
     return state, state["tok"][:, 0]
 
 
-class Executables:
-    """The forwards and compiled executables of one decoder. `weights` is its
+class Programs:
+    """What a decoder's executables run, as traceable functions of (param leaves, state, ...):
+    the forwards (one per attention length) and the step, prefill, logits and chunk programs,
+    each as a spec (key, fn, args, outputs) for Executables.compile. `weights` is the decoder's
     param_pack.PackedParams, `seq` its decode_state.DecodeState (whose arrays' shardings every
-    executable takes and returns)."""
+    program takes and returns)."""
 
     def __init__(self, family, layout, mesh, options, weights, seq, ar_specs=None):
         self.family, self.layout, self.mesh, self.options = family, layout, mesh, options
@@ -49,9 +51,6 @@ class Executables:
         self.tok_sharding = NamedSharding(mesh, P(), memory_kind=host_memory_kind(mesh))
         self.logits_sharding = NamedSharding(mesh, P(None, None, options.axis_name))
         self.forwards: dict = {}
-        self.table: dict = {}
-        self.warmed: Optional[dict] = None  # the limits of the last warmup()
-        self.compiles_after_warmup = 0  # executables compiled since, each logged
 
     def forward(self, attend_len: int, last_only: bool):
         key = (attend_len, last_only)
@@ -78,6 +77,56 @@ class Executables:
         nxt = jnp.where(state["done"], state["tok"][:, 0], nxt)  # a finished row repeats its stop
         return dict(new, tok=nxt[:, None], key=key,
                     done=state["done"] | jnp.any(nxt[:, None] == state["eos"][None, :], axis=1))
+
+    def step_spec(self, n: int, mode: str):
+        return (("step", self.seq.capacity, n, mode),
+                lambda p, st: _with_token(self.append(p, st, st["tok"], n, mode)), (),
+                (self.tok_sharding,))
+
+    def prefill_spec(self, n: int, width: int, mode: str):
+        tokens = jax.ShapeDtypeStruct((self.seq.rows, width), jnp.int32, sharding=self.seq.rep)
+        return (("prefill", self.seq.capacity, n, width, mode),
+                lambda p, st, toks: _with_token(self.append(p, st, toks, n, mode)), (tokens,),
+                (self.tok_sharding,))
+
+    def logits_spec(self, n: int, tokens: jax.Array):
+        """A call of tokens [B, T] that returns the state and every position's logits."""
+        def logits_fn(leaves, state, toks):
+            logits, new = self.run_forward(leaves, state, toks, n, False)
+            return new, logits
+
+        return (("logits", self.seq.capacity, n, tokens.shape[1]), logits_fn, (tokens,),
+                (self.logits_sharding,))
+
+    def chunk_spec(self, n: int, mode: str, k: int, early_exit: bool):
+        b = self.seq.rows
+
+        def chunk(leaves, state):
+            def body(i, carry):
+                st, toks = carry
+                st = self.append(leaves, st, st["tok"], n, mode)
+                return st, jax.lax.dynamic_update_slice(toks, st["tok"], (0, i))
+
+            toks = jnp.full((b, k), state["eos"][0], jnp.int32)
+            if not early_exit:
+                return jax.lax.fori_loop(0, k, body, (state, toks))
+            _, state, toks = jax.lax.while_loop(
+                lambda c: (c[0] < k) & ~jnp.all(c[1]["done"]),
+                lambda c: (c[0] + 1, *body(c[0], (c[1], c[2]))), (jnp.int32(0), state, toks))
+            return state, toks
+
+        return ("chunk", self.seq.capacity, n, mode, k, early_exit), chunk, (), (self.tok_sharding,)
+
+
+class Executables(Programs):
+    """The compiled executables of a decoder's programs, in one table (key -> executable),
+    each compiled ahead of time on first use or by compile_all (warmup)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.table: dict = {}
+        self.warmed: Optional[dict] = None  # the limits of the last warmup()
+        self.compiles_after_warmup = 0  # executables compiled since, each logged
 
     # ---- lowering and compiling -------------------------------------------------------------------
 
@@ -123,47 +172,6 @@ class Executables:
             for key, exe in zip(todo, pool.map(self.finish, todo.values())):
                 self.table[key] = exe
         return len(todo)
-
-    # ---- the executables, as (key, fn, args, outputs) ---------------------------------------------
-
-    def step_spec(self, n: int, mode: str):
-        return (("step", self.seq.capacity, n, mode),
-                lambda p, st: _with_token(self.append(p, st, st["tok"], n, mode)), (),
-                (self.tok_sharding,))
-
-    def prefill_spec(self, n: int, width: int, mode: str):
-        tokens = jax.ShapeDtypeStruct((self.seq.rows, width), jnp.int32, sharding=self.seq.rep)
-        return (("prefill", self.seq.capacity, n, width, mode),
-                lambda p, st, toks: _with_token(self.append(p, st, toks, n, mode)), (tokens,),
-                (self.tok_sharding,))
-
-    def logits_spec(self, n: int, tokens: jax.Array):
-        """A call of tokens [B, T] that returns the state and every position's logits."""
-        def logits_fn(leaves, state, toks):
-            logits, new = self.run_forward(leaves, state, toks, n, False)
-            return new, logits
-
-        return (("logits", self.seq.capacity, n, tokens.shape[1]), logits_fn, (tokens,),
-                (self.logits_sharding,))
-
-    def chunk_spec(self, n: int, mode: str, k: int, early_exit: bool):
-        b = self.seq.rows
-
-        def chunk(leaves, state):
-            def body(i, carry):
-                st, toks = carry
-                st = self.append(leaves, st, st["tok"], n, mode)
-                return st, jax.lax.dynamic_update_slice(toks, st["tok"], (0, i))
-
-            toks = jnp.full((b, k), state["eos"][0], jnp.int32)
-            if not early_exit:
-                return jax.lax.fori_loop(0, k, body, (state, toks))
-            _, state, toks = jax.lax.while_loop(
-                lambda c: (c[0] < k) & ~jnp.all(c[1]["done"]),
-                lambda c: (c[0] + 1, *body(c[0], (c[1], c[2]))), (jnp.int32(0), state, toks))
-            return state, toks
-
-        return ("chunk", self.seq.capacity, n, mode, k, early_exit), chunk, (), (self.tok_sharding,)
 
     def current_step(self) -> "jax.stages.Compiled":
         """The executable the next step runs."""

@@ -20,10 +20,9 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 from . import checkpoint, random_weights, sharding
-from .tp import TPContext, make_allreduce, make_allreduce_into, make_fused_add_norm
 
 
 class ModelConfig(Protocol):
@@ -82,35 +81,8 @@ class Layout:
                              f"{mesh.shape[axis_name]} devices")
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class ModelFamily:
-    name: str
-    config_type: type  # a ModelConfig
-    presets: Mapping[str, Callable[..., Any]]  # preset name -> f(**overrides) -> config
-    model: Callable[..., nnx.Module]  # model(config, rngs=...): global shapes, per-rank __call__
-    tp_dims: Mapping[str, int]  # parameter name -> the dimension split over tp (else replicated)
-    check_tp: Callable[[Any, int], None]  # raises ValueError unless tp splits the model
-    fan_in: Mapping[str, Callable[[tuple], int]]  # linear weights' fan-in, for random init
-    loader: str  # the HFLoader module, imported on first use (it imports the family's module)
-    hf_model_types: tuple[str, ...] = ()  # config.json "model_type" values this family reads
-    # parameter name -> f(config) -> the share of it one token's step reads (else all of it): an
-    # MoE's experts, top-k of them (step_weight_bytes)
-    step_read_fraction: Mapping[str, Callable[[Any], float]] = dataclasses.field(
-        default_factory=dict)
-
-    # ---- configs -------------------------------------------------------------------------------
-
-    def preset(self, name: str, **overrides) -> Any:
-        if name not in self.presets:
-            raise ValueError(f"{self.name} has no preset {name!r}; choose from {sorted(self.presets)}")
-        return self.presets[name](**overrides)
-
-    def layout(self, config: Any, tp: int) -> Layout:
-        """The model split tp ways (Layout); raises if tp does not split the model."""
-        self.check_tp(config, tp)
-        return Layout(config, tp, sharding.tp_layout(config, tp), sharding.kv_replicas(config, tp))
-
-    # ---- parameters and cache --------------------------------------------------------------------
+class _Parameters:
+    """ModelFamily's parameters and KV cache (a mixin: the family's tables are its fields)."""
 
     def abstract_model(self, config: Any) -> tuple[nnx.GraphDef, dict]:
         """(graphdef, pure-dict pytree of ShapeDtypeStruct) without allocating anything."""
@@ -180,7 +152,10 @@ class ModelFamily:
             total += math.prod(shape) * itemsize * fraction
         return int(round(total))
 
-    # ---- Hugging Face checkpoints ----------------------------------------------------------------
+
+class _HFCheckpoints:
+    """ModelFamily's Hugging Face checkpoints (a mixin: `loader` and `config_type` are the
+    family's fields)."""
 
     def hf_loader(self) -> HFLoader:
         return importlib.import_module(self.loader)
@@ -219,64 +194,42 @@ class ModelFamily:
         checkpoint.save(self.to_hf_tensors(params, config), config.to_hf_config(), path,
                         num_shards=num_shards)
 
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelFamily(_Parameters, _HFCheckpoints):
+    name: str
+    config_type: type  # a ModelConfig
+    presets: Mapping[str, Callable[..., Any]]  # preset name -> f(**overrides) -> config
+    model: Callable[..., nnx.Module]  # model(config, rngs=...): global shapes, per-rank __call__
+    tp_dims: Mapping[str, int]  # parameter name -> the dimension split over tp (else replicated)
+    check_tp: Callable[[Any, int], None]  # raises ValueError unless tp splits the model
+    fan_in: Mapping[str, Callable[[tuple], int]]  # linear weights' fan-in, for random init
+    loader: str  # the HFLoader module, imported on first use (it imports the family's module)
+    hf_model_types: tuple[str, ...] = ()  # config.json "model_type" values this family reads
+    # parameter name -> f(config) -> the share of it one token's step reads (else all of it): an
+    # MoE's experts, top-k of them (step_weight_bytes)
+    step_read_fraction: Mapping[str, Callable[[Any], float]] = dataclasses.field(
+        default_factory=dict)
+
+    # ---- configs -------------------------------------------------------------------------------
+
+    def preset(self, name: str, **overrides) -> Any:
+        if name not in self.presets:
+            raise ValueError(f"{self.name} has no preset {name!r}; choose from {sorted(self.presets)}")
+        return self.presets[name](**overrides)
+
+    def layout(self, config: Any, tp: int) -> Layout:
+        """The model split tp ways (Layout); raises if tp does not split the model."""
+        self.check_tp(config, tp)
+        return Layout(config, tp, sharding.tp_layout(config, tp), sharding.kv_replicas(config, tp))
+
     # ---- the forward -------------------------------------------------------------------------------
 
     def make_forward(self, layout: Layout, mesh: Mesh, options: Any = None, *,
                      last_only: bool = False, attend_len: Optional[int] = None,
                      ar_specs: Any = None):
-        """The TP forward of `layout` on `mesh` as a pure function, ready for jax.jit:
+        """The TP forward of `layout` on `mesh`, ready for jax.jit (forward.make_forward)."""
+        from .forward import make_forward
 
-            forward(params, cache, tokens, positions, ar, start=None) -> (logits, cache, ar)
-
-        params/cache are global arrays sharded as param_shardings/init_cache; tokens [B, T],
-        positions [T] and start ([B], each row's first cache slot, see attention.Step; None: 0)
-        are replicated; logits [B, T (1 if last_only), vocab] come out split over vocab; `ar`
-        is the all-reduce buffer pytree of the decode state ({} unless sifar_buffers;
-        `ar_specs` its specs). options: an options.DecodeOptions (None: the defaults), resolved
-        for `mesh` here if it is not: the all-reduce, fused or not, the cache's kv_layout,
-        gemm_rows, attn_impl. attend_len: attention over that many cache positions (see
-        attention.Step). Works for a 1-device mesh (tp=1) too.
-        """
-        from .options import DecodeOptions
-
-        options = (options or DecodeOptions()).resolve(mesh)
-        axis_name = options.axis_name
-        layout.check_mesh(mesh, axis_name)
-        graphdef, abstract = self.abstract_model(layout.shapes)
-        pspecs = self.param_specs(abstract, axis_name)
-        cspec = sharding.cache_spec(axis_name, options.kv_layout)
-        aspecs = {} if ar_specs is None else ar_specs
-        reduce_fn = make_allreduce(options.allreduce, options.algorithm)
-        fused_fn = (make_fused_add_norm(options.allreduce, options.algorithm,
-                                        options.prefetch_bytes) if options.fused else None)
-        into_fn = make_allreduce_into(options.algorithm)
-
-        def per_rank(params, cache, tokens, positions, ar, start):
-            model = nnx.merge(graphdef, params)
-            ctx = TPContext(axis_name, layout.tp, reduce_fn, ar, into_fn, fused_fn)
-            logits, cache = model(tokens, positions, cache, ctx, options, last_only=last_only,
-                                  attend_len=attend_len, start=start)
-            if ctx.buffers and ctx.count % 2:
-                # The next step starts with buffer "a" again: an odd count would reuse the buffer
-                # the last all-reduce wrote, which dual buffering forbids.
-                raise ValueError(f"explicit dual buffers need an even number of all-reduces per "
-                                 f"step, got {ctx.count}")
-            return logits, cache, ctx.buffers
-
-        def mapped(check_vma: bool):
-            return jax.shard_map(
-                per_rank, mesh=mesh,
-                in_specs=(pspecs, cspec, P(), P(), aspecs, P()),
-                out_specs=(P(None, None, axis_name), cspec, aspecs), check_vma=check_vma)
-
-        checked = mapped(True)
-        # JAX's Pallas decode kernel declares no varying axes for its results, which
-        # check_vma=True refuses: a one-token call that may run it is traced without the check
-        # (calls of several tokens, prefills, keep it: they run the einsums).
-        one_token = mapped(False) if options.attn_impl == "pallas" else checked
-
-        def forward(params, cache, tokens, positions, ar, start=None):
-            fn = one_token if tokens.shape[1] == 1 else checked
-            return fn(params, cache, tokens, positions, ar, start)
-
-        return forward
+        return make_forward(self, layout, mesh, options, last_only=last_only,
+                            attend_len=attend_len, ar_specs=ar_specs)

@@ -38,11 +38,6 @@ def default_attn_impl(mesh: Mesh) -> str:
     return "pallas" if _is_gpu(mesh) else "xla"
 
 
-def _check_positive(name: str, value: Optional[int]) -> None:
-    if value is not None and value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-
-
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
     """How a decoder runs (not what model it runs: that is the config).
@@ -84,27 +79,10 @@ class DecodeOptions:
     axis_name: str = "tp"
 
     def __post_init__(self):
-        if self.allreduce not in ALLREDUCE_KINDS:
-            raise ValueError(f"allreduce must be one of {ALLREDUCE_KINDS}, got {self.allreduce!r}")
-        if self.slot_bytes is not None and self.allreduce not in SIFAR_KINDS:
-            raise ValueError(f"slot_bytes is sifar's slot size; allreduce={self.allreduce!r} "
-                             f"has none")
-        if self.fused not in FUSED_MODES:
-            raise ValueError(f"fused must be one of {FUSED_MODES}, got {self.fused!r}")
-        if self.prefetch_bytes and not self.fused:
-            raise ValueError("prefetch_bytes is the fused call's (fused=True)")
-        _check_positive("batch_size", self.batch_size)
-        _check_positive("max_seq_len", self.max_seq_len)
-        _check_positive("gemm_rows", self.gemm_rows)
-        if self.kv_layout is not None:
-            check_kv_layout(self.kv_layout)
-        if self.attn_impl is not None:
-            check_attn_impl(self.attn_impl)
+        _check(self)
         opts = self.compiler_options
-        if isinstance(opts, Mapping):
-            object.__setattr__(self, "compiler_options", tuple(sorted(opts.items())))
-        elif opts is None:
-            object.__setattr__(self, "compiler_options", ())
+        if isinstance(opts, Mapping) or opts is None:
+            object.__setattr__(self, "compiler_options", tuple(sorted((opts or {}).items())))
         elif not isinstance(opts, tuple):
             raise TypeError(f"compiler_options must be a dict of XLA options, got "
                             f"{type(opts).__name__}")
@@ -133,3 +111,23 @@ class DecodeOptions:
     def xla_options(self) -> Optional[dict]:
         """compiler_options as the dict `Lowered.compile` takes (None: none)."""
         return dict(self.compiler_options) or None
+
+
+def _check(o: "DecodeOptions") -> None:
+    """A clear error for each option out of range, when the options are made."""
+    if o.allreduce not in ALLREDUCE_KINDS:
+        raise ValueError(f"allreduce must be one of {ALLREDUCE_KINDS}, got {o.allreduce!r}")
+    if o.slot_bytes is not None and o.allreduce not in SIFAR_KINDS:
+        raise ValueError(f"slot_bytes is sifar's slot size; allreduce={o.allreduce!r} has none")
+    if o.fused not in FUSED_MODES:
+        raise ValueError(f"fused must be one of {FUSED_MODES}, got {o.fused!r}")
+    if o.prefetch_bytes and not o.fused:
+        raise ValueError("prefetch_bytes is the fused call's (fused=True)")
+    for name in ("batch_size", "max_seq_len", "gemm_rows"):
+        value = getattr(o, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if o.kv_layout is not None:
+        check_kv_layout(o.kv_layout)
+    if o.attn_impl is not None:
+        check_attn_impl(o.attn_impl)

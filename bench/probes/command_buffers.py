@@ -70,16 +70,16 @@ def child(args) -> None:
     append = lambda p, st: dec._append(p, st, st["tok"], bucket, mode)  # noqa: E731
     device_token = lambda p, st: (lambda s: (s, s["tok"][:, 0]))(append(p, st))  # noqa: E731
     exes = {"step": dec.compiled_step(),  # the others with the decoder's compile options
-            "device_token": dec._finish(dec._lower(device_token,
+            "device_token": dec.exes.finish(dec.exes.lower(device_token,
                                                    outputs=(NamedSharding(mesh, P()),))),
-            "no_token": dec._finish(dec._lower(append))}
+            "no_token": dec.exes.finish(dec.exes.lower(append))}
     times = {v: [] for v in VARIANTS}
     for _ in range(2):
         for name, exe in exes.items():
             for i in range(args.steps):
                 _mark(f"{name} {i}")
                 t0 = time.perf_counter()
-                out = exe(dec._leaves, dec.state)
+                out = exe(dec.weights.leaves, dec.state)
                 if name == "no_token":
                     dec.state = out
                     dec.state["pos"].block_until_ready()

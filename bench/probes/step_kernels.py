@@ -291,13 +291,13 @@ def format_breakdown(b: dict) -> str:
 
 def decoder_kinds(dec) -> dict[str, str]:
     """hlo_kinds of the step a Decoder runs next (its weights: the first entry parameters, one
-    per array it passes, dec._leaves (the norm scales packed); its KV cache: the shard shape of
+    per array it passes, dec.weights.leaves (the norm scales packed); its KV cache: the shard shape of
     each cache leaf)."""
     from models import hlo
 
     shapes = {hlo.hlo_shape(a.dtype, a.sharding.shard_shape(a.shape))
               for a in jax.tree.leaves(dec.state["cache"])}
-    return hlo_kinds(dec.compiled_step().as_text(), len(dec._leaves), shapes)
+    return hlo_kinds(dec.compiled_step().as_text(), len(dec.weights.leaves), shapes)
 
 
 def step_breakdown(dec, steps: int) -> dict:

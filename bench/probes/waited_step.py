@@ -52,7 +52,7 @@ def time_waited(dec, steps: int, early_copy: bool = False) -> dict:
         t0 = time.perf_counter()
         dec.advance()
         t1 = time.perf_counter()
-        tok = dec._last_tok if dec._last_tok is not None else dec.state["tok"]  # token()'s
+        tok = dec.seq.last_tok if dec.seq.last_tok is not None else dec.state["tok"]  # token()'s
         if early_copy:
             tok.copy_to_host_async()
         tok.block_until_ready()
@@ -74,8 +74,8 @@ def time_null(dec, with_leaves: bool, calls: int) -> dict:
         return dict(st, pos=st["pos"] + 1)
 
     if with_leaves:
-        exe = dec._finish(dec._lower(bump_all))
-        call = lambda: exe(dec._leaves, dec.state)  # noqa: E731
+        exe = dec.exes.finish(dec.exes.lower(bump_all))
+        call = lambda: exe(dec.weights.leaves, dec.state)  # noqa: E731
     else:
         shardings = jax.tree.map(lambda a: a.sharding, dec.state)
         exe = jax.jit(bump_state, donate_argnums=0, in_shardings=(shardings,),
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
         dec.advance(3)  # compiled and warm
         dec.token()
         m = {"pack_params": dec.pack_params,
-             "arrays_per_step": len(dec._leaves) + len(jax.tree.leaves(dec.state)),
+             "arrays_per_step": len(dec.weights.leaves) + len(jax.tree.leaves(dec.state)),
              "waited_us": time_waited(dec, args.steps),
              "waited_early_copy_us": time_waited(dec, args.steps, early_copy=True),
              "pipelined_us": _median_us(bd.time_pipelined(dec, PIPELINED)[0]),

@@ -52,7 +52,7 @@ def parse_options(text: str) -> dict:
 
 def with_options(dec, options: dict) -> None:
     """Make every executable `dec` compiles from now on use `options`."""
-    lower = dec._lower
+    lower = dec.exes.lower
 
     class _Lowered:
         def __init__(self, lowered):
@@ -62,7 +62,7 @@ def with_options(dec, options: dict) -> None:
             return self._lowered.compile(
                 compiler_options={**(compiler_options or {}), **options} or None)
 
-    dec._lower = lambda *a, **k: _Lowered(lower(*a, **k))
+    dec.exes.lower = lambda *a, **k: _Lowered(lower(*a, **k))
 
 
 def main(argv=None) -> int:
