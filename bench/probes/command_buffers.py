@@ -8,7 +8,7 @@ buffer initialisations, updates and executions XLA logs (`TF_CPP_VMODULE=command
 read from a child process's stderr), beside each one's median waited-step time:
 
     step          the decoder's step: the state donated, its token also written to pinned host
-                  memory (the decoder's _tok_sharding)
+                  memory (the decoder's exes.tok_sharding)
     device_token  the same step with its token result in device memory
     no_token      the same step returning the state only
 
@@ -66,8 +66,8 @@ def child(args) -> None:
     dec.seek(args.context - (6 * args.steps + 8), bd.start_tokens(config, 1, 0))
     dec.advance(3)  # compiled and warm
     dec.token()
-    bucket, mode = dec._step[0], dec.sampling.mode
-    append = lambda p, st: dec._append(p, st, st["tok"], bucket, mode)  # noqa: E731
+    bucket, mode = dec.seq.step[0], dec.sampling.mode
+    append = lambda p, st: dec.exes.append(p, st, st["tok"], bucket, mode)  # noqa: E731
     device_token = lambda p, st: (lambda s: (s, s["tok"][:, 0]))(append(p, st))  # noqa: E731
     exes = {"step": dec.compiled_step(),  # the others with the decoder's compile options
             "device_token": dec.exes.finish(dec.exes.lower(device_token,

@@ -25,6 +25,7 @@ from flax import nnx
 
 from bench.probes.gemv_cluster_xla import chain_args, timeit
 from models.attention import Attention, Step
+from models.options import DecodeOptions
 
 HIDDEN, QKV, FFN = 4096, 6144, 14336
 HEADS, KV_HEADS, HEAD_DIM, KV_LEN, VOCAB = 32, 8, 128, 1024, 128256
@@ -66,7 +67,8 @@ def attention_config(hidden: int, div: int, tp: int = 1):
 def with_attention(x, ws, attns, cache, pos, ffn: int, cfg, kv_len: int):
     """The layers with the decoder's attention (its qkv and o weights): the new token in slot
     pos of the donated "bhsd" cache [layers, 2, 1, kv heads, kv_len, head_dim]."""
-    step = Step.at(cfg, pos[None], attend_len=kv_len, kv_layout="bhsd", attn_impl="pallas")
+    step = Step.at(cfg, pos[None], attend_len=kv_len,
+                   options=DecodeOptions(kv_layout="bhsd", gemm_rows=1, attn_impl="pallas"))
     for i, (w, a) in enumerate(zip(ws, attns)):
         h, cache = a(rms_norm(x, w["attn_norm"])[:, None], cache, i, step)
         x = mlp(x + h[:, 0], w, ffn)

@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     r = {"host": common.host_tag(devices), "tp": args.tp, "preset": preset,
          "variant": args.variant, "context": args.context,
          "xla_flags": os.environ.get("XLA_FLAGS", ""),
-         "token_memory": decs[0]._tok_sharding.memory_kind}
+         "token_memory": decs[0].exes.tok_sharding.memory_kind}
     if len(decs) == 1:
         r.update(measure(decs[0]))
     else:  # the settings alternate, `repeat` rounds: paired in one process
