@@ -25,18 +25,22 @@ from jax.sharding import Mesh
 
 from . import loops, warmup as warmups
 from .allreduce_choice import prefill_allreduce
-from .capacity import (ON_DEVICE_CHUNK, attention_buckets, bucket_up,  # noqa: F401 (re-exported)
-                       cache_reserve, prompt_bucket, prompt_buckets, stop_ids)
+from .capacity import (ON_DEVICE_CHUNK, attention_buckets, bucket_up, cache_reserve,
+                       prompt_bucket, prompt_buckets, stop_ids)
 from .decode_state import DecodeState
 from .executables import Executables
 from .families import family_of
 from .family import ModelConfig
-from .loops import LOOPS, host  # noqa: F401 (re-exported)
-from .options import (SIFAR_KINDS, DecodeOptions, default_attn_impl,  # noqa: F401
-                      default_gemm_rows)
+from .loops import LOOPS, host
+from .options import SIFAR_KINDS, DecodeOptions, default_attn_impl, default_gemm_rows
 from .param_pack import PackedParams
 from .sampling import Sampling
 from .transformer import fused_norm_scale
+
+# What callers import from here (the sizes and options live in capacity.py and options.py).
+__all__ = ["Decoder", "DecodeOptions", "make_mesh", "LOOPS", "ON_DEVICE_CHUNK", "SIFAR_KINDS",
+           "attention_buckets", "bucket_up", "cache_reserve", "prompt_bucket", "prompt_buckets",
+           "default_attn_impl", "default_gemm_rows"]
 
 
 def make_mesh(tp: int, axis_name: str = "tp", devices: Optional[Sequence] = None) -> Mesh:
@@ -68,8 +72,8 @@ class Decoder:
     Components: `seq` (decode_state.DecodeState), `exes` (executables.Executables), `weights`
     (param_pack.PackedParams)."""
 
-    def __init__(self, config: ModelConfig, mesh: Mesh, params, options: Optional[DecodeOptions] = None,
-                 *, allreduce: Optional[str] = None, batch_size: Optional[int] = None,
+    def __init__(self, config: ModelConfig, mesh: Mesh, params,
+                 options: Optional[DecodeOptions] = None, *, allreduce: Optional[str] = None, batch_size: Optional[int] = None,
                  max_seq_len: Optional[int] = None):
         given = dict(allreduce=allreduce, batch_size=batch_size, max_seq_len=max_seq_len)
         options = (options or DecodeOptions()).replace(

@@ -128,7 +128,7 @@ class Executables(Programs):
         self.warmed: Optional[dict] = None  # the limits of the last warmup()
         self.compiles_after_warmup = 0  # executables compiled since, each logged
 
-    # ---- lowering and compiling -------------------------------------------------------------------
+    # ---- lowering and compiling ----------------------------------------------------------------
 
     def lower(self, fn, *args, outputs=()) -> "jax.stages.Lowered":
         """fn(leaves, state, *args) lowered with the state donated and its shardings fixed on

@@ -18,7 +18,8 @@ from .tp import TPContext, make_allreduce, make_allreduce_into, make_fused_add_n
 def make_forward(family, layout: Layout, mesh: Mesh, options: Any = None, *,
                  last_only: bool = False, attend_len: Optional[int] = None,
                  ar_specs: Any = None):
-    """The TP forward of `family`'s model split as `layout`, on `mesh`, as a pure function, ready for jax.jit:
+    """The TP forward of `family`'s model split as `layout`, on `mesh`, as a pure function,
+    ready for jax.jit:
 
         forward(params, cache, tokens, positions, ar, start=None) -> (logits, cache, ar)
 
@@ -31,8 +32,6 @@ def make_forward(family, layout: Layout, mesh: Mesh, options: Any = None, *,
     gemm_rows, attn_impl. attend_len: attention over that many cache positions (see
     attention.Step). Works for a 1-device mesh (tp=1) too.
     """
-    from .options import DecodeOptions
-
     options = (options or DecodeOptions()).resolve(mesh)
     axis_name = options.axis_name
     layout.check_mesh(mesh, axis_name)

@@ -408,8 +408,8 @@ TTFT_REQUESTS = 3  # the time to first token is the median of this many requests
 def _time_to_first_token(dec, prompt, request: dict) -> float:
     """Seconds from the request to its first token on the host: the prefill and the first
     sampled token (the same for every loop: they differ only after it); the median of
-    TTFT_REQUESTS requests of the same cache size, since one request on 2 busy cores once
-    took 17 ms where the others took 4-6."""
+    TTFT_REQUESTS requests of the same cache size, since one request on busy cores can take
+    several times as long as the others."""
     import statistics
 
     times = []

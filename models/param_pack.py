@@ -1,9 +1,8 @@
 """A decoder's small replicated vectors (the norms' scales) packed into one array per dtype.
 
-Every array a compiled step takes costs the host time on each call: ~0.5-1.3 us per argument on
-an H200 host (docs/performance.md, `bench.probes.dispatch_cost`, `stacked_weights`), paid once
-per waited (sync) step. Llama-3.1-8B has 65 norm scales among its 195 weights, Qwen3-30B-A3B 193
-(two norms and the per-head q/k norms per layer) among ~435. Packed, each becomes a static
+Every array a compiled step takes costs the host time on each call (docs/performance.md), paid
+once per waited (sync) step. Llama-3.1-8B has 65 norm scales among its 195 weights,
+Qwen3-30B-A3B 193 (two norms and the per-head q/k norms per layer) among ~435. Packed, each becomes a static
 slice of one array inside the step, which XLA fuses into the norm that reads it (no copy).
 
 Only vectors (1-D arrays) that are replicated over the mesh and at most `max_bytes` are packed:

@@ -24,8 +24,8 @@ model):
   "matvec"  (default) at few tokens, both projections of every (token, slot) pair as one
             sifar_jax.matvec call each: a streaming kernel that reads each chosen expert's
             weights where they lie, no gathered copy (CUDA; XLA's ops elsewhere: the same
-            products as "gather"); more tokens: as "gather". On one H200 (TP=1, KV 1K) a
-            step ran faster than with "gather" (docs/performance.md).
+            products as "gather"); more tokens: as "gather". A step is faster than with
+            "gather" on GPUs (docs/performance.md).
 All give the same numbers up to float summation order.
 """
 

@@ -66,9 +66,8 @@ def normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
 def project(equation: str, x: jax.Array, w: jax.Array, rows: int = 1, **kw) -> jax.Array:
     """jnp.einsum(equation, x, w) for x [B, T, ...]; a single row (B = T = 1: batch-1 decoding) is
     multiplied as `rows` copies and the first result kept. XLA:GPU runs a one-row projection as a
-    slow multiply + reduce or a narrow GEMM: on an H200, a chain of TP=2's per-rank Llama-8B
-    projections streamed its weights at 2.7 TB/s with one row and 3.5 TB/s with two
-    (docs/performance.md). The copies change no value of the kept row's inputs."""
+    slow multiply + reduce or a narrow GEMM that streams the weights more slowly than a two-row
+    one (docs/performance.md). The copies change no value of the kept row's inputs."""
     if rows > 1 and x.shape[0] * x.shape[1] == 1:
         y = jnp.einsum(equation, jnp.broadcast_to(x, (rows,) + x.shape[1:]), w, **kw)
         return y[:1]

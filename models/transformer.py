@@ -94,7 +94,8 @@ class CausalLM(nnx.Module):
             # this rank's vocab slice of the (replicated) embedding table
             n = self.config.vocab_size // tp.size
             w = jax.lax.dynamic_slice_in_dim(self.embed[...], tp.rank() * n, n, axis=0)
-            logits = project("bth,vh->btv", x, w, step.gemm_rows, preferred_element_type=jnp.float32)
+            logits = project("bth,vh->btv", x, w, step.gemm_rows,
+                             preferred_element_type=jnp.float32)
         else:
             logits = project("bth,hv->btv", x, self.lm_head[...], step.gemm_rows,
                              preferred_element_type=jnp.float32)

@@ -104,8 +104,9 @@ def test_each_step_writes_its_token_to_host_memory(tp):
     dec.start(PROMPT)
     assert dec.compiled_step().output_shardings[1].memory_kind == "pinned_host"
     for _ in range(3):
-        assert dec.seq.last_tok is not None and dec.seq.last_tok.sharding.memory_kind == "pinned_host"
-        np.testing.assert_array_equal(np.asarray(dec.seq.last_tok), np.asarray(dec.state["tok"])[:, 0])
+        last = dec.seq.last_tok
+        assert last is not None and last.sharding.memory_kind == "pinned_host"
+        np.testing.assert_array_equal(np.asarray(last), np.asarray(dec.state["tok"])[:, 0])
         np.testing.assert_array_equal(dec.token(), np.asarray(dec.state["tok"])[:1, 0])
         dec.advance()
     dec.seek(dec.seq.pos, np.array([7], np.int32))

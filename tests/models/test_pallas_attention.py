@@ -11,7 +11,6 @@ import pytest
 
 import sifar_jax
 from models import Decoder, LlamaConfig, make_mesh, random_params
-from models.attention import Step
 from models.decode import LOOPS
 from models.options import DecodeOptions, default_attn_impl
 from models.pallas_attention import (SMEM_BUDGET, applies, decode_attention, pipeline_stages,

@@ -103,7 +103,8 @@ def test_a_packed_decoder_gives_the_same_tokens_and_logits_with_fewer_arrays(nam
     ops = {}
     for name, dec in (("plain", plain), ("packed", packed)):
         entry = dec.compiled_step().as_text().split("\nENTRY ", 1)[1].split("\n}", 1)[0]
-        assert entry.count(" parameter(") == len(dec.weights.leaves) + len(jax.tree.leaves(dec.state))
+        arrays = len(dec.weights.leaves) + len(jax.tree.leaves(dec.state))
+        assert entry.count(" parameter(") == arrays
         ops[name] = collections.Counter(
             m.group(1) for m in re.finditer(r"= \S+ ([a-z][\w-]*)\(", entry)
             if m.group(1) != "parameter")

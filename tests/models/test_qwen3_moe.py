@@ -351,7 +351,8 @@ def test_qwen3_30b_a3b_shapes_and_active_bytes():
     assert round(active / 1e9, 1) == 3.0 and 3.3e9 < active - H + V * H < 3.4e9
     # TP=2 halves everything split (attention heads, experts, LM head), not the replicated rest
     replicated = L * (2 * 128 + 2 * H + H * 128) + H + H
-    assert QWEN3_MOE.step_weight_bytes(QWEN3_MOE.layout(config, 2)) == 2 * ((active - replicated) // 2 + replicated)
+    want = 2 * ((active - replicated) // 2 + replicated)
+    assert QWEN3_MOE.step_weight_bytes(QWEN3_MOE.layout(config, 2)) == want
 
 
 def test_bench_decode_takes_the_moe_preset_and_its_active_bytes():
