@@ -73,8 +73,8 @@ class Decoder:
     (param_pack.PackedParams)."""
 
     def __init__(self, config: ModelConfig, mesh: Mesh, params,
-                 options: Optional[DecodeOptions] = None, *, allreduce: Optional[str] = None, batch_size: Optional[int] = None,
-                 max_seq_len: Optional[int] = None):
+                 options: Optional[DecodeOptions] = None, *, allreduce: Optional[str] = None,
+                 batch_size: Optional[int] = None, max_seq_len: Optional[int] = None):
         given = dict(allreduce=allreduce, batch_size=batch_size, max_seq_len=max_seq_len)
         options = (options or DecodeOptions()).replace(
             **{k: v for k, v in given.items() if v is not None})
