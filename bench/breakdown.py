@@ -243,13 +243,13 @@ def breakdown(kernels, steps: int, kinds: dict[str, str]) -> dict:
 
 def decoder_kinds(dec) -> dict[str, str]:
     """hlo_kinds of the step a Decoder runs next: its weights are the first entry parameters, one
-    per array it passes (dec._leaves, the norm scales packed); its KV cache, each cache leaf's
+    per array it passes (dec.weights.leaves, the norm scales packed); its KV cache, each cache leaf's
     shard shape."""
     from models import hlo
 
     shapes = {hlo.hlo_shape(a.dtype, a.sharding.shard_shape(a.shape))
               for a in jax.tree.leaves(dec.state["cache"])}
-    return hlo_kinds(dec.compiled_step().as_text(), len(dec._leaves), shapes)
+    return hlo_kinds(dec.compiled_step().as_text(), len(dec.weights.leaves), shapes)
 
 
 def device_kernels(xspace_path: str) -> list[tuple[str, int, int, str | None]]:

@@ -33,6 +33,7 @@ from models.attention import ATTN_IMPLS  # noqa: E402
 from models.sharding import KV_LAYOUTS  # noqa: E402
 from models.tp import ALLREDUCE_KINDS, fused_add_norm_available  # noqa: E402
 from models.decode import LOOPS, SIFAR_KINDS, Decoder, make_mesh  # noqa: E402
+from models.options import DecodeOptions  # noqa: E402
 from models.qwen3_moe import MOE_IMPLS  # noqa: E402
 
 
@@ -107,8 +108,8 @@ def parse_args(argv=None):
     add("--in-flight", type=int, default=2, help="stream: steps dispatched ahead")
     add("--seed", type=int, default=0)
     add("--kv-layout", choices=("auto", *sorted(KV_LAYOUTS)), default="auto")
-    add("--gemm-rows", type=int, default=None, help="Decoder(gemm_rows=)")
-    add("--attn-impl", choices=ATTN_IMPLS, default=None, help="Decoder(attn_impl=)")
+    add("--gemm-rows", type=int, default=None, help="DecodeOptions(gemm_rows=)")
+    add("--attn-impl", choices=ATTN_IMPLS, default=None, help="DecodeOptions(attn_impl=)")
     add("--no-trace", action="store_true", help="skip the per-call all-reduce trace")
     add("--quick", action="store_true", help="tiny model, few steps (CPU, CI)")
     add("--out", default=None, help="results directory")
@@ -319,13 +320,13 @@ def floor_ms(weights_bytes: int, kv_bytes: int) -> float:
 def kv_cache_bytes_per_rank(config, context: int, tp: int, batch: int = 1) -> int:
     """K and V of every layer over `context` positions: what attention reads per step."""
     itemsize = np.dtype(jax.numpy.dtype(config.dtype)).itemsize
-    heads = families.family_of(config).layout(config, tp).num_kv_heads // tp
+    heads = families.family_of(config).layout(config, tp).shapes.num_kv_heads // tp
     return 2 * config.num_layers * batch * context * heads * config.head_dim * itemsize
 
 
 # ------------------------------------------------------------------- set-up --
 def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: int,
-                 kv_layout: str | None = None, min_rows: int = 1,
+                 kv_layout: str | None = None,
                  gemm_rows: int | None = None, attn_impl: str | None = None,
                  pack_params: bool | None = None):
     """A Decoder with a random cache of `context` positions; sifar's slot widened to a step's
@@ -335,12 +336,13 @@ def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: 
     if kind in SIFAR_KINDS:
         import sifar_jax
 
-        payload = max(batch, min_rows) * config.hidden_size * np.dtype(jax.numpy.dtype(config.dtype)).itemsize
+        payload = batch * config.hidden_size * np.dtype(jax.numpy.dtype(config.dtype)).itemsize
         slot = payload if payload > sifar_jax.DEFAULT_SLOT_BYTES else None
-    dec = Decoder(config, mesh, params, allreduce=kind, algorithm=alg, fused=fused,
-                  slot_bytes=slot, batch_size=batch, max_seq_len=context, kv_layout=kv_layout,
-                  min_rows=min_rows, prefetch_bytes=prefetch_of(variant), gemm_rows=gemm_rows,
-                  attn_impl=attn_impl, pack_params=pack_params)
+    options = DecodeOptions(allreduce=kind, algorithm=alg, fused=fused, slot_bytes=slot,
+                            kv_layout=kv_layout, prefetch_bytes=prefetch_of(variant),
+                            gemm_rows=gemm_rows, attn_impl=attn_impl,
+                            pack_params=True if pack_params is None else pack_params)
+    dec = Decoder(config, mesh, params, options, batch_size=batch, max_seq_len=context)
     dec.reset(context)
     dec.randomize_cache(seed)
     return dec
@@ -491,12 +493,13 @@ def run_variant(config, mesh, params, case, s, bar) -> list[dict]:
     if s["breakdown"] and (batch, context) == (1, s["context"][0]):
         bar.set_postfix_str(f"{where}: breakdown")
         split = step_breakdown(dec, context, first)
-    weights = families.family_of(config).step_weight_bytes(config, tp)  # an MoE: top-k experts
+    family = families.family_of(config)
+    weights = family.step_weight_bytes(family.layout(config, tp))  # an MoE: top-k experts
     kv = kv_cache_bytes_per_rank(config, context, tp, batch)
     common_fields = {"setup_s": round(setup_s, 2), "shapes": s["shapes"], "kv_layout": dec.kv_layout,
                      "rows": dec.rows,
                      "gemm_rows": dec.gemm_rows, "attn_impl": dec.attn_impl,
-                     "pack_params": dec.pack_params, "arrays_per_call": len(dec._leaves),
+                     "pack_params": dec.pack_params, "arrays_per_call": len(dec.weights.leaves),
                      "weights_bytes_per_rank": weights, "kv_bytes_per_rank": kv,
                      "floor_ms": float(f"{floor_ms(weights, kv):.4g}")}
     if kind in SIFAR_KINDS:

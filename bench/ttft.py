@@ -22,6 +22,7 @@ import numpy as np
 from bench import common
 from models import families
 from models.decode import SIFAR_KINDS, Decoder, make_mesh, prompt_bucket
+from models.options import DecodeOptions
 from models.tp import FUSED_MODES
 
 DEFAULT_LENGTHS = {"gpu": (128, 1024, 4096), "cpu": (16, 64)}
@@ -86,8 +87,9 @@ def measure_variant(config, mesh, params, variant, lengths: Sequence[int], sampl
     tp = mesh.shape["tp"]
     base = {"kind": "ttft", "allreduce": label, "tp": tp, "fused": bool(fused)}
     try:
-        dec = Decoder(config, mesh, params, allreduce=kind, algorithm=alg, fused=fused,
-                      kv_layout=kv_layout, prefetch_bytes=variant[4] if len(variant) > 4 else None)
+        dec = Decoder(config, mesh, params, DecodeOptions(
+            allreduce=kind, algorithm=alg, fused=fused, kv_layout=kv_layout,
+            prefetch_bytes=variant[4] if len(variant) > 4 else None))
     except (ValueError, NotImplementedError) as e:
         return [dict(base, prompt_len=n, error=str(e)) for n in lengths]
     rng = np.random.default_rng(seed)

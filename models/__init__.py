@@ -15,6 +15,7 @@ _EXPORTS = {
     "load_hf_checkpoint": "weights", "save_hf_checkpoint": "weights", "random_params": "weights",
     "to_hf_tensors": "weights",
     "Decoder": "decode", "make_mesh": "decode", "LOOPS": "decode", "Sampling": "sampling",
+    "DecodeOptions": "options", "Layout": "family",
 }
 
 __all__ = sorted(_EXPORTS)

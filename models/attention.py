@@ -87,31 +87,47 @@ class Step:
 
     positions [T] int32, contiguous cache slots, shared by the batch (the cache is written at
     positions[0]); attend_len: attention over that many cache slots (all of them if None; the
-    caller guarantees positions[-1] < attend_len); kv_layout: the cache's KV_LAYOUTS key.
-    start [B] int32 or None (0): each row's first slot. A row's slots before it (left padding,
-    so that prompts of different lengths end at the same slot) are never attended to, and its
-    token in slot p is at position p - start (its rotary angle), as in a run of that row alone.
-    cos/sin: the rotary factors, [T, head_dim], or [B, T, head_dim] with start. gemm_rows: the
-    rows a single-row projection runs with (tp.project). attn_impl: ATTN_IMPLS, how a step of
-    one token attends."""
+    caller guarantees positions[-1] < attend_len). start [B] int32 or None (0): each row's first
+    slot. A row's slots before it (left padding, so that prompts of different lengths end at the
+    same slot) are never attended to, and its token in slot p is at position p - start (its
+    rotary angle), as in a run of that row alone. cos/sin: the rotary factors, [T, head_dim], or
+    [B, T, head_dim] with start. options: the decoder's resolved options.DecodeOptions, of which
+    the layers read kv_layout (the cache's KV_LAYOUTS key), gemm_rows (the rows a single-row
+    projection runs with, tp.project) and attn_impl (ATTN_IMPLS: how a step of one token
+    attends)."""
 
     positions: jax.Array
     cos: jax.Array
     sin: jax.Array
     attend_len: Optional[int] = None
-    kv_layout: str = "bshd"
     start: Optional[jax.Array] = None
-    gemm_rows: int = 1
-    attn_impl: str = "xla"
+    options: Any = None  # a resolved DecodeOptions (None: DecodeOptions' CPU defaults)
 
     @classmethod
     def at(cls, config: Any, positions: jax.Array, attend_len: Optional[int] = None,
-           kv_layout: str = "bshd", start: Optional[jax.Array] = None,
-           gemm_rows: int = 1, attn_impl: str = "xla") -> "Step":
-        check_attn_impl(attn_impl)
+           start: Optional[jax.Array] = None, options: Any = None) -> "Step":
+        if options is None:
+            from .options import DecodeOptions
+
+            options = DecodeOptions(kv_layout="bshd", gemm_rows=1, attn_impl="xla")
+        if not options.resolved:
+            raise ValueError("Step needs resolved options (DecodeOptions.resolve(mesh))")
+        check_attn_impl(options.attn_impl)
         rope_positions = positions if start is None else positions[None, :] - start[:, None]
         cos, sin = rope_cos_sin(rope_positions, rope_inv_freq(config))
-        return cls(positions, cos, sin, attend_len, kv_layout, start, gemm_rows, attn_impl)
+        return cls(positions, cos, sin, attend_len, start, options)
+
+    @property
+    def kv_layout(self) -> str:
+        return self.options.kv_layout
+
+    @property
+    def gemm_rows(self) -> int:
+        return self.options.gemm_rows
+
+    @property
+    def attn_impl(self) -> str:
+        return self.options.attn_impl
 
     def rope(self, x: jax.Array) -> jax.Array:
         """The rotary embedding of x [B, T, heads..., head_dim]."""

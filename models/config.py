@@ -114,35 +114,46 @@ class LlamaConfig(AttentionConfig):
     @classmethod
     def from_hf_config(cls, d: dict[str, Any], *, max_seq_len: Optional[int] = None,
                        dtype: Optional[str] = None) -> "LlamaConfig":
-        """Read a Hugging Face Llama `config.json` (transformers 4.x `rope_scaling` or 5.x
-        `rope_parameters`). max_seq_len defaults to min(max_position_embeddings, 8192)."""
-        theta, scaling = rope_from_hf(d)
-        if d.get("attention_bias") or d.get("mlp_bias"):
-            raise NotImplementedError("attention/MLP biases are not supported")
-        n_heads = d["num_attention_heads"]
-        max_pos = d.get("max_position_embeddings", 8192)
-        hf_dtype = d.get("torch_dtype") or d.get("dtype") or "bfloat16"
-        return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
-            num_heads=n_heads, num_kv_heads=d.get("num_key_value_heads", n_heads),
-            head_dim=d.get("head_dim"), rope_theta=theta, rope_scaling=scaling,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_seq_len=max_seq_len or min(max_pos, 8192),
-            dtype=dtype or str(hf_dtype))
+        """A Hugging Face config.json read (llama_from_hf)."""
+        return llama_from_hf(cls, d, max_seq_len=max_seq_len, dtype=dtype)
 
     def to_hf_config(self) -> dict[str, Any]:
-        """The inverse of from_hf_config (transformers 4.x key names)."""
-        d: dict[str, Any] = dict(
-            architectures=["LlamaForCausalLM"], model_type="llama",
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-            head_dim=self.head_dim, rope_theta=self.rope_theta, rms_norm_eps=self.rms_norm_eps,
-            tie_word_embeddings=self.tie_word_embeddings,
-            max_position_embeddings=self.max_seq_len, torch_dtype=self.dtype,
-            hidden_act="silu", attention_bias=False, mlp_bias=False)
-        if self.rope_scaling is not None:
-            d["rope_scaling"] = dict(rope_type="llama3", **dataclasses.asdict(self.rope_scaling))
-        return d
+        """The inverse of from_hf_config (llama_to_hf)."""
+        return llama_to_hf(self)
+
+
+def llama_from_hf(cls, d: dict[str, Any], *, max_seq_len: Optional[int] = None,
+                  dtype: Optional[str] = None) -> "LlamaConfig":
+    """Read a Hugging Face Llama `config.json` (transformers 4.x `rope_scaling` or 5.x
+    `rope_parameters`). max_seq_len defaults to min(max_position_embeddings, 8192)."""
+    theta, scaling = rope_from_hf(d)
+    if d.get("attention_bias") or d.get("mlp_bias"):
+        raise NotImplementedError("attention/MLP biases are not supported")
+    n_heads = d["num_attention_heads"]
+    max_pos = d.get("max_position_embeddings", 8192)
+    hf_dtype = d.get("torch_dtype") or d.get("dtype") or "bfloat16"
+    return cls(
+        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
+        num_heads=n_heads, num_kv_heads=d.get("num_key_value_heads", n_heads),
+        head_dim=d.get("head_dim"), rope_theta=theta, rope_scaling=scaling,
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        max_seq_len=max_seq_len or min(max_pos, 8192),
+        dtype=dtype or str(hf_dtype))
+
+
+def llama_to_hf(config) -> dict[str, Any]:
+    """The inverse of from_hf_config (transformers 4.x key names)."""
+    d: dict[str, Any] = dict(
+        architectures=["LlamaForCausalLM"], model_type="llama",
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim, rope_theta=config.rope_theta, rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings,
+        max_position_embeddings=config.max_seq_len, torch_dtype=config.dtype,
+        hidden_act="silu", attention_bias=False, mlp_bias=False)
+    if config.rope_scaling is not None:
+        d["rope_scaling"] = dict(rope_type="llama3", **dataclasses.asdict(config.rope_scaling))
+    return d

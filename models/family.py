@@ -20,11 +20,9 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 from . import checkpoint, random_weights, sharding
-from .tp import (FUSED_MODES, TPContext, make_allreduce, make_allreduce_into,
-                 make_fused_add_norm)
 
 
 class ModelConfig(Protocol):
@@ -65,8 +63,140 @@ def _abstract_model(model: Callable[..., nnx.Module], config: Any) -> tuple[nnx.
     return graphdef, nnx.to_pure_dict(state)
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A model split tp ways, computed once (ModelFamily.layout) and handed to everything that
+    lays out its parameters, cache or forward. config: the model's own; shapes: the config whose
+    shapes the split uses (sharding.tp_layout: with tp > num_kv_heads each KV head copied
+    kv_replicas times)."""
+
+    config: Any
+    tp: int
+    shapes: Any
+    kv_replicas: int
+
+    def check_mesh(self, mesh: Mesh, axis_name: str) -> None:
+        if mesh.shape[axis_name] != self.tp:
+            raise ValueError(f"a tp={self.tp} layout on a mesh whose {axis_name!r} axis has "
+                             f"{mesh.shape[axis_name]} devices")
+
+
+class _Parameters:
+    """ModelFamily's parameters and KV cache (a mixin: the family's tables are its fields)."""
+
+    def abstract_model(self, config: Any) -> tuple[nnx.GraphDef, dict]:
+        """(graphdef, pure-dict pytree of ShapeDtypeStruct) without allocating anything."""
+        return _abstract_model(self.model, config)
+
+    def param_specs(self, params: dict, axis_name: str = "tp") -> dict:
+        """PartitionSpec pytree for a parameter pytree (arrays or ShapeDtypeStructs)."""
+        return sharding.param_specs(params, self.tp_dims, axis_name)
+
+    def param_shardings(self, layout: Layout, mesh: Mesh, axis_name: str = "tp") -> dict:
+        """NamedSharding pytree of the parameters of `layout` on `mesh`."""
+        layout.check_mesh(mesh, axis_name)
+        _, abstract = self.abstract_model(layout.shapes)
+        return sharding.param_shardings(abstract, mesh, self.tp_dims, axis_name)
+
+    def place_params(self, params: dict, layout: Layout, mesh: Mesh,
+                     axis_name: str = "tp") -> dict:
+        """`params` placed as param_shardings says (a no-op for arrays already placed so), or a
+        clear error where their shapes are not those of `layout`."""
+        _, abstract = self.abstract_model(layout.shapes)
+        got = jax.tree.map(lambda a: tuple(a.shape), params)
+        want = jax.tree.map(lambda a: tuple(a.shape), abstract)
+        if got != want:
+            raise ValueError(f"params do not have the shapes of the tp={layout.tp} layout (KV "
+                             f"heads replicated when tp > num_kv_heads): make them for this mesh "
+                             f"with the family's random_params or load_hf_checkpoint")
+        return jax.device_put(params, self.param_shardings(layout, mesh, axis_name))
+
+    def init_cache(self, layout: Layout, mesh: Mesh, batch_size: int, max_seq_len: int,
+                   axis_name: str = "tp", kv_layout: str = "bshd") -> jax.Array:
+        """Zero KV cache, created directly sharded (no host copy): one array of every layer's
+        keys and values (sharding.cache_dims). With tp > num_kv_heads each rank holds its copy
+        of one KV head."""
+        layout.check_mesh(mesh, axis_name)
+        return sharding.init_cache(layout.shapes, mesh, batch_size, max_seq_len, axis_name,
+                                   kv_layout)
+
+    def random_params(self, config: Any, mesh: Mesh, seed: int = 0, *,
+                      axis_name: str = "tp") -> dict:
+        """Random parameters (never zero) created directly sharded on the devices. The values
+        depend on (config, seed) only, not on the mesh (see random_weights.random_params)."""
+        layout = self.layout(config, mesh.shape[axis_name])
+        _, abstract = self.abstract_model(config)
+        return random_weights.random_params(
+            abstract, self.param_shardings(layout, mesh, axis_name), seed, self.fan_in,
+            layout.kv_replicas)
+
+    def step_weight_bytes(self, layout: Layout) -> int:
+        """Parameter bytes one rank reads in a batch-1 decode step (a step's memory floor, beside
+        its KV cache): each parameter's local shard of the tp layout times the share one token
+        reads (step_read_fraction: the routed experts of an MoE), except the embedding table, of
+        which a step gathers one row (plus, when tied, its vocab/tp slice as the LM head)."""
+        config, tp = layout.config, layout.tp
+        _, abstract = self.abstract_model(layout.shapes)
+        total = 0.0
+        for path, sds in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+            name = sharding.leaf_name(path)
+            itemsize = jnp.dtype(sds.dtype).itemsize
+            if name == "embed":
+                vocab, hidden = sds.shape
+                total += hidden * itemsize * (1 + (vocab // tp if config.tie_word_embeddings else 0))
+                continue
+            shape = list(sds.shape)
+            if name in self.tp_dims:
+                shape[self.tp_dims[name]] //= tp
+            fraction = self.step_read_fraction[name](config) if name in self.step_read_fraction else 1
+            total += math.prod(shape) * itemsize * fraction
+        return int(round(total))
+
+
+class _HFCheckpoints:
+    """ModelFamily's Hugging Face checkpoints (a mixin: `loader` and `config_type` are the
+    family's fields)."""
+
+    def hf_loader(self) -> HFLoader:
+        return importlib.import_module(self.loader)
+
+    def config_from_hf(self, d: dict, *, max_seq_len: Optional[int] = None,
+                       dtype: Optional[str] = None) -> Any:
+        return self.config_type.from_hf_config(d, max_seq_len=max_seq_len, dtype=dtype)
+
+    def load_hf_checkpoint(self, path: str, mesh: Mesh, *, axis_name: str = "tp",
+                           config: Any = None, dtype: Optional[str] = None,
+                           max_seq_len: Optional[int] = None) -> tuple[Any, dict]:
+        """Read `path`/config.json and its safetensors shards; return (config, params) with
+        params sharded onto `mesh` (tp_dims; KV heads replicated when tp > num_kv_heads, see
+        layout). `dtype` overrides the checkpoint's dtype."""
+        if config is None:
+            config = self.config_from_hf(checkpoint.read_hf_config(path), max_seq_len=max_seq_len,
+                                         dtype=dtype)
+        elif dtype is not None:
+            config = config.replace(dtype=dtype)
+        layout = self.layout(config, mesh.shape[axis_name])
+        _, abstract = self.abstract_model(layout.shapes)
+        params = checkpoint.load_sharded(
+            path, abstract, self.param_shardings(layout, mesh, axis_name), self.tp_dims,
+            lambda ck: self.hf_loader().hf_builders(layout.shapes, ck, layout.kv_replicas))
+        return config, params
+
+    def to_hf_tensors(self, params: dict, config: Any) -> dict:
+        """Our (global) parameters -> HF-named numpy tensors. Gathers to the host: for tests and
+        small models."""
+        return self.hf_loader().to_hf_tensors(params, config)
+
+    def save_hf_checkpoint(self, params: dict, config: Any, path: str, *,
+                           num_shards: int = 1) -> None:
+        """Write config.json and model.safetensors (or num_shards files plus
+        model.safetensors.index.json) in Hugging Face's layout."""
+        checkpoint.save(self.to_hf_tensors(params, config), config.to_hf_config(), path,
+                        num_shards=num_shards)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class ModelFamily:
+class ModelFamily(_Parameters, _HFCheckpoints):
     name: str
     config_type: type  # a ModelConfig
     presets: Mapping[str, Callable[..., Any]]  # preset name -> f(**overrides) -> config
@@ -88,170 +218,18 @@ class ModelFamily:
             raise ValueError(f"{self.name} has no preset {name!r}; choose from {sorted(self.presets)}")
         return self.presets[name](**overrides)
 
-    def layout(self, config: Any, tp: int) -> Any:
-        """The config whose shapes the tp-way layout uses (sharding.tp_layout); raises if tp does
-        not split the model."""
+    def layout(self, config: Any, tp: int) -> Layout:
+        """The model split tp ways (Layout); raises if tp does not split the model."""
         self.check_tp(config, tp)
-        return sharding.tp_layout(config, tp)
-
-    # ---- parameters and cache --------------------------------------------------------------------
-
-    def abstract_model(self, config: Any) -> tuple[nnx.GraphDef, dict]:
-        """(graphdef, pure-dict pytree of ShapeDtypeStruct) without allocating anything."""
-        return _abstract_model(self.model, config)
-
-    def param_specs(self, params: dict, axis_name: str = "tp") -> dict:
-        """PartitionSpec pytree for a parameter pytree (arrays or ShapeDtypeStructs)."""
-        return sharding.param_specs(params, self.tp_dims, axis_name)
-
-    def param_shardings(self, config: Any, mesh: Mesh, axis_name: str = "tp") -> dict:
-        """NamedSharding pytree of the parameters laid out for `mesh` (see layout)."""
-        _, abstract = self.abstract_model(self.layout(config, mesh.shape[axis_name]))
-        return sharding.param_shardings(abstract, mesh, self.tp_dims, axis_name)
-
-    def init_cache(self, config: Any, mesh: Mesh, batch_size: int, max_seq_len: int,
-                   axis_name: str = "tp", kv_layout: str = "bshd") -> jax.Array:
-        """Zero KV cache, created directly sharded (no host copy): one array of every layer's
-        keys and values (sharding.cache_dims). With tp > num_kv_heads each rank holds its copy
-        of one KV head."""
-        return sharding.init_cache(self.layout(config, mesh.shape[axis_name]), mesh, batch_size,
-                                   max_seq_len, axis_name, kv_layout)
-
-    def random_params(self, config: Any, mesh: Mesh, seed: int = 0, *,
-                      axis_name: str = "tp") -> dict:
-        """Random parameters (never zero) created directly sharded on the devices. The values
-        depend on (config, seed) only, not on the mesh (see random_weights.random_params)."""
-        _, abstract = self.abstract_model(config)
-        return random_weights.random_params(
-            abstract, self.param_shardings(config, mesh, axis_name), seed, self.fan_in,
-            sharding.kv_replicas(config, mesh.shape[axis_name]))
-
-    def step_weight_bytes(self, config: Any, tp: int) -> int:
-        """Parameter bytes one rank reads in a batch-1 decode step (a step's memory floor, beside
-        its KV cache): each parameter's local shard of the tp layout times the share one token
-        reads (step_read_fraction: the routed experts of an MoE), except the embedding table, of
-        which a step gathers one row (plus, when tied, its vocab/tp slice as the LM head)."""
-        _, abstract = self.abstract_model(self.layout(config, tp))
-        total = 0.0
-        for path, sds in jax.tree_util.tree_flatten_with_path(abstract)[0]:
-            name = sharding.leaf_name(path)
-            itemsize = jnp.dtype(sds.dtype).itemsize
-            if name == "embed":
-                vocab, hidden = sds.shape
-                total += hidden * itemsize * (1 + (vocab // tp if config.tie_word_embeddings else 0))
-                continue
-            shape = list(sds.shape)
-            if name in self.tp_dims:
-                shape[self.tp_dims[name]] //= tp
-            fraction = self.step_read_fraction[name](config) if name in self.step_read_fraction else 1
-            total += math.prod(shape) * itemsize * fraction
-        return int(round(total))
-
-    # ---- Hugging Face checkpoints ----------------------------------------------------------------
-
-    def hf_loader(self) -> HFLoader:
-        return importlib.import_module(self.loader)
-
-    def config_from_hf(self, d: dict, *, max_seq_len: Optional[int] = None,
-                       dtype: Optional[str] = None) -> Any:
-        return self.config_type.from_hf_config(d, max_seq_len=max_seq_len, dtype=dtype)
-
-    def load_hf_checkpoint(self, path: str, mesh: Mesh, *, axis_name: str = "tp",
-                           config: Any = None, dtype: Optional[str] = None,
-                           max_seq_len: Optional[int] = None) -> tuple[Any, dict]:
-        """Read `path`/config.json and its safetensors shards; return (config, params) with
-        params sharded onto `mesh` (tp_dims; KV heads replicated when tp > num_kv_heads, see
-        layout). `dtype` overrides the checkpoint's dtype."""
-        if config is None:
-            config = self.config_from_hf(checkpoint.read_hf_config(path), max_seq_len=max_seq_len,
-                                         dtype=dtype)
-        elif dtype is not None:
-            config = config.replace(dtype=dtype)
-        tp = mesh.shape[axis_name]
-        layout = self.layout(config, tp)
-        _, abstract = self.abstract_model(layout)
-        r = sharding.kv_replicas(config, tp)
-        params = checkpoint.load_sharded(
-            path, abstract, self.param_shardings(config, mesh, axis_name), self.tp_dims,
-            lambda ck: self.hf_loader().hf_builders(layout, ck, r))
-        return config, params
-
-    def to_hf_tensors(self, params: dict, config: Any) -> dict:
-        """Our (global) parameters -> HF-named numpy tensors. Gathers to the host: for tests and
-        small models."""
-        return self.hf_loader().to_hf_tensors(params, config)
-
-    def save_hf_checkpoint(self, params: dict, config: Any, path: str, *,
-                           num_shards: int = 1) -> None:
-        """Write config.json and model.safetensors (or num_shards files plus
-        model.safetensors.index.json) in Hugging Face's layout."""
-        checkpoint.save(self.to_hf_tensors(params, config), config.to_hf_config(), path,
-                        num_shards=num_shards)
+        return Layout(config, tp, sharding.tp_layout(config, tp), sharding.kv_replicas(config, tp))
 
     # ---- the forward -------------------------------------------------------------------------------
 
-    def make_forward(self, config: Any, mesh: Mesh, *, allreduce: str = "psum",
-                     algorithm: str = "auto", fused=False, axis_name: str = "tp",
+    def make_forward(self, layout: Layout, mesh: Mesh, options: Any = None, *,
                      last_only: bool = False, attend_len: Optional[int] = None,
-                     ar_specs: Any = None, kv_layout: str = "bshd",
-                     prefetch_bytes: Optional[int] = None, gemm_rows: int = 1,
-                     attn_impl: str = "xla"):
-        """The TP forward as a pure function, ready for jax.jit:
+                     ar_specs: Any = None):
+        """The TP forward of `layout` on `mesh`, ready for jax.jit (forward.make_forward)."""
+        from .forward import make_forward
 
-            forward(params, cache, tokens, positions, ar, start=None) -> (logits, cache, ar)
-
-        params/cache are global arrays sharded as param_shardings/init_cache (laid out by
-        layout); tokens [B, T], positions [T] and start ([B], each row's first cache slot, see
-        attention.Step; None: 0) are replicated; logits [B, T (1 if last_only),
-        vocab] come out split over vocab; `ar` is the all-reduce buffer pytree of the decode
-        state ({} unless sifar_buffers; `ar_specs` its specs). attend_len: attention over that
-        many cache positions (see attention.Step); kv_layout: the cache's
-        (sharding.KV_LAYOUTS). fused=True (allreduce="sifar"): all-reduce + residual add +
-        RMSNorm as one sifar_jax.psum_add_rmsnorm call, which brings the first prefetch_bytes of
-        the next matmul's weight into L2 while it waits (None: sifar_jax's default; 0: no
-        prefetch). gemm_rows: the rows a single-row projection runs with (tp.project).
-        attn_impl: how a step of one token attends (attention.ATTN_IMPLS). Works for a 1-device
-        mesh (tp=1) too.
-        """
-        tp = mesh.shape[axis_name]
-        layout = self.layout(config, tp)
-        graphdef, abstract = self.abstract_model(layout)
-        pspecs = self.param_specs(abstract, axis_name)
-        sharding.check_kv_layout(kv_layout)
-        cspec = sharding.cache_spec(axis_name, kv_layout)
-        aspecs = {} if ar_specs is None else ar_specs
-        reduce_fn = make_allreduce(allreduce, algorithm)
-        if fused not in FUSED_MODES:
-            raise ValueError(f"fused must be one of {FUSED_MODES}, got {fused!r}")
-        fused_fn = make_fused_add_norm(allreduce, algorithm, prefetch_bytes) if fused else None
-
-        def per_rank(params, cache, tokens, positions, ar, start):
-            model = nnx.merge(graphdef, params)
-            ctx = TPContext(axis_name, tp, reduce_fn, ar, make_allreduce_into(algorithm), fused_fn)
-            logits, cache = model(tokens, positions, cache, ctx, last_only=last_only,
-                                  attend_len=attend_len, kv_layout=kv_layout, start=start,
-                                  gemm_rows=gemm_rows, attn_impl=attn_impl)
-            if ctx.buffers and ctx.count % 2:
-                # The next step starts with buffer "a" again: an odd count would reuse the buffer
-                # the last all-reduce wrote, which dual buffering forbids.
-                raise ValueError(f"explicit dual buffers need an even number of all-reduces per "
-                                 f"step, got {ctx.count}")
-            return logits, cache, ctx.buffers
-
-        def mapped(check_vma: bool):
-            return jax.shard_map(
-                per_rank, mesh=mesh,
-                in_specs=(pspecs, cspec, P(), P(), aspecs, P()),
-                out_specs=(P(None, None, axis_name), cspec, aspecs), check_vma=check_vma)
-
-        checked = mapped(True)
-        # JAX's Pallas decode kernel declares no varying axes for its results, which
-        # check_vma=True refuses: a one-token call that may run it is traced without the check
-        # (calls of several tokens, prefills, keep it: they run the einsums).
-        one_token = mapped(False) if attn_impl == "pallas" else checked
-
-        def forward(params, cache, tokens, positions, ar, start=None):
-            fn = one_token if tokens.shape[1] == 1 else checked
-            return fn(params, cache, tokens, positions, ar, start)
-
-        return forward
+        return make_forward(self, layout, mesh, options, last_only=last_only,
+                            attend_len=attend_len, ar_specs=ar_specs)

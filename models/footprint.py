@@ -6,8 +6,12 @@ The estimate: the parameters of the tp layout (split ones divided by tp, replica
 the KV cache (rows x capacity positions, this rank's KV heads), and a transient: the largest
 parameter in float32 (random init and checkpoint conversion compute a tensor in float32 before
 casting it) plus a prefill's activations (float32, a generous bound). Compared with what a GPU
-reports free (memory_stats' bytes_limit - bytes_in_use), or on the CPU, where every host device
-shares the host's memory, the sum over the tp devices with the host's available memory.
+reports free (memory_stats' bytes_limit - bytes_in_use). On the CPU every host device shares
+the host's ONE memory: the sum over the tp devices is compared with the host's available memory,
+with what XLA:CPU adds there: it runs a bfloat16/float16 matmul in float32 and, measured at
+Llama-8B shapes (2 and 4 layers, TP=2), keeps a float32 copy of every matmul weight while the
+steps run (peak host memory: the weights plus those copies), so a bfloat16 model takes about
+three times its weights' bytes.
 """
 
 from __future__ import annotations
@@ -33,10 +37,16 @@ class Footprint:
     weights: int
     kv_cache: int
     transient: int
+    cpu_matmul_copies: int = 0  # float32 copies of low-precision matmul weights (XLA:CPU)
 
     @property
     def total(self) -> int:
+        """Bytes per device on an accelerator."""
         return self.weights + self.kv_cache + self.transient
+
+    def host_total(self, devices: int) -> int:
+        """Bytes `devices` host devices of this footprint take of one CPU host's memory."""
+        return devices * (self.total + self.cpu_matmul_copies)
 
     def describe(self) -> str:
         return (f"{self.total / GIB:.2f} GiB per device (weights {self.weights / GIB:.2f}, KV cache "
@@ -47,20 +57,24 @@ def estimate(family, config: Any, tp: int, rows: int, capacity: int,
              prompt_len: int = 0) -> Footprint:
     """The footprint per device of `config` split tp ways with a KV cache of rows x capacity
     positions and a prefill of prompt_len tokens (family.layout raises if tp does not split it)."""
-    layout = family.layout(config, tp)
+    layout = family.layout(config, tp).shapes
     _, abstract = family.abstract_model(layout)
-    weights, largest = 0, 0
+    weights, largest, matmul = 0, 0, 0
     for path, sds in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         n = math.prod(sds.shape)
         if leaf_name(path) in family.tp_dims:
             n //= tp
         weights += n * np.dtype(sds.dtype).itemsize
         largest = max(largest, n)
+        if len(sds.shape) > 1 and leaf_name(path) != "embed":  # a matmul's weight
+            matmul += n
     item = np.dtype(config.dtype).itemsize
+    if config.tie_word_embeddings:  # the LM head: this rank's vocab slice of the embedding
+        matmul += config.vocab_size // tp * config.hidden_size
     kv = 2 * layout.num_layers * rows * capacity * (layout.num_kv_heads // tp) * layout.head_dim * item
     ffn = getattr(config, "intermediate_size", 4 * config.hidden_size)
     act = rows * prompt_len * (4 * config.hidden_size + 3 * ffn // tp) * 4
-    return Footprint(weights, kv, 4 * largest + act)
+    return Footprint(weights, kv, 4 * largest + act, 4 * matmul if item < 4 else 0)
 
 
 def _host_available() -> Optional[int]:
@@ -84,26 +98,30 @@ def _host_available() -> Optional[int]:
         return None
 
 
-def available_bytes(devices: Sequence) -> tuple[Optional[int], str]:
-    """(bytes free for the footprint of one device, what was asked). On the CPU the host's memory
-    divided among `devices` (host devices share it); None where nothing says."""
-    stats = devices[0].memory_stats() if devices[0].platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
+def check_fits(footprint: Footprint, devices: Sequence) -> None:
+    """Raise MemoryError (with the numbers) unless `footprint` fits HEADROOM of what each GPU
+    has free, or on the CPU, of the host's available memory, which every host device shares
+    (Footprint.host_total); says nothing where the platform does not report its memory."""
+    if devices[0].platform != "cpu":
+        stats = devices[0].memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            return
         free = min(d.memory_stats()["bytes_limit"] - d.memory_stats().get("bytes_in_use", 0)
                    for d in devices)
-        return free, f"{devices[0].device_kind} free memory"
-    host = _host_available()
-    if host is None:
-        return None, "unknown"
-    return host // len(devices), f"host memory available / {len(devices)} devices"
-
-
-def check_fits(footprint: Footprint, devices: Sequence) -> None:
-    """Raise MemoryError (with the numbers) unless `footprint` fits HEADROOM of what each device
-    has free; says nothing where the platform does not report its memory."""
-    free, source = available_bytes(devices)
-    if free is None or footprint.total <= HEADROOM * free:
+        if footprint.total > HEADROOM * free:
+            raise MemoryError(
+                f"the model needs about {footprint.describe()}, but only {free / GIB:.2f} GiB is "
+                f"free per device ({devices[0].device_kind} free memory); use more devices "
+                f"(--tp), a smaller dtype, a shorter KV cache or a smaller model")
         return
-    raise MemoryError(f"the model needs about {footprint.describe()}, but only "
-                      f"{free / GIB:.2f} GiB is free per device ({source}); use more devices "
-                      f"(--tp), a smaller dtype, a shorter KV cache or a smaller model")
+    host = _host_available()
+    need = footprint.host_total(len(devices))
+    if host is None or need <= HEADROOM * host:
+        return
+    raise MemoryError(
+        f"the model needs about {need / GIB:.2f} GiB of host memory: {footprint.describe()} on "
+        f"each of {len(devices)} host devices, which share the host's memory, + "
+        f"{footprint.cpu_matmul_copies / GIB:.2f} GiB per device of float32 copies of its "
+        f"matmul weights (XLA:CPU multiplies low-precision weights in "
+        f"float32); only {host / GIB:.2f} GiB is available (more --tp devices share the same "
+        f"memory on a CPU): use a smaller model, a shorter KV cache or a larger machine")

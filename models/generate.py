@@ -249,12 +249,6 @@ def _run(args, sifar_why, started: float) -> int:
     _ensure_host_devices(args.tp)
 
     import jax
-    import numpy as np
-
-    from . import compile_cache, footprint
-    from .sampling import Sampling
-    from .decode import (ON_DEVICE_CHUNK, Decoder, bucket_up, cache_reserve, make_mesh,
-                         prompt_bucket)
 
     if len(jax.devices()) < args.tp:
         raise UserError(f"--tp {args.tp} but only {len(jax.devices())} {jax.default_backend()} "
@@ -262,8 +256,40 @@ def _run(args, sifar_why, started: float) -> int:
     family, config = _model(args)
     tok = _tokenizer(args)
     stops = _stop_ids(args, config)
-    rng = np.random.default_rng(args.seed)
-    prompt = _prompt(args, config, rng, tok)
+    prompt = _prompt(args, config, _rng(args.seed), tok)
+    config = _checked_fit(args, family, config, prompt)
+    dec, weights_s, cache_dir = _decoder(args, family, config)
+    from .decode import cache_reserve
+
+    # A request's start (Decoder.start): its stop ids, sampling, seed and cache positions.
+    request = dict(eos_id=stops, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                   reserve=cache_reserve(args.tokens, args.loop))
+    warmup, cache_use = _warmup(args, dec, prompt)
+    _print_setup(args, sifar_why, family, config, cache_dir, warmup, cache_use, stops, prompt)
+    ttft = _time_to_first_token(dec, prompt, request)
+    print(f"process start to first token: {time.perf_counter() - started - weights_s:.1f} s "
+          f"(+ {weights_s:.1f} s making or loading the weights)")
+    first_token_at, stamps = _decode_request(args, dec, prompt, request, stops, tok)
+    _report_times(ttft, first_token_at, stamps, prompt.size, args.loop,
+                  dec.prefill_allreduce(prompt.size))
+    return 0
+
+
+def _rng(seed: int):
+    import numpy as np
+
+    return np.random.default_rng(seed)
+
+
+def _checked_fit(args, family, config, prompt):
+    """The config with a max_seq_len that admits this request, after checking that the model,
+    its KV cache and the transient fit the devices (footprint.py: on a CPU, every host device
+    shares the host's memory): else one error line, before any weight is allocated."""
+    import jax
+
+    from . import footprint
+    from .capacity import ON_DEVICE_CHUNK, bucket_up, prompt_bucket
+
     # The decoder sizes the KV cache to each request (the prompt padded to its bucket, rounded
     # up to a power of two); let the limit admit this one (+ the on-device loop's last chunk).
     need = max(prompt_bucket(prompt.size) + args.tokens + ON_DEVICE_CHUNK, args.max_seq_len or 0)
@@ -272,12 +298,21 @@ def _run(args, sifar_why, started: float) -> int:
     if args.max_seq_len is not None and args.max_seq_len < prompt.size + args.tokens:
         raise UserError(f"--max-seq-len {args.max_seq_len} cannot hold the prompt "
                         f"({prompt.size}) + --tokens {args.tokens}")
-    devices = jax.devices()[:args.tp]
     try:
         footprint.check_fits(footprint.estimate(family, config, args.tp, 1, capacity,
-                                                prompt.size), devices)
+                                                prompt.size), jax.devices()[:args.tp])
     except MemoryError as e:
         raise UserError(str(e)) from None
+    return config
+
+
+def _decoder(args, family, config):
+    """(the Decoder, seconds making or loading the weights, the compilation cache's dir)."""
+    import jax
+
+    from . import compile_cache
+    from .decode import Decoder, make_mesh
+    from .options import DecodeOptions
 
     try:
         cache_dir = compile_cache.enable(off=not args.compile_cache)
@@ -292,23 +327,31 @@ def _run(args, sifar_why, started: float) -> int:
     jax.block_until_ready(params)
     weights_s = time.perf_counter() - t_weights
     try:
-        dec = Decoder(config, mesh, params, family=family, allreduce=args.allreduce,
-                      algorithm=args.algorithm, fused=args.fused, slot_bytes=args.slot_bytes,
-                      max_seq_len=args.max_seq_len)
+        options = DecodeOptions(allreduce=args.allreduce, algorithm=args.algorithm,
+                                fused=args.fused, slot_bytes=args.slot_bytes,
+                                max_seq_len=args.max_seq_len)
+        return Decoder(config, mesh, params, options), weights_s, cache_dir
     except (ValueError, NotImplementedError) as e:
         raise UserError(str(e)) from None
-    # A request's start (Decoder.start): its stop ids, sampling, seed and cache positions.
-    request = dict(eos_id=stops, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                   reserve=cache_reserve(args.tokens, args.loop))
 
-    warmup = None
-    if args.warmup:
-        with compile_cache.CacheUse() as cache_use:
-            try:
-                warmup = dec.warmup(prompt.size, args.tokens, loops=(args.loop,),
-                                    sampling=(Sampling(args.temperature, args.top_p),))
-            except ValueError as e:  # e.g. a named sifar algorithm refusing the prefill's payload
-                raise UserError(str(e)) from None
+
+def _warmup(args, dec, prompt):
+    """(Decoder.warmup's result, the compilation cache's use during it), or (None, None)."""
+    if not args.warmup:
+        return None, None
+    from . import compile_cache
+    from .sampling import Sampling
+
+    with compile_cache.CacheUse() as cache_use:
+        try:
+            return dec.warmup(prompt.size, args.tokens, loops=(args.loop,),
+                              sampling=(Sampling(args.temperature, args.top_p),)), cache_use
+        except ValueError as e:  # e.g. a named sifar algorithm refusing the prefill's payload
+            raise UserError(str(e)) from None
+
+
+def _print_setup(args, sifar_why, family, config, cache_dir, warmup, cache_use, stops, prompt):
+    import jax
 
     ar = args.allreduce + (f"/{args.algorithm}" if "sifar" in args.allreduce else "")
     if args.allreduce == "identity":
@@ -327,10 +370,15 @@ def _run(args, sifar_why, started: float) -> int:
         print("warm-up: off (--no-warmup): the request compiles as it goes, stalls included")
     if stops:
         print("stop ids:", " ".join(map(str, stops)))
+
+
+def _decode_request(args, dec, prompt, request: dict, stops, tok) -> tuple[float, list]:
+    """The request as Decoder.stream runs it, its tokens printed as they come, but with its
+    first token read before any step is dispatched: the time per output token counts from this
+    request's own first token (it once subtracted the median time to first token of other
+    requests, and went negative on busy cores when those were slower than this whole request).
+    Returns (when the first token reached the host, each later token's time)."""
     text = tok is not None and not args.show_ids
-    ttft = _time_to_first_token(dec, prompt, request)
-    print(f"process start to first token: {time.perf_counter() - started - weights_s:.1f} s "
-          f"(+ {weights_s:.1f} s making or loading the weights)")
     if text:
         print(f"prompt ({prompt.size} tokens): {tok.decode(prompt)}")
         print(TEXT_RULE)
@@ -338,10 +386,6 @@ def _run(args, sifar_why, started: float) -> int:
     else:
         print("prompt:", " ".join(map(str, prompt)))
         print("tokens:", end=" ", flush=True)
-    # The request as Decoder.stream runs it, but with its first token read before any step is
-    # dispatched: the time per output token counts from this request's own first token. (It
-    # once subtracted the median time to first token of other requests, and went negative on
-    # 2 busy cores when those were slower than this whole request.)
     dec.start(prompt, **request)
     dec.token()
     first_token_at = time.perf_counter()
@@ -355,9 +399,7 @@ def _run(args, sifar_why, started: float) -> int:
         print(TEXT_RULE)
     else:
         print()
-    _report_times(ttft, first_token_at, stamps, prompt.size, args.loop,
-                  dec.prefill_allreduce(prompt.size))
-    return 0
+    return first_token_at, stamps
 
 
 TTFT_REQUESTS = 3  # the time to first token is the median of this many requests
@@ -366,8 +408,8 @@ TTFT_REQUESTS = 3  # the time to first token is the median of this many requests
 def _time_to_first_token(dec, prompt, request: dict) -> float:
     """Seconds from the request to its first token on the host: the prefill and the first
     sampled token (the same for every loop: they differ only after it); the median of
-    TTFT_REQUESTS requests of the same cache size, since one request on 2 busy cores once
-    took 17 ms where the others took 4-6."""
+    TTFT_REQUESTS requests of the same cache size, since one request on busy cores can take
+    several times as long as the others."""
     import statistics
 
     times = []

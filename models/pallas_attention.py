@@ -3,14 +3,13 @@
 At batch 1 XLA:GPU runs a step's attention as six kernels per layer (the scores' dot, the
 softmax's max and sum, a convert, the values' dot, a transpose). Here it is two: the kernel body
 of `jax.experimental.pallas.ops.gpu.decode_attention` (one Triton program per row, kv head and
-split of the cache, ~3.9 us per layer at Llama-8B shapes, KV 1K, one H200), launched by our own
+split of the cache), launched by our own
 pallas_call on the bhsd cache in place, and one Pallas program per (row, kv head) that merges the
 splits' partial results (the library's `gqa` merges them in three XLA fusions). The split count
 follows the kv heads (TARGET_PROGRAMS: TP=2's 4 kv heads per rank get twice TP=1's splits) and
-each program keeps three key/value blocks in flight (NUM_STAGES). Measured on that host,
-pipelined, lax.psum, paired in one process (docs/performance.md): against the library's `gqa`,
-TP=1 4.153 -> 4.117 ms at KV 1K, TP=2's per-rank shapes 2.531 -> 2.481 at 1K and 3.044 -> 2.763
-at 16K. The cache write and the rotary embedding stay XLA's.
+each program keeps three key/value blocks in flight (NUM_STAGES). Against the library's `gqa`
+a step is faster at TP=1 and at TP=2's per-rank shapes, most at long caches
+(docs/performance.md). The cache write and the rotary embedding stay XLA's.
 
 The kernel reads a layer's keys and values in place from the whole cache array only in the
 "bhsd" layout ([layers, 2, B, kv heads, S, D]); it cuts the cache into equal parts and runs
@@ -37,8 +36,8 @@ BLOCK = 128  # slots per step of the kernel's loop at most
 MERGE_MAX_ELEMENTS = 1 << 14  # partial outputs (splits x group x D) one merge program holds in
 #                               registers; more (many splits of a long group) merge in XLA's ops
 NUM_WARPS = 4  # the kernel's warps per program (the library's default; 8 was slower at 16K)
-NUM_STAGES = 3  # key/value blocks in flight per program (the library's 2: TP=2 shapes at 16K
-#                 2.84 -> 2.76 ms per step), as far as SMEM_BUDGET holds them
+NUM_STAGES = 3  # key/value blocks in flight per program (the library's 2 was slower at TP=2's
+#                 shapes at 16K, docs/performance.md), as far as SMEM_BUDGET holds them
 SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipelined blocks may take (H100/H200: 227 KB)
 BLOCK_H = 16  # query heads per kernel program (Triton's dots need 16 rows; fewer are masked)
 TOTAL_FLOOR = 1e-30  # the merge's denominator at least (see _combine)

@@ -1,9 +1,8 @@
 """A decoder's small replicated vectors (the norms' scales) packed into one array per dtype.
 
-Every array a compiled step takes costs the host time on each call: ~0.5-1.3 us per argument on
-an H200 host (docs/performance.md, `bench.probes.dispatch_cost`, `stacked_weights`), paid once
-per waited (sync) step. Llama-3.1-8B has 65 norm scales among its 195 weights, Qwen3-30B-A3B 193
-(two norms and the per-head q/k norms per layer) among ~435. Packed, each becomes a static
+Every array a compiled step takes costs the host time on each call (docs/performance.md), paid
+once per waited (sync) step. Llama-3.1-8B has 65 norm scales among its 195 weights,
+Qwen3-30B-A3B 193 (two norms and the per-head q/k norms per layer) among ~435. Packed, each becomes a static
 slice of one array inside the step, which XLA fuses into the norm that reads it (no copy).
 
 Only vectors (1-D arrays) that are replicated over the mesh and at most `max_bytes` are packed:
@@ -87,3 +86,23 @@ def unpack(plan: PackPlan, arrays: Sequence[jax.Array]) -> list[jax.Array]:
             out[i] = jax.lax.slice(buf, (off,), (off + int(np.prod(shape, dtype=np.int64)),)
                                    ).reshape(shape)
     return out
+
+
+class PackedParams:
+    """A decoder's parameters as the flat list of arrays every call takes, flattened once (no
+    per-call flattening of a nested dict), packed with `pack` when `packed` (keep[i]: leaf i
+    stays an array of its own)."""
+
+    def __init__(self, params: dict, mesh, packed: bool = True,
+                 keep: Optional[Sequence[bool]] = None):
+        self.params = params
+        paths, self.treedef = jax.tree_util.tree_flatten_with_path(params)
+        self.paths = [p for p, _ in paths]
+        leaves = [a for _, a in paths]
+        self.plan, self.leaves = pack(leaves, mesh, keep=keep) if packed else (None, leaves)
+
+    def unflatten(self, leaves) -> dict:
+        """The params tree from the arrays a call takes (packed ones unpacked: static slices)."""
+        if self.plan is not None:
+            leaves = unpack(self.plan, leaves)
+        return jax.tree.unflatten(self.treedef, leaves)

@@ -21,17 +21,11 @@ model):
             slices are gathered (jnp.take) and multiplied; at more tokens (prefill) every
             expert runs on every token and the unchosen ones get weight 0 (reads each weight
             once, never a per-token copy).
-  "slices"  at most SLICES_MAX (token, slot) pairs: one dynamic slice of each chosen expert
-            feeding its own dot, which XLA:GPU can read where the weight lies (dynamic-slice
-            fusion) instead of copying the k slices first as a gather does; more pairs: as
-            "gather".
-  "ragged"  the (token, expert) pairs sorted by expert and both projections as
-            jax.lax.ragged_dot over the experts' groups, at every token count.
   "matvec"  (default) at few tokens, both projections of every (token, slot) pair as one
             sifar_jax.matvec call each: a streaming kernel that reads each chosen expert's
             weights where they lie, no gathered copy (CUDA; XLA's ops elsewhere: the same
-            products as "gather"); more tokens: as "gather". On one H200 (TP=1, KV 1K) a
-            step took 3.918 ms against "gather"'s 6.061 (docs/performance.md).
+            products as "gather"); more tokens: as "gather". A step is faster than with
+            "gather" on GPUs (docs/performance.md).
 All give the same numbers up to float summation order.
 """
 
@@ -50,8 +44,7 @@ from .config import AttentionConfig, RopeScaling, rope_from_hf
 from .family import ModelFamily
 from .tp import RMSNorm, TPContext, normal
 
-MOE_IMPLS = ("gather", "slices", "ragged", "matvec")
-SLICES_MAX = 16  # "slices": at most this many (token, slot) pairs get their own dots
+MOE_IMPLS = ("gather", "matvec")
 
 
 # ---- config -----------------------------------------------------------------------------------------
@@ -114,65 +107,76 @@ class Qwen3MoeConfig(AttentionConfig):
     @classmethod
     def from_hf_config(cls, d: dict[str, Any], *, max_seq_len: Optional[int] = None,
                        dtype: Optional[str] = None) -> "Qwen3MoeConfig":
-        """Read a Hugging Face Qwen3-MoE `config.json` (transformers 4.x or 5.x names). Refuses
-        what this decoder does not implement: dense layers among the sparse ones, a shared
-        expert, sliding-window attention, biases, activations other than SiLU."""
-        model_type = d.get("model_type")
-        if model_type != "qwen3_moe":
-            raise NotImplementedError(f"model_type {model_type!r} is not qwen3_moe")
-        experts = d.get("num_experts", d.get("num_local_experts"))
-        if not experts:
-            raise NotImplementedError("num_experts is 0 or missing: a dense model, not an MoE")
-        step = d.get("decoder_sparse_step", 1)
-        if step != 1:
-            raise NotImplementedError(f"decoder_sparse_step={step}: only all-sparse models "
-                                      f"(decoder_sparse_step=1) are supported")
-        if d.get("mlp_only_layers"):
-            raise NotImplementedError(f"mlp_only_layers={d['mlp_only_layers']}: dense layers "
-                                      f"are not supported (every layer must be sparse)")
-        if d.get("shared_expert_intermediate_size"):
-            raise NotImplementedError("a shared expert (shared_expert_intermediate_size) is not "
-                                      "supported")
-        if d.get("use_sliding_window"):
-            raise NotImplementedError("sliding-window attention (use_sliding_window) is not "
-                                      "supported")
-        if d.get("attention_bias") or d.get("mlp_bias"):
-            raise NotImplementedError("attention/MLP biases are not supported")
-        if d.get("hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"hidden_act={d['hidden_act']!r}: only silu is supported")
-        theta, scaling = rope_from_hf(d)
-        n_heads = d["num_attention_heads"]
-        max_pos = d.get("max_position_embeddings", 8192)
-        hf_dtype = d.get("torch_dtype") or d.get("dtype") or "bfloat16"
-        return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-            num_layers=d["num_hidden_layers"], num_heads=n_heads,
-            num_kv_heads=d.get("num_key_value_heads", n_heads),
-            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
-            num_experts=int(experts), num_experts_per_tok=d["num_experts_per_tok"],
-            moe_intermediate_size=d["moe_intermediate_size"],
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-            rope_theta=theta, rope_scaling=scaling,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_seq_len=max_seq_len or min(max_pos, 8192), dtype=dtype or str(hf_dtype))
+        """A Hugging Face config.json read (qwen3_moe_from_hf)."""
+        return qwen3_moe_from_hf(cls, d, max_seq_len=max_seq_len, dtype=dtype)
 
     def to_hf_config(self) -> dict[str, Any]:
-        """The inverse of from_hf_config (transformers 4.x key names, which 5.x also reads)."""
-        d: dict[str, Any] = dict(
-            architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
-            num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-            moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
-            decoder_sparse_step=1, mlp_only_layers=[], rope_theta=self.rope_theta,
-            rms_norm_eps=self.rms_norm_eps, tie_word_embeddings=self.tie_word_embeddings,
-            max_position_embeddings=self.max_seq_len, torch_dtype=self.dtype, hidden_act="silu",
-            attention_bias=False, use_sliding_window=False)
-        if self.rope_scaling is not None:
-            d["rope_scaling"] = dict(rope_type="llama3", **dataclasses.asdict(self.rope_scaling))
-        return d
+        """The inverse of from_hf_config (qwen3_moe_to_hf)."""
+        return qwen3_moe_to_hf(self)
+
+
+def qwen3_moe_from_hf(cls, d: dict[str, Any], *, max_seq_len: Optional[int] = None,
+                      dtype: Optional[str] = None) -> "Qwen3MoeConfig":
+    """Read a Hugging Face Qwen3-MoE `config.json` (transformers 4.x or 5.x names). Refuses
+    what this decoder does not implement: dense layers among the sparse ones, a shared
+    expert, sliding-window attention, biases, activations other than SiLU."""
+    model_type = d.get("model_type")
+    if model_type != "qwen3_moe":
+        raise NotImplementedError(f"model_type {model_type!r} is not qwen3_moe")
+    experts = d.get("num_experts", d.get("num_local_experts"))
+    if not experts:
+        raise NotImplementedError("num_experts is 0 or missing: a dense model, not an MoE")
+    step = d.get("decoder_sparse_step", 1)
+    if step != 1:
+        raise NotImplementedError(f"decoder_sparse_step={step}: only all-sparse models "
+                                  f"(decoder_sparse_step=1) are supported")
+    if d.get("mlp_only_layers"):
+        raise NotImplementedError(f"mlp_only_layers={d['mlp_only_layers']}: dense layers "
+                                  f"are not supported (every layer must be sparse)")
+    if d.get("shared_expert_intermediate_size"):
+        raise NotImplementedError("a shared expert (shared_expert_intermediate_size) is not "
+                                  "supported")
+    if d.get("use_sliding_window"):
+        raise NotImplementedError("sliding-window attention (use_sliding_window) is not "
+                                  "supported")
+    if d.get("attention_bias") or d.get("mlp_bias"):
+        raise NotImplementedError("attention/MLP biases are not supported")
+    if d.get("hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"hidden_act={d['hidden_act']!r}: only silu is supported")
+    theta, scaling = rope_from_hf(d)
+    n_heads = d["num_attention_heads"]
+    max_pos = d.get("max_position_embeddings", 8192)
+    hf_dtype = d.get("torch_dtype") or d.get("dtype") or "bfloat16"
+    return cls(
+        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+        num_layers=d["num_hidden_layers"], num_heads=n_heads,
+        num_kv_heads=d.get("num_key_value_heads", n_heads),
+        head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+        num_experts=int(experts), num_experts_per_tok=d["num_experts_per_tok"],
+        moe_intermediate_size=d["moe_intermediate_size"],
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        rope_theta=theta, rope_scaling=scaling,
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        max_seq_len=max_seq_len or min(max_pos, 8192), dtype=dtype or str(hf_dtype))
+
+
+def qwen3_moe_to_hf(config) -> dict[str, Any]:
+    """The inverse of from_hf_config (transformers 4.x key names, which 5.x also reads)."""
+    d: dict[str, Any] = dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
+        num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+        moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
+        decoder_sparse_step=1, mlp_only_layers=[], rope_theta=config.rope_theta,
+        rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=config.tie_word_embeddings,
+        max_position_embeddings=config.max_seq_len, torch_dtype=config.dtype, hidden_act="silu",
+        attention_bias=False, use_sliding_window=False)
+    if config.rope_scaling is not None:
+        d["rope_scaling"] = dict(rope_type="llama3", **dataclasses.asdict(config.rope_scaling))
+    return d
 
 
 # ---- the experts ------------------------------------------------------------------------------------
@@ -208,25 +212,6 @@ def experts_gather(x, weights, ids, gate_up, down, rows: int = 1):
     return jnp.einsum("nkh,nk->nh", y.reshape(n, k, -1), weights)
 
 
-def experts_slices(x, weights, ids, gate_up, down, rows: int = 1):
-    """As experts_gather, each (token, slot)'s expert read by a dynamic slice that feeds its own
-    dots (N*k of each projection: for a few tokens only), so no gathered copy of the slices is
-    made. rows: see experts_gather."""
-    n, k = ids.shape
-    out = []
-    for t in range(n):
-        xt = jnp.broadcast_to(x[t], (rows, x.shape[1]))
-        y = None
-        for j in range(k):
-            e = ids[t, j]
-            gu = jax.lax.dynamic_index_in_dim(gate_up, e, 0, keepdims=False)  # [hidden, 2, I]
-            dn = jax.lax.dynamic_index_in_dim(down, e, 0, keepdims=False)  # [I, hidden]
-            part = (_swiglu(jnp.einsum("rh,hcf->rcf", xt, gu)) @ dn)[0] * weights[t, j]
-            y = part if y is None else y + part
-        out.append(y)
-    return jnp.stack(out)
-
-
 def experts_matvec(x, weights, ids, gate_up, down):
     """As experts_gather, each projection of all (token, slot) pairs as one sifar_jax.matvec call
     that reads the chosen experts' weights in place (the kernel on CUDA, XLA's ops elsewhere)."""
@@ -251,31 +236,11 @@ def experts_dense(x, weights, ids, gate_up, down):
     return jnp.einsum("nef,efh->nh", a, down)
 
 
-def experts_ragged(x, weights, ids, gate_up, down):
-    """(token, slot) pairs sorted by expert, both projections as jax.lax.ragged_dot over the
-    experts' groups (as experts_gather). The result is gathered back (no scatter-add, whose
-    order is not fixed on GPUs)."""
-    n, k = ids.shape
-    e, hidden, _, width = gate_up.shape
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # pair order sorted by expert
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    xs = jnp.take(x, order // k, axis=0)
-    h = jax.lax.ragged_dot(xs, gate_up.reshape(e, hidden, 2 * width), sizes)
-    y = jax.lax.ragged_dot(_swiglu(h.reshape(-1, 2, width)), down, sizes)  # [N*k, hidden] sorted
-    y = jnp.take(y, jnp.argsort(order), axis=0)  # back to (token, slot) order
-    return jnp.einsum("nkh,nk->nh", y.reshape(n, k, hidden), weights)
-
-
 def experts(x, weights, ids, gate_up, down, impl: str = "matvec", rows: int = 1):
     """This rank's partial MoE output [N, hidden] (see the module docstring for `impl`; rows:
     see experts_gather)."""
-    if impl == "ragged":
-        return experts_ragged(x, weights, ids, gate_up, down)
     if impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {impl!r}")
-    if impl == "slices" and ids.size <= SLICES_MAX:
-        return experts_slices(x, weights, ids, gate_up, down, rows)
     if ids.size < gate_up.shape[0]:  # fewer slices than experts: read only those
         if impl == "matvec":
             return experts_matvec(x, weights, ids, gate_up, down)

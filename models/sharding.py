@@ -24,8 +24,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 KV_LAYOUTS = {"bshd": "bskd", "bhsd": "bksd"}
 # The whole cache is one array: every layer's keys and values stacked in front of that layout
 # (l layer, c 0 for keys and 1 for values). One array, not two per layer, because each array a
-# step takes and donates costs the host ~2.5-3.5 us per call on an H200 host
-# (bench.probes.dispatch_cost), and a layer's keys and values are then written by one kernel.
+# step takes and donates costs the host time on every call (docs/performance.md), and a layer's
+# keys and values are then written by one kernel.
 STACK_DIMS = "lc"
 
 

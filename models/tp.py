@@ -66,31 +66,27 @@ def normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
 def project(equation: str, x: jax.Array, w: jax.Array, rows: int = 1, **kw) -> jax.Array:
     """jnp.einsum(equation, x, w) for x [B, T, ...]; a single row (B = T = 1: batch-1 decoding) is
     multiplied as `rows` copies and the first result kept. XLA:GPU runs a one-row projection as a
-    slow multiply + reduce or a narrow GEMM: on an H200, a chain of TP=2's per-rank Llama-8B
-    projections streamed its weights at 2.7 TB/s with one row and 3.5 TB/s with two
-    (docs/performance.md). The copies change no value of the kept row's inputs."""
+    slow multiply + reduce or a narrow GEMM that streams the weights more slowly than a two-row
+    one (docs/performance.md). The copies change no value of the kept row's inputs."""
     if rows > 1 and x.shape[0] * x.shape[1] == 1:
         y = jnp.einsum(equation, jnp.broadcast_to(x, (rows,) + x.shape[1:]), w, **kw)
         return y[:1]
     return jnp.einsum(equation, x, w, **kw)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """Llama's RMSNorm: float32 statistics, then the scale in the activation dtype (as
-    transformers does): weight * bf16(x * rsqrt(mean(x^2) + eps))."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
-
-
 class RMSNorm(nnx.Module):
-    """rms_norm over the last axis with a learned gain (replicated over the tp axis)."""
+    """Llama's RMSNorm over the last axis with a learned gain (replicated over the tp axis):
+    the library's sifar_jax.fused.rms_norm (float32 statistics, then the scale in the activation
+    dtype, as transformers does), imported when a model is traced, so that importing models
+    needs no built extension."""
 
     def __init__(self, dim: int, eps: float, dtype):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        from sifar_jax.fused import rms_norm
+
         return rms_norm(x, self.weight[...], self.eps)
 
 
@@ -99,6 +95,8 @@ def unfused_psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float,
     """The contract of `sifar_jax.psum_add_rmsnorm`, as three separate ops:
     new_residual = residual + allreduce(x) (in x.dtype, rounded once), normed = rms_norm(it).
     Returns (normed, new_residual)."""
+    from sifar_jax.fused import rms_norm
+
     new_residual = residual + allreduce(x, axis_name)
     return rms_norm(new_residual, weight, eps), new_residual
 

@@ -70,16 +70,15 @@ class CausalLM(nnx.Module):
         """Block `index` of the stack (see the module docstring for its contract)."""
         raise NotImplementedError
 
-    def __call__(self, tokens, positions, cache, tp: TPContext, last_only: bool = False,
-                 attend_len: Optional[int] = None, kv_layout: str = "bshd",
-                 start: Optional[jax.Array] = None, gemm_rows: int = 1, attn_impl: str = "xla"):
+    def __call__(self, tokens, positions, cache, tp: TPContext, options: Any = None,
+                 last_only: bool = False, attend_len: Optional[int] = None,
+                 start: Optional[jax.Array] = None):
         """tokens [B, T] int32; positions [T] int32, contiguous, shared by the batch (the cache
-        is written at positions[0]); cache: the KV cache array (sharding.cache_dims); attend_len,
-        kv_layout, start (each row's first slot), gemm_rows, attn_impl: see attention.Step.
-        Returns (local
-        logits [B, T or 1, vocab/tp] float32, new cache)."""
+        is written at positions[0]); cache: the KV cache array (sharding.cache_dims); options
+        (a resolved options.DecodeOptions), attend_len, start (each row's first slot): see
+        attention.Step. Returns (local logits [B, T or 1, vocab/tp] float32, new cache)."""
         x = jnp.take(self.embed[...], tokens, axis=0)
-        step = Step.at(self.config, positions, attend_len, kv_layout, start, gemm_rows, attn_impl)
+        step = Step.at(self.config, positions, attend_len, start, options)
         layers = list(self.layers)
         next_norms = [layer.input_norm for layer in layers[1:]] + [self.norm]
         # The LM head's local shard; the tied embedding's rows are a slice (not prefetched).
@@ -95,8 +94,9 @@ class CausalLM(nnx.Module):
             # this rank's vocab slice of the (replicated) embedding table
             n = self.config.vocab_size // tp.size
             w = jax.lax.dynamic_slice_in_dim(self.embed[...], tp.rank() * n, n, axis=0)
-            logits = project("bth,vh->btv", x, w, gemm_rows, preferred_element_type=jnp.float32)
+            logits = project("bth,vh->btv", x, w, step.gemm_rows,
+                             preferred_element_type=jnp.float32)
         else:
-            logits = project("bth,hv->btv", x, self.lm_head[...], gemm_rows,
+            logits = project("bth,hv->btv", x, self.lm_head[...], step.gemm_rows,
                              preferred_element_type=jnp.float32)
         return logits, cache

@@ -69,7 +69,7 @@ def test_step_breakdown_classifies_the_decoder_step_hlo(cpu_mesh):
 
 
 def test_step_breakdown_takes_the_arrays_the_step_is_passed_as_its_weights(cpu_mesh, monkeypatch):
-    """With the norm scales packed, the step's weights are its first len(dec._leaves) entry
+    """With the norm scales packed, the step's weights are its first len(dec.weights.leaves) entry
     parameters, fewer than the params tree's leaves: counting those would class state arrays
     as weights."""
     import jax
@@ -78,7 +78,7 @@ def test_step_breakdown_takes_the_arrays_the_step_is_passed_as_its_weights(cpu_m
     seen = []
     monkeypatch.setattr(sk, "hlo_kinds", lambda text, n, shapes: seen.append(n) or {})
     sk.decoder_kinds(dec)
-    assert seen == [len(dec._leaves)] and len(dec._leaves) < len(jax.tree.leaves(dec.params))
+    assert seen == [len(dec.weights.leaves)] and len(dec.weights.leaves) < len(jax.tree.leaves(dec.params))
 
 
 GPU_LIKE_HLO = """HloModule jit_step, is_scheduled=true

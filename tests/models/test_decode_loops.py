@@ -12,6 +12,7 @@ import pytest
 
 import sifar_jax
 from models import LLAMA, Decoder, LlamaConfig, hlo, make_mesh, random_params
+from models.options import DecodeOptions
 from models.decode import LOOPS, attention_buckets, bucket_up, prompt_bucket
 from models.sharding import KV_LAYOUTS
 from models.tp import fused_add_norm_available, unfused_psum_add_rmsnorm
@@ -41,13 +42,13 @@ def _decoder(tp, allreduce="psum", **kw):
     if allreduce == "psum":
         return _shared_decoder(tp, **kw)
     config, mesh, params = _params(tp)
-    return Decoder(config, mesh, params, allreduce=allreduce, **kw)
+    return Decoder(config, mesh, params, DecodeOptions(allreduce=allreduce, **kw))
 
 
 @functools.lru_cache(maxsize=None)
 def _shared_decoder(tp, **kw):
     config, mesh, params = _params(tp)
-    return Decoder(config, mesh, params, **kw)
+    return Decoder(config, mesh, params, DecodeOptions(**kw))
 
 
 @pytest.fixture
@@ -103,12 +104,13 @@ def test_each_step_writes_its_token_to_host_memory(tp):
     dec.start(PROMPT)
     assert dec.compiled_step().output_shardings[1].memory_kind == "pinned_host"
     for _ in range(3):
-        assert dec._last_tok is not None and dec._last_tok.sharding.memory_kind == "pinned_host"
-        np.testing.assert_array_equal(np.asarray(dec._last_tok), np.asarray(dec.state["tok"])[:, 0])
+        last = dec.seq.last_tok
+        assert last is not None and last.sharding.memory_kind == "pinned_host"
+        np.testing.assert_array_equal(np.asarray(last), np.asarray(dec.state["tok"])[:, 0])
         np.testing.assert_array_equal(dec.token(), np.asarray(dec.state["tok"])[:1, 0])
         dec.advance()
-    dec.seek(dec._pos, np.array([7], np.int32))
-    assert dec._last_tok is None and dec.token().tolist() == [7]
+    dec.seek(dec.seq.pos, np.array([7], np.int32))
+    assert dec.seq.last_tok is None and dec.token().tolist() == [7]
 
 
 def test_stream_runs_ahead_of_the_host():
@@ -118,7 +120,7 @@ def test_stream_runs_ahead_of_the_host():
         it = dec.stream(PROMPT, NEW, in_flight=in_flight)
         first = next(it)
         # host mirror: the padded prompt's slots, then the steps dispatched so far
-        assert dec._pos == prompt_bucket(len(PROMPT)) + in_flight
+        assert dec.seq.pos == prompt_bucket(len(PROMPT)) + in_flight
         rest = list(it)
         assert len(rest) == NEW - 1 and first.shape == (1,)
 
@@ -244,26 +246,6 @@ def test_both_kv_layouts_give_the_same_tokens_and_logits():
         _decoder(2, kv_layout="sbhd")
 
 
-def test_extra_rows_change_no_greedy_token_and_no_logit():
-    """min_rows=2 at batch 1 (a copy of the sequence rides along): every loop gives the tokens of
-    min_rows=1, teacher-forced logits come back [1, T, vocab] and equal."""
-    _need(2)
-    one, two = _decoder(2), _decoder(2, min_rows=2)
-    assert (one.rows, two.rows, two.batch_size) == (1, 2, 1)
-    want = _every_loop(one, PROMPT, NEW, early_exit=True)
-    for loop, toks in _every_loop(two, PROMPT, NEW, early_exit=True).items():
-        assert toks.shape == (1, NEW), loop
-        np.testing.assert_array_equal(toks, want[loop], err_msg=loop)
-    a, b = one.teacher_forced_logits(PROMPT[None]), two.teacher_forced_logits(PROMPT[None])
-    assert a.shape == b.shape == (1, PROMPT.size, LlamaConfig.tiny().vocab_size)
-    # XLA:GPU picks other float32 matmul kernels for two rows (TF32 passes): measured on 2x H200,
-    # logits moved by up to 0.003 (Decoder's docstring says so). The CPU keeps every bit.
-    tol = 1e-5 if jax.devices()[0].platform == "cpu" else 1e-2
-    np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
-    with pytest.raises(ValueError, match="min_rows"):
-        _decoder(2, min_rows=0)
-
-
 def test_the_copy_check_can_fail():
     """The HLO check finds a per-iteration copy and an entry copy where XLA must make them."""
     x = jnp.ones((1, 64, 2, 16), jnp.float32)
@@ -300,8 +282,7 @@ def test_bucketed_attention_equals_attention_over_the_whole_cache():
     tokens, positions = np.array([[9]], np.int32), np.array([40], np.int32)
     out = {}
     for attend in (64, None):
-        fwd = jax.jit(LLAMA.make_forward(config, mesh, attend_len=attend,
-                                         kv_layout=dec.kv_layout))
+        fwd = jax.jit(LLAMA.make_forward(dec.layout, mesh, dec.options, attend_len=attend))
         logits, new_cache, _ = fwd(params, cache, tokens, positions, {})
         out[attend] = np.asarray(logits), np.asarray(new_cache)[:, 0]  # every layer's keys
     np.testing.assert_allclose(out[64][0], out[None][0], rtol=1e-6, atol=1e-6)
@@ -322,10 +303,10 @@ def test_steps_pick_the_smallest_bucket_and_the_cache_fits_the_request(plain_tok
     dec = _decoder(1, max_seq_len=128)
     dec.start(PROMPT, reserve=80)
     dec.advance(60)  # positions 8..67: crosses from the 64 bucket to the 128 one
-    assert dec.compiled_step() is dec._step[1] and dec._step[0] == 128
+    assert dec.compiled_step() is dec.seq.step[1] and dec.seq.step[0] == 128
     dec.seek(10, [1])
     dec.compiled_step()
-    assert dec._step[0] == 64
+    assert dec.seq.step[0] == 64
 
 
 def test_the_cache_grows_when_a_sequence_outgrows_it(plain_tokens):
@@ -457,7 +438,7 @@ def test_a_padded_prompt_gives_the_tokens_of_the_unpadded_one(tp):
     for length in (1, 7, 16, 17):
         prompt = rng.integers(0, LlamaConfig.tiny().vocab_size, length)
         got = dec.generate(prompt, 12)[0]
-        assert dec._pos == prompt_bucket(length) + 11, "the prompt was not padded to its bucket"
+        assert dec.seq.pos == prompt_bucket(length) + 11, "the prompt was not padded to its bucket"
         np.testing.assert_array_equal(got, _unpadded_greedy(dec, prompt, 12), err_msg=str(length))
     assert (prompt_bucket(1), prompt_bucket(16), prompt_bucket(17)) == (16, 16, 32)
 
@@ -544,17 +525,18 @@ def test_prompts_of_different_lengths_in_one_batch_give_each_ones_tokens(tp):
 # ---- XLA compile options ----------------------------------------------------------------------------
 
 def test_compiler_options_reach_every_executable():
-    """Decoder(compiler_options=...) compiles every executable with them, on first use and in
+    """DecodeOptions(compiler_options=...) compiles every executable with them, on first use and in
     warmup's threaded compiles: an option XLA does not know fails both; a valid one keeps the
     tokens (a GPU option, ignored by XLA:CPU)."""
     config, mesh, params = _params(1)
     for run in (lambda d: d.generate(PROMPT, 4), lambda d: d.warmup(8, 8)):
-        dec = Decoder(config, mesh, params, compiler_options={"xla_sifar_no_such_option": True})
+        dec = Decoder(config, mesh, params,
+                      DecodeOptions(compiler_options={"xla_sifar_no_such_option": True}))
         with pytest.raises(Exception, match="xla_sifar_no_such_option"):
             run(dec)
     concurrent = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
-    dec = Decoder(config, mesh, params, compiler_options=concurrent)
+    dec = Decoder(config, mesh, params, DecodeOptions(compiler_options=concurrent))
     assert dec.compiler_options == concurrent
     np.testing.assert_array_equal(dec.generate(PROMPT, 8), _decoder(1).generate(PROMPT, 8))
     with pytest.raises(TypeError, match="compiler_options must be a dict"):
-        Decoder(config, mesh, params, compiler_options=[("a", 1)])
+        DecodeOptions(compiler_options=[("a", 1)])

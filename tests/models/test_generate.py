@@ -86,6 +86,28 @@ def test_a_model_too_large_for_the_memory_is_refused_before_allocating(capsys, m
     assert "the model needs about" in line and "GiB per device" in line and not allocated
 
 
+def test_host_devices_share_one_memory_so_8b_at_tp2_is_refused_on_23_gib(capsys, monkeypatch):
+    """XLA:CPU's host devices share the host's memory, and XLA:CPU keeps float32 copies of the
+    bfloat16 matmul weights: llama3_8b at --tp 2 needs ~48 GiB of a 23 GiB host (the check
+    before this one compared 9.93 GiB per device with 23/2 available per device, passed it,
+    and the kernel killed the process), so it is refused up front with one error line."""
+    monkeypatch.setattr(footprint, "_host_available", lambda: 23 << 30)
+    family, c = presets()["llama3_8b"], preset("llama3_8b")
+    est = footprint.estimate(family, c, 2, 1, 64, 8)
+    assert est.total < 0.9 * (23 << 30) / 2  # what the per-device comparison let through
+    assert est.host_total(2) > 40 << 30
+    with pytest.raises(MemoryError, match="of host memory"):
+        footprint.check_fits(est, jax.devices("cpu")[:2])
+    allocated = []
+    monkeypatch.setattr(type(family), "random_params", lambda *a, **k: allocated.append(1))
+    line = _error(capsys, ["--preset", "llama3_8b", "--tp", "2"])
+    assert "the model needs about" in line and "host memory" in line and not allocated
+    # a float32 model has no float32 copies; the tiny one fits
+    assert footprint.estimate(family, c.replace(dtype="float32"), 2, 1, 64).cpu_matmul_copies == 0
+    footprint.check_fits(footprint.estimate(presets()["tiny"], preset("tiny"), 2, 1, 64),
+                         jax.devices("cpu")[:2])
+
+
 def test_the_estimate_counts_split_and_replicated_weights_and_the_cache():
     family, c = presets()["llama3_8b"], preset("llama3_8b")
     one, two = (footprint.estimate(family, c, tp, 1, 4096) for tp in (1, 2))

@@ -15,6 +15,7 @@ from models import LLAMA, Decoder, LlamaConfig, load_hf_checkpoint, make_mesh
 from models import llama
 from models.attention import Attention, Step, rope_inv_freq
 from models.decode import prompt_bucket
+from models.options import DecodeOptions
 from models.sharding import kv_replicas
 from models.tp import make_allreduce
 from models.weights import to_hf_tensors as weights_to_hf
@@ -223,7 +224,7 @@ def test_prefill_and_decode_match_numpy_reference(loaded, sequence, reference, t
     GPUs; the bhsd cache layout it reads)."""
     mesh, config, params = loaded(tp)
     kw = dict(attn_impl="pallas", kv_layout="bhsd") if attn == "pallas" else {}
-    dec = Decoder(config, mesh, params, **kw)
+    dec = Decoder(config, mesh, params, DecodeOptions(**kw))
     n_prompt, n_steps = 8, 8
     prefill = np.asarray(dec.prefill(sequence[None, :n_prompt]))[0]
     assert_close_ref(prefill, reference[:n_prompt])
@@ -256,7 +257,7 @@ def test_tied_embeddings_match_reference(tmp_path):
 
 def _check_against_baseline(baseline, reference, sequence, config, mesh, params, **kw):
     logits0, tokens0 = baseline
-    dec = Decoder(config, mesh, params, **kw)
+    dec = Decoder(config, mesh, params, DecodeOptions(**kw))
     logits = dec.teacher_forced_logits(sequence[None])
     assert logits.shape == (1, STEPS, config.vocab_size)
     # same logits as TP=1 at every one of the 64 steps, up to float32 summation order
@@ -337,16 +338,17 @@ def test_kv_heads_replicated_when_tp_exceeds_them(loaded, hf):
 def test_shard_map_checks_varying_axes(loaded):
     """check_vma=True: shard_map checks every out_spec against the values' varying axes."""
     mesh, config, params = loaded(2)
-    fwd = LLAMA.make_forward(config, mesh)
-    cache = LLAMA.init_cache(config, mesh, 1, 64)
+    layout = LLAMA.layout(config, 2)
+    fwd = LLAMA.make_forward(layout, mesh)
+    cache = LLAMA.init_cache(layout, mesh, 1, 64)
     jaxpr = jax.make_jaxpr(fwd)(params, cache, np.zeros((1, 1), np.int32),
                                 np.zeros(1, np.int32), {})
     maps = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
     assert maps and all(e.params["check_vma"] for e in maps)
     # With the Pallas decode kernel (its results carry no varying axes) only a one-token call
     # is traced without the check; a prefill keeps it.
-    fwd = LLAMA.make_forward(config, mesh, attn_impl="pallas", kv_layout="bhsd")
-    cache = LLAMA.init_cache(config, mesh, 1, 64, kv_layout="bhsd")
+    fwd = LLAMA.make_forward(layout, mesh, DecodeOptions(attn_impl="pallas", kv_layout="bhsd"))
+    cache = LLAMA.init_cache(layout, mesh, 1, 64, kv_layout="bhsd")
     for t, want in ((1, False), (4, True)):
         jaxpr = jax.make_jaxpr(fwd)(params, cache, np.zeros((1, t), np.int32),
                                     np.arange(t, dtype=np.int32), {})
@@ -366,7 +368,7 @@ def test_errors(loaded):
     with pytest.raises(ValueError, match="allreduce"):
         make_allreduce("nccl")
     with pytest.raises(ValueError, match="slot_bytes"):
-        Decoder(config, mesh, params, slot_bytes=1 << 16)  # psum has no slot
+        DecodeOptions(slot_bytes=1 << 16)  # psum has no slot
     dec = Decoder(config, mesh, params, max_seq_len=8)
     with pytest.raises(ValueError, match="max_seq_len"):
         dec.prefill(np.zeros((1, 9), np.int32))
@@ -479,12 +481,13 @@ def test_gemm_rows_pads_single_row_projections_only(loaded, sequence, tp):
     """gemm_rows=2: a batch-1 step's projections run as two rows (the dots of its HLO say so),
     prefill is untouched, and the generated tokens and step logits equal gemm_rows=1's."""
     mesh, config, params = loaded(tp)
-    one = Decoder(config, mesh, params, gemm_rows=1)
-    two = Decoder(config, mesh, params, gemm_rows=2)
+    one = Decoder(config, mesh, params, DecodeOptions(gemm_rows=1))
+    two = Decoder(config, mesh, params, DecodeOptions(gemm_rows=2))
     prompt = sequence[:6]
     np.testing.assert_array_equal(two.generate(prompt, 10), one.generate(prompt, 10))
-    fwd = LLAMA.make_forward(config, mesh, gemm_rows=2, attend_len=64, last_only=True)
-    cache = LLAMA.init_cache(config, mesh, 1, 64)
+    layout = LLAMA.layout(config, tp)
+    fwd = LLAMA.make_forward(layout, mesh, two.options, attend_len=64, last_only=True)
+    cache = LLAMA.init_cache(layout, mesh, 1, 64)
     tok = jax.numpy.zeros((1, 1), jax.numpy.int32)
     pos = jax.numpy.zeros((1,), jax.numpy.int32)
     text = jax.jit(fwd).lower(params, cache, tok, pos, {}).as_text()

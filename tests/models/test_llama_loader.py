@@ -33,7 +33,7 @@ def _assert_same_params(a, b):
 
 
 def _assert_sharded_as_specified(params, config, mesh):
-    want = LLAMA.param_shardings(config, mesh)
+    want = LLAMA.param_shardings(LLAMA.layout(config, mesh.shape["tp"]), mesh)
     for (path, x), (_, s) in zip(_leaves(params), _leaves(want)):
         assert x.sharding.is_equivalent_to(s, x.ndim), jax.tree_util.keystr(path)
         full = np.asarray(x)

@@ -11,8 +11,8 @@ import pytest
 
 import sifar_jax
 from models import Decoder, LlamaConfig, make_mesh, random_params
-from models.attention import Step
-from models.decode import LOOPS, default_attn_impl
+from models.decode import LOOPS
+from models.options import DecodeOptions, default_attn_impl
 from models.pallas_attention import (SMEM_BUDGET, applies, decode_attention, pipeline_stages,
                                      split_length)
 
@@ -144,7 +144,7 @@ def test_the_kernel_applies_to_power_of_two_heads_in_the_cache_dtype():
 
 def test_attn_impl_is_checked_and_defaults_to_xla_off_gpus():
     with pytest.raises(ValueError, match="attn_impl must be one of"):
-        Step.at(LlamaConfig.tiny(), jnp.arange(1), attn_impl="flash")
+        DecodeOptions(attn_impl="flash")
     assert default_attn_impl(make_mesh(1)) == ("pallas" if jax.default_backend() == "gpu"
                                               else "xla")
 
@@ -162,10 +162,10 @@ def _params(tp):
 def _pallas_calls(dec, kind):
     """Pallas kernels in the jaxpr of the decoder's step ("step") or of a 4-token prefill."""
     if kind == "step":
-        _, fn, args, _ = dec._step_spec(dec._bucket(dec._pos + 1), "greedy")
+        _, fn, args, _ = dec.exes.step_spec(dec.seq.bucket(dec.seq.pos + 1), "greedy")
     else:
-        _, fn, args, _ = dec._prefill_spec(dec._bucket(dec._pos + 4), 4, "greedy")
-    return _count(jax.make_jaxpr(fn)(dec._leaves, dec.state, *args).jaxpr, "pallas_call")
+        _, fn, args, _ = dec.exes.prefill_spec(dec.seq.bucket(dec.seq.pos + 4), 4, "greedy")
+    return _count(jax.make_jaxpr(fn)(dec.weights.leaves, dec.state, *args).jaxpr, "pallas_call")
 
 
 def _count(jaxpr, name: str) -> int:
@@ -195,8 +195,8 @@ def test_decoder_gives_the_einsums_tokens_in_every_loop(tp, allreduce):
     got, kernels = {}, {}
     for impl in ("xla", "pallas"):
         sifar_jax.shutdown()
-        dec = Decoder(config, mesh, params, allreduce=allreduce, kv_layout="bhsd",
-                      attn_impl=impl, max_seq_len=256)
+        dec = Decoder(config, mesh, params, DecodeOptions(kv_layout="bhsd", attn_impl=impl),
+                      allreduce=allreduce, max_seq_len=256)
         got[impl] = {loop: dec.generate(PROMPT, 12, loop=loop, chunk=4) for loop in LOOPS}
         dec.start(PROMPT)
         got[impl]["logits"] = np.asarray(dec.step(dec.token()))

@@ -11,6 +11,7 @@ import pytest
 
 import sifar_jax
 from models import Decoder, LlamaConfig, make_mesh, param_pack, random_params
+from models.options import DecodeOptions
 from models.families import family_of
 from models.qwen3_moe import Qwen3MoeConfig
 from models.transformer import fused_norm_scale
@@ -87,10 +88,10 @@ def test_only_vectors_are_packed_and_a_dtype_needs_two():
 @pytest.mark.parametrize("name,tp", [("llama", 1), ("llama", 2), ("qwen3_moe", 2)])
 def test_a_packed_decoder_gives_the_same_tokens_and_logits_with_fewer_arrays(name, tp):
     config, mesh, params = _model(name, tp)
-    plain = Decoder(config, mesh, params, pack_params=False)
+    plain = Decoder(config, mesh, params, DecodeOptions(pack_params=False))
     packed = Decoder(config, mesh, params)
     assert packed.pack_params and not plain.pack_params
-    assert len(packed._leaves) < len(plain._leaves) == len(jax.tree.leaves(params))
+    assert len(packed.weights.leaves) < len(plain.weights.leaves) == len(jax.tree.leaves(params))
     for loop in ("sync", "pipelined", "on_device"):
         np.testing.assert_array_equal(packed.generate(PROMPT, 12, loop=loop, chunk=4),
                                       plain.generate(PROMPT, 12, loop=loop, chunk=4),
@@ -102,7 +103,8 @@ def test_a_packed_decoder_gives_the_same_tokens_and_logits_with_fewer_arrays(nam
     ops = {}
     for name, dec in (("plain", plain), ("packed", packed)):
         entry = dec.compiled_step().as_text().split("\nENTRY ", 1)[1].split("\n}", 1)[0]
-        assert entry.count(" parameter(") == len(dec._leaves) + len(jax.tree.leaves(dec.state))
+        arrays = len(dec.weights.leaves) + len(jax.tree.leaves(dec.state))
+        assert entry.count(" parameter(") == arrays
         ops[name] = collections.Counter(
             m.group(1) for m in re.finditer(r"= \S+ ([a-z][\w-]*)\(", entry)
             if m.group(1) != "parameter")
@@ -124,11 +126,11 @@ def test_fused_keeps_the_norm_scales_its_call_takes(name, packed, sifar_clean):
     config, mesh, params = _model(name, 2)
     if not hasattr(sifar_jax, "psum_add_rmsnorm"):
         pytest.skip("the extension has no fused kernel")
-    dec = Decoder(config, mesh, params, allreduce="sifar", fused=True)
-    assert dec.pack_params and dec._pack.n_packed == packed
+    dec = Decoder(config, mesh, params, DecodeOptions(allreduce="sifar", fused=True))
+    assert dec.pack_params and dec.weights.plan.n_packed == packed
     kept = [jax.tree_util.keystr(p) for p, a in jax.tree_util.tree_flatten_with_path(params)[0]
             if a.ndim == 1 and fused_norm_scale(p)]
     assert kept and all("norm" in k for k in kept)
-    want = Decoder(config, mesh, params, allreduce="sifar", fused=True,
-                   pack_params=False).generate(PROMPT, 8)
+    want = Decoder(config, mesh, params, DecodeOptions(allreduce="sifar", fused=True,
+                                                       pack_params=False)).generate(PROMPT, 8)
     np.testing.assert_array_equal(dec.generate(PROMPT, 8), want)

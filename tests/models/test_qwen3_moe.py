@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from models import Decoder, make_mesh
+from models.options import DecodeOptions
 from models import families, qwen3_moe
 from models.qwen3_moe import QWEN3_MOE, Qwen3MoeConfig
 from models.qwen3_moe_weights import to_hf_tensors
@@ -118,8 +119,7 @@ def _prefill_and_steps(dec, seq) -> np.ndarray:
 
 # ---- against transformers ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tp,impl", [(1, "gather"), (2, "gather"), (4, "gather"), (2, "ragged"),
-                                     (2, "matvec")])
+@pytest.mark.parametrize("tp,impl", [(1, "gather"), (2, "gather"), (4, "gather"), (2, "matvec")])
 def test_logits_match_transformers(hf, loaded, tp, impl):
     """Prefill (8 tokens: the dense-over-experts path of "gather") and teacher-forced decode
     steps (1 token: the gathered experts) against HF's forward, at TP 1, 2 and 4 (TP=4 > 2 KV
@@ -186,7 +186,7 @@ def test_every_allreduce_gives_transformers_greedy_tokens(hf, loaded, sifar_clea
     for label, (kw, loop) in variants.items():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            dec = Decoder(config, mesh, params, **kw)
+            dec = Decoder(config, mesh, params, DecodeOptions(**kw))
             got[label] = dec.generate(prompt[None], NEW, loop=loop)[0]
         fallbacks = [str(w.message) for w in caught if "falling back" in str(w.message)]
         assert not fallbacks, f"{label} fell back, so it tested nothing: {fallbacks}"
@@ -198,7 +198,7 @@ def test_every_allreduce_gives_transformers_greedy_tokens(hf, loaded, sifar_clea
 
 @pytest.mark.parametrize("tokens", [1, 16])
 def test_expert_implementations_agree(tokens):
-    """gather (N*k < E: gathered slices; else every expert, weighted), dense and ragged give the
+    """gather (N*k < E: gathered slices; else every expert, weighted), dense and matvec give the
     same outputs, and the same as a per-token NumPy loop over the chosen experts."""
     e, h, i, k = 8, 64, 32, 2
     rng = np.random.default_rng(tokens)
@@ -216,41 +216,28 @@ def test_expert_implementations_agree(tokens):
             a = g[:i] / (1 + np.exp(-g[:i])) * g[i:]
             want[n] += w[n, j] * (a @ down[ids[n, j]])
     args = tuple(map(jnp.asarray, (x, w, ids, gate_up, down)))
-    fns = (qwen3_moe.experts_gather, qwen3_moe.experts_dense, qwen3_moe.experts_ragged,
+    fns = (qwen3_moe.experts_gather, qwen3_moe.experts_dense,
            lambda *a: qwen3_moe.experts(*a, impl="gather", rows=2),  # two-row products
-           lambda *a: qwen3_moe.experts(*a, impl="slices", rows=2),
            *(lambda *a, impl=impl: qwen3_moe.experts(*a, impl=impl)
-             for impl in qwen3_moe.MOE_IMPLS))  # "slices" at one token: its own dots
+             for impl in qwen3_moe.MOE_IMPLS))
     for got in jax.jit(lambda *a: [fn(*a) for fn in fns])(*args):  # one compile
         assert_close(np.asarray(got), want, rtol=F32_RTOL if jax.default_backend() == "gpu" else 2e-5)
 
 
-@pytest.mark.parametrize("impl", ["gather", "slices"])
+@pytest.mark.parametrize("impl", ["gather"])
 def test_decoding_reads_only_the_chosen_experts(impl):
-    """At one token the dots of "gather" and "slices" see the k chosen experts' slices, never a
-    whole expert table."""
+    """At one token the dots of "gather" see the k chosen experts' slices, never a whole expert
+    table."""
     e, h, i, k = 8, 64, 32, 2
     jaxpr = jax.make_jaxpr(lambda *a: qwen3_moe.experts(*a, impl=impl))(
         jnp.zeros((1, h)), jnp.zeros((1, k)), jnp.zeros((1, k), jnp.int32),
         jnp.zeros((e, h, 2, i)), jnp.zeros((e, i, h)))
     eqns = jaxpr.eqns[0].params["jaxpr"].eqns if len(jaxpr.eqns) == 1 else jaxpr.eqns
     dots = [eq for eq in eqns if eq.primitive.name == "dot_general"]
-    assert len(dots) >= (2 if impl == "gather" else 2 * k)
+    assert len(dots) >= 2
     for eq in dots:
         for v in eq.invars:
             assert v.aval.shape[:1] != (e,), eq
-
-
-def test_ragged_config_runs_the_ragged_dots(loaded):
-    mesh, config, params = loaded(1)
-    fwd = QWEN3_MOE.make_forward(config.replace(moe_impl="ragged"), mesh)
-    cache = QWEN3_MOE.init_cache(config, mesh, 1, 64)
-    text = str(jax.make_jaxpr(fwd)(params, cache, np.zeros((1, 1), np.int32),
-                                   np.zeros(1, np.int32), {}))
-    assert "ragged_dot" in text
-    fwd = QWEN3_MOE.make_forward(config, mesh)
-    assert "ragged_dot" not in str(jax.make_jaxpr(fwd)(params, cache, np.zeros((1, 1), np.int32),
-                                                       np.zeros(1, np.int32), {}))
 
 
 # ---- the loader ------------------------------------------------------------------------------------
@@ -360,11 +347,12 @@ def test_qwen3_30b_a3b_shapes_and_active_bytes():
     attn = H * (32 + 2 * 4) * 128 + 32 * 128 * H + 2 * 128
     experts = 8 * 3 * H * 768
     active = L * (attn + 2 * H + H * 128 + experts) + H + H + V * H
-    assert QWEN3_MOE.step_weight_bytes(config, 1) == 2 * active
+    assert QWEN3_MOE.step_weight_bytes(QWEN3_MOE.layout(config, 1)) == 2 * active
     assert round(active / 1e9, 1) == 3.0 and 3.3e9 < active - H + V * H < 3.4e9
     # TP=2 halves everything split (attention heads, experts, LM head), not the replicated rest
     replicated = L * (2 * 128 + 2 * H + H * 128) + H + H
-    assert QWEN3_MOE.step_weight_bytes(config, 2) == 2 * ((active - replicated) // 2 + replicated)
+    want = 2 * ((active - replicated) // 2 + replicated)
+    assert QWEN3_MOE.step_weight_bytes(QWEN3_MOE.layout(config, 2)) == want
 
 
 def test_bench_decode_takes_the_moe_preset_and_its_active_bytes():
@@ -372,14 +360,14 @@ def test_bench_decode_takes_the_moe_preset_and_its_active_bytes():
     batch-1 step reads (the memory floor) counted over the routed experts only."""
     from bench import decode as bd
 
-    args = bd.parse_args(["--preset", "qwen3_30b_a3b", "--tp", "2", "--moe-impl", "ragged",
+    args = bd.parse_args(["--preset", "qwen3_30b_a3b", "--tp", "2", "--moe-impl", "gather",
                           "--allreduce", "psum"])
     s = bd.settings(args, "gpu", 2)
     config = s["config"]
-    assert isinstance(config, Qwen3MoeConfig) and config.moe_impl == "ragged"
+    assert isinstance(config, Qwen3MoeConfig) and config.moe_impl == "gather"
     assert s["tp"] == [2] and config.dtype == "bfloat16"
     active = bd.streamed_bytes_per_rank(config, None, 2)
-    assert active == QWEN3_MOE.step_weight_bytes(config, 2)
+    assert active == QWEN3_MOE.step_weight_bytes(QWEN3_MOE.layout(config, 2))
     _, abstract = QWEN3_MOE.abstract_model(config)
     everything = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
     assert 0.04 < active / everything < 0.06  # ~3B of 30.5B, halved by TP=2
