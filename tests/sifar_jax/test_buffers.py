@@ -113,7 +113,7 @@ def test_decoder_with_explicit_buffers_matches_psum():
 
     sifar_jax.shutdown()
     cfg = _tiny()
-    mesh = make_mesh(2)
+    mesh = make_mesh(2, devices=jax.devices("cpu"))  # the CPU's host devices, also on a GPU host
     params = random_params(cfg, mesh, seed=3)
     tokens = (np.arange(24) * 7 + 1) % cfg.vocab_size
     ref = Decoder(cfg, mesh, params, allreduce="psum").teacher_forced_logits(tokens[None])
