@@ -9,6 +9,8 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "allreduce/launch.h"
 #include "allreduce/plan.h"
 #include "core/cuda_check.h"
@@ -123,21 +125,24 @@ __device__ __forceinline__ void PrefetchL2(const void* p, uint32_t bytes) {
 #endif
 }
 
-// Block: rows [blockIdx.x * RowsPerBlock, ...) of w, x rows blockIdx.y * MB .. + MB (E == 1:
-// one weight row serves MB rows of x) or x row blockIdx.y (a stack: MB == 1).
+// A persistent grid: block b takes row groups (RowsPerBlock rows) b, b + gridDim.x, ... of w;
+// x rows blockIdx.y * MB .. + MB (E == 1: one weight row serves MB rows of x) or x row
+// blockIdx.y (a stack: MB == 1).  Each lane streams its chunks of its rows as one sequence of
+// batches of U loads, the next batch in flight while the current one is added up.
 template <typename T, int MB>
 __global__ void __launch_bounds__(kThreads, 2) Fp8MatVecKernel(Fp8Args a) {
-  __shared__ float split_sums[kWarps][32][MB];
+  constexpr int U = MB <= 2 ? 8 : 4;
+  __shared__ float split_sums[2][kWarps][8][MB];  // [row group parity][warp][row of warp][x row]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int kw = warp % a.ksplit, rg = warp / a.ksplit;
   const int rows_per_warp = 32 / a.lanes, rw = lane / a.lanes, l = lane % a.lanes;
   const int64_t rows_per_block = (kWarps / a.ksplit) * rows_per_warp;
-  const int64_t row0 = blockIdx.x * rows_per_block;
-  const int64_t n = row0 + rg * rows_per_warp + rw;
+  const int64_t groups = (a.n + rows_per_block - 1) / rows_per_block;
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * MB;
+  int64_t g = blockIdx.x;
   AllowNextLaunch();
   if (a.prefetch && a.e == 1 && threadIdx.x == 0) {
-    const int64_t rows = min(rows_per_block, a.n - row0);
+    const int64_t row0 = g * rows_per_block, rows = min(rows_per_block, a.n - row0);
     PrefetchL2(a.w + row0 * a.k, static_cast<uint32_t>(rows * a.k));
   }
   WaitForPreviousGrid();
@@ -149,73 +154,98 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8MatVecKernel(Fp8Args a) {
   }
   const int64_t chunks = a.k / kChunk;
   const int64_t per_split = (chunks + a.ksplit - 1) / a.ksplit;
-  const int64_t c_begin = kw * per_split, c_end = min(chunks, c_begin + per_split);
+  const int64_t c_begin = min(chunks, kw * per_split) + l;
+  const int64_t c_end = min(chunks, kw * per_split + per_split);
+  // Batches per row: the same for every lane of the warp (their shuffles pair up).
+  const int nb = static_cast<int>(((c_end - (c_begin - l) + a.lanes - 1) / a.lanes + U - 1) / U);
   const bool kblocked = a.block_k < a.k;
   const T* x = static_cast<const T*>(a.x) + m0 * a.k;
-  const int64_t row = n < a.n ? n : a.n - 1;  // a row past N computes, is never stored
-  const uint8_t* wr = a.w + (e * a.n + row) * a.k;
-  const float* srow = a.scale + (e * a.sn + row / a.block_n) * a.sk;
   bool live[MB];
 #pragma unroll
   for (int r = 0; r < MB; ++r) live[r] = m0 + r < a.m;
+  auto row_of = [&](int64_t grp) {  // a row past N computes, is never stored
+    const int64_t n = grp * rows_per_block + rg * rows_per_warp + rw;
+    return n < a.n ? n : a.n - 1;
+  };
+  auto load = [&](uint4* v, int64_t grp, int b) {
+    const uint8_t* wr = a.w + (e * a.n + row_of(grp)) * a.k;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t c = c_begin + static_cast<int64_t>(b * U + u) * a.lanes;
+      if (c < c_end) v[u] = LoadWeights(wr + c * kChunk);
+    }
+  };
 
   float acc[MB];
 #pragma unroll
   for (int r = 0; r < MB; ++r) acc[r] = 0.0f;
-  for (int64_t c = c_begin + l; c < c_end; c += kUnroll * a.lanes) {
-    uint4 v[kUnroll];
+  uint4 cur[U], nxt[U];
+  if (nb > 0) load(cur, g, 0);
+  int b = 0, parity = 0;
+  while (g < groups) {
+    int64_t gn = g;
+    int bn = b + 1;
+    if (bn >= nb) bn = 0, gn = g + gridDim.x;
+    if (gn < groups && nb > 0) load(nxt, gn, bn);
+    if (nb > 0) {
+      const float* srow = a.scale + (e * a.sn + row_of(g) / a.block_n) * a.sk;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (c + u * a.lanes < c_end) v[u] = LoadWeights(wr + (c + u * a.lanes) * kChunk);
+      for (int u = 0; u < U; ++u) {
+        const int64_t c = c_begin + static_cast<int64_t>(b * U + u) * a.lanes;
+        if (c >= c_end) break;
+        float wf[kChunk];
+        DecodeE4m3(cur[u], wf);
+        const float s = kblocked ? __ldg(srow + c * kChunk / a.block_k) : 1.0f;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t ch = c + u * a.lanes;
-      if (ch >= c_end) break;
-      float wf[kChunk];
-      DecodeE4m3(v[u], wf);
-      const float s = kblocked ? __ldg(srow + ch * kChunk / a.block_k) : 1.0f;
-#pragma unroll
-      for (int r = 0; r < MB; ++r) {
-        if (!live[r]) continue;
-        float xf[kChunk];
-        LoadX16(x + r * a.k + ch * kChunk, xf);
-        if (kblocked) {
+        for (int r = 0; r < MB; ++r) {
+          if (!live[r]) continue;
+          float xf[kChunk];
+          LoadX16(x + r * a.k + c * kChunk, xf);
           float p = 0.0f;
 #pragma unroll
           for (int j = 0; j < kChunk; ++j) p = __fmaf_rn(xf[j], wf[j], p);
-          acc[r] = __fmaf_rn(p, s, acc[r]);
-        } else {
-#pragma unroll
-          for (int j = 0; j < kChunk; ++j) acc[r] = __fmaf_rn(xf[j], wf[j], acc[r]);
+          acc[r] = kblocked ? __fmaf_rn(p, s, acc[r]) : __fadd_rn(acc[r], p);
         }
       }
     }
-  }
-  for (int off = a.lanes / 2; off >= 1; off /= 2) {
+    if (bn == 0) {  // the row is done: lanes, then splits, then the scale; rounded once
+      for (int off = a.lanes / 2; off >= 1; off /= 2) {
 #pragma unroll
-    for (int r = 0; r < MB; ++r) acc[r] = __fadd_rn(acc[r], __shfl_xor_sync(0xffffffffu, acc[r], off));
-  }
-  if (a.ksplit > 1) {
-    if (l == 0) {
+        for (int r = 0; r < MB; ++r)
+          acc[r] = __fadd_rn(acc[r], __shfl_xor_sync(0xffffffffu, acc[r], off));
+      }
+      if (a.ksplit > 1) {
+        if (l == 0) {
 #pragma unroll
-      for (int r = 0; r < MB; ++r) split_sums[warp][rw][r] = acc[r];
+          for (int r = 0; r < MB; ++r) split_sums[parity][warp][rw][r] = acc[r];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < MB; ++r) {
+          float total = split_sums[parity][warp - kw][rw][r];
+          for (int sp = 1; sp < a.ksplit; ++sp)
+            total = __fadd_rn(total, split_sums[parity][warp - kw + sp][rw][r]);
+          acc[r] = total;
+        }
+        parity ^= 1;
+      }
+      const int64_t n = g * rows_per_block + rg * rows_per_warp + rw;
+      if (kw == 0 && l == 0 && n < a.n) {
+        const float s = kblocked ? 1.0f : __ldg(a.scale + (e * a.sn + n / a.block_n) * a.sk);
+#pragma unroll
+        for (int r = 0; r < MB; ++r) {
+          if (!live[r]) continue;
+          const float out = kblocked ? acc[r] : __fmul_rn(acc[r], s);
+          static_cast<T*>(a.y)[(m0 + r) * a.n + n] = FromFloat<T>(out);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < MB; ++r) acc[r] = 0.0f;
     }
-    __syncthreads();
-    if (kw != 0) return;
+    g = gn;
+    b = bn;
 #pragma unroll
-    for (int r = 0; r < MB; ++r) {
-      float total = split_sums[warp][rw][r];
-      for (int s = 1; s < a.ksplit; ++s) total = __fadd_rn(total, split_sums[warp + s][rw][r]);
-      acc[r] = total;
-    }
-  }
-  if (l != 0 || n >= a.n) return;
-  const float s = kblocked ? 1.0f : __ldg(srow);
-#pragma unroll
-  for (int r = 0; r < MB; ++r) {
-    if (!live[r]) continue;
-    const float out = kblocked ? acc[r] : __fmul_rn(acc[r], s);
-    static_cast<T*>(a.y)[(m0 + r) * a.n + n] = FromFloat<T>(out);
+    for (int u = 0; u < U; ++u) cur[u] = nxt[u];
   }
 }
 
@@ -224,7 +254,24 @@ cudaError_t LaunchRows(const Fp8MatVecCall& c, const Fp8Args& a, unsigned grid_y
                        cudaStream_t stream) {
   const int64_t rows = fp8mv::RowsPerBlock(c.lanes, c.ksplit);
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>((c.n + rows - 1) / rows), grid_y, 1);
+  // As many blocks as stay resident (each loops over row groups), at most one per group.
+  static int per_sm = 0;
+  if (per_sm == 0 &&
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Fp8MatVecKernel<T, MB>, kThreads, 0) !=
+          cudaSuccess)
+    per_sm = 1;
+  static int sms_of[64] = {};  // per device ordinal, read once
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  if (device >= 0 && device < 64) {
+    if (sms_of[device] == 0)
+      cudaDeviceGetAttribute(&sms_of[device], cudaDevAttrMultiProcessorCount, device);
+    sms = sms_of[device];
+  }
+  const int64_t groups = (c.n + rows - 1) / rows;
+  const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * std::max(sms, 1);
+  const int64_t per_y = std::max<int64_t>(1, resident / grid_y);
+  config.gridDim = dim3(static_cast<unsigned>(std::min(groups, per_y)), grid_y, 1);
   config.blockDim = dim3(kThreads, 1, 1);
   config.stream = stream;
   cudaLaunchAttribute attr[1];

@@ -115,13 +115,9 @@ float LanePartial(const Fp8MatVecCall& c, const float* xm, const float* wr, cons
   float acc = 0.0f;
   for (int64_t ch = c_begin + lane; ch < c_end; ch += c.lanes) {
     const int64_t k0 = ch * fp8mv::kChunk;
-    if (c.KBlocked()) {
-      float p = 0.0f;
-      for (int j = 0; j < fp8mv::kChunk; ++j) p = std::fma(xm[k0 + j], wr[k0 + j], p);
-      acc = std::fma(p, srow[k0 / c.block_k], acc);
-    } else {
-      for (int j = 0; j < fp8mv::kChunk; ++j) acc = std::fma(xm[k0 + j], wr[k0 + j], acc);
-    }
+    float p = 0.0f;
+    for (int j = 0; j < fp8mv::kChunk; ++j) p = std::fma(xm[k0 + j], wr[k0 + j], p);
+    acc = c.KBlocked() ? std::fma(p, srow[k0 / c.block_k], acc) : acc + p;
   }
   return acc;
 }

@@ -15,9 +15,9 @@
 //     the chunks are cut into `ksplit` contiguous ranges of ceil(C / ksplit) chunks, one per
 //     warp of a row group (C = K / 16).  Lane l of split s takes chunks
 //     s * ceil(C / ksplit) + l + i * lanes, i = 0, 1, ... in order.
-//   - K-blocked scales (block_k < K): per chunk p = fma over its 16 weights in order, from 0,
-//     then acc = fma(p, scale[n / block_n, 16c / block_k], acc).  Otherwise one fma chain
-//     acc = fma(x[k], w[k], acc) over the lane's chunks' weights in order.
+//   - Per chunk, p = fma over its 16 weights in order, from 0 (16 independent chains per
+//     batch of loads, not one long one); then acc = fma(p, scale[n / block_n, 16c / block_k],
+//     acc) when the scale is K-blocked (block_k < K), else acc = acc + p; acc from 0.
 //   - The lanes of a row are added by a butterfly: for off = lanes/2, ..., 1:
 //     v[i] = v[i] + v[i ^ off] (every lane ends with lane 0's value).
 //   - The splits' values are added in split order; then, when the scale is not K-blocked, the

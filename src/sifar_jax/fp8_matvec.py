@@ -149,7 +149,7 @@ def _check(x, w, scale, ids, block):
 def fp8_matvec(x: jax.Array, w: jax.Array, scale: jax.Array, ids: jax.Array | None = None, *,
                block: tuple[int, int] | None = None, impl: str = "auto",
                plan: tuple[int, int] | None = None, pdl: bool = True,
-               prefetch: bool = True) -> jax.Array:
+               prefetch: bool = False) -> jax.Array:
     """y[m, n] = sum_k x[m, k] * w[ids[m], n, k] * scale[.., n // block_n, k // block_k].
 
     x [M, K] float32/bfloat16/float16. w [N, K] float8_e4m3fn (ids None) or [E, N, K] with ids

@@ -31,7 +31,8 @@ def operands(m, k, n, e, dtype, scaling, seed=0):
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32), dtype)
     lead = () if e is None else (e,)
-    w = jnp.asarray(rng.standard_normal(lead + (n, k)) * 100, E4M3)  # spans e4m3's range
+    # Spans e4m3's range (448 at most: a larger value would become NaN), never all zeros.
+    w = jnp.asarray(np.clip(rng.standard_normal(lead + (n, k)) * 100, -448, 448), E4M3)
     block = {"tensor": (n, k), "channel": (1, k), "block": (128, 128)}[scaling]
     grid = (math.ceil(n / block[0]), math.ceil(k / block[1]))
     scale = jnp.asarray(rng.uniform(0.5, 2.0, lead + grid).astype(np.float32) / (100 * k ** 0.5))
@@ -62,6 +63,8 @@ def run(x, w, scale, block, ids, **kw):
 
 
 def check(y, x, w, scale, block, ids):
+    assert np.isfinite(np.asarray(w, np.float32)).all()
+    assert np.isfinite(np.asarray(y, np.float32)).all()
     want, bound = reference(x, w, scale, block, ids)
     assert y.shape == want.shape and y.dtype == x.dtype
     np.testing.assert_array_less(np.abs(np.asarray(y, np.float64) - want), bound + 1e-30)
@@ -182,7 +185,8 @@ def test_cuda_kernel_matches_cpu_handler_bits(dtype, shape, pdl):
         pytest.skip("needs a CUDA GPU and the CUDA build")
     m, k, n, e, scaling = shape
     x, w, scale, block, ids = operands(m, k, n, e, dtype, scaling, seed=k + n)
-    f = jax.jit(lambda x, w, s, i: f8.fp8_matvec(x, w, s, i, block=block, impl="kernel", pdl=pdl))
+    f = jax.jit(lambda x, w, s, i: f8.fp8_matvec(x, w, s, i, block=block, impl="kernel", pdl=pdl,
+                                                  prefetch=pdl))
     on = lambda d: f(*jax.device_put((x, w, scale, ids), d))  # noqa: E731
     # NaNs left in the allocator's free memory, where the output will be: all of it is written.
     poison = jax.device_put(jnp.full((4, m, n), jnp.nan, dtype), gpus[0]).block_until_ready()
