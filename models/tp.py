@@ -68,7 +68,12 @@ def project(equation: str, x: jax.Array, w: jax.Array, rows: int = 1, **kw) -> j
     multiplied as `rows` copies and the first result kept. XLA:GPU runs a one-row projection as a
     slow multiply + reduce or a narrow GEMM: on an H200, a chain of TP=2's per-rank Llama-8B
     projections streamed its weights at 2.7 TB/s with one row and 3.5 TB/s with two
-    (docs/performance.md). The copies change no value of the kept row's inputs."""
+    (docs/performance.md). The copies change no value of the kept row's inputs.
+    An FP8 weight (models/quant.py, Fp8Weight) runs as one FP8 GEMV (rows ignored)."""
+    from .quant import Fp8Weight, project_fp8
+
+    if isinstance(w, Fp8Weight):
+        return project_fp8(equation, x, w, **kw)
     if rows > 1 and x.shape[0] * x.shape[1] == 1:
         y = jnp.einsum(equation, jnp.broadcast_to(x, (rows,) + x.shape[1:]), w, **kw)
         return y[:1]
