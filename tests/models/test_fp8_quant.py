@@ -99,3 +99,25 @@ def test_bad_equation_is_a_clear_error():
     qw = quantize_fp8(jnp.asarray(rand((64, 32), 7)), 1)
     with pytest.raises(ValueError, match="contracted dims first"):
         project("bth,vh->btv", jnp.ones((1, 1, 32), jnp.bfloat16), qw)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llama_mlp_with_fp8_params_equals_its_dequantized_weights(dtype):
+    """A family's module gains FP8 by holding Fp8Weight params: no per-call-site code."""
+    from flax import nnx
+
+    from models import llama
+    from models.config import LlamaConfig
+
+    c = LlamaConfig.tiny(dtype=dtype)
+    fp8, ref = llama.MLP(c, rngs=nnx.Rngs(0)), llama.MLP(c, rngs=nnx.Rngs(0))
+    for name in ("gate_up", "down"):
+        qw = quantize_fp8(getattr(fp8, name)[...], 1)
+        setattr(fp8, name, nnx.Param(qw))
+        setattr(ref, name, nnx.Param(dequantize(qw, jnp.dtype(dtype))))
+    x = jax.random.normal(jax.random.key(1), (1, 1, c.hidden_size), jnp.dtype(dtype))
+    got, want = np.asarray(fp8(x), np.float32), np.asarray(ref(x), np.float32)
+    # float32: the same sums' rounding only; bf16: the fp8 path keeps float32 sums and rounds
+    # once where XLA's bf16 dot rounds its bf16 products' sum: within 2 bf16 roundings.
+    tol = 1e-5 if dtype == "float32" else 2 * 2.0 ** -8
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol * np.abs(want).max())
