@@ -122,3 +122,34 @@ def project_fp8(equation: str, x: jax.Array, w: Fp8Weight, **kw) -> jax.Array:
     y = y.reshape(lead + w.out_dims)
     dt = kw.get("preferred_element_type")
     return y if dt is None else y.astype(dt)
+
+
+def matvec_fp8(x: jax.Array, w: Fp8Weight, ids: jax.Array) -> jax.Array:
+    """y[m] = x[m] @ dequantize(w)[ids[m]] for an expert stack (out dims (E, *rest)): x [M, *in]
+    -> [M, *rest], each row against its chosen expert's weight, read in place in FP8."""
+    from sifar_jax import fp8_matvec as f8
+
+    e, rest = w.out_dims[0], w.out_dims[1:]
+    if not rest:
+        raise ValueError("matvec_fp8: the stack's out dims must be (E, ...) with >= 1 more dim")
+    one = Fp8Weight(w.q[0], w.scale[0], w.n_in, w.block)  # the per-expert view's operands
+    q2, s2, block = one.kernel_operands()
+    n, k = q2.shape
+    scale = w.scale
+    if s2.size != math.prod(w.scale.shape[1:]):  # regridded: the stack's scales likewise
+        scale = jax.vmap(lambda s: Fp8Weight(w.q[0], s, w.n_in, w.block).kernel_operands()[1])(
+            w.scale)
+    y = f8.fp8_matvec(x.reshape(x.shape[0], k), w.q.reshape(e, n, k),
+                      scale.reshape((e,) + s2.shape), ids, block=block)
+    return y.reshape((x.shape[0],) + rest)
+
+
+def quantize_fp8_stack(w: jax.Array, n_in: int) -> Fp8Weight:
+    """An expert stack [E, *in, *out] per output channel -> Fp8Weight with out dims (E, *out)."""
+    one = jax.vmap(lambda we: quantize_fp8(we, n_in))(jnp.asarray(w))
+    return Fp8Weight(one.q, one.scale, n_in, one.block)
+
+
+def dequantize_stack(w: Fp8Weight, dtype=jnp.bfloat16) -> jax.Array:
+    """An expert stack's weights [E, *in, *out] as dtype."""
+    return jax.vmap(lambda q, s: dequantize(Fp8Weight(q, s, w.n_in, w.block), dtype))(w.q, w.scale)

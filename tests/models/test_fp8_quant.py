@@ -121,3 +121,22 @@ def test_llama_mlp_with_fp8_params_equals_its_dequantized_weights(dtype):
     # once where XLA's bf16 dot rounds its bf16 products' sum: within 2 bf16 roundings.
     tol = 1e-5 if dtype == "float32" else 2 * 2.0 ** -8
     np.testing.assert_allclose(got, want, rtol=0, atol=tol * np.abs(want).max())
+
+
+def test_qwen3_moe_experts_with_fp8_stacks_equal_dequantized():
+    """Expert stacks as Fp8Weight: the chosen experts read in place by fp8_matvec with ids."""
+    from models import qwen3_moe
+    from models.quant import dequantize_stack, quantize_fp8_stack
+
+    e, h, i, n, k = 6, 64, 32, 2, 3
+    gate_up = quantize_fp8_stack(jnp.asarray(rand((e, h, 2, i), 8)), 1)
+    down = quantize_fp8_stack(jnp.asarray(rand((e, i, h), 9)), 1)
+    assert gate_up.q.shape == (e, 2, i, h) and down.q.shape == (e, h, i)
+    x = jnp.asarray(rand((n, h), 10))
+    ids = jnp.asarray([[0, 3, 5], [2, 3, 1]], jnp.int32)
+    weights = jnp.asarray(rand((n, k), 11))
+    got = qwen3_moe.experts(x, weights, ids, gate_up, down)
+    want = qwen3_moe.experts(x, weights, ids, dequantize_stack(gate_up, jnp.float32),
+                             dequantize_stack(down, jnp.float32), impl="matvec")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                               atol=1e-5 * np.abs(np.asarray(want)).max())
