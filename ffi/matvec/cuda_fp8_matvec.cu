@@ -1,9 +1,11 @@
-// The FP8-weight product on CUDA (fp8_matvec.h): one launch, no workspace.  Each weight row
-// (K contiguous bytes) is read by `lanes` threads in 16-byte loads, kUnroll loads in flight per
-// thread; `ksplit` warps of a block share a row's K and add their sums through shared memory.
-// Launched with programmatic dependent launch (pdl): the block first lets the next kernel
-// launch, asks L2 for its weight rows (weights never depend on the previous kernel; an L2
-// prefetch binds no value), then waits for the previous kernel before reading x and ids.
+// The FP8-weight product on CUDA (fp8_matvec.h): one launch, no workspace.  A persistent grid
+// (as many blocks as stay resident, each looping over groups of rows); each weight row (K
+// contiguous bytes) is read by `lanes` threads in 16-byte loads, the next batch of loads in
+// flight while the current one is added up; `ksplit` warps of a block share a row's K and add
+// their sums through shared memory.  With pdl the launch is a programmatic dependent launch:
+// the block lets the next kernel launch, optionally (prefetch) asks L2 for its first rows
+// (weights never depend on the previous kernel; an L2 prefetch binds no value), then waits for
+// the previous kernel before reading x and ids.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
