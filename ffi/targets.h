@@ -23,7 +23,9 @@
   X(psum_add_rmsnorm, "sifar_psum_add_rmsnorm", CpuPsumAddRmsNorm, CudaPsumAddRmsNorm,        \
     PreloadFusedKernels)                                                                  \
   /* (x [M, K], w [E, K, N], ids [M]) -> (y [M, N], workspace): batch-1 x @ w[ids] */         \
-  X(matvec, "sifar_matvec", CpuMatVec, CudaMatVec, PreloadMatVecKernels)
+  X(matvec, "sifar_matvec", CpuMatVec, CudaMatVec, PreloadMatVecKernels)                    \
+  /* (x [M, K], w [E, N, K] e4m3, scale, ids [M]) -> y [M, N]: FP8 weights, batch 1..8 */    \
+  X(fp8_matvec, "sifar_fp8_matvec", CpuFp8MatVec, CudaFp8MatVec, PreloadFp8MatVecKernels)
 
 namespace sifar {
 

@@ -239,6 +239,13 @@ def experts_dense(x, weights, ids, gate_up, down):
 def experts(x, weights, ids, gate_up, down, impl: str = "matvec", rows: int = 1):
     """This rank's partial MoE output [N, hidden] (see the module docstring for `impl`; rows:
     see experts_gather)."""
+    from .quant import Fp8Weight, matvec_fp8
+
+    if isinstance(gate_up, Fp8Weight):  # FP8 experts: always read in place, as matvec does
+        n, k = ids.shape
+        h = matvec_fp8(jnp.repeat(x, k, axis=0), gate_up, ids.reshape(-1))
+        y = matvec_fp8(_swiglu(h), down, ids.reshape(-1))
+        return jnp.einsum("nkh,nk->nh", y.reshape(n, k, -1), weights)
     if impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {impl!r}")
     if ids.size < gate_up.shape[0]:  # fewer slices than experts: read only those

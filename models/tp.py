@@ -67,7 +67,13 @@ def project(equation: str, x: jax.Array, w: jax.Array, rows: int = 1, **kw) -> j
     """jnp.einsum(equation, x, w) for x [B, T, ...]; a single row (B = T = 1: batch-1 decoding) is
     multiplied as `rows` copies and the first result kept. XLA:GPU runs a one-row projection as a
     slow multiply + reduce or a narrow GEMM that streams the weights more slowly than a two-row
-    one (docs/performance.md). The copies change no value of the kept row's inputs."""
+    one (docs/performance.md). The copies change no value of the kept row's inputs.
+
+    An FP8 weight (models/quant.py, Fp8Weight) runs as one FP8 GEMV (rows ignored)."""
+    from .quant import Fp8Weight, project_fp8
+
+    if isinstance(w, Fp8Weight):
+        return project_fp8(equation, x, w, **kw)
     if rows > 1 and x.shape[0] * x.shape[1] == 1:
         y = jnp.einsum(equation, jnp.broadcast_to(x, (rows,) + x.shape[1:]), w, **kw)
         return y[:1]

@@ -1,0 +1,246 @@
+"""Batch-1 projections with FP8 weights: our kernel beside XLA's and torch's paths.
+
+32 layers of distinct weights, each layer's four projections as the decoder runs them (qkv, o,
+gate_up, down), chained in one jit (one call's output feeds the next; a slice where the decoder
+has attention or the activation), at Llama-3.1-8B's TP=1 shapes and TP=2's per-rank shapes.
+Each row: time per chain, the weight bytes read per second, and the ratio to the bytes' floor
+(weight bytes / FLOOR_TBPS). Paths: sifar_jax.fp8_matvec (per-channel scales; with and without
+programmatic dependent launch and the L2 prefetch), XLA's bf16 dot (1 and 2 rows), XLA's dot
+on e4m3 weights converted inside it x per-channel scale (1 and 2 rows), torch._scaled_mm
+(e4m3 x e4m3, 16 rows, per-tensor scales, a CUDA graph) when torch is there.
+
+    python -m bench.gemv [--out DIR] [--tp 1 2] [--rows 1] [--torch/--no-torch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+FLOOR_TBPS = 4.3  # H200 weight-stream floor (docs/design.md, section 9)
+LAYERS = 32
+HIDDEN, INTER, QKV = 4096, 14336, 6144  # Llama-3.1-8B
+
+
+def shapes(tp: int) -> list[tuple[str, int, int]]:
+    """(name, K, N) per projection, one rank's share at tensor parallelism tp."""
+    return [("qkv", HIDDEN, QKV // tp), ("o", HIDDEN // tp, HIDDEN),
+            ("gate_up", HIDDEN, 2 * INTER // tp), ("down", INTER // tp, HIDDEN)]
+
+
+def chain(project, layers, x, tp):
+    """The 32 layers' projections, each feeding the next (slices stand for attention and the
+    activation, which the decoder runs between them)."""
+    h = x
+    for ws in layers:
+        for (name, k, _), w in zip(shapes(tp), ws):
+            h = project(h[:, :k], w)
+    return h
+
+
+def timed(fn, args, reps=30, inner=5) -> float:
+    """Median seconds per call over `reps` batches of `inner` back-to-back calls."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        r = None
+        for _ in range(inner):
+            r = fn(*args)
+        jax.block_until_ready(r)
+        out.append((time.perf_counter() - t0) / inner)
+    return statistics.median(out)
+
+
+def jax_rows(tp: int, rows: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    from sifar_jax import fp8_matvec as f8
+
+    key = jax.random.key(tp)
+    fp8, bf16 = [], []
+    for i in range(LAYERS):
+        lw8, lw16 = [], []
+        for j, (_, k, n) in enumerate(shapes(tp)):
+            kk = jax.random.fold_in(key, i * 4 + j)
+            w = jax.random.normal(kk, (n, k), jnp.bfloat16)
+            q = (w * 32).astype(jnp.float8_e4m3fn)
+            s = jnp.full((n, 1), 1 / (32 * k ** 0.5), jnp.float32)
+            lw8.append((q, s))
+            lw16.append((w * k ** -0.5).T)  # [K, N]: XLA's x @ w
+        fp8.append(lw8)
+        bf16.append(lw16)
+    jax.block_until_ready((fp8, bf16))
+    fp8_bytes = sum(q.size for ws in fp8 for q, _ in ws)
+    x = jax.random.normal(key, (rows, max(k for _, k, _ in shapes(tp))), jnp.bfloat16)
+
+    def ours(**kw):
+        return lambda h, w: f8.fp8_matvec(h, w[0], w[1], impl="kernel", **kw)
+
+    def widened(dot, r):  # XLA's dot on r copies of one row (docs/performance.md: 2 rows)
+        def f(h, w):
+            hh = jnp.broadcast_to(h, (max(r, h.shape[0]),) + h.shape[1:]) if r > 1 else h
+            return dot(hh, w)[: h.shape[0]]
+        return f
+
+    bf16_dot = lambda h, w: jnp.dot(h, w, preferred_element_type=jnp.float32).astype(h.dtype)  # noqa: E731
+    fp8_dot = lambda h, w: (jnp.einsum("mk,nk->mn", h, w[0].astype(h.dtype),  # noqa: E731
+                                       preferred_element_type=jnp.float32)
+                            * w[1][:, 0]).astype(h.dtype)
+    paths = [("sifar fp8_matvec, pdl + L2 prefetch", "fp8", ours(), fp8),
+             ("sifar fp8_matvec, pdl", "fp8", ours(prefetch=False), fp8),
+             ("sifar fp8_matvec, plain launch", "fp8", ours(pdl=False, prefetch=False), fp8),
+             ("XLA bf16 dot, 1 row", "bf16", widened(bf16_dot, 1), bf16),
+             ("XLA bf16 dot, 2 rows", "bf16", widened(bf16_dot, 2), bf16),
+             ("XLA e4m3 converted in the dot x scale, 1 row", "fp8", widened(fp8_dot, 1), fp8),
+             ("XLA e4m3 converted in the dot x scale, 2 rows", "fp8", widened(fp8_dot, 2), fp8)]
+    out = []
+    for name, weights, proj, ws in paths:
+        fn = jax.jit(lambda x, ws, proj=proj: chain(proj, ws, x, tp))
+        try:
+            sec = timed(fn, (x, ws))
+        except Exception as e:  # noqa: BLE001 - a path that cannot run is reported, not fatal
+            out.append({"path": name, "tp_shapes": tp, "rows": rows, "error": repr(e)[:300]})
+            continue
+        nbytes = fp8_bytes * (1 if weights == "fp8" else 2)
+        out.append(record(name, weights, tp, rows, sec, nbytes))
+    return out
+
+
+def record(name, weights, tp, rows, sec, nbytes) -> dict:
+    floor_ms = nbytes / (FLOOR_TBPS * 1e12) * 1e3
+    return {"path": name, "weights": weights, "shapes": "tp1" if tp == 1 else f"tp{tp}_rank",
+            "tp_shapes": tp, "rows": rows, "ms": sec * 1e3, "bytes": nbytes,
+            "tbps": nbytes / sec / 1e12, "floor_ms": floor_ms, "x_floor": sec * 1e3 / floor_ms}
+
+
+def isolated_rows(tp: int) -> list[dict]:
+    """Each projection alone, one call per jit, 8 distinct weights in turn (past L2): the
+    kernel's own rate, apart from what the chain adds between calls."""
+    import jax
+    import jax.numpy as jnp
+
+    from sifar_jax import fp8_matvec as f8
+
+    out = []
+    for name, k, n in shapes(tp):
+        ws = [(jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * 32
+               ).astype(jnp.float8_e4m3fn) for i in range(8)]
+        s = jnp.full((n, 1), 1 / (32 * k ** 0.5), jnp.float32)
+        x = jnp.ones((1, k), jnp.bfloat16)
+        f = jax.jit(lambda x, w, s: f8.fp8_matvec(x, w, s, impl="kernel"))
+        jax.block_until_ready([f(x, w, s) for w in ws])
+        times = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            r = [f(x, w, s) for w in ws]
+            jax.block_until_ready(r)
+            times.append((time.perf_counter() - t0) / len(ws))
+        out.append(record(f"sifar fp8_matvec alone: {name} {k}->{n}", "fp8", tp, 1,
+                          statistics.median(times), n * k))
+    return out
+
+
+def torch_rows(tp: int) -> list[dict]:
+    """torch._scaled_mm chain in a CUDA graph (run in its own process: torch's allocator)."""
+    import torch
+
+    dev = torch.device("cuda")
+    layers = []
+    for _ in range(LAYERS):
+        layers.append([(torch.randn(n, k, device=dev).mul_(32).to(torch.float8_e4m3fn).t(),
+                        torch.tensor(1 / (32 * k ** 0.5), device=dev))
+                       for _, k, n in shapes(tp)])
+    one = torch.tensor(1.0, device=dev)
+    x = torch.randn(16, HIDDEN, device=dev, dtype=torch.bfloat16)
+
+    def run():
+        h = x
+        for ws in layers:
+            for (_, k, _), (w, s) in zip(shapes(tp), ws):
+                a = h[:, :k].contiguous().to(torch.float8_e4m3fn)
+                h = torch._scaled_mm(a, w, scale_a=one, scale_b=s, out_dtype=torch.bfloat16)
+        return h
+
+    torch.cuda.synchronize()
+    run()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    times = []
+    for _ in range(30):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            g.replay()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / 5)
+    nbytes = sum(w.numel() for ws in layers for w, _ in ws)
+    return [record("torch._scaled_mm e4m3, 16 rows (CUDA graph)", "fp8", tp, 16,
+                   statistics.median(times), nbytes)]
+
+
+def markdown(records) -> str:
+    lines = ["| shapes | path | rows | ms | TB/s | x floor |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in records:
+        if "error" in r:
+            lines.append(f"| tp{r['tp_shapes']} | {r['path']} | {r['rows']} | error | | |")
+        else:
+            lines.append(f"| {r['shapes']} | {r['path']} | {r['rows']} | {r['ms']:.3f} | "
+                         f"{r['tbps']:.2f} | {r['x_floor']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=None, help="results folder (default bench/results)")
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--rows", type=int, nargs="+", default=[1])
+    p.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--torch-only", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    global LAYERS
+    LAYERS = args.layers
+    if args.torch_only is not None:
+        print(json.dumps(torch_rows(args.torch_only)))
+        return
+    from bench import common
+
+    records = []
+    for tp in args.tp if args.torch else ():  # first: torch's process before jax takes memory
+        r = subprocess.run([sys.executable, "-m", "bench.gemv", "--torch-only", str(tp),
+                            "--layers", str(LAYERS)],
+                           capture_output=True, text=True, env=common.child_env())
+        try:
+            records += json.loads(r.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            records.append({"path": "torch._scaled_mm", "tp_shapes": tp, "rows": 16,
+                            "error": r.stderr[-300:]})
+    for tp in args.tp:
+        for rows in args.rows:
+            records += jax_rows(tp, rows)
+        records += isolated_rows(tp)
+    import jax
+
+    env = common.describe_environment(jax.devices())
+    host = env["host"]
+    out = common.default_out(env["platform"]) if args.out is None else args.out
+    common.write_json(common.results_path(out, "gemv", host, ".json"),
+                      {"environment": env, "floor_tbps": FLOOR_TBPS, "records": records})
+    common.write_markdown(common.results_path(out, "gemv", host, ".md"),
+                          "FP8 GEMV: 32 layers of Llama-8B projections, batch 1", env,
+                          [("Results", markdown(records))],
+                          notes=[f"x floor: time / (weight bytes / {FLOOR_TBPS} TB/s)"])
+    print(markdown(records))
+
+
+if __name__ == "__main__":
+    main()

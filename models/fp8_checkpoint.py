@@ -1,0 +1,197 @@
+"""The hub's FP8 checkpoints: config.json's quantization_config, F8_E4M3 safetensors without
+torch, each projection's e4m3 weight and its scales, checked at load time.
+
+Two layouts, read as transformers reads them:
+  - compressed-tensors, format "float-quantized": `<name>.weight` e4m3 [N, K] and
+    `<name>.weight_scale` per tensor ([] or [1]) or per output channel ([N, 1]);
+    `<name>.input_scale` is read and unused (activations stay bf16);
+  - fine-grained FP8 (quant_method "fp8", weight_block_size [bn, bk]): `<name>.weight` and
+    `<name>.weight_scale_inv` [ceil(N / bn), ceil(K / bk)], which despite its name multiplies:
+    w = q x s.
+The safetensors package's numpy API (0.8) has no float8 dtype, so the files' header is parsed
+here and the tensors memory-mapped as ml_dtypes arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Optional
+
+import ml_dtypes
+import numpy as np
+
+E4M3_MAX = 448.0
+DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+          "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16),
+          "F32": np.dtype(np.float32), "I32": np.dtype(np.int32), "I64": np.dtype(np.int64)}
+NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class Fp8CheckpointError(ValueError):
+    """A checkpoint's FP8 tensors or quantization_config are not what the loader expects."""
+
+
+# ---- safetensors with float8 -------------------------------------------------------------------
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """Every tensor of one .safetensors file, memory-mapped (read-only numpy views)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    mm = np.memmap(path, np.uint8, "r")
+    out = {}
+    for name, info in header.items():
+        if info["dtype"] not in DTYPES:
+            raise Fp8CheckpointError(f"{path}: tensor {name!r} has dtype {info['dtype']}, "
+                                     f"not one of {sorted(DTYPES)}")
+        lo, hi = info["data_offsets"]
+        out[name] = mm[8 + n + lo: 8 + n + hi].view(DTYPES[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray],
+                      metadata: Optional[dict] = None) -> None:
+    """tensors (float8 included) as one .safetensors file, in name order."""
+    header, blobs, off = {}, [], 0
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        if a.dtype not in NAMES:
+            raise Fp8CheckpointError(f"{name}: cannot write dtype {a.dtype}")
+        header[name] = {"dtype": NAMES[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [off, off + a.nbytes]}
+        blobs.append(a.tobytes())
+        off += a.nbytes
+    if metadata:
+        header["__metadata__"] = metadata
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for b in blobs:
+            f.write(b)
+
+
+# ---- quantization_config -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """How a checkpoint stores its FP8 projections."""
+    layout: str  # "compressed-tensors" or "fp8"
+    strategy: str  # "tensor", "channel" or "block"
+    block: tuple[int, int] = (0, 0)  # (bn, bk) for "block"
+    ignore: tuple[str, ...] = ()  # modules left in bf16 (e.g. lm_head)
+
+    @property
+    def scale_suffix(self) -> str:
+        return "weight_scale_inv" if self.layout == "fp8" else "weight_scale"
+
+    def quantized(self, module: str) -> bool:
+        return not any(module == i or module.endswith("." + i) or module.startswith(i + ".")
+                       for i in self.ignore)
+
+
+def parse_quantization_config(config: dict) -> Optional[Fp8Scheme]:
+    """The Fp8Scheme of a config.json (None: no quantization_config); raises Fp8CheckpointError
+    naming what is unsupported."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    method = qc.get("quant_method")
+    if method == "fp8":
+        fmt = qc.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise Fp8CheckpointError(f"quantization_config: fmt {fmt!r} (only e4m3 is read)")
+        bs = qc.get("weight_block_size")
+        if bs is None:
+            return Fp8Scheme("fp8", "tensor", ignore=tuple(qc.get("modules_to_not_convert") or ()))
+        if len(bs) != 2 or bs[1] % 16:
+            raise Fp8CheckpointError(f"quantization_config: weight_block_size {bs} (expected "
+                                     f"[bn, bk] with bk a multiple of 16, e.g. [128, 128])")
+        return Fp8Scheme("fp8", "block", (int(bs[0]), int(bs[1])),
+                         tuple(qc.get("modules_to_not_convert") or ()))
+    if method == "compressed-tensors":
+        if qc.get("format") != "float-quantized":
+            raise Fp8CheckpointError(f"quantization_config: compressed-tensors format "
+                                     f"{qc.get('format')!r} (only 'float-quantized' is read)")
+        groups = list((qc.get("config_groups") or {}).values())
+        if len(groups) != 1:
+            raise Fp8CheckpointError(f"quantization_config: {len(groups)} config_groups "
+                                     f"(one group of Linear weights is read)")
+        wq = groups[0].get("weights") or {}
+        if wq.get("type") != "float" or wq.get("num_bits") != 8:
+            raise Fp8CheckpointError(f"quantization_config: weights {wq} (expected type 'float', "
+                                     f"num_bits 8)")
+        strategy = wq.get("strategy")
+        if strategy not in ("tensor", "channel"):
+            raise Fp8CheckpointError(f"quantization_config: weight strategy {strategy!r} "
+                                     f"(expected 'tensor' or 'channel')")
+        return Fp8Scheme("compressed-tensors", strategy, ignore=tuple(qc.get("ignore") or ()))
+    raise Fp8CheckpointError(f"quantization_config: quant_method {method!r} (expected "
+                             f"'compressed-tensors' or 'fp8')")
+
+
+# ---- one projection ----------------------------------------------------------------------------
+
+def read_fp8_weight(tensors, module: str, scheme: Fp8Scheme):
+    """(q e4m3 [N, K], scale float32 [SN, SK], block (bn, bk)) of `module` (e.g.
+    "model.layers.0.self_attn.q_proj"), checked; `tensors` maps names to arrays."""
+    wname, sname = f"{module}.weight", f"{module}.{scheme.scale_suffix}"
+    if wname not in tensors:
+        raise Fp8CheckpointError(f"{wname}: missing")
+    q = tensors[wname]
+    if q.dtype != DTYPES["F8_E4M3"]:
+        raise Fp8CheckpointError(f"{wname}: dtype {NAMES.get(q.dtype, q.dtype)}, expected "
+                                 f"F8_E4M3 (float8_e4m3fn)")
+    if q.ndim != 2:
+        raise Fp8CheckpointError(f"{wname}: shape {q.shape}, expected [out, in]")
+    if sname not in tensors:
+        raise Fp8CheckpointError(f"{sname}: missing (the scale of {wname})")
+    n, k = q.shape
+    s = np.asarray(tensors[sname]).astype(np.float32)
+    if scheme.strategy == "block":
+        bn, bk = scheme.block
+        want = (math.ceil(n / bn), math.ceil(k / bk))
+    elif scheme.strategy == "channel":
+        bn, bk, want = 1, k, (n, 1)
+    else:
+        bn, bk, want = n, k, (1, 1)
+        s = s.reshape(-1) if s.size == 1 else s
+    if s.shape != want and not (want == (1, 1) and s.shape in ((1,), ())):
+        raise Fp8CheckpointError(f"{sname}: shape {tuple(s.shape)}, expected {want} for "
+                                 f"{wname} {tuple(q.shape)} ({scheme.strategy} scales)")
+    s = s.reshape(want)
+    if not np.isfinite(s).all() or (s == 0).any():
+        raise Fp8CheckpointError(f"{sname}: non-finite or zero scales (expected finite, "
+                                 f"non-zero)")
+    return q, s, (bn, bk)
+
+
+def write_fp8_weight(out: dict, module: str, q, scale, scheme: Fp8Scheme) -> None:
+    """The tensors read_fp8_weight reads, in scheme's layout (for save: the round trip)."""
+    out[f"{module}.weight"] = np.asarray(q)
+    s = np.asarray(scale, np.float32)
+    out[f"{module}.{scheme.scale_suffix}"] = s.reshape(()) if scheme.strategy == "tensor" else s
+
+
+def quantize_per_channel(w) -> tuple[np.ndarray, np.ndarray]:
+    """A bf16/f32 [N, K] weight -> (q e4m3 [N, K], scale float32 [N, 1]): max |w| / 448 per
+    output channel (1 for an all-zero channel)."""
+    wf = np.asarray(w, np.float32)
+    amax = np.abs(wf).max(axis=1, keepdims=True)
+    scale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
+    q = np.clip(wf / scale, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+def read_checkpoint_dir(path: str) -> dict[str, np.ndarray]:
+    """Every tensor of every .safetensors file of a checkpoint folder (memory-mapped)."""
+    out = {}
+    for fn in sorted(os.listdir(path)):
+        if fn.endswith(".safetensors"):
+            out.update(read_safetensors(os.path.join(path, fn)))
+    return out
