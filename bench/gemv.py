@@ -121,33 +121,6 @@ def record(name, weights, tp, rows, sec, nbytes) -> dict:
             "tbps": nbytes / sec / 1e12, "floor_ms": floor_ms, "x_floor": sec * 1e3 / floor_ms}
 
 
-def isolated_rows(tp: int) -> list[dict]:
-    """Each projection alone, one call per jit, 8 distinct weights in turn (past L2): the
-    kernel's own rate, apart from what the chain adds between calls."""
-    import jax
-    import jax.numpy as jnp
-
-    from sifar_jax import fp8_matvec as f8
-
-    out = []
-    for name, k, n in shapes(tp):
-        ws = [(jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * 32
-               ).astype(jnp.float8_e4m3fn) for i in range(8)]
-        s = jnp.full((n, 1), 1 / (32 * k ** 0.5), jnp.float32)
-        x = jnp.ones((1, k), jnp.bfloat16)
-        f = jax.jit(lambda x, w, s: f8.fp8_matvec(x, w, s, impl="kernel"))
-        jax.block_until_ready([f(x, w, s) for w in ws])
-        times = []
-        for _ in range(20):
-            t0 = time.perf_counter()
-            r = [f(x, w, s) for w in ws]
-            jax.block_until_ready(r)
-            times.append((time.perf_counter() - t0) / len(ws))
-        out.append(record(f"sifar fp8_matvec alone: {name} {k}->{n}", "fp8", tp, 1,
-                          statistics.median(times), n * k))
-    return out
-
-
 def torch_rows(tp: int) -> list[dict]:
     """torch._scaled_mm chain in a CUDA graph (run in its own process: torch's allocator)."""
     import torch
@@ -227,7 +200,6 @@ def main(argv=None) -> None:
     for tp in args.tp:
         for rows in args.rows:
             records += jax_rows(tp, rows)
-        records += isolated_rows(tp)
     import jax
 
     env = common.describe_environment(jax.devices())

@@ -234,7 +234,7 @@ def test_bench_writes_a_table_init_loads(tmp_path, cpu_mesh, fresh):
     path = tmp_path / "auto.json"
     cmd = [sys.executable, "-m", "bench.allreduce", "--quick", "--sizes", "4,8", "--peers", "none",
            "--no-trace", "--levels", "jit", "--algorithms", "sifar,oneshot,lax.psum",
-           "--no-plot", "--out", str(out), "--write-auto-table", str(path)]
+           "--out", str(out), "--write-auto-table", str(path)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     table = autotable.load(path)
