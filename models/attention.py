@@ -73,12 +73,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # How a step of one new token per row attends: "xla" the einsums of Attention.__call__, "pallas"
 # JAX's Pallas flash-decoding kernel (models.pallas_attention; where it does not apply, and for
 # steps of several tokens, the einsums run).
-ATTN_IMPLS = ("xla", "pallas")
-
-
-def check_attn_impl(attn_impl: str) -> None:
-    if attn_impl not in ATTN_IMPLS:
-        raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
+from .options import ATTN_IMPLS, DecodeOptions, check_attn_impl  # noqa: E402 - re-exported
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +102,6 @@ class Step:
     def at(cls, config: Any, positions: jax.Array, attend_len: Optional[int] = None,
            start: Optional[jax.Array] = None, options: Any = None) -> "Step":
         if options is None:
-            from .options import DecodeOptions
-
             options = DecodeOptions(kv_layout="bshd", gemm_rows=1, attn_impl="xla")
         if not options.resolved:
             raise ValueError("Step needs resolved options (DecodeOptions.resolve(mesh))")

@@ -10,12 +10,11 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from . import sharding
-from .family import Layout
 from .options import DecodeOptions
 from .tp import TPContext, make_allreduce, make_allreduce_into, make_fused_add_norm
 
 
-def make_forward(family, layout: Layout, mesh: Mesh, options: Any = None, *,
+def make_forward(family, layout: "family.Layout", mesh: Mesh, options: Any = None, *,
                  last_only: bool = False, attend_len: Optional[int] = None,
                  ar_specs: Any = None):
     """The TP forward of `family`'s model split as `layout`, on `mesh`, as a pure function,

@@ -14,9 +14,16 @@ from typing import Any, Mapping, Optional
 
 from jax.sharding import Mesh
 
-from .attention import check_attn_impl
 from .sharding import check_kv_layout, default_kv_layout
 from .tp import ALLREDUCE_KINDS, FUSED_MODES, make_fused_add_norm
+
+ATTN_IMPLS = ("xla", "pallas")  # how a step of one token attends (models.attention)
+
+
+def check_attn_impl(attn_impl: str) -> None:
+    if attn_impl not in ATTN_IMPLS:
+        raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
+
 
 SIFAR_KINDS = ("sifar", "sifar_buffers")  # all-reduce kinds that run sifar_jax (and call init)
 
