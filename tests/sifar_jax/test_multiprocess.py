@@ -50,7 +50,10 @@ def launch(n: int, *worker_args: str, devices_per_process: int = 1, platform: st
     elapsed = time.monotonic() - t0
     text = out.stdout + out.stderr
     if out.returncode != 0 and "PID " not in text:
-        # Not one worker got past jax.distributed.initialize().
+        # Not one worker got past jax.distributed.initialize(). A worker that cannot even be
+        # imported is a broken test, not a platform without jax.distributed: fail on it.
+        assert not re.search(r"\b(ModuleNotFoundError|ImportError|SyntaxError|NameError)\b",
+                             text), _tail(text)
         pytest.skip(f"jax.distributed cannot start here: {_tail(text)}")
     return out.returncode, text, elapsed
 
