@@ -6,8 +6,8 @@
 #             gets this tree's ffi/bindings/testing_gpu.cc: the same harness, its own kernels)
 #   tests     every GPU test one GPU runs (bench/gpu_host_run.sh's selection, and matvec's)
 #   stress    STRESS_CALLS skewed all-reduces (every portable algorithm, 16 B..64 KB, 4 dtypes;
-#             the sizes over 8 KB in every 4th round)
-#             over virtual ranks N = 2, 4, 8 on the GPU, checked bit for bit against the
+#             the sizes over 8 KB in every 4th round) over virtual ranks N = 2, 4, 8 on the GPU
+#             (STRESS_THREADS instances of each N at once, one host thread each: launch-bound), checked bit for bit against the
 #             rank-order reference, within STRESS_S seconds (it stops there and says so);
 #             then STRESS_MP_CALLS data-dependent ones over two processes sharing the GPU
 #   sanitize  compute-sanitizer memcheck, racecheck, synccheck on the all-reduce kernels (every
@@ -80,29 +80,39 @@ def batch(rng, k, n, nbytes, dt):  # inputs (k, n, count) and the rank-order sum
         for r in range(1, n): s = (s + x[:, r].astype(np.float32)).astype(np.float32)
         s = s.astype(dt)
     return x.tobytes(), np.repeat(s[:, None], n, 1).tobytes()
-tot = dict(calls=0, bad_outputs=0, failures=0, retries=0, timeouts=0)
-for n in (2, 4, 8):
-    k, rng = 1024 // n, np.random.default_rng(n)
-    vr = _sifar.testing.VirtualRanks(0, n, 64 * 1024, 10.0); vr.set_skew(2000, n)
+import threading
+tot, lock = dict(calls=0, bad_outputs=0, failures=0, retries=0, timeouts=0), threading.Lock()
+def one(n, seed, t_end):  # a thread per (N, replica): its own VirtualRanks, launched concurrently
+    k, rng = 1024 // n, np.random.default_rng([n, seed])
+    mk = lambda: _sifar.testing.VirtualRanks(0, n, 64 * 1024, 10.0)
+    vr = mk(); vr.set_skew(2000, n + 16 * seed)
     data = {(b, j): batch(rng, k, n, b, DT[(i + j) % 4][0]) + (DT[(i + j) % 4][1],) for i, b in enumerate(SIZES) for j in (0, 1)}
-    t_end = time.time() + budget / 3  # the inputs made: the stress's own time from here
-    calls, rnd = 0, 0
-    while calls < want_calls // 3 and time.time() < t_end:
+    calls, rnd, mine = 0, 0, dict(bad_outputs=0, failures=0, retries=0, timeouts=0)
+    while calls < want_calls // (3 * THREADS) and time.time() < t_end:
         for alg, a in ALGS.items():
             for b in SIZES:
                 if b > vr.max_bytes(a) or (b > 8192 and rnd % 4): continue  # large: every 4th round
                 x, want, elem = data[(b, rnd % 2)]
                 out, failure, c, retried, timeouts = vr.run(a, elem, x, b, k)
-                calls += k; tot["retries"] += retried; tot["timeouts"] += timeouts
+                calls += k; mine["retries"] += retried; mine["timeouts"] += timeouts
                 if out != want:
                     g, w = np.frombuffer(out, np.uint8).reshape(k, n, b), np.frombuffer(want, np.uint8).reshape(k, n, b)
-                    tot["bad_outputs"] += int((g != w).any(2).sum())
+                    mine["bad_outputs"] += int((g != w).any(2).sum())
                 if failure or timeouts:
-                    tot["failures"] += 1; print(f"N={n} {alg} {b} B: {failure or timeouts}")
-                    vr.close(); vr = _sifar.testing.VirtualRanks(0, n, 64 * 1024, 10.0); vr.set_skew(2000, n)
+                    mine["failures"] += 1; print(f"N={n} {alg} {b} B: {failure or timeouts}")
+                    vr.close(); vr = mk(); vr.set_skew(2000, n + 16 * seed)
         rnd += 1
-    vr.close(); tot["calls"] += calls
-    print(f"virtual ranks N={n}: {calls} skewed all-reduces in {budget / 3 - max(0, t_end - time.time()):.0f} s")
+    vr.close()
+    with lock:
+        tot["calls"] += calls
+        for f, v in mine.items(): tot[f] += v
+    print(f"virtual ranks N={n} thread {seed}: {calls} skewed all-reduces", flush=True)
+THREADS = int(os.environ.get("STRESS_THREADS", "2"))
+t0 = time.time(); t_end = t0 + budget
+ts = [threading.Thread(target=one, args=(n, s, t_end)) for n in (2, 4, 8) for s in range(THREADS)]
+for t in ts: t.start()
+for t in ts: t.join()
+print(f"{len(ts)} threads (N = 2, 4, 8 x {THREADS}, concurrent) in {time.time() - t0:.0f} s")
 print("STRESS virtual ranks:", tot, "(mismatching (call, rank) outputs: bad_outputs)")
 print("STRESS", "PASS" if tot["bad_outputs"] == tot["failures"] == 0 < tot["calls"] else "FAIL",
       f"{tot['calls']} of {want_calls} asked" + ("" if tot["calls"] >= want_calls else " (time cap)"))
