@@ -27,6 +27,12 @@ through `python -m sifar_jax.launch` (every process runs this same program).
             new_residual bit-identical to the rank-order reference, normed
             within test_fused's ulp bounds
 
+    rowpar  sifar_jax.row_parallel and row_parallel_add_rmsnorm in a jit program with
+            named shardings (no shard_map of its own) over processes, f32 and bf16:
+            the product bit-identical to this device's partial products added in
+            rank order in float32 (rounded once); new_residual likewise; the sifar
+            call count exact; against XLA's own all-reduce of `x @ w` (not
+            --no-psum) within float32 rounding
 Each process checks the rows it holds and prints "OK <scenario> ..." lines; any
 failure exits non-zero (the launcher propagates it).
 """
@@ -543,6 +549,57 @@ def run_fused(args) -> None:
     say(f"OK fused interleave n={n}")
 
 
+def run_rowpar(args) -> None:
+    mesh = tp_mesh()
+    n = mesh.size
+    sifar_jax.init(mesh, slot_bytes=SLOT, timeout_s=args.timeout)
+    local = sum(1 for d in mesh.devices.flat if d.process_index == ME)
+    dev = jax.local_devices()[0]
+    t, k, h, eps = 3, 32 * n, 40, 1e-6
+    project = jax.jit(lambda x, w: sifar_jax.row_parallel(x, w, mesh=mesh))
+    fused = jax.jit(lambda *a: sifar_jax.row_parallel_add_rmsnorm(*a, eps=eps, mesh=mesh))
+    for dt in (jnp.float32, jnp.bfloat16):
+        rng = np.random.default_rng([n, 5])
+        x = rng.standard_normal((t, k)).astype(dt)
+        w = (rng.standard_normal((k, h)) / 8).astype(dt)
+        r = rng.standard_normal((t, h)).astype(dt)
+        g = (1 + rng.standard_normal(h) / 4).astype(dt)
+        # Each rank's partial product as this device computes it, summed in rank order.
+        rows = k // n
+        partials = [np.asarray(jnp.matmul(jax.device_put(x[:, q * rows:(q + 1) * rows], dev),
+                                          jax.device_put(w[q * rows:(q + 1) * rows], dev)))
+                    for q in range(n)]
+        want = rank_order_sum(np.stack([p_.astype(np.float32) for p_ in partials])).astype(dt)
+        want_res = (r.astype(np.float32) + want.astype(np.float32)).astype(dt)
+        xg, wg = global_array(mesh, P(None, "tp"), x), global_array(mesh, P("tp", None), w)
+        rg, gg = global_array(mesh, P(), r), global_array(mesh, P(), g)
+        before = sifar_jax.stats()["sifar"]["calls"]
+        got = project(xg, wg)
+        normed, res = fused(xg, wg, rg, gg)
+        jax.block_until_ready((got, normed, res))
+        sifar_jax.check()
+        calls = sifar_jax.stats()["sifar"]["calls"] - before
+        name = np.dtype(dt).name
+        for s_ in got.addressable_shards:
+            assert np.asarray(s_.data).view(np.uint8).tobytes() == want.view(np.uint8).tobytes(), (
+                f"process {ME}: row_parallel {name}: not the rank-order sum of the partials")
+        for s_ in res.addressable_shards:
+            assert np.asarray(s_.data).view(np.uint8).tobytes() == want_res.view(np.uint8).tobytes(), (
+                f"process {ME}: row_parallel_add_rmsnorm {name}: new_residual")
+        want_norm = want_res.astype(np.float32)
+        want_norm = want_norm / np.sqrt(np.mean(want_norm ** 2, -1, keepdims=True) + eps) * g
+        np.testing.assert_allclose(np.asarray(normed.addressable_shards[0].data, np.float32),
+                                   want_norm, rtol=2e-2 if dt == jnp.bfloat16 else 1e-5, atol=2e-2)
+        # sifar's counter: one plain and one fused call on every local rank, nothing on lax.psum.
+        assert calls == 2 * local, (name, calls, local)
+        if not args.no_psum:  # XLA's own all-reduce (gloo / NCCL) of the same product
+            xla = jax.jit(jnp.matmul, out_shardings=NamedSharding(mesh, P()))(xg, wg)
+            np.testing.assert_allclose(np.asarray(xla.addressable_shards[0].data, np.float32),
+                                       want.astype(np.float32), rtol=1e-5 if dt == jnp.float32 else 1e-2,
+                                       atol=1e-5 if dt == jnp.float32 else 1e-2)
+        say(f"OK rowpar {name} n={n} sifar calls={calls}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("scenarios", nargs="+", choices=tuple(SCENARIOS))
@@ -564,7 +621,7 @@ def main() -> None:
 
 SCENARIOS = {"exact": run_exact, "mesh2d": run_mesh2d, "kill": run_kill, "hosts": run_hosts,
              "hosts2d": run_hosts2d, "absent": run_absent, "pool": run_pool,
-             "oldexec": run_oldexec, "fused": run_fused}
+             "oldexec": run_oldexec, "fused": run_fused, "rowpar": run_rowpar}
 
 if __name__ == "__main__":
     main()

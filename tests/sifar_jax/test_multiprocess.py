@@ -135,6 +135,20 @@ def test_fused_call_over_processes():
     assert_fused(*launch(2, "fused")[:2])
 
 
+def assert_rowpar(rc: int, text: str, n: int) -> None:
+    assert rc == 0, _tail(text)
+    for p in range(n):
+        for dt in ("float32", "bfloat16"):
+            assert lines_of(text, p, f"OK rowpar {dt} n={n} sifar calls=2"), _tail(text)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_row_parallel_over_processes(n):
+    """An auto-sharded program's row-parallel projection (and its fused residual + RMSNorm)
+    with one process per rank: the rank-order sum of the partial products, bit for bit."""
+    assert_rowpar(*launch(n, "rowpar")[:2], n)
+
+
 def test_local_and_remote_ranks_in_one_group():
     """2 processes x 2 devices: the 4-rank axis mixes local and mapped
     workspaces; a ("proc", "dev") mesh has one in-process and one
@@ -273,6 +287,15 @@ def test_gpu_fused_call_over_processes(gpus, share_gpu):
     if not share_gpu and gpus < 2:
         pytest.skip("needs 2 GPUs (the shared-GPU variant runs on one)")
     assert_fused(*launch(2, "fused", platform="gpu", share_gpu=share_gpu)[:2])
+
+
+@pytest.mark.parametrize("share_gpu", [False, True], ids=["gpu-per-process", "shared-gpu"])
+def test_gpu_row_parallel_over_processes(gpus, share_gpu):
+    """test_row_parallel_over_processes on GPUs (shared: two ranks on one GPU, no NCCL)."""
+    if not share_gpu and gpus < 2:
+        pytest.skip("needs 2 GPUs (the shared-GPU variant runs on one)")
+    assert_rowpar(*launch(2, "rowpar", *(["--no-psum"] if share_gpu else []), platform="gpu",
+                          share_gpu=share_gpu)[:2], 2)
 
 
 def test_gpu_old_executable_after_reinit_in_two_processes(gpus):
