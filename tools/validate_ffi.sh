@@ -62,7 +62,9 @@ tests)
     tests/sifar_jax/test_multiprocess.py tests/sifar_jax/test_matvec.py -k gpu ;;
 stress)
   log "stress: $STRESS_CALLS over virtual ranks (at most ${STRESS_S} s), then $STRESS_MP_CALLS over 2 processes"
-  STRESS_CALLS=$STRESS_CALLS STRESS_S=$STRESS_S timeout $(( STRESS_S + 120 )) "$PY" - <<'PY' 2>&1 | quiet
+  # 32 hardware queues: at the default 8, the threads' streams share queues, and a rank's kernel
+  # queued behind a peer that spins waiting for it deadlocks until the timeout
+  CUDA_DEVICE_MAX_CONNECTIONS=32 STRESS_CALLS=$STRESS_CALLS STRESS_S=$STRESS_S timeout $(( STRESS_S + 120 )) "$PY" - <<'PY' 2>&1 | quiet
 import os, sys, time, numpy as np, ml_dtypes
 sys.path.insert(0, "src/sifar_jax"); import _sifar
 ALGS = {a["name"]: a["id"] for a in _sifar.algorithms() if a["portable"]}
@@ -108,6 +110,7 @@ def one(n, seed, t_end):  # a thread per (N, replica): its own VirtualRanks, lau
         for f, v in mine.items(): tot[f] += v
     print(f"virtual ranks N={n} thread {seed}: {calls} skewed all-reduces", flush=True)
 THREADS = int(os.environ.get("STRESS_THREADS", "2"))
+assert 14 * THREADS <= 32, "STRESS_THREADS: at most 2 (a stream per rank, 32 hardware queues)"
 t0 = time.time(); t_end = t0 + budget
 ts = [threading.Thread(target=one, args=(n, s, t_end)) for n in (2, 4, 8) for s in range(THREADS)]
 for t in ts: t.start()
