@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Validates the ffi layer on ONE GPU (issue 38, "after the ffi change"), from the repository
 # root, everything written under $OUT. Steps, in order (default: all):
-#   build     this tree and the base commit's (BEFORE_TAR, `git archive` of it, default
+#   build     this tree (BUILD_BEFORE=0: only it) and the base commit's (BEFORE_TAR, `git archive` of it, default
 #             .before/base-71ea98f.tar.gz), CUDA for sm_90, both in .validate/ (the base tree
 #             gets this tree's ffi/bindings/testing_gpu.cc: the same harness, its own kernels)
 #   tests     every GPU test one GPU runs (bench/gpu_host_run.sh's selection, and matvec's)
@@ -44,11 +44,15 @@ for step in "${steps[@]}"; do
   if (( $(date +%s) - T0 > ${BUDGET_S:-540} - 60 )); then  # one device call: 600 s
     log "$step: SKIPPED, under a minute of the ${BUDGET_S:-540} s budget left"; continue
   fi
-  if [[ $step != build ]] && ! ls src/sifar_jax/_sifar*.so "$B"/src/sifar_jax/_sifar*.so >/dev/null 2>&1; then
-    log "$step: SKIPPED, no built module in this tree or $B (run the build step)"; continue
+  need=(src/sifar_jax/_sifar*.so); [[ $step == ab ]] && need+=("$B"/src/sifar_jax/_sifar*.so)
+  if [[ $step != build ]] && ! ls "${need[@]}" >/dev/null 2>&1; then
+    log "$step: SKIPPED, no built module in ${need[*]} (run the build step)"; continue
   fi
   case $step in
 build)
+  if [[ ${BUILD_BEFORE:-1} == 0 ]]; then  # only this tree (every step but ab)
+    log "build: this tree"; build_tree "$PWD" "$W/build-after" 2>&1 | tee -a "$LOG"; continue
+  fi
   log "build: this tree and $BEFORE_TAR"
   rm -rf "$B" && mkdir -p "$B" && tar -xzf "$BEFORE_TAR" -C "$B" || { log "no $BEFORE_TAR"; continue; }
   cp ffi/bindings/testing_gpu.cc "$B/ffi/bindings/testing_gpu.cc"
@@ -59,7 +63,7 @@ tests)
   log "tests: GPU tests of one GPU"
   pytest_ -m "not slow" tests/sifar_jax/test_gpu.py tests/sifar_jax/test_buffers.py
   pytest_ tests/sifar_jax/test_ordering.py tests/sifar_jax/test_fused.py tests/sifar_jax/test_transforms.py \
-    tests/sifar_jax/test_multiprocess.py tests/sifar_jax/test_matvec.py -k gpu ;;
+    tests/sifar_jax/test_multiprocess.py tests/sifar_jax/test_matvec.py tests/sifar_jax/test_fp8_matvec.py -k gpu ;;
 stress)
   log "stress: $STRESS_CALLS over virtual ranks (at most ${STRESS_S} s), then $STRESS_MP_CALLS over 2 processes"
   # 32 hardware queues: at the default 8, the threads' streams share queues, and a rank's kernel
