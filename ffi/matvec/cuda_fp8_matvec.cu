@@ -5,7 +5,9 @@
 // their sums through shared memory.  With pdl the launch is a programmatic dependent launch:
 // the block lets the next kernel launch, optionally (prefetch) asks L2 for its first rows
 // (weights never depend on the previous kernel; an L2 prefetch binds no value), then waits for
-// the previous kernel before reading x and ids.
+// the previous kernel before reading x and ids.  A second kernel (Fp8RingKernel, sm_90, dense
+// weights) runs the same order on weights streamed into shared memory by bulk copies; the
+// `kernel` attribute picks one (fp8mv::kKernel*).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
