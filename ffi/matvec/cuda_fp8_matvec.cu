@@ -353,12 +353,6 @@ __device__ __forceinline__ void BulkCopy(uint32_t dst, const void* src, uint32_t
       ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 #endif
 }
-__device__ __forceinline__ uint4 LoadShared16(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
-  return v;
-}
 
 // Stage t of this block (row group g, slice j): the producer's copies and its byte count.
 // Rows past N are not copied (their threads compute nothing).
@@ -475,12 +469,14 @@ __global__ void __launch_bounds__(kRingThreads, 2) Fp8RingKernel(Fp8Args a) {
       MbarWait(SmemAddr(&full[st]), static_cast<uint32_t>((t / kRingStages) & 1));
       const int64_t cb = split_begin + j * a.cw;  // the slice's first chunk of this split
       const int64_t ce = min(cb + a.cw, split_end);
-      const uint32_t base = ring + st * kStageBytes + piece;
+      // Plain loads: the compiler schedules them freely between the wait and the arrival
+      // (both asm with a memory clobber, which no memory access crosses).
+      const uint4* base = reinterpret_cast<const uint4*>(ring_smem + st * kStageBytes + piece);
       if (row_ok) {
 #pragma unroll 2
         for (int64_t c = cb + l; c < ce; c += a.lanes) {
           float wf[kChunk];
-          DecodeE4m3(LoadShared16(base + static_cast<uint32_t>((c - cb) * kChunk)), wf);
+          DecodeE4m3(base[c - cb], wf);
           const float s = kblocked ? __ldg(srow + c * kChunk / a.block_k) : 1.0f;
 #pragma unroll
           for (int r = 0; r < MB; ++r) {
