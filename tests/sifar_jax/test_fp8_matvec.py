@@ -195,3 +195,51 @@ def test_cuda_kernel_matches_cpu_handler_bits(dtype, shape, pdl):
     assert np.isfinite(got.astype(np.float32)).all()
     np.testing.assert_array_equal(got.view(np.uint8), cpu.view(np.uint8))
     check(got, x, w, scale, block, ids)
+
+
+# The ring kernel (kernel="ring"): N off the rows a stage holds, K over several stages (14336),
+# K of 9 chunks (lanes 4, 64 rows a stage), rows 1, 2, 3, 8; plans with K splits.
+RING_SHAPES = [(1, 4096, 4100, "channel", None), (2, 14336, 1030, "block", None),
+               (3, 144, 77, "tensor", None), (8, 4096, 3000, "block", None),
+               (1, 7168, 515, "tensor", None), (3, 14336, 200, "channel", None),
+               (1, 4096, 300, "block", (16, 2)), (2, 144, 70, "channel", (4, 8)),
+               (8, 2048, 130, "tensor", (32, 4)), (1, 14336, 90, "block", (8, 1)),
+               (3, 4096 + 16, 129, "channel", (32, 8))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("case", RING_SHAPES, ids=lambda s: "x".join(map(str, s[:4])) + f"-{s[4]}")
+def test_cuda_ring_kernel_matches_cpu_handler_bits(dtype, case):
+    gpus = gpu_device_list()
+    if not gpus or "cuda" not in f8._ext.PLATFORMS:
+        pytest.skip("needs a CUDA GPU and the CUDA build")
+    m, k, n, scaling, plan = case
+    x, w, scale, block, _ = operands(m, k, n, None, dtype, scaling, seed=k + n + m)
+
+    def on(d, kernel):
+        f = jax.jit(lambda x, w, s: f8.fp8_matvec(x, w, s, block=block, impl="kernel", plan=plan,
+                                                  kernel=kernel))
+        # NaNs left in the allocator's free memory, where the output will be.
+        if d.platform != "cpu":
+            jax.device_put(jnp.full((4, m, n), jnp.nan, dtype), d).block_until_ready()
+        return np.asarray(f(*jax.device_put((x, w, scale), d)))
+
+    cpu = on(jax.devices("cpu")[0], "auto")
+    for kernel in ("ring", "loads", "auto"):
+        got = on(gpus[0], kernel)
+        assert np.isfinite(got.astype(np.float32)).all(), kernel
+        np.testing.assert_array_equal(got.view(np.uint8), cpu.view(np.uint8), err_msg=kernel)
+    check(got, x, w, scale, block, None)
+
+
+def test_kernel_choice_is_checked_and_bits_do_not_depend_on_it_on_cpu():
+    x, w, scale, block, ids = operands(3, 144, 20, 2, "bfloat16", "channel", seed=8)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        f8.fp8_matvec(x, w, scale, ids, block=block, impl="kernel", kernel="ring")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        f8.fp8_matvec(x, w[0], scale[0], block=block, impl="kernel", kernel="tma")
+    ys = [np.asarray(run(x, w[0], scale[0], block, None, impl="kernel", kernel=kn), np.float32)
+          for kn in f8.KERNELS]
+    for y in ys[1:]:
+        np.testing.assert_array_equal(y, ys[0])
