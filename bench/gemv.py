@@ -4,8 +4,8 @@
 gate_up, down), chained in one jit (one call's output feeds the next; a slice where the decoder
 has attention or the activation), at Llama-3.1-8B's TP=1 shapes and TP=2's per-rank shapes.
 Each row: time per chain, the weight bytes read per second, and the ratio to the bytes' floor
-(weight bytes / FLOOR_TBPS). Paths: sifar_jax.fp8_matvec (per-channel scales; its "loads" and
-"ring" kernels, each with and without programmatic dependent launch and the L2 prefetch), XLA's bf16 dot (1 and 2 rows), XLA's dot
+(weight bytes / FLOOR_TBPS). Paths: sifar_jax.fp8_matvec (per-channel scales; with and without
+programmatic dependent launch and the L2 prefetch), XLA's bf16 dot (1 and 2 rows), XLA's dot
 on e4m3 weights converted inside it x per-channel scale (1 and 2 rows), torch._scaled_mm
 (e4m3 x e4m3, 16 rows, per-tensor scales, a CUDA graph) when torch is there.
 
@@ -94,16 +94,13 @@ def jax_rows(tp: int, rows: int) -> list[dict]:
     fp8_dot = lambda h, w: (jnp.einsum("mk,nk->mn", h, w[0].astype(h.dtype),  # noqa: E731
                                        preferred_element_type=jnp.float32)
                             * w[1][:, 0]).astype(h.dtype)
-    # Both CUDA kernels (kernel="loads": the rows' old names; "ring": bulk copies into shared
-    # memory), each with pdl and the L2 prefetch, pdl alone, a plain launch.
-    paths = [(f"sifar fp8_matvec{' ring' if kn == 'ring' else ''}, {label}", "fp8",
-              ours(kernel=kn, **kw), fp8) for kn in ("loads", "ring")
-             for label, kw in (("pdl + L2 prefetch", {"prefetch": True}), ("pdl", {}),
-                               ("plain launch", {"pdl": False}))]
-    paths += [("XLA bf16 dot, 1 row", "bf16", widened(bf16_dot, 1), bf16),
-              ("XLA bf16 dot, 2 rows", "bf16", widened(bf16_dot, 2), bf16),
-              ("XLA e4m3 converted in the dot x scale, 1 row", "fp8", widened(fp8_dot, 1), fp8),
-              ("XLA e4m3 converted in the dot x scale, 2 rows", "fp8", widened(fp8_dot, 2), fp8)]
+    paths = [("sifar fp8_matvec, pdl + L2 prefetch", "fp8", ours(), fp8),
+             ("sifar fp8_matvec, pdl", "fp8", ours(prefetch=False), fp8),
+             ("sifar fp8_matvec, plain launch", "fp8", ours(pdl=False, prefetch=False), fp8),
+             ("XLA bf16 dot, 1 row", "bf16", widened(bf16_dot, 1), bf16),
+             ("XLA bf16 dot, 2 rows", "bf16", widened(bf16_dot, 2), bf16),
+             ("XLA e4m3 converted in the dot x scale, 1 row", "fp8", widened(fp8_dot, 1), fp8),
+             ("XLA e4m3 converted in the dot x scale, 2 rows", "fp8", widened(fp8_dot, 2), fp8)]
     out = []
     for name, weights, proj, ws in paths:
         fn = jax.jit(lambda x, ws, proj=proj: chain(proj, ws, x, tp))

@@ -5,9 +5,7 @@
 // their sums through shared memory.  With pdl the launch is a programmatic dependent launch:
 // the block lets the next kernel launch, optionally (prefetch) asks L2 for its first rows
 // (weights never depend on the previous kernel; an L2 prefetch binds no value), then waits for
-// the previous kernel before reading x and ids.  A second kernel (Fp8RingKernel, sm_90, dense
-// weights) runs the same order on weights streamed into shared memory by bulk copies; the
-// `kernel` attribute picks one (fp8mv::kKernel*).
+// the previous kernel before reading x and ids.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -40,7 +38,6 @@ struct Fp8Args {
   void* y;
   int64_t m, k, n, e, sn, sk, block_n, block_k;
   int lanes, ksplit, prefetch;
-  int64_t cw, slices;  // the ring kernel: chunks per (row, split) piece of a stage, stages a group
 };
 
 template <typename T>
@@ -287,326 +284,11 @@ cudaError_t LaunchRows(const Fp8MatVecCall& c, const Fp8Args& a, unsigned grid_y
   return cudaLaunchKernelEx(&config, Fp8MatVecKernel<T, MB>, a);
 }
 
-// ---- The ring kernel (kernel="ring", sm_90): the same lanes, splits and order as
-// Fp8MatVecKernel, with each block's weights streamed into shared memory by bulk copies.
-// Warps 0-7 compute exactly as above (warp, lane -> split, row, chunks), but read each 16-byte
-// chunk from a ring of kRingStages stages instead of global memory; warp 8's lane 0 (the
-// producer) fills the ring with cp.async.bulk copies that complete on the stage's `full`
-// mbarrier, as far ahead as the ring allows, and reuses a stage once all 256 consumer threads
-// have arrived on its `empty` mbarrier (each thread's arrival releases its own reads).
-// A stage is slice j of a row group: for each of the group's rows and each split s, the chunks
-// [s * per_split + j * cw, + cw) of the split's range (cw: RingGeometry); when the group's
-// whole rows fit one stage unsplit (ksplit 1) the stage is the group's rows, one copy.
-// A persistent grid (as many blocks as stay resident, as Fp8MatVecKernel): a block's producer
-// streams its row groups back to back, so the ring fills once per block, not once per group.
-constexpr int kRingStages = 3;
-constexpr int kStageBytes = 32768;          // 3 stages: 96 KiB a block, 2 blocks an SM
-constexpr int kRingThreads = kThreads + 32;  // 8 consumer warps + the producer warp
-constexpr long long kSpinLimit = 1ll << 30;  // a lost arrival or copy traps, never hangs
-
-// (cw, slices): chunks per (row, split) piece of a stage and stages per row group. cw is the
-// split's whole range when it fits, else a multiple of lanes (so that lane l's chunks in every
-// slice continue its sequence s * per_split + l + i * lanes).
-void RingGeometry(const Fp8MatVecCall& c, int64_t* cw, int64_t* slices) {
-  const int64_t chunks = c.k / kChunk, per_split = (chunks + c.ksplit - 1) / c.ksplit;
-  const int64_t pieces = fp8mv::RowsPerBlock(c.lanes, c.ksplit) * c.ksplit;  // 256 / lanes
-  const int64_t max_cw = kStageBytes / (pieces * kChunk);                      // >= 8 * lanes
-  *cw = per_split <= max_cw ? per_split : max_cw / c.lanes * c.lanes;
-  *slices = (per_split + *cw - 1) / *cw;
-}
-
-// Output rows a block computes (fp8mv::RowsPerBlock, in device code).
-__device__ __forceinline__ int64_t GroupRows(const Fp8Args& a) {
-  return (kWarps / a.ksplit) * (32 / a.lanes);
-}
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  long long spins = 0;
-  uint32_t ok = 0;
-  while (true) {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
-        "selp.u32 %0, 1, 0, p; }"
-        : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
-    if (ok) return;
-    if (++spins > kSpinLimit) __trap();
-  }
-#endif
-}
-__device__ __forceinline__ void MbarArrive(uint32_t bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-#endif
-}
-__device__ __forceinline__ void ConsumerSync() {  // the 8 consumer warps only
-  asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory");
-}
-// bytes (a multiple of 16, 16-byte aligned ends) from global src to shared dst, on bar.
-__device__ __forceinline__ void BulkCopy(uint32_t dst, const void* src, uint32_t bytes,
-                                         uint32_t bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-#endif
-}
-
-// Stage t of this block (row group g, slice j): the producer's copies and its byte count.
-// Rows past N are not copied (their threads compute nothing).
-__device__ void IssueStage(const Fp8Args& a, int64_t g, int64_t j, uint32_t dst, uint32_t bar) {
-  const int64_t chunks = a.k / kChunk, per_split = (chunks + a.ksplit - 1) / a.ksplit;
-  const int64_t rows_per_block = GroupRows(a);
-  const int64_t row0 = g * rows_per_block, rows = min(rows_per_block, a.n - row0);
-  const uint8_t* src = a.w + row0 * a.k;
-  if (a.ksplit == 1 && a.slices == 1) {  // the group's rows, contiguous here and there
-    const uint32_t bytes = static_cast<uint32_t>(rows * a.k);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
-                 "r"(bytes) : "memory");
-    BulkCopy(dst, src, bytes, bar);
-    return;
-  }
-  auto piece = [&](int64_t s, int64_t* cb) {  // split s's chunks in slice j: [*cb, return)
-    *cb = s * per_split + j * a.cw;
-    return min(*cb + a.cw, min(chunks, (s + 1) * per_split));
-  };
-  uint32_t bytes = 0;
-  for (int64_t s = 0; s < a.ksplit; ++s) {
-    int64_t cb;
-    const int64_t ce = piece(s, &cb);
-    if (ce > cb) bytes += static_cast<uint32_t>((ce - cb) * kChunk * rows);
-  }
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t s = 0; s < a.ksplit; ++s) {
-      int64_t cb;
-      const int64_t ce = piece(s, &cb);
-      if (ce <= cb) continue;
-      const uint32_t off = static_cast<uint32_t>((r * a.ksplit + s) * a.cw * kChunk);
-      BulkCopy(dst + off, src + r * a.k + cb * kChunk, static_cast<uint32_t>((ce - cb) * kChunk),
-               bar);
-    }
-  }
-}
-
-// The producer: every stage of this block's row groups in order, each once its slot is free.
-__device__ void RingProducer(const Fp8Args& a, uint32_t ring, const uint64_t* full,
-                             const uint64_t* empty) {
-  const int64_t rows_per_block = GroupRows(a);
-  const int64_t groups = (a.n + rows_per_block - 1) / rows_per_block;
-  int64_t t = 0;
-  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
-    for (int64_t j = 0; j < a.slices; ++j, ++t) {
-      const int st = static_cast<int>(t % kRingStages);
-      const int64_t use = t / kRingStages;  // this slot's use number
-      if (use > 0) MbarWait(SmemAddr(&empty[st]), static_cast<uint32_t>((use - 1) & 1));
-      IssueStage(a, g, j, ring + st * kStageBytes, SmemAddr(&full[st]));
-    }
-  }
-}
-
-template <typename T, int MB>
-__global__ void __launch_bounds__(kRingThreads, 2) Fp8RingKernel(Fp8Args a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  extern __shared__ __align__(128) uint8_t ring_smem[];
-  __shared__ __align__(8) uint64_t full[kRingStages], empty[kRingStages];
-  __shared__ float split_sums[2][kWarps][8][MB];  // as Fp8MatVecKernel
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const uint32_t ring = SmemAddr(ring_smem);
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kRingStages; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SmemAddr(&full[s])));
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(&empty[s])),
-                   "n"(kThreads));
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  const int64_t rows_per_block = GroupRows(a);
-  const int64_t groups = (a.n + rows_per_block - 1) / rows_per_block;
-  AllowNextLaunch();
-  if (warp == kWarps) {  // the producer warp: one thread copies, the others leave
-    if (lane != 0) return;
-    if (a.prefetch) {
-      const int64_t row0 = blockIdx.x * rows_per_block, rows = min(rows_per_block, a.n - row0);
-      PrefetchL2(a.w + row0 * a.k, static_cast<uint32_t>(rows * a.k));
-    }
-    WaitForPreviousGrid();  // the weights may be the previous kernel's output
-    RingProducer(a, ring, full, empty);
-    return;
-  }
-  WaitForPreviousGrid();
-
-  const int kw = warp % a.ksplit, rg = warp / a.ksplit;
-  const int rows_per_warp = 32 / a.lanes, rw = lane / a.lanes, l = lane % a.lanes;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * MB;
-  const int64_t chunks = a.k / kChunk;
-  const int64_t per_split = (chunks + a.ksplit - 1) / a.ksplit;
-  const int64_t split_begin = min(chunks, kw * per_split);
-  const int64_t split_end = min(chunks, kw * per_split + per_split);
-  const bool kblocked = a.block_k < a.k;
-  const T* x = static_cast<const T*>(a.x) + m0 * a.k;
-  bool live[MB];
-#pragma unroll
-  for (int r = 0; r < MB; ++r) live[r] = m0 + r < a.m;
-  // This thread's piece of every stage: (row of the group, split) at (row * ksplit + split) * cw.
-  const int row_in_group = rg * rows_per_warp + rw;
-  const uint32_t piece = static_cast<uint32_t>((row_in_group * a.ksplit + kw) * a.cw * kChunk);
-  int64_t t = 0;
-  int parity = 0;
-  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
-    const int64_t n = g * rows_per_block + row_in_group;
-    const bool row_ok = n < a.n;
-    const float* srow = a.scale + (min(n, a.n - 1) / a.block_n) * a.sk;
-    float acc[MB];
-#pragma unroll
-    for (int r = 0; r < MB; ++r) acc[r] = 0.0f;
-    for (int64_t j = 0; j < a.slices; ++j, ++t) {
-      const int st = static_cast<int>(t % kRingStages);
-      MbarWait(SmemAddr(&full[st]), static_cast<uint32_t>((t / kRingStages) & 1));
-      const int64_t cb = split_begin + j * a.cw;  // the slice's first chunk of this split
-      const int64_t ce = min(cb + a.cw, split_end);
-      // Plain loads: the compiler schedules them freely between the wait and the arrival
-      // (both asm with a memory clobber, which no memory access crosses).
-      const uint4* base = reinterpret_cast<const uint4*>(ring_smem + st * kStageBytes + piece);
-      if (row_ok) {
-#pragma unroll 2
-        for (int64_t c = cb + l; c < ce; c += a.lanes) {
-          float wf[kChunk];
-          DecodeE4m3(base[c - cb], wf);
-          const float s = kblocked ? __ldg(srow + c * kChunk / a.block_k) : 1.0f;
-#pragma unroll
-          for (int r = 0; r < MB; ++r) {
-            if (!live[r]) continue;
-            float xf[kChunk];
-            LoadX16(x + r * a.k + c * kChunk, xf);
-            float p = 0.0f;
-#pragma unroll
-            for (int q = 0; q < kChunk; ++q) p = __fmaf_rn(xf[q], wf[q], p);
-            acc[r] = kblocked ? __fmaf_rn(p, s, acc[r]) : __fadd_rn(acc[r], p);
-          }
-        }
-      }
-      MbarArrive(SmemAddr(&empty[st]));  // this thread's reads of the stage are done
-    }
-    // The row is done: lanes, then splits, then the scale; rounded once (as Fp8MatVecKernel).
-    for (int off = a.lanes / 2; off >= 1; off /= 2) {
-#pragma unroll
-      for (int r = 0; r < MB; ++r)
-        acc[r] = __fadd_rn(acc[r], __shfl_xor_sync(0xffffffffu, acc[r], off));
-    }
-    if (a.ksplit > 1) {
-      if (l == 0) {
-#pragma unroll
-        for (int r = 0; r < MB; ++r) split_sums[parity][warp][rw][r] = acc[r];
-      }
-      ConsumerSync();
-#pragma unroll
-      for (int r = 0; r < MB; ++r) {
-        float total = split_sums[parity][warp - kw][rw][r];
-        for (int sp = 1; sp < a.ksplit; ++sp)
-          total = __fadd_rn(total, split_sums[parity][warp - kw + sp][rw][r]);
-        acc[r] = total;
-      }
-      parity ^= 1;
-    }
-    if (kw == 0 && l == 0 && row_ok) {
-      const float s = kblocked ? 1.0f : __ldg(a.scale + n / a.block_n * a.sk);
-#pragma unroll
-      for (int r = 0; r < MB; ++r) {
-        if (!live[r]) continue;
-        const float out = kblocked ? acc[r] : __fmul_rn(acc[r], s);
-        static_cast<T*>(a.y)[(m0 + r) * a.n + n] = FromFloat<T>(out);
-      }
-    }
-  }
-#else
-  __trap();  // never launched below sm_90 (ChooseRing)
-#endif
-}
-
-// Per device ordinal, read once: (SMs, compute capability major).
-void DeviceInfo(int* sms, int* major) {
-  static int sms_of[64] = {}, major_of[64] = {};
-  int device = 0;
-  *sms = 1, *major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return;
-  if (sms_of[device] == 0) {
-    cudaDeviceGetAttribute(&major_of[device], cudaDevAttrComputeCapabilityMajor, device);
-    cudaDeviceGetAttribute(&sms_of[device], cudaDevAttrMultiProcessorCount, device);
-  }
-  *sms = std::max(sms_of[device], 1), *major = major_of[device];
-}
-
-// kernel="auto" takes the ring for a dense weight and <= 8 rows of x on sm_90 and later;
-// "ring" where it cannot run: an error naming why (null: fine).
-const char* ChooseRing(const Fp8MatVecCall& c, bool* ring) {
-  int sms = 0, major = 0;
-  DeviceInfo(&sms, &major);
-  const bool fits = c.e == 1 && major >= 9;
-  *ring = c.kernel == fp8mv::kKernelRing || (c.kernel == fp8mv::kKernelAuto && fits && c.m <= 8);
-  if (c.kernel == fp8mv::kKernelRing && major < 9)
-    return "fp8_matvec: kernel='ring' needs an sm_90 (Hopper) or later GPU";
-  return nullptr;
-}
-
-template <typename T, int MB>
-cudaError_t LaunchRing(const Fp8MatVecCall& c, const Fp8Args& a, unsigned grid_y,
-                       cudaStream_t stream) {
-  constexpr int kSmem = kRingStages * kStageBytes;
-  static bool configured[64] = {};  // the dynamic shared memory limit, per device
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device < 0 || device >= 64 || !configured[device]) {
-    err = cudaFuncSetAttribute(Fp8RingKernel<T, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               kSmem);
-    if (err != cudaSuccess) return err;
-    if (device >= 0 && device < 64) configured[device] = true;
-  }
-  static int per_sm = 0;
-  if (per_sm == 0 && cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                         &per_sm, Fp8RingKernel<T, MB>, kRingThreads, kSmem) != cudaSuccess)
-    per_sm = 1;
-  int sms = 0, major = 0;
-  DeviceInfo(&sms, &major);
-  const int64_t rows = fp8mv::RowsPerBlock(c.lanes, c.ksplit);
-  const int64_t groups = (c.n + rows - 1) / rows;
-  const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sms;
-  const int64_t per_y = std::max<int64_t>(1, resident / grid_y);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(std::min(groups, per_y)), grid_y, 1);
-  config.blockDim = dim3(kRingThreads, 1, 1);
-  config.dynamicSmemBytes = kSmem;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = c.pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&config, Fp8RingKernel<T, MB>, a);
-}
-
 template <typename T>
-cudaError_t LaunchRingRows(const Fp8MatVecCall& c, const Fp8Args& a, cudaStream_t stream) {
-  if (c.m == 1) return LaunchRing<T, 1>(c, a, 1, stream);
-  if (c.m == 2) return LaunchRing<T, 2>(c, a, 1, stream);
-  if (c.m <= 4) return LaunchRing<T, 4>(c, a, 1, stream);
-  return LaunchRing<T, 8>(c, a, static_cast<unsigned>((c.m + 7) / 8), stream);
-}
-
-template <typename T>
-cudaError_t Launch(const Fp8MatVecCall& c, bool ring, cudaStream_t stream) {
-  Fp8Args a{c.x, c.w, c.scale, c.ids, c.y, c.m, c.k, c.n, c.e, c.sn, c.sk, c.block_n,
-            c.block_k, static_cast<int>(c.lanes), static_cast<int>(c.ksplit),
-            c.prefetch ? 1 : 0, 0, 0};
-  if (ring) {
-    RingGeometry(c, &a.cw, &a.slices);
-    return LaunchRingRows<T>(c, a, stream);
-  }
+cudaError_t Launch(const Fp8MatVecCall& c, cudaStream_t stream) {
+  const Fp8Args a{c.x, c.w, c.scale, c.ids, c.y, c.m, c.k, c.n, c.e, c.sn, c.sk, c.block_n,
+                  c.block_k, static_cast<int>(c.lanes), static_cast<int>(c.ksplit),
+                  c.prefetch ? 1 : 0};
   if (c.e > 1) return LaunchRows<T, 1>(c, a, static_cast<unsigned>(c.m), stream);
   // One weight: every x row a warp multiplies by each weight row it reads.
   const unsigned groups8 = static_cast<unsigned>((c.m + 7) / 8);
@@ -623,10 +305,6 @@ void LoadKernels() {
   SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8MatVecKernel<T, 2>));
   SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8MatVecKernel<T, 4>));
   SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8MatVecKernel<T, 8>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RingKernel<T, 1>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RingKernel<T, 2>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RingKernel<T, 4>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RingKernel<T, 8>));
 }
 
 }  // namespace
@@ -637,20 +315,17 @@ namespace {
 ffi::Error CudaFp8MatVecImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                              ffi::AnyBuffer w, ffi::AnyBuffer scale, ffi::AnyBuffer ids,
                              ffi::Result<ffi::AnyBuffer> y, int64_t block_n, int64_t block_k,
-                             int64_t lanes, int64_t ksplit, int64_t pdl, int64_t prefetch,
-                             int64_t kernel) {
+                             int64_t lanes, int64_t ksplit, int64_t pdl, int64_t prefetch) {
   Fp8MatVecCall call;
   ffi::Error err = PlanFp8MatVec(x, w, scale, ids, *y, block_n, block_k, lanes, ksplit, pdl,
-                                 prefetch, kernel, &call);
+                                 prefetch, &call);
   if (err.failure()) return err;
   err = UseDevice(ordinal);
   if (err.failure()) return err;
-  bool ring = false;
-  if (const char* why = cuda::ChooseRing(call, &ring)) return Invalid(why);
   switch (call.elem) {
-    case Elem::kF32: return Launched(cuda::Launch<float>(call, ring, stream));
-    case Elem::kBf16: return Launched(cuda::Launch<__nv_bfloat16>(call, ring, stream));
-    case Elem::kF16: return Launched(cuda::Launch<__half>(call, ring, stream));
+    case Elem::kF32: return Launched(cuda::Launch<float>(call, stream));
+    case Elem::kBf16: return Launched(cuda::Launch<__nv_bfloat16>(call, stream));
+    case Elem::kF16: return Launched(cuda::Launch<__half>(call, stream));
     default: return Invalid("fp8_matvec: x must be float32, bfloat16 or float16");
   }
 }

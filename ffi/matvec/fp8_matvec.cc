@@ -33,10 +33,6 @@ const char* CheckGrid(const Fp8MatVecCall& c) {
   if (!fp8mv::ValidLanes(c.lanes)) return "lanes must be 4, 8, 16 or 32";
   if (!fp8mv::ValidSplit(c.ksplit)) return "ksplit must be 1, 2, 4 or 8";
   if (c.m > 65535) return "M must be at most 65535";
-  if (c.kernel < fp8mv::kKernelAuto || c.kernel > fp8mv::kKernelLoads)
-    return "kernel must be 0 (auto), 1 (ring) or 2 (loads)";
-  if (c.kernel == fp8mv::kKernelRing && c.e != 1)
-    return "kernel='ring' reads a dense weight (E == 1), not an expert stack";
   return nullptr;
 }
 
@@ -45,7 +41,7 @@ const char* CheckGrid(const Fp8MatVecCall& c) {
 ffi::Error PlanFp8MatVec(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
                          ffi::AnyBuffer ids, ffi::AnyBuffer y, int64_t block_n, int64_t block_k,
                          int64_t lanes, int64_t ksplit, int64_t pdl, int64_t prefetch,
-                         int64_t kernel, Fp8MatVecCall* call) {
+                         Fp8MatVecCall* call) {
   const ffi::DataType t = x.element_type();
   if ((t != ffi::DataType::F32 && t != ffi::DataType::BF16 && t != ffi::DataType::F16) ||
       !ElemOf(t, &call->elem))
@@ -66,7 +62,7 @@ ffi::Error PlanFp8MatVec(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scal
   c.m = xd[0], c.k = xd[1], c.e = wd[0], c.n = wd[1];
   c.sn = sd[1], c.sk = sd[2];
   c.block_n = block_n, c.block_k = block_k, c.lanes = lanes, c.ksplit = ksplit;
-  c.pdl = pdl != 0, c.prefetch = prefetch != 0, c.kernel = kernel;
+  c.pdl = pdl != 0, c.prefetch = prefetch != 0;
   if (wd[2] != c.k || yd[0] != c.m || yd[1] != c.n || ids.dimensions()[0] != c.m)
     return Invalid("fp8_matvec: x " + Dims(x) + ", w " + Dims(w) + ", ids " + Dims(ids) +
                    " and y " + Dims(y) + " do not agree");
@@ -155,10 +151,10 @@ void RunFp8MatVec(const Fp8MatVecCall& c) {
 ffi::Error CpuFp8MatVecImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
                             ffi::AnyBuffer ids, ffi::Result<ffi::AnyBuffer> y, int64_t block_n,
                             int64_t block_k, int64_t lanes, int64_t ksplit, int64_t pdl,
-                            int64_t prefetch, int64_t kernel) {
+                            int64_t prefetch) {
   Fp8MatVecCall call;
   ffi::Error err = PlanFp8MatVec(x, w, scale, ids, *y, block_n, block_k, lanes, ksplit, pdl,
-                                 prefetch, kernel, &call);
+                                 prefetch, &call);
   if (err.failure()) return err;
   RunFp8MatVec(call);
   return ffi::Error::Success();

@@ -39,10 +39,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = 16;        // weights (bytes) per load
 constexpr int kMaxRowsPerWarp = 8;  // x rows one warp multiplies by the same weight row
 
-// The CUDA kernel (attribute "kernel"): auto (the ring where it runs), the ring of bulk copies
-// (sm_90, E == 1), the 16-byte loads. Both run the order above: the same bits.
-constexpr int64_t kKernelAuto = 0, kKernelRing = 1, kKernelLoads = 2;
-
 inline bool ValidLanes(int64_t v) { return v == 4 || v == 8 || v == 16 || v == 32; }
 inline bool ValidSplit(int64_t v) { return v == 1 || v == 2 || v == 4 || v == 8; }
 // Output rows one block computes.
@@ -57,7 +53,7 @@ struct Fp8MatVecCall {
   Elem elem = Elem::kF32;
   int64_t m = 0, k = 0, n = 0, e = 0;
   int64_t sn = 1, sk = 1, block_n = 1, block_k = 1;
-  int64_t lanes = 32, ksplit = 1, kernel = fp8mv::kKernelAuto;
+  int64_t lanes = 32, ksplit = 1;
   bool pdl = false, prefetch = false;
   const void* x = nullptr;
   const uint8_t* w = nullptr;
@@ -82,8 +78,7 @@ auto WithFp8MatVecOperands(Binding binding) {
       .template Attr<int64_t>("lanes")
       .template Attr<int64_t>("ksplit")
       .template Attr<int64_t>("pdl")        // CUDA: programmatic dependent launch
-      .template Attr<int64_t>("prefetch")   // CUDA: the block's weights into L2 first
-      .template Attr<int64_t>("kernel");    // CUDA: fp8mv::kKernel*
+      .template Attr<int64_t>("prefetch");  // CUDA: the block's weights into L2 first
 }
 
 // The checks both backends run (dtypes, shapes, scale grid, alignment); fills *call.
@@ -91,6 +86,6 @@ xla::ffi::Error PlanFp8MatVec(xla::ffi::AnyBuffer x, xla::ffi::AnyBuffer w,
                               xla::ffi::AnyBuffer scale, xla::ffi::AnyBuffer ids,
                               xla::ffi::AnyBuffer y, int64_t block_n, int64_t block_k,
                               int64_t lanes, int64_t ksplit, int64_t pdl, int64_t prefetch,
-                              int64_t kernel, Fp8MatVecCall* call);
+                              Fp8MatVecCall* call);
 
 }  // namespace sifar

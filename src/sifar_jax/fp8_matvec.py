@@ -25,7 +25,6 @@ __all__ = ["fp8_matvec", "fp8_matvec_plan", "scale_block", "regrid_scale", "dequ
 X_DTYPES = tuple(jnp.dtype(n) for n in ("float32", "bfloat16", "float16"))
 W_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 IMPLS = ("auto", "kernel", "xla")
-KERNELS = ("auto", "ring", "loads")  # the CUDA kernel (ffi/matvec/fp8_matvec.h: kKernel*)
 CHUNK = 16  # weights per 16-byte load
 WARPS = 8  # warps per block (ffi/matvec/fp8_matvec.h)
 LANES = (32, 16, 8, 4)
@@ -104,13 +103,13 @@ def _reference(x, w3, s3, ids, block):
     return y.astype(x.dtype)
 
 
-def _kernel(x, w3, s3, ids, block, lanes, ksplit, pdl, prefetch, kernel):
+def _kernel(x, w3, s3, ids, block, lanes, ksplit, pdl, prefetch):
     x, w3, s3, ids = _jax_compat.same_varying(x, w3, s3, ids)
     like = jax.typeof(x)
     call = jax.ffi.ffi_call(_ext.TARGETS.fp8_matvec, like.update(shape=(x.shape[0], w3.shape[1])))
     return call(x, w3, s3, ids, block_n=np.int64(block[0]), block_k=np.int64(block[1]),
                 lanes=np.int64(lanes), ksplit=np.int64(ksplit), pdl=np.int64(pdl),
-                prefetch=np.int64(prefetch), kernel=np.int64(KERNELS.index(kernel)))
+                prefetch=np.int64(prefetch))
 
 
 def _check(x, w, scale, ids, block):
@@ -150,7 +149,7 @@ def _check(x, w, scale, ids, block):
 def fp8_matvec(x: jax.Array, w: jax.Array, scale: jax.Array, ids: jax.Array | None = None, *,
                block: tuple[int, int] | None = None, impl: str = "auto",
                plan: tuple[int, int] | None = None, pdl: bool = True,
-               prefetch: bool = False, kernel: str = "auto") -> jax.Array:
+               prefetch: bool = False) -> jax.Array:
     """y[m, n] = sum_k x[m, k] * w[ids[m], n, k] * scale[.., n // block_n, k // block_k].
 
     x [M, K] float32/bfloat16/float16. w [N, K] float8_e4m3fn (ids None) or [E, N, K] with ids
@@ -162,15 +161,9 @@ def fp8_matvec(x: jax.Array, w: jax.Array, scale: jax.Array, ids: jax.Array | No
     "kernel" the kernel on every platform (the CPU handler repeats its order); "xla" XLA's ops.
     plan: (lanes, ksplit) (default fp8_matvec_plan). pdl: launch as a programmatic dependent
     launch; prefetch: ask L2 for the block's weights before waiting for the previous kernel.
-    kernel: the CUDA kernel, "ring" (weights streamed through shared memory by bulk copies;
-    sm_90+, dense w only), "loads" (16-byte loads from global memory) or "auto" (the ring for
-    a dense w and M <= 8 on sm_90+, else loads); both give the same bits (the CPU handler's).
     """
     if impl not in IMPLS:
         raise ValueError(f"sifar_jax.fp8_matvec: impl must be one of {IMPLS}, got {impl!r}")
-    if kernel not in KERNELS or (kernel == "ring" and ids is not None and w.shape[0] > 1):
-        raise ValueError(f"sifar_jax.fp8_matvec: kernel must be one of {KERNELS} ('ring' for a "
-                         f"dense w only), got {kernel!r} with w {w.shape}")
     if block is None:
         block = scale_block(w.shape, scale.shape)
     block = (int(block[0]), int(block[1]))
@@ -187,7 +180,7 @@ def fp8_matvec(x: jax.Array, w: jax.Array, scale: jax.Array, ids: jax.Array | No
     if lanes not in LANES or ksplit not in KSPLITS:
         raise ValueError(f"sifar_jax.fp8_matvec: plan={plan}: lanes in {LANES}, ksplit in {KSPLITS}")
     idx = jnp.zeros(x.shape[:1], jnp.int32) if ids is None else ids.astype(jnp.int32)
-    run = lambda: _kernel(x, w3, s3, idx, block, lanes, ksplit, pdl, prefetch, kernel)  # noqa: E731
+    run = lambda: _kernel(x, w3, s3, idx, block, lanes, ksplit, pdl, prefetch)  # noqa: E731
     if impl == "kernel":
         return run()
     if "cuda" not in _ext.PLATFORMS:
