@@ -94,7 +94,7 @@ def jax_rows(tp: int, rows: int) -> list[dict]:
     fp8_dot = lambda h, w: (jnp.einsum("mk,nk->mn", h, w[0].astype(h.dtype),  # noqa: E731
                                        preferred_element_type=jnp.float32)
                             * w[1][:, 0]).astype(h.dtype)
-    paths = [("sifar fp8_matvec, pdl + L2 prefetch", "fp8", ours(), fp8),
+    paths = [("sifar fp8_matvec, pdl + L2 prefetch", "fp8", ours(prefetch=True), fp8),
              ("sifar fp8_matvec, pdl", "fp8", ours(prefetch=False), fp8),
              ("sifar fp8_matvec, plain launch", "fp8", ours(pdl=False, prefetch=False), fp8),
              ("XLA bf16 dot, 1 row", "bf16", widened(bf16_dot, 1), bf16),

@@ -16,7 +16,8 @@ from bench import common
 TOOLS = common.REPO_ROOT / "tools"
 
 
-@pytest.mark.parametrize("script", ["sanitize_matvec.sh", "sanitize_attention.sh"])
+@pytest.mark.parametrize("script", ["sanitize_matvec.sh", "sanitize_fp8_matvec.sh",
+                                    "sanitize_attention.sh"])
 def test_sanitizer_cases_run_on_the_cpu(script):
     text = (TOOLS / script).read_text()
     (code,) = re.findall(r"<<'PY'\n(.*?)\nPY\n", text, re.S)

@@ -136,7 +136,8 @@ def test_qwen3_moe_experts_with_fp8_stacks_equal_dequantized():
     ids = jnp.asarray([[0, 3, 5], [2, 3, 1]], jnp.int32)
     weights = jnp.asarray(rand((n, k), 11))
     got = qwen3_moe.experts(x, weights, ids, gate_up, down)
-    want = qwen3_moe.experts(x, weights, ids, dequantize_stack(gate_up, jnp.float32),
-                             dequantize_stack(down, jnp.float32), impl="matvec")
+    with jax.default_matmul_precision("highest"):  # XLA:GPU's default f32 dot is TF32
+        want = qwen3_moe.experts(x, weights, ids, dequantize_stack(gate_up, jnp.float32),
+                                 dequantize_stack(down, jnp.float32), impl="matvec")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
                                atol=1e-5 * np.abs(np.asarray(want)).max())
