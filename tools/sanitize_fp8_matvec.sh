@@ -2,8 +2,8 @@
 # compute-sanitizer's memcheck, racecheck and synccheck on sifar_jax.fp8_matvec's CUDA kernel,
 # small cases on one GPU: rows 1, 3, 8; a row tail; K of 9 chunks and 14336; K splits;
 # per-tensor, per-channel and 128x128 scales; more row groups than blocks; an expert stack.
-# Every buffer is its own
-# allocation (XLA_PYTHON_CLIENT_ALLOCATOR=platform), so memcheck sees an access past any of them.
+# Every buffer is its own allocation (XLA_PYTHON_CLIENT_ALLOCATOR=platform), so memcheck sees
+# an access past any of them.
 #   bash tools/sanitize_fp8_matvec.sh    (from any directory; sifar-jax installed, or built into src/)
 set -uo pipefail
 cd "$(dirname "$0")/.."
