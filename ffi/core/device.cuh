@@ -384,19 +384,23 @@ __device__ __forceinline__ bool PullLine(const Ws& w, CallState& s, size_t line,
     if (p < a.nranks && p != a.rank) missing |= 3u << (2 * p);
   uint64_t v[NR][2];
   uint64_t got[NR][2];  // a re-read loads both words of a peer: the fresh ones kept here
-  // Every wave, the first too, is issued at the top of the polling loop, so
-  // ptxas keeps the first wave's address arithmetic after the publish store.
-  // With the first wave written before the loop, ptxas hoisted it above the
-  // store and the loads left one instruction behind it: sifar (8 KB, N=2/4)
-  // and the fused kernel ran 3-10% slower, presumably from more stale first
-  // reads (a peer's store that leaves a few cycles later misses the wave and
-  // costs a round trip).
-  for (uint32_t spins = 0; missing; ++spins) {
+  auto wave = [&] {  // one polling load per peer whose words are still missing
 #pragma unroll
     for (int p = 0; p < NR; ++p)
       if ((missing >> (2 * p)) & 3u) LoadLL(src(p), v[p][0], v[p][1]);
-    // The clock and the failure flag are read with this wave in flight.
-    if (spins && Expired(w, s, (__ffs(missing) - 1) / 2, spins - 1)) return false;
+  };
+  // Where the first wave sits is a measured choice (docs/performance.md, issue 38's A/B): for
+  // NR <= 4 it is issued at the top of the loop, since written before the loop ptxas hoisted its
+  // address arithmetic above the publish store and left the loads one instruction behind it
+  // (sifar 8 KB N=2/4 5-10% slower, presumably more stale first reads); for NR = 8 before the
+  // loop, where the top-of-loop wave measured 12-17% slower.
+  constexpr bool kWaveInLoop = NR <= 4;
+  if constexpr (!kWaveInLoop) wave();
+  for (uint32_t spins = 0; missing; ++spins) {
+    if constexpr (kWaveInLoop) {
+      wave();  // the clock and the failure flag are read with this wave in flight
+      if (spins && Expired(w, s, (__ffs(missing) - 1) / 2, spins - 1)) return false;
+    }
 #pragma unroll
     for (int p = 0; p < NR; ++p)
 #pragma unroll
@@ -405,7 +409,14 @@ __device__ __forceinline__ bool PullLine(const Ws& w, CallState& s, size_t line,
           got[p][k] = v[p][k];
           missing &= ~(1u << (2 * p + k));
         }
-    if (missing) s.retried = true;  // mis-speculation: this wave was (partly) stale
+    if constexpr (kWaveInLoop) {
+      if (missing) s.retried = true;  // mis-speculation: this wave was (partly) stale
+    } else {
+      if (!missing) break;
+      s.retried = true;
+      wave();
+      if (Expired(w, s, (__ffs(missing) - 1) / 2, spins)) return false;
+    }
   }
   Acc<T> acc[2 * Elem<T>::kPerWord];
 #pragma unroll
