@@ -174,8 +174,8 @@ def chain_fn(mesh, algorithm: str, length: int):
 
 
 def cached(fns: dict, mesh, tp: int, level: str, alg: str, length: int):
-    """kernel_fn (level "kernel") or chain_fn of `length` all-reduces at TP tp, built once."""
-    key = (tp, level, alg, length)
+    """kernel_fn (level "kernel") or chain_fn (the others) of `length` all-reduces, built once."""
+    key = (tp, level == "kernel", alg, length)
     if key not in fns:
         fns[key] = (kernel_fn if level == "kernel" else chain_fn)(mesh, alg, length)
     return fns[key]
@@ -196,15 +196,11 @@ def on_mesh(mesh, x):
     return jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("tp")), lambda i: x[i])
 
 
-def local_rows(a) -> np.ndarray:
-    """The rows of a "tp"-sharded result this process holds, as float32."""
-    return np.concatenate([np.asarray(s.data, np.float32) for s in a.addressable_shards])
-
-
 def check_result(got, want, tp: int) -> dict:
     """A result against lax.psum's: the same bits on every rank and within any bf16 summation
     order's rounding of lax.psum's (within_rounding), or bit for bit lax.psum's (identical)."""
-    g, w = local_rows(got), local_rows(want)
+    g, w = (np.concatenate([np.asarray(s.data, np.float32) for s in a.addressable_shards])
+            for a in (got, want))  # the rows this process holds
     same = all(np.array_equal(g[i].view(np.uint32), g[0].view(np.uint32)) for i in range(len(g)))
     return {"within_rounding": bool(same and np.allclose(g, w, rtol=2 * tp * 2.0**-8, atol=0)),
             "identical": bool(np.array_equal(g.view(np.uint32), w.view(np.uint32)))}
@@ -230,7 +226,7 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
         print(f"NOTE: {CPU_NOTE}", flush=True)
     sizes = payload_bytes(cfg)
     algs = cfg["algorithms"]
-    # the trace serves jit_device always, the mis-speculation part unless --no-trace
+    # jit_device is traced always (timed_case), the mis-speculation trace unless --no-trace
     call_trace = sifar_jax.call_trace if args.trace else None
     cases = [(level, alg, nbytes) for level in cfg["levels"]
              for alg in (algs if level == "jit" else [a for a in algs if a != BASELINE])
@@ -251,12 +247,7 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
             bar.set_postfix_str(f"tp={tp} {level} {alg} {nbytes // 1024}KB")
             x = on_mesh(mesh, random_bf16(zlib.crc32(repr((tp, level, alg, nbytes)).encode()), tp,
                                           nbytes // 2))
-            if level == "jit_device":
-                records.append(jit_device_case(sifar_jax.call_trace, mesh, fns, cfg, tp, alg,
-                                               nbytes, x))
-                bar.update(1)
-                continue
-            if alg != BASELINE:
+            if alg != BASELINE and level != "jit_device":
                 got = cached(fns, mesh, tp, level, alg, 1)(x)
                 checks.append({"tp": tp, "level": level, "algorithm": alg, "bytes": nbytes,
                                **check_result(got, ref(x), tp)})
@@ -282,26 +273,20 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
 
 
 def timed_case(mesh, fns, cfg, tp, level, alg, nbytes, x) -> dict:
-    """The kernel level (R all-reduces in one launch against one) or the jit level (a chain of
-    R2 against one of R1) of one algorithm and size."""
+    """One algorithm and size at one level: kernel, R all-reduces in one launch against one; jit,
+    a chain of R2 against one of R1; jit_device, the R2 chain per rank on the device's clock."""
     r1, r2 = (1, cfg["kernel_r"]) if level == "kernel" else cfg["chain"]
     small, large = (cached(fns, mesh, tp, level, alg, r) for r in (r1, r2))
-    common.warm_up(small, (x,), cfg["warmup"])
-    common.warm_up(large, (x,), cfg["warmup"])
-    samples = common.paired_differences(small, large, (x,), r2 - r1, cfg["runs"],
-                                        cfg["inner_kernel" if level == "kernel" else "inner_jit"])
+    if level == "jit_device":
+        common.warm_up(large, (x,), cfg["warmup"])
+        rec = calltrace.collect(sifar_jax.call_trace, "tp", large, (x,), cfg["runs"], r2)
+        samples = calltrace.chain_seconds_per_call(rec, r2)
+    else:
+        common.warm_up(small, (x,), cfg["warmup"])
+        common.warm_up(large, (x,), cfg["warmup"])
+        inner = cfg["inner_kernel" if level == "kernel" else "inner_jit"]
+        samples = common.paired_differences(small, large, (x,), r2 - r1, cfg["runs"], inner)
     return {"algorithm": alg, "level": level, "tp": tp, "bytes": nbytes,
-            **common.summarize_us(samples)}
-
-
-def jit_device_case(call_trace, mesh, fns, cfg, tp, alg, nbytes, x) -> dict:
-    """The jit_device level of one algorithm and size."""
-    r2 = cfg["chain"][1]
-    fn = cached(fns, mesh, tp, "jit", alg, r2)
-    common.warm_up(fn, (x,), cfg["warmup"])
-    rec = calltrace.collect(call_trace, "tp", fn, (x,), cfg["runs"], r2)
-    samples = calltrace.chain_seconds_per_call(rec, r2)
-    return {"algorithm": alg, "level": "jit_device", "tp": tp, "bytes": nbytes,
             **common.summarize_us(samples)}
 
 
@@ -335,15 +320,11 @@ def comparison(records) -> list[dict]:
     ours = {(r["tp"], r["bytes"]): r["us_median"] for r in records
             if r["algorithm"] == "sifar" and r["level"] == "jit"}
     out = []
-    for r in records:
-        if r["algorithm"] in PORTABLE:
-            continue
-        s = ours.get((r["tp"], r["bytes"]))
-        peer = r["us_median"]
-        ratio = peer / s if s and peer is not None else None
+    for r in (r for r in records if r["algorithm"] not in PORTABLE):
+        s, peer = ours.get((r["tp"], r["bytes"])), r["us_median"]
         out.append({"tp": r["tp"], "bytes": r["bytes"], "peer": r["algorithm"],
-                    "peer_level": r["level"], "peer_us": r["us_median"], "sifar_us": s,
-                    "ratio": round(ratio, 3) if ratio is not None else None})
+                    "peer_level": r["level"], "peer_us": peer, "sifar_us": s,
+                    "ratio": round(peer / s, 3) if s and peer is not None else None})
     return out
 
 
@@ -353,14 +334,12 @@ def _speedup_row(level, rs, sizes):
     by = {(r["algorithm"], r["bytes"]): r["us_median"] for r in rs}
     if "sifar" not in {r["algorithm"] for r in rs}:
         return None
+    bases, name = ((BASELINE,), "lax.psum") if level == "jit" else (
+        ("oneshot", "twoshot"), "best of oneshot/twoshot")
     cells = []
     for b in sizes:
         s = by.get(("sifar", b))
-        if level == "jit":
-            base, name = by.get((BASELINE, b)), "lax.psum"
-        else:
-            cands = [by[(a, b)] for a in ("oneshot", "twoshot") if by.get((a, b)) is not None]
-            base, name = (min(cands) if cands else None), "best of oneshot/twoshot"
+        base = min((by[(a, b)] for a in bases if by.get((a, b)) is not None), default=None)
         cells.append(f"{(1 - s / base) * 100:+.0f}%" if s and base and base > 0 else "-")
     return [f"sifar: latency saved vs {name}"] + cells
 

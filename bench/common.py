@@ -88,10 +88,8 @@ def _short_gpu_name(kind: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "", name) or "gpu"
 
 
-def host_tag(devices: Sequence | None = None) -> str:
+def host_tag(devices: Sequence) -> str:
     """A short tag naming the hardware the numbers came from: '2xH200', 'cpu-2core'."""
-    if devices is None:
-        _, devices = bench_devices()
     gpus = [d for d in devices if d.platform == "gpu"]
     if gpus:
         return f"{len(gpus)}x{_short_gpu_name(gpus[0].device_kind)}"
@@ -131,13 +129,13 @@ def _cpu_model() -> str:
     return m.group(1).strip() if m else platform.processor() or platform.machine()
 
 
-def describe_environment(devices: Sequence | None = None) -> dict:
-    """What a reader needs to interpret the numbers (and to reproduce them)."""
+def describe_environment(devices: Sequence) -> dict:
+    """What a reader needs to interpret (and to reproduce) the numbers of a run on `devices`."""
     import jax
     import jaxlib
 
-    if devices is None:
-        _, devices = bench_devices()
+    import sifar_jax  # every benchmark runs it
+
     kind = "gpu" if any(d.platform == "gpu" for d in devices) else "cpu"
     env = {
         "host": host_tag(devices),
@@ -160,12 +158,7 @@ def describe_environment(devices: Sequence | None = None) -> dict:
         env["platform_version"] = devices[0].client.platform_version
     except Exception:  # noqa: BLE001 - informational only
         pass
-    try:
-        import sifar_jax
-
-        env["sifar_jax"] = sifar_jax.__version__
-    except Exception:  # noqa: BLE001
-        env["sifar_jax"] = None
+    env["sifar_jax"] = sifar_jax.__version__
     return env
 
 
@@ -328,18 +321,19 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence]) -> str:
     return "\n".join([line(headers), rule] + [line(row) for row in rows])
 
 
+# The environment table's rows: describe_environment's keys (and the peers') and their labels.
+ENV_LABELS = {
+    "host": "host", "hostname": "hostname", "date": "date", "gpu": "GPU", "devices": "devices used",
+    "driver": "driver", "platform_version": "platform", "cpu": "CPU", "cpu_count": "CPU cores",
+    "python": "Python", "jax": "jax", "jaxlib": "jaxlib", "sifar_jax": "sifar_jax",
+    "torch": "torch (peers)", "nccl": "NCCL (torch peers)", "xla_flags": "XLA_FLAGS",
+    "multicast_env": "multicast switches",
+}
+
+
 def environment_markdown(env: dict) -> str:
-    keys = [
-        ("host", "host"), ("hostname", "hostname"), ("date", "date"), ("gpu", "GPU"),
-        ("devices", "devices used"), ("driver", "driver"), ("platform_version", "platform"),
-        ("cpu", "CPU"), ("cpu_count", "CPU cores"), ("python", "Python"), ("jax", "jax"),
-        ("jaxlib", "jaxlib"), ("sifar_jax", "sifar_jax"), ("torch", "torch (peers)"),
-        ("nccl", "NCCL (torch peers)"), ("xla_flags", "XLA_FLAGS"),
-        ("multicast_env", "multicast switches"),
-    ]
     rows = [(label, f"`{env[k]}`" if k in ("xla_flags", "multicast_env") else env[k])
-            for k, label in keys
-            if env.get(k) not in (None, "")]
+            for k, label in ENV_LABELS.items() if env.get(k) not in (None, "")]
     return markdown_table(["", ""], rows)
 
 
