@@ -447,8 +447,8 @@ def print_tables(records, comp, sizes, host):
         print(common.plain_table(headers, rows) + "\n")
     for tp, headers, rows in peer_tables(records, comp, sizes):
         print(f"[{host}] TP={tp}: sifar (jit) against every peer, median us (peer / sifar)")
-        print(common.plain_table(headers, [[str(c).replace("**", "") for c in r] for r in rows]))
-        print()
+        plain = [[str(c).replace("**", "") for c in r] for r in rows]
+        print(common.plain_table(headers, plain) + "\n")
 
 
 def protocol_rows(meta) -> tuple[list[str], list[list]]:

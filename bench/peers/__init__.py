@@ -9,6 +9,7 @@ rows, recorded in "errors". Children get MULTICAST_OFF and write their JSON afte
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -55,6 +56,22 @@ def parse(spec: str) -> list[str]:
         if v not in ALL:
             raise SystemExit(f"unknown peer {v!r}; choose from {', '.join(ALL)} (or auto, none)")
     return names
+
+
+def child_args(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """A peer process's arguments: `p`'s own and those `run` gives every peer, parsed: sizes
+    (payload bytes per rank), chain (R1, R2), runs, warmup and json."""
+    p.add_argument("--sizes", required=True, help="comma list of payload bytes per rank (bf16)")
+    p.add_argument("--chain", default="20,200", help="R1,R2: all-reduces per chain")
+    p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", required=True, help="where to write the results")
+    args = p.parse_args(argv)
+    args.sizes = [int(v) for v in args.sizes.split(",") if v.strip()]
+    args.chain = tuple(int(v) for v in args.chain.split(","))
+    if not 0 < args.chain[0] < args.chain[1]:
+        p.error("--chain needs 0 < R1 < R2")
+    return args
 
 
 def run(peers: list[str], *, tps: list[int], sizes: list[int], chain: tuple[int, int], runs: int,

@@ -34,20 +34,10 @@ def parse_args(argv=None):
                                 description="Torch all-reduce peers (one process per GPU).")
     p.add_argument("--algorithm", required=True, choices=ALGORITHMS)
     p.add_argument("--tp", type=int, required=True, help="ranks (one GPU each)")
-    p.add_argument("--sizes", required=True, help="comma list of payload bytes per rank (bf16)")
-    p.add_argument("--chain", default="20,200", help="R1,R2: all-reduces per graph")
-    p.add_argument("--runs", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--op-timeout", type=float, default=120.0,
                    help="seconds a collective may wait for a peer process")
-    p.add_argument("--json", required=True, help="where to write the results")
-    args = p.parse_args(argv)
-    args.sizes = [int(v) for v in args.sizes.split(",") if v.strip()]
-    args.chain = tuple(int(v) for v in args.chain.split(","))
-    if not 0 < args.chain[0] < args.chain[1]:
-        p.error("--chain needs 0 < R1 < R2")
-    return args
+    return peers.child_args(p, argv)
 
 
 def refuse_multicast() -> None:

@@ -26,15 +26,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.peers.xla_one_shot",
                                 description="lax.psum chains with XLA's one-shot kernel.")
     p.add_argument("--tp", required=True, help="comma list of TP sizes")
-    p.add_argument("--sizes", required=True, help="comma list of payload bytes per rank (bf16)")
-    p.add_argument("--chain", default="20,200", help="R1,R2: chain lengths")
-    p.add_argument("--runs", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--json", required=True)
-    args = p.parse_args(argv)
+    args = peers.child_args(p, argv)
     args.tp = [int(v) for v in args.tp.split(",")]
-    args.sizes = [int(v) for v in args.sizes.split(",") if v.strip()]
-    args.chain = tuple(int(v) for v in args.chain.split(","))
     return args
 
 
