@@ -249,7 +249,7 @@ def worker(rank: int, args, port: int) -> None:
             except Exception as e:  # noqa: BLE001 - recorded, the next size goes on
                 res = {"error": f"{type(e).__name__}: {e}".strip()}
                 traceback.print_exc()
-            errors = [r for r in ctx.gather(res) if "error" in r]  # the first rank's that failed
+            errors = [r for r in ctx.gather(res) if "error" in r]  # the lowest failing rank says why
             if rank == 0:
                 out["info"] = _info(torch, ctx)
                 peers.add_result(out, args.json, args.algorithm, args.tp, nbytes,
