@@ -16,6 +16,7 @@ checked bit for bit against lax.psum, sifar_jax.stats()), not a performance resu
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import zlib
@@ -26,13 +27,12 @@ common.use_host_devices(8)  # before jax is imported; only XLA:CPU reads it
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import sifar_jax  # noqa: E402
 import sifar_jax.benchmarking  # noqa: E402
 from bench import calltrace, peers  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
 
 LAUNCHED = sifar_jax.distributed.initialize()  # under sifar_jax.launch: one process per GPU
 
@@ -97,17 +97,15 @@ def settings(args, kind: str, n_devices: int) -> dict:
                  trace_runs=20 if gpu else 5)
         if not gpu:
             s["inner_kernel"] = s["inner_jit"] = 2
-    if args.reps is not None:
-        s["runs"] = max(1, args.reps)
-    if args.kernel_repeat is not None:
-        s["kernel_r"] = max(2, args.kernel_repeat)
+    for key, given, least in (("runs", args.reps, 1), ("kernel_r", args.kernel_repeat, 2),
+                              ("trace_runs", args.trace_runs, 1)):
+        if given is not None:
+            s[key] = max(least, given)
     if args.chain is not None:
         r1, r2 = (int(v) for v in args.chain.split(","))
         if not 0 < r1 < r2:
             raise SystemExit("--chain needs 0 < R1 < R2")
         s["chain"] = (r1, r2)
-    if args.trace_runs is not None:
-        s["trace_runs"] = max(1, args.trace_runs)
 
     def names(spec, allowed, what):
         out = [a.strip() for a in spec.split(",") if a.strip()]
@@ -157,15 +155,6 @@ def kernel_fn(mesh, algorithm: str, repeat: int):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
 
 
-def kernel_ref_fn(mesh):
-    """lax.psum of the same input: what one kernel-level call must return."""
-
-    def body(x):
-        return jax.lax.psum(x[0], "tp")[None]
-
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
-
-
 def chain_fn(mesh, algorithm: str, length: int):
     """length data-dependent all-reduces: y <- allreduce(y), nothing else between
     them (a scale would add one XLA kernel per step to every row). Values grow
@@ -184,6 +173,14 @@ def chain_fn(mesh, algorithm: str, length: int):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
 
 
+def cached(fns: dict, mesh, tp: int, level: str, alg: str, length: int):
+    """kernel_fn (level "kernel") or chain_fn (the others) of `length` all-reduces, built once."""
+    key = (tp, level == "kernel", alg, length)
+    if key not in fns:
+        fns[key] = (kernel_fn if level == "kernel" else chain_fn)(mesh, alg, length)
+    return fns[key]
+
+
 def as_bf16(x_np):
     return jax.numpy.asarray(x_np, dtype=jax.numpy.bfloat16)
 
@@ -199,110 +196,71 @@ def on_mesh(mesh, x):
     return jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("tp")), lambda i: x[i])
 
 
-def local_rows(a) -> np.ndarray:
-    """The rows of a "tp"-sharded result this process holds, as float32."""
-    return np.concatenate([np.asarray(s.data, np.float32) for s in a.addressable_shards])
-
-
 def check_result(got, want, tp: int) -> dict:
     """A result against lax.psum's: the same bits on every rank and within any bf16 summation
     order's rounding of lax.psum's (within_rounding), or bit for bit lax.psum's (identical)."""
-    g, w = local_rows(got), local_rows(want)
+    g, w = (np.concatenate([np.asarray(s.data, np.float32) for s in a.addressable_shards])
+            for a in (got, want))  # the rows this process holds
     same = all(np.array_equal(g[i].view(np.uint32), g[0].view(np.uint32)) for i in range(len(g)))
     return {"within_rounding": bool(same and np.allclose(g, w, rtol=2 * tp * 2.0**-8, atol=0)),
             "identical": bool(np.array_equal(g.view(np.uint32), w.view(np.uint32)))}
 
 
 # ------------------------------------------------------------------- running --
-def run_peers(args, n_gpus: int) -> tuple[dict, dict]:
+def run_peers(args, n_gpus: int) -> dict:
     """The peers, before this process starts JAX on the GPUs (theirs alone meanwhile)."""
     kind = "gpu" if n_gpus >= 2 else "cpu"
     cfg = settings(args, kind, n_gpus if kind == "gpu" else 8)
     names = peers.parse(args.peers)
     if not names:
-        return {"records": [], "errors": [], "info": {}}, cfg
+        return {"records": [], "errors": [], "info": {}}
     print(f"peers ({kind}, {n_gpus} GPUs visible): {', '.join(names)}", flush=True)
     return peers.run(names, tps=cfg["tp"], sizes=payload_bytes(cfg), chain=cfg["chain"],
                      runs=cfg["runs"], warmup=cfg["warmup"], n_gpus=n_gpus,
-                     timeout_s=args.peer_timeout), cfg
+                     timeout_s=args.peer_timeout)
 
 
 def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
     cfg = settings(args, kind, len(devices))
-    warnings_out: list[str] = []
     if kind == "cpu":
         print(f"NOTE: {CPU_NOTE}", flush=True)
     sizes = payload_bytes(cfg)
-    slot = max(sifar_jax.DEFAULT_SLOT_BYTES, max(sizes))
     algs = cfg["algorithms"]
-    sifar_algs = [a for a in algs if a != BASELINE]
-    # the trace serves jit_device always, the mis-speculation part unless --no-trace
+    # jit_device is traced always (timed_case), the mis-speculation trace unless --no-trace
     call_trace = sifar_jax.call_trace if args.trace else None
-
-    cases = []
-    for tp in cfg["tp"]:
-        for level in cfg["levels"]:
-            for alg in (algs if level == "jit" else sifar_algs):
-                for nbytes in sizes:
-                    cases.append((tp, level, alg, nbytes))
-    n_traces = (len(cfg["tp"]) * len(cfg["trace_algorithms"]) * len(sizes) * len(cfg["skews_us"])
-                if call_trace else 0)
-
-    records: list[dict] = []
-    checks: list[dict] = []
+    cases = [(level, alg, nbytes) for level in cfg["levels"]
+             for alg in (algs if level == "jit" else [a for a in algs if a != BASELINE])
+             for nbytes in sizes]
+    traced = list(itertools.product(cfg["trace_algorithms"], sizes, cfg["skews_us"])
+                  if call_trace else ())
+    records, checks, traces, warnings_out = [], [], [], []
     stats: dict = {}  # tp -> sifar_jax.stats() over that TP size's runs
-    traces: list[dict] = []
-    bar = common.progress(len(cases) + n_traces, "all-reduce")
+    bar = common.progress(len(cfg["tp"]) * (len(cases) + len(traced)), "all-reduce")
     fns: dict = {}
     for tp in cfg["tp"]:
         mesh = Mesh(np.array(devices[:tp]), ("tp",))
         sifar_jax.shutdown()
-        sifar_jax.init(mesh, slot_bytes=slot)
+        sifar_jax.init(mesh, slot_bytes=max(sifar_jax.DEFAULT_SLOT_BYTES, max(sizes)))
         stats0 = sifar_jax.stats()
-        refs = {"kernel": kernel_ref_fn(mesh), "jit": chain_fn(mesh, BASELINE, 1)}
-        for (_, level, alg, nbytes) in [c for c in cases if c[0] == tp]:
+        ref = chain_fn(mesh, BASELINE, 1)  # what one call at every level must return
+        for level, alg, nbytes in cases:
             bar.set_postfix_str(f"tp={tp} {level} {alg} {nbytes // 1024}KB")
             x = on_mesh(mesh, random_bf16(zlib.crc32(repr((tp, level, alg, nbytes)).encode()), tp,
                                           nbytes // 2))
-            if level == "jit_device":
-                records.append(jit_device_case(sifar_jax.call_trace, mesh, fns, cfg, tp, alg,
-                                               nbytes, x))
-                bar.update(1)
-                continue
-            if level == "kernel":
-                r = cfg["kernel_r"]
-                small = fns.setdefault((tp, "k", alg, 1), kernel_fn(mesh, alg, 1))
-                large = fns.setdefault((tp, "k", alg, r), kernel_fn(mesh, alg, r))
-                extra, inner = r - 1, cfg["inner_kernel"]
-                check = small
-            else:
-                r1, r2 = cfg["chain"]
-                small = fns.setdefault((tp, "j", alg, r1), chain_fn(mesh, alg, r1))
-                large = fns.setdefault((tp, "j", alg, r2), chain_fn(mesh, alg, r2))
-                extra, inner = r2 - r1, cfg["inner_jit"]
-                check = fns.setdefault((tp, "j", alg, 1), chain_fn(mesh, alg, 1))
-            if alg != BASELINE:
+            if alg != BASELINE and level != "jit_device":
+                got = cached(fns, mesh, tp, level, alg, 1)(x)
                 checks.append({"tp": tp, "level": level, "algorithm": alg, "bytes": nbytes,
-                               **check_result(check(x), refs[level](x), tp)})
+                               **check_result(got, ref(x), tp)})
                 if not checks[-1]["within_rounding"]:
                     warnings_out.append(f"WRONG RESULT: tp={tp} {alg} {nbytes} bytes differs "
                                         "from lax.psum")
                     bar.write(warnings_out[-1])
-            common.warm_up(small, (x,), cfg["warmup"])
-            common.warm_up(large, (x,), cfg["warmup"])
-            samples = common.paired_differences(small, large, (x,), extra, cfg["runs"], inner)
-            records.append({"algorithm": alg, "level": level, "tp": tp, "bytes": nbytes,
-                            **common.summarize_us(samples)})
+            records.append(timed_case(mesh, fns, cfg, tp, level, alg, nbytes, x))
             bar.update(1)
-        if call_trace is not None:
-            for alg in cfg["trace_algorithms"]:
-                for nbytes in sizes:
-                    for skew in cfg["skews_us"]:
-                        bar.set_postfix_str(f"tp={tp} trace {alg} {nbytes // 1024}KB "
-                                            f"skew={skew:g}us")
-                        traces.append(trace_case(call_trace, mesh, fns, cfg, tp, alg, nbytes,
-                                                 skew)[0])
-                        bar.update(1)
+        for alg, nbytes, skew in traced:
+            bar.set_postfix_str(f"tp={tp} trace {alg} {nbytes // 1024}KB skew={skew:g}us")
+            traces.append(trace_case(call_trace, mesh, fns, cfg, tp, alg, nbytes, skew)[0])
+            bar.update(1)
         sifar_jax.check()
         stats[tp] = {a: {k: v - stats0.get(a, {}).get(k, 0) for k, v in c.items()}
                      for a, c in sifar_jax.stats().items()}
@@ -314,21 +272,28 @@ def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
     return records, meta, warnings_out
 
 
-def jit_device_case(call_trace, mesh, fns, cfg, tp, alg, nbytes, x) -> dict:
-    """The jit_device level of one algorithm and size."""
-    r2 = cfg["chain"][1]
-    fn = fns.setdefault((tp, "j", alg, r2), chain_fn(mesh, alg, r2))
-    common.warm_up(fn, (x,), cfg["warmup"])
-    rec = calltrace.collect(call_trace, "tp", fn, (x,), cfg["runs"], r2)
-    samples = calltrace.chain_seconds_per_call(rec, r2)
-    return {"algorithm": alg, "level": "jit_device", "tp": tp, "bytes": nbytes,
+def timed_case(mesh, fns, cfg, tp, level, alg, nbytes, x) -> dict:
+    """One algorithm and size at one level: kernel, R all-reduces in one launch against one; jit,
+    a chain of R2 against one of R1; jit_device, the R2 chain per rank on the device's clock."""
+    r1, r2 = (1, cfg["kernel_r"]) if level == "kernel" else cfg["chain"]
+    small, large = (cached(fns, mesh, tp, level, alg, r) for r in (r1, r2))
+    if level == "jit_device":
+        common.warm_up(large, (x,), cfg["warmup"])
+        rec = calltrace.collect(sifar_jax.call_trace, "tp", large, (x,), cfg["runs"], r2)
+        samples = calltrace.chain_seconds_per_call(rec, r2)
+    else:
+        common.warm_up(small, (x,), cfg["warmup"])
+        common.warm_up(large, (x,), cfg["warmup"])
+        inner = cfg["inner_kernel" if level == "kernel" else "inner_jit"]
+        samples = common.paired_differences(small, large, (x,), r2 - r1, cfg["runs"], inner)
+    return {"algorithm": alg, "level": level, "tp": tp, "bytes": nbytes,
             **common.summarize_us(samples)}
 
 
 def trace_case(call_trace, mesh, fns, cfg, tp, alg, nbytes, skew_us):
     """One traced jit chain: (entry for the JSON, per-call latencies in us or None)."""
     r2 = cfg["chain"][1]
-    fn = fns.setdefault((tp, "j", alg, r2), chain_fn(mesh, alg, r2))
+    fn = cached(fns, mesh, tp, "jit", alg, r2)
     x = on_mesh(mesh, random_bf16(zlib.crc32(repr((tp, "trace", alg, nbytes)).encode()), tp,
                                   nbytes // 2))
     entry = {"algorithm": alg, "level": "jit", "tp": tp, "bytes": nbytes, "skew_us": skew_us,
@@ -355,40 +320,26 @@ def comparison(records) -> list[dict]:
     ours = {(r["tp"], r["bytes"]): r["us_median"] for r in records
             if r["algorithm"] == "sifar" and r["level"] == "jit"}
     out = []
-    for r in records:
-        if r["algorithm"] in PORTABLE:
-            continue
-        s = ours.get((r["tp"], r["bytes"]))
-        peer = r["us_median"]
-        ratio = peer / s if s and peer is not None else None
+    for r in (r for r in records if r["algorithm"] not in PORTABLE):
+        s, peer = ours.get((r["tp"], r["bytes"])), r["us_median"]
         out.append({"tp": r["tp"], "bytes": r["bytes"], "peer": r["algorithm"],
-                    "peer_level": r["level"], "peer_us": r["us_median"], "sifar_us": s,
-                    "ratio": round(ratio, 3) if ratio is not None else None})
+                    "peer_level": r["level"], "peer_us": peer, "sifar_us": s,
+                    "ratio": round(peer / s, 3) if s and peer is not None else None})
     return out
 
 
 # -------------------------------------------------------------------- output --
-def _groups(records):
-    keys = sorted({(r["level"], r["tp"]) for r in records if r["level"] in LEVELS},
-                  key=lambda k: (LEVELS.index(k[0]), k[1]))
-    for level, tp in keys:
-        rs = [r for r in records if r["level"] == level and r["tp"] == tp]
-        yield level, tp, rs
-
-
 def _speedup_row(level, rs, sizes):
     """sifar relative to lax.psum (jit) or to the best barrier algorithm (kernel)."""
     by = {(r["algorithm"], r["bytes"]): r["us_median"] for r in rs}
     if "sifar" not in {r["algorithm"] for r in rs}:
         return None
+    bases, name = ((BASELINE,), "lax.psum") if level == "jit" else (
+        ("oneshot", "twoshot"), "best of oneshot/twoshot")
     cells = []
     for b in sizes:
         s = by.get(("sifar", b))
-        if level == "jit":
-            base, name = by.get((BASELINE, b)), "lax.psum"
-        else:
-            cands = [by[(a, b)] for a in ("oneshot", "twoshot") if by.get((a, b)) is not None]
-            base, name = (min(cands) if cands else None), "best of oneshot/twoshot"
+        base = min((by[(a, b)] for a in bases if by.get((a, b)) is not None), default=None)
         cells.append(f"{(1 - s / base) * 100:+.0f}%" if s and base and base > 0 else "-")
     return [f"sifar: latency saved vs {name}"] + cells
 
@@ -406,7 +357,10 @@ def _cell(r, with_spread: bool) -> str:
 
 def tables(records, sizes, with_spread: bool, speedup: bool = True):
     out = []
-    for level, tp, rs in _groups(records):
+    groups = sorted({(r["level"], r["tp"]) for r in records if r["level"] in LEVELS},
+                    key=lambda k: (LEVELS.index(k[0]), k[1]))
+    for level, tp in groups:
+        rs = [r for r in records if (r["level"], r["tp"]) == (level, tp)]
         algs = [a for a in PORTABLE + (BASELINE,) if any(r["algorithm"] == a for r in rs)]
         by = {(r["algorithm"], r["bytes"]): r for r in rs}
         headers = ["algorithm"] + [f"{b / 1024:g} KB" for b in sizes]
@@ -431,11 +385,11 @@ def peer_tables(records, comp, sizes):
                 rows.append(["sifar", level] + [_cell(by.get(("sifar", level, b)), False)
                                                 for b in sizes])
         cs = [c for c in comp if c["tp"] == tp]
+        at_size = {(c["peer"], c["peer_level"], c["bytes"]): c for c in reversed(cs)}
         for peer, level in dict.fromkeys((c["peer"], c["peer_level"]) for c in cs):
             row = [peer, level]
             for b in sizes:
-                c = next((c for c in cs
-                          if (c["peer"], c["peer_level"], c["bytes"]) == (peer, level, b)), None)
+                c = at_size.get((peer, level, b))
                 if c is None:
                     row.append("-")
                 else:
@@ -465,22 +419,20 @@ def peer_tables(records, comp, sizes):
 
 
 def trace_tables(trace_records):
+    def share(v):
+        return "-" if v is None else f"{v * 100:.1f}%"
+
     mis, tails = [], []
     for t in trace_records:
-        size = f"{t['bytes'] / 1024:g} KB"
+        head = [t["tp"], t["algorithm"], f"{t['bytes'] / 1024:g} KB", f"{t['skew_us']:g}"]
         if "error" in t:
-            mis.append([t["tp"], t["algorithm"], size, f"{t['skew_us']:g}", "error: " + t["error"]]
-                       + [""] * 6)
+            mis.append(head + ["error: " + t["error"]] + [""] * 6)
             continue
-        share = t.get("retried_share")
-        mis.append([t["tp"], t["algorithm"], size, f"{t['skew_us']:g}", t["calls"],
-                    f"{share * 100:.1f}%" if share is not None else "-",
-                    t["retries_per_call"] if t.get("retries_per_call") is not None else "-",
-                    common.fmt_us(t["us_median_clean"]), common.fmt_us(t["us_median_retried"]),
-                    common.fmt_us(t["us_mean"]),
-                    f"{t['cost_share'] * 100:.1f}%" if t.get("cost_share") is not None else "-"])
-        tails.append([t["tp"], t["algorithm"], size, f"{t['skew_us']:g}", t["calls"]]
-                     + [common.fmt_us(t[k]) for k in ("us_p50", "us_p90", "us_p99", "us_p99_9")])
+        retries = t.get("retries_per_call")
+        us = [common.fmt_us(t[k]) for k in ("us_median_clean", "us_median_retried", "us_mean")]
+        mis.append(head + [t["calls"], share(t.get("retried_share")),
+                           "-" if retries is None else retries, *us, share(t.get("cost_share"))])
+        tails.append(head + [t["calls"]] + [common.fmt_us(t[k]) for k in common.TAILS])
     mis_h = ["TP", "algorithm", "size", "skew us", "calls", "retried", "retries/call (counters)",
              "median clean us", "median retried us", "mean us", "cost"]
     tail_h = ["TP", "algorithm", "size", "skew us", "calls",
@@ -495,8 +447,8 @@ def print_tables(records, comp, sizes, host):
         print(common.plain_table(headers, rows) + "\n")
     for tp, headers, rows in peer_tables(records, comp, sizes):
         print(f"[{host}] TP={tp}: sifar (jit) against every peer, median us (peer / sifar)")
-        print(common.plain_table(headers, [[str(c).replace("**", "") for c in r] for r in rows]))
-        print()
+        plain = [[str(c).replace("**", "") for c in r] for r in rows]
+        print(common.plain_table(headers, plain) + "\n")
 
 
 def protocol_rows(meta) -> tuple[list[str], list[list]]:
@@ -574,17 +526,6 @@ def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
     return json_path, md_path
 
 
-def auto_table(records, env, kind: str):
-    """The auto table of this run (sifar_jax.autotable.from_records): for the
-    platform and the device kind it ran on."""
-    platform = "cuda" if kind == "gpu" else "cpu"
-    device = env.get("device_kind") or ""
-    return sifar_jax.autotable.from_records(
-        records, platform, device_kinds=(device,) if device else (),
-        source=f"bench.allreduce on {env.get('host', '?')}, {env.get('date', '?')} "
-               f"({sifar_jax.autotable.LEVEL} level)")
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     # Before anything starts NCCL (lax.psum's too): no NVLink multicast, ever.
@@ -593,7 +534,7 @@ def main(argv=None) -> int:
     if LAUNCHED and peers.parse(args.peers):
         print("NOTE: one process per GPU: the peers are skipped", flush=True)
         args.peers = "none"
-    peer_out, _ = run_peers(args, n_gpus)
+    peer_out = run_peers(args, n_gpus)
     kind, devices = common.bench_devices()
     if (kind == "gpu") != (n_gpus >= 2):
         print(f"NOTE: {n_gpus} GPUs visible to the driver but JAX runs on {kind}: the peers "
@@ -613,13 +554,15 @@ def main(argv=None) -> int:
         print(f"\n[{env['host']}] What ran: {CPU_NOTE}")
         print(common.plain_table(*protocol_rows(meta)) + "\n")
     out_dir = args.out if args.out else common.default_out(kind)
-    paths = write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out)
-    for p in paths:
-        if p is not None:
-            print(f"wrote {p}")
-    if args.write_auto_table:
+    for path in write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
+        print(f"wrote {path}")
+    if args.write_auto_table:  # for the platform and the device kind this run had
+        devices = (env["device_kind"],) if env.get("device_kind") else ()
         try:
-            table = auto_table(records, env, kind)
+            table = sifar_jax.autotable.from_records(
+                records, "cuda" if kind == "gpu" else "cpu", device_kinds=devices,
+                source=f"bench.allreduce on {env['host']}, {env['date']} "
+                       f"({sifar_jax.autotable.LEVEL} level)")
         except ValueError as e:
             print(f"auto table not written: {e} (run with --levels including jit)", file=sys.stderr)
             return 1

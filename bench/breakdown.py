@@ -39,9 +39,8 @@ ATTENTION_FUNCTIONS = re.compile(r"attention|attend|rope", re.IGNORECASE)
 def kind_of(kernel: str) -> str:
     """A kernel's kind from its name alone: sifar, nccl, attention, matmul, reduction, other."""
     k = kernel.lower()
-    if "matvec" in k or "addsplits" in k:  # sifar_jax.matvec's kernels (the MoE experts)
-        return "matmul"
-    for kind, marks in (("sifar", ("sifar",)), ("nccl", ("nccl",)),
+    for kind, marks in (("matmul", ("matvec", "addsplits")),  # sifar_jax.matvec's (MoE experts)
+                        ("sifar", ("sifar",)), ("nccl", ("nccl",)),
                         ("attention", ("mha_forward", "flash", "attention")),
                         ("matmul", ("gemm", "dot", "cublas", "cutlass", "xmma", "matmul")),
                         ("reduction", ("reduce", "reduction"))):
@@ -104,11 +103,6 @@ def _is_matmul(instruction) -> bool:
     _, _, opcode, _, attrs = instruction
     return opcode in ("dot", "convolution") or (opcode == "custom-call" and any(
         t in attrs.lower() for t in ("gemm", "cublas", "matmul", "matvec")))
-
-
-def _is_allreduce_target(target: str) -> bool:
-    """sifar_jax's all-reduce custom calls (not sifar_matvec, a matmul) or NCCL's."""
-    return ("sifar" in target and "matvec" not in target) or "nccl" in target
 
 
 def _running(comps, entry) -> set:
@@ -184,7 +178,9 @@ def hlo_kinds(text: str, n_weights: int, cache_shapes=()) -> dict[str, str]:
                 continue
             parts = inside(c, name)
             target = " ".join(re.findall(r'custom_call_target="([^"]*)"', attrs)).lower()
-            if {i[2] for _, i in parts} & _COLLECTIVES or _is_allreduce_target(target):
+            # sifar_jax's all-reduce custom calls (not sifar_matvec, a matmul) or NCCL's
+            our_call = ("sifar" in target and "matvec" not in target) or "nccl" in target
+            if {i[2] for _, i in parts} & _COLLECTIVES or our_call:
                 kind = "all_reduce"
             elif any(source(pc, op) == "weight" for pc, i in parts if _is_matmul(i)
                      for op in i[3]):
@@ -272,20 +268,16 @@ def _stat(event, key: str) -> str | None:
         return None
 
 
-def profile_steps(dec, steps: int) -> list[tuple]:
+def step_breakdown(dec, steps: int) -> dict:
+    """Profile `steps` back-to-back steps of a Decoder (compiled and warm) and break their device
+    time down; {"note": why} without GPU kernels."""
+    kinds = decoder_kinds(dec)
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             dec.advance(steps)
             dec.token()
         files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
-        return device_kernels(files[0]) if files else []
-
-
-def step_breakdown(dec, steps: int) -> dict:
-    """Profile `steps` back-to-back steps of a Decoder (compiled and warm) and break their device
-    time down; {"note": why} without GPU kernels."""
-    kinds = decoder_kinds(dec)
-    kernels = profile_steps(dec, steps)
+        kernels = device_kernels(files[0]) if files else []
     if not kernels:
         return {"note": "no GPU kernels in the profile (not a GPU host)"}
     return {"steps": steps, **breakdown(kernels, steps, kinds)}

@@ -29,15 +29,12 @@ def collect(call_trace, axis_name: str, fn, args: tuple, runs: int, calls_per_ru
     per_block = max(1, ring_calls // max(1, calls_per_run))
     parts = []
     with testing.inject_skew(skew_us) if skew_us > 0 else contextlib.nullcontext():
-        done = 0
-        while done < runs:
-            n = min(per_block, runs - done)
+        for done in range(0, runs, per_block):
             with call_trace(axis_name) as t:
-                for _ in range(n):
+                for _ in range(min(per_block, runs - done)):
                     common.block(fn(*args))
             parts.append(np.asarray(t.records()))
-            done += n
-    rec = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    rec = np.concatenate(parts)
     missing = [f for f in FIELDS if rec.dtype.names is None or f not in rec.dtype.names]
     if missing:
         raise ValueError(f"call_trace records lack the fields {missing} (have {rec.dtype.names})")

@@ -5,6 +5,7 @@ Markdown output. Nothing here imports jax at module level: import this before ja
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import math
 import os
@@ -59,38 +60,24 @@ def bench_devices(min_gpus: int = 2) -> tuple[str, list]:
 def visible_gpu_count() -> int:
     """NVIDIA GPUs this process may use, without starting a framework (nvidia-smi, else the
     /dev/nvidiaN nodes), limited by CUDA_VISIBLE_DEVICES: the peers run before JAX starts."""
-    n = 0
-    exe = shutil.which("nvidia-smi")
-    if exe is not None:
-        try:
-            out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20).stdout
-            n = sum(1 for line in out.splitlines() if line.startswith("GPU "))
-        except (OSError, subprocess.SubprocessError):
-            n = 0
+    n = sum(1 for line in _nvidia_smi("-L") if line.startswith("GPU "))
     if n == 0:
         n = sum(1 for p in Path("/dev").glob("nvidia[0-9]*") if p.name[6:].isdigit())
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        ids = [v for v in visible.split(",") if v.strip()]
-        ids = ids[: next((i for i, v in enumerate(ids) if v.strip().startswith("-")), len(ids))]
-        n = min(n, len(ids))
+    if visible is not None:  # CUDA ignores the ids from the first negative one on
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        n = min(n, len(list(itertools.takewhile(lambda v: not v.startswith("-"), ids))))
     return n
 
 
 def child_env(**extra: str) -> dict:
     """The environment for a process a benchmark starts: ours, multicast off, plus `extra`."""
-    env = dict(os.environ)
-    env.update(MULTICAST_OFF)
-    env.update(extra)
-    return env
+    return {**os.environ, **MULTICAST_OFF, **extra}
 
 
 def powers_of_two_up_to(n: int, start: int = 2) -> list[int]:
-    out, t = [], start
-    while t <= n:
-        out.append(t)
-        t *= 2
-    return out
+    """start, 2 start, 4 start, ... up to n."""
+    return [start << k for k in range((n // start).bit_length())]
 
 
 # ----------------------------------------------------------------- host tag --
@@ -101,10 +88,8 @@ def _short_gpu_name(kind: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "", name) or "gpu"
 
 
-def host_tag(devices: Sequence | None = None) -> str:
+def host_tag(devices: Sequence) -> str:
     """A short tag naming the hardware the numbers came from: '2xH200', 'cpu-2core'."""
-    if devices is None:
-        _, devices = bench_devices()
     gpus = [d for d in devices if d.platform == "gpu"]
     if gpus:
         return f"{len(gpus)}x{_short_gpu_name(gpus[0].device_kind)}"
@@ -112,50 +97,45 @@ def host_tag(devices: Sequence | None = None) -> str:
 
 
 # -------------------------------------------------------------- environment --
-def _nvidia_smi(query: str) -> str | None:
+def _nvidia_smi(*args: str) -> list[str]:
+    """nvidia-smi's non-empty output lines; none where it is missing or fails."""
     exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
     try:
-        out = subprocess.run(
-            [exe, f"--query-gpu={query}", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20, check=True,
-        ).stdout
+        out = subprocess.run([exe, *args], capture_output=True, text=True, timeout=20,
+                             check=True).stdout if exe else ""
     except (OSError, subprocess.SubprocessError):
-        return None
-    lines = [line.strip() for line in out.splitlines() if line.strip()]
-    return lines[0] if lines else None
+        out = ""
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
 
 
 def _driver_version() -> str | None:
-    v = _nvidia_smi("driver_version")
-    if v:
-        return v
-    try:  # without nvidia-smi: the kernel module's banner
-        text = Path("/proc/driver/nvidia/version").read_text()
-        m = re.search(r"Kernel Module\s+([0-9.]+)", text)
-        return m.group(1) if m else None
-    except OSError:
-        return None
+    """nvidia-smi's, else (without it) the kernel module's banner."""
+    smi = _nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader")
+    if smi:
+        return smi[0]
+    m = re.search(r"Kernel Module\s+([0-9.]+)", _read("/proc/driver/nvidia/version"))
+    return m.group(1) if m else None
 
 
 def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    m = re.search(r"^model name\s*:(.*)$", _read("/proc/cpuinfo"), re.M)
+    return m.group(1).strip() if m else platform.processor() or platform.machine()
 
 
-def describe_environment(devices: Sequence | None = None) -> dict:
-    """What a reader needs to interpret the numbers (and to reproduce them)."""
+def describe_environment(devices: Sequence) -> dict:
+    """What a reader needs to interpret (and to reproduce) the numbers of a run on `devices`."""
     import jax
     import jaxlib
 
-    if devices is None:
-        _, devices = bench_devices()
+    import sifar_jax  # every benchmark runs it
+
     kind = "gpu" if any(d.platform == "gpu" for d in devices) else "cpu"
     env = {
         "host": host_tag(devices),
@@ -178,12 +158,7 @@ def describe_environment(devices: Sequence | None = None) -> dict:
         env["platform_version"] = devices[0].client.platform_version
     except Exception:  # noqa: BLE001 - informational only
         pass
-    try:
-        import sifar_jax
-
-        env["sifar_jax"] = sifar_jax.__version__
-    except Exception:  # noqa: BLE001
-        env["sifar_jax"] = None
+    env["sifar_jax"] = sifar_jax.__version__
     return env
 
 
@@ -209,45 +184,29 @@ def warm_up(fn: Callable, args: tuple, times: int = 3) -> None:
         block(fn(*args))
 
 
-def paired_differences(
-    fn_small: Callable,
-    fn_large: Callable,
-    args: tuple,
-    extra_work: float,
-    runs: int,
-    inner: int = 1,
-    on_run: Callable[[], None] | None = None,
-) -> list[float]:
+def paired_differences(fn_small: Callable, fn_large: Callable, args: tuple, extra_work: float,
+                       runs: int, inner: int = 1) -> list[float]:
     """Per-unit seconds of runs of (fn_large - fn_small) / extra_work: functions that differ only
     in `extra_work` units (all-reduces), timed alternately; the difference cancels the launch."""
     out = []
     for _ in range(runs):
         t_small = time_calls(fn_small, args, inner)
-        t_large = time_calls(fn_large, args, inner)
-        out.append((t_large - t_small) / extra_work)
-        if on_run is not None:
-            on_run()
+        out.append((time_calls(fn_large, args, inner) - t_small) / extra_work)
     return out
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100]."""
-    v = sorted(values)
-    if not v:
-        return math.nan
-    k = (len(v) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+    """Linear-interpolated percentile, q in [0, 100] (NaN of no values)."""
+    return float(np.percentile(values, q)) if len(values) else math.nan
+
+
+TAILS = {"us_p50": 50, "us_p90": 90, "us_p99": 99, "us_p99_9": 99.9}
 
 
 def tails_us(values_us) -> dict:
-    """{us_p50, us_p90, us_p99, us_p99_9} of latencies in microseconds."""
+    """{us_p50, us_p90, us_p99, us_p99_9} of latencies in microseconds (None of no values)."""
     v = np.asarray(values_us, dtype=np.float64)
-    if v.size == 0:
-        return {"us_p50": None, "us_p90": None, "us_p99": None, "us_p99_9": None}
-    p = np.percentile(v, [50, 90, 99, 99.9])
-    return {"us_p50": round(float(p[0]), 3), "us_p90": round(float(p[1]), 3),
-            "us_p99": round(float(p[2]), 3), "us_p99_9": round(float(p[3]), 3)}
+    return {k: round(float(np.percentile(v, q)), 3) if v.size else None for k, q in TAILS.items()}
 
 
 # A latency from a difference of timings carries both timings' noise and can come out negative.
@@ -355,25 +314,26 @@ def write_json(path: Path, records) -> Path:
 
 
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence]) -> str:
-    headers = [str(h) for h in headers]
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
-    for row in rows:
-        lines.append("| " + " | ".join(str(c) for c in row) + " |")
-    return "\n".join(lines)
+    def line(cells):
+        return "| " + " | ".join(str(c) for c in cells) + " |"
+
+    rule = "|" + "|".join(" --- " for _ in headers) + "|"
+    return "\n".join([line(headers), rule] + [line(row) for row in rows])
+
+
+# The environment table's rows: describe_environment's keys (and the peers') and their labels.
+ENV_LABELS = {
+    "host": "host", "hostname": "hostname", "date": "date", "gpu": "GPU", "devices": "devices used",
+    "driver": "driver", "platform_version": "platform", "cpu": "CPU", "cpu_count": "CPU cores",
+    "python": "Python", "jax": "jax", "jaxlib": "jaxlib", "sifar_jax": "sifar_jax",
+    "torch": "torch (peers)", "nccl": "NCCL (torch peers)", "xla_flags": "XLA_FLAGS",
+    "multicast_env": "multicast switches",
+}
 
 
 def environment_markdown(env: dict) -> str:
-    keys = [
-        ("host", "host"), ("hostname", "hostname"), ("date", "date"), ("gpu", "GPU"),
-        ("devices", "devices used"), ("driver", "driver"), ("platform_version", "platform"),
-        ("cpu", "CPU"), ("cpu_count", "CPU cores"), ("python", "Python"), ("jax", "jax"),
-        ("jaxlib", "jaxlib"), ("sifar_jax", "sifar_jax"), ("torch", "torch (peers)"),
-        ("nccl", "NCCL (torch peers)"), ("xla_flags", "XLA_FLAGS"),
-        ("multicast_env", "multicast switches"),
-    ]
     rows = [(label, f"`{env[k]}`" if k in ("xla_flags", "multicast_env") else env[k])
-            for k, label in keys
-            if env.get(k) not in (None, "")]
+            for k, label in ENV_LABELS.items() if env.get(k) not in (None, "")]
     return markdown_table(["", ""], rows)
 
 
@@ -381,9 +341,7 @@ def write_markdown(path: Path, title: str, env: dict, sections: Sequence[tuple[s
                    notes: Sequence[str] = ()) -> Path:
     """A report: title, environment table, notes, then (heading, body) sections."""
     parts = [f"# {title}", "", environment_markdown(env), ""]
-    parts += [f"> {n}" for n in notes]
-    if notes:
-        parts.append("")
+    parts += [f"> {n}" for n in notes] + ([""] if notes else [])
     for heading, body in sections:
         parts += [f"## {heading}", "", body, ""]
     path.write_text("\n".join(parts))
@@ -397,12 +355,12 @@ def fmt_us(x: float) -> str:
 
 
 def plain_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
-    """A fixed-width text table for the terminal."""
-    cols = [[str(h)] + [str(r[i]) for r in rows] for i, h in enumerate(headers)]
-    widths = [max(len(c) for c in col) for col in cols]
-    line = "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(headers, widths)))
-    out = [line, "  ".join("-" * w for w in widths)]
-    for r in rows:
-        out.append("  ".join(str(c).rjust(w) if i else str(c).ljust(w)
-                             for i, (c, w) in enumerate(zip(r, widths))))
-    return "\n".join(out)
+    """A fixed-width text table for the terminal: the first column left-aligned, the rest right."""
+    cells = [[str(c) for c in r] for r in [headers, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r):
+        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])

@@ -47,10 +47,6 @@ def device_flops(device) -> Optional[float]:
     return next((v for k, v in BF16_FLOPS_PER_S.items() if k in device.device_kind), None)
 
 
-def param_count(params) -> int:
-    return sum(math.prod(a.shape) for a in jax.tree.leaves(params))
-
-
 def weight_bytes_per_rank(params) -> int:
     """Every parameter's local shard on one rank (the prefill reads the whole model once)."""
     return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
@@ -63,12 +59,11 @@ def floor(n_params: int, weight_bytes: int, prompt_len: int, tp: int, flops: Opt
     `hbm_bytes_per_s`; floor_ms is the larger (None where the device's rate is unknown)."""
     compute = None if flops is None else 2 * n_params * prompt_len / tp / flops * 1e3
     weights = weight_bytes / hbm_bytes_per_s * 1e3
-    if compute is None:
-        return {"compute_floor_ms": None, "weights_floor_ms": round(weights, 4), "floor_ms": None,
-                "floor_bound": None}
-    return {"compute_floor_ms": round(compute, 4), "weights_floor_ms": round(weights, 4),
-            "floor_ms": round(max(compute, weights), 4),
-            "floor_bound": "compute" if compute >= weights else "weights"}
+    known = compute is not None
+    return {"compute_floor_ms": round(compute, 4) if known else None,
+            "weights_floor_ms": round(weights, 4),
+            "floor_ms": round(max(compute, weights), 4) if known else None,
+            "floor_bound": None if not known else "compute" if compute >= weights else "weights"}
 
 
 def time_to_first_token(dec: Decoder, prompt: np.ndarray) -> float:
@@ -93,7 +88,8 @@ def measure_variant(config, mesh, params, variant, lengths: Sequence[int], sampl
     except (ValueError, NotImplementedError) as e:
         return [dict(base, prompt_len=n, error=str(e)) for n in lengths]
     rng = np.random.default_rng(seed)
-    n_params, wbytes = param_count(params), weight_bytes_per_rank(params)
+    n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(params))
+    wbytes = weight_bytes_per_rank(params)
     flops = device_flops(mesh.devices.flat[0])
     out = []
     for n in lengths:

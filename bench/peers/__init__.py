@@ -9,6 +9,7 @@ rows, recorded in "errors". Children get MULTICAST_OFF and write their JSON afte
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -57,32 +58,26 @@ def parse(spec: str) -> list[str]:
     return names
 
 
-def _torch_unavailable(n_gpus: int, tp: int) -> str | None:
-    if importlib.util.find_spec("torch") is None:
-        return "skipped: torch is not importable here"
-    if n_gpus < tp:
-        return f"skipped: needs {tp} CUDA GPUs (one process per GPU), {n_gpus} visible"
-    return None
+def child_args(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """A peer process's arguments: `p`'s own and those `run` gives every peer, parsed: sizes
+    (payload bytes per rank), chain (R1, R2), runs, warmup and json."""
+    p.add_argument("--sizes", required=True, help="comma list of payload bytes per rank (bf16)")
+    p.add_argument("--chain", default="20,200", help="R1,R2: all-reduces per chain")
+    p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", required=True, help="where to write the results")
+    args = p.parse_args(argv)
+    args.sizes = [int(v) for v in args.sizes.split(",") if v.strip()]
+    args.chain = tuple(int(v) for v in args.chain.split(","))
+    if not 0 < args.chain[0] < args.chain[1]:
+        p.error("--chain needs 0 < R1 < R2")
+    return args
 
 
-def run(
-    peers: list[str],
-    *,
-    tps: list[int],
-    sizes: list[int],
-    chain: tuple[int, int],
-    runs: int,
-    warmup: int,
-    n_gpus: int,
-    timeout_s: float,
-    log: Callable[[str], None] = print,
-) -> dict:
-    """Measures `peers` at every TP size and payload size (bytes of bf16).
-
-    Returns {"records": [...], "errors": [...], "info": {...}}: records like
-    bench.allreduce's (algorithm, level, tp, bytes, us_median, us_p10,
-    us_p90), errors as {"algorithm", "tp", "bytes"?, "error"}.
-    """
+def run(peers: list[str], *, tps: list[int], sizes: list[int], chain: tuple[int, int], runs: int,
+        warmup: int, n_gpus: int, timeout_s: float, log: Callable[[str], None] = print) -> dict:
+    """Measures `peers` at every TP size and payload size (bytes of bf16): {"records", "errors",
+    "info"}, records like bench.allreduce's, errors as {"algorithm", "tp", "bytes"?, "error"}."""
     out: dict = {"records": [], "errors": [], "info": {}}
     common_args = ["--sizes", ",".join(str(b) for b in sizes), "--chain", f"{chain[0]},{chain[1]}",
                    "--runs", str(runs), "--warmup", str(warmup)]
@@ -96,7 +91,11 @@ def run(
             _merge(out, run_child(cmd, env, timeout_s, name, None, log))
             continue
         for tp in tps:
-            why = _torch_unavailable(n_gpus, tp)
+            why = None
+            if importlib.util.find_spec("torch") is None:
+                why = "skipped: torch is not importable here"
+            elif n_gpus < tp:
+                why = f"skipped: needs {tp} CUDA GPUs (one process per GPU), {n_gpus} visible"
             if why is not None:
                 out["errors"].append({"algorithm": name, "tp": tp, "error": why})
                 log(f"peer {name} tp={tp}: {why}")
@@ -167,13 +166,19 @@ def _exit_on_sigterm(signum, frame):
 
 def _interesting(text: str) -> list[str]:
     """The child's output without XLA's and absl's info and warning lines (I1130 ..., W1130 ...)."""
-    out = []
-    for line in text.splitlines():
-        s = line.strip()
-        if not s or (len(s) > 5 and s[0] in "IW" and s[1:5].isdigit()):
-            continue
-        out.append(s)
-    return out[-40:]
+    lines = (line.strip() for line in text.splitlines())
+    return [s for s in lines if s and not (len(s) > 5 and s[0] in "IW" and s[1:5].isdigit())][-40:]
+
+
+def add_result(out: dict, path: str, name: str, tp: int, nbytes: int, res: dict) -> None:
+    """A child's result at one size (a record, or {"error": why}) into `out`, said and written."""
+    if "error" in res:
+        out["errors"].append({"algorithm": name, "tp": tp, "bytes": nbytes, "error": res["error"]})
+    else:
+        out["records"].append(res)
+    said = res.get("error") or f"{common.fmt_latency(res, ' us')} ({res['level']})"
+    print(f"{name} tp={tp} {nbytes} B: {said}", flush=True)
+    write_partial(path, out)
 
 
 def write_partial(path: str, payload: dict) -> None:

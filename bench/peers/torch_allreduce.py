@@ -34,20 +34,10 @@ def parse_args(argv=None):
                                 description="Torch all-reduce peers (one process per GPU).")
     p.add_argument("--algorithm", required=True, choices=ALGORITHMS)
     p.add_argument("--tp", type=int, required=True, help="ranks (one GPU each)")
-    p.add_argument("--sizes", required=True, help="comma list of payload bytes per rank (bf16)")
-    p.add_argument("--chain", default="20,200", help="R1,R2: all-reduces per graph")
-    p.add_argument("--runs", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--op-timeout", type=float, default=120.0,
                    help="seconds a collective may wait for a peer process")
-    p.add_argument("--json", required=True, help="where to write the results")
-    args = p.parse_args(argv)
-    args.sizes = [int(v) for v in args.sizes.split(",") if v.strip()]
-    args.chain = tuple(int(v) for v in args.chain.split(","))
-    if not 0 < args.chain[0] < args.chain[1]:
-        p.error("--chain needs 0 < R1 < R2")
-    return args
+    return peers.child_args(p, argv)
 
 
 def refuse_multicast() -> None:
@@ -112,58 +102,38 @@ class Context:
         self.dist.barrier(group=self.host_group)
 
 
-class NcclPeer:
-    def __init__(self, ctx: Context, elems: int):
-        self.ctx, self.y = ctx, ctx.empty(elems)
+class Peer:
+    """One rank's chain step y <- allreduce(y): torch.nccl in place on a buffer of its own,
+    two_shot in place on the symmetric buffer, one_shot (its copy-out form, staged through the
+    symmetric buffer) from one of two buffers into the other."""
 
-    def load(self, x):
-        self.y.copy_(x)
-
-    def step(self):
-        self.ctx.dist.all_reduce(self.y)
-
-    def value(self):
-        return self.y
-
-
-class OneShotPeer:
-    def __init__(self, ctx: Context, elems: int):
-        self.ctx = ctx
-        self.symm = ctx.symm_buffer()[:elems]
-        self.ys = [ctx.empty(elems), ctx.empty(elems)]
-        self.cur = 0
+    def __init__(self, ctx: Context, algorithm: str, elems: int):
+        self.ctx, self.algorithm, self.cur = ctx, algorithm, 0
+        self.symm = None if algorithm == peers.TORCH_NCCL else ctx.symm_buffer()[:elems]
+        if algorithm == peers.TORCH_TWO_SHOT:
+            self.ys = [self.symm]
+        elif algorithm == peers.TORCH_ONE_SHOT:
+            self.ys = [ctx.empty(elems), ctx.empty(elems)]
+        else:
+            self.ys = [ctx.empty(elems)]
 
     def load(self, x):
         self.ys[0].copy_(x)
         self.cur = 0
 
     def step(self):
-        src, dst = self.ys[self.cur], self.ys[1 - self.cur]
-        self.ctx.torch.ops.symm_mem.one_shot_all_reduce_copy_out(
-            self.symm, src, "sum", self.ctx.group_name, dst)
-        self.cur = 1 - self.cur
+        y, group = self.ys[self.cur], self.ctx.group_name
+        if self.algorithm == peers.TORCH_NCCL:
+            self.ctx.dist.all_reduce(y)
+        elif self.algorithm == peers.TORCH_TWO_SHOT:
+            self.ctx.torch.ops.symm_mem.two_shot_all_reduce_(y, "sum", group)
+        else:
+            self.cur = 1 - self.cur
+            self.ctx.torch.ops.symm_mem.one_shot_all_reduce_copy_out(self.symm, y, "sum", group,
+                                                                     self.ys[self.cur])
 
     def value(self):
         return self.ys[self.cur]
-
-
-class TwoShotPeer:
-    def __init__(self, ctx: Context, elems: int):
-        self.ctx = ctx
-        self.symm = ctx.symm_buffer()[:elems]
-
-    def load(self, x):
-        self.symm.copy_(x)
-
-    def step(self):
-        self.ctx.torch.ops.symm_mem.two_shot_all_reduce_(self.symm, "sum", self.ctx.group_name)
-
-    def value(self):
-        return self.symm
-
-
-PEERS = {peers.TORCH_NCCL: NcclPeer, peers.TORCH_ONE_SHOT: OneShotPeer,
-         peers.TORCH_TWO_SHOT: TwoShotPeer}
 
 
 # ------------------------------------------------------------------- timing --
@@ -215,7 +185,7 @@ def measure(ctx: Context, args, nbytes: int) -> dict:
     """One size on this rank: a record, or {"error": ...} (the same on every rank)."""
     torch = ctx.torch
     elems = nbytes // 2
-    peer = PEERS[args.algorithm](ctx, elems)
+    peer = Peer(ctx, args.algorithm, elems)
     seed = zlib.crc32(repr((ctx.tp, args.algorithm, nbytes)).encode())
     x_all = common.random_payload(seed, ctx.tp, elems)
     peer.load(torch.from_numpy(x_all[ctx.rank]).to(device=ctx.device, dtype=torch.bfloat16))
@@ -235,8 +205,7 @@ def measure(ctx: Context, args, nbytes: int) -> dict:
     samples = []
     for _ in range(args.runs):
         t_small = small()
-        t_large = large()
-        samples.append((t_large - t_small) / (r2 - r1))
+        samples.append((large() - t_small) / (r2 - r1))
     per_rank = ctx.gather(samples)
     mean = [sum(col) / len(col) for col in zip(*per_rank)]
     level = peers.LEVEL_CUDA_GRAPH if args.device == "cuda" else peers.LEVEL_EAGER
@@ -280,18 +249,11 @@ def worker(rank: int, args, port: int) -> None:
             except Exception as e:  # noqa: BLE001 - recorded, the next size goes on
                 res = {"error": f"{type(e).__name__}: {e}".strip()}
                 traceback.print_exc()
-            errors = [r["error"] for r in ctx.gather(res) if "error" in r]
+            errors = [r for r in ctx.gather(res) if "error" in r]  # the lowest failing rank says why
             if rank == 0:
-                if errors:
-                    out["errors"].append({"algorithm": args.algorithm, "tp": args.tp,
-                                          "bytes": nbytes, "error": errors[0]})
-                    print(f"{args.algorithm} tp={args.tp} {nbytes} B: {errors[0]}", flush=True)
-                else:
-                    out["records"].append(res)
-                    print(f"{args.algorithm} tp={args.tp} {nbytes} B: "
-                          f"{common.fmt_latency(res, ' us')} ({res['level']})", flush=True)
                 out["info"] = _info(torch, ctx)
-                peers.write_partial(args.json, out)
+                peers.add_result(out, args.json, args.algorithm, args.tp, nbytes,
+                                 errors[0] if errors else res)
     finally:
         dist.destroy_process_group()
 

@@ -26,36 +26,23 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.peers.xla_one_shot",
                                 description="lax.psum chains with XLA's one-shot kernel.")
     p.add_argument("--tp", required=True, help="comma list of TP sizes")
-    p.add_argument("--sizes", required=True, help="comma list of payload bytes per rank (bf16)")
-    p.add_argument("--chain", default="20,200", help="R1,R2: chain lengths")
-    p.add_argument("--runs", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--json", required=True)
-    args = p.parse_args(argv)
+    args = peers.child_args(p, argv)
     args.tp = [int(v) for v in args.tp.split(",")]
-    args.sizes = [int(v) for v in args.sizes.split(",") if v.strip()]
-    args.chain = tuple(int(v) for v in args.chain.split(","))
     return args
 
 
 def measure(mesh, tp: int, nbytes: int, args) -> dict:
     import numpy as np
 
-    elems = nbytes // 2
-    x_np = common.random_payload(zlib.crc32(repr((tp, NAME, nbytes)).encode()), tp, elems)
+    x_np = common.random_payload(zlib.crc32(repr((tp, NAME, nbytes)).encode()), tp, nbytes // 2)
     x = allreduce.as_bf16(x_np)
     got = np.asarray(allreduce.chain_fn(mesh, allreduce.BASELINE, 1)(x), np.float32)
     wrong = common.allreduce_mismatch(got, x_np)
     if wrong:
         return {"error": f"WRONG RESULT, not timed: {wrong}"}
-    r1, r2 = args.chain
-    small = allreduce.chain_fn(mesh, allreduce.BASELINE, r1)
-    large = allreduce.chain_fn(mesh, allreduce.BASELINE, r2)
-    common.warm_up(small, (x,), args.warmup)
-    common.warm_up(large, (x,), args.warmup)
-    samples = common.paired_differences(small, large, (x,), r2 - r1, args.runs)
-    return {"algorithm": NAME, "level": peers.LEVEL_JIT, "tp": tp, "bytes": nbytes,
-            **common.summarize_us(samples), "runs": args.runs, "chain": [r1, r2]}
+    cfg = {"chain": args.chain, "warmup": args.warmup, "runs": args.runs, "inner_jit": 1}
+    rec = allreduce.timed_case(mesh, {}, cfg, tp, peers.LEVEL_JIT, allreduce.BASELINE, nbytes, x)
+    return dict(rec, algorithm=NAME, runs=args.runs, chain=list(args.chain))
 
 
 def main(argv=None) -> int:
@@ -77,15 +64,9 @@ def main(argv=None) -> int:
                 res = measure(mesh, tp, nbytes, args)
             except Exception as e:  # noqa: BLE001 - recorded; the next size goes on
                 res = {"error": f"{type(e).__name__}: {e}".strip()}
-            if "error" in res:
-                out["errors"].append({"algorithm": NAME, "tp": tp, "bytes": nbytes, **res})
-                print(f"{NAME} tp={tp} {nbytes} B: {res['error']}", flush=True)
-            else:
-                if kind == "cpu":
-                    res["note"] = "XLA:CPU: the flag has no effect here"
-                out["records"].append(res)
-                print(f"{NAME} tp={tp} {nbytes} B: {common.fmt_latency(res, ' us')}", flush=True)
-            peers.write_partial(args.json, out)
+            if kind == "cpu" and "error" not in res:
+                res["note"] = "XLA:CPU: the flag has no effect here"
+            peers.add_result(out, args.json, NAME, tp, nbytes, res)
     peers.write_partial(args.json, out)
     return 0
 
