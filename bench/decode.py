@@ -219,6 +219,8 @@ def settings(args, platform: str, n_devices: int) -> dict:
     }
     wanted = {f"sifar:{a}" for a in _baseline_algorithms(args)}
     s["baselines"] = [v[0] for v in s["variants"] if v[0] in wanted]
+    if args.weights == "fp8" and (args.ttft or args.ttft_only):
+        raise SystemExit("--ttft runs dense weights only (bench/ttft.py): not with --weights fp8")
     if args.shapes == "tp2_rank":
         config = tp2_rank_config(config)
     s["config"] = config.replace(dtype=dtype, max_seq_len=max(s["context"]))
@@ -337,9 +339,8 @@ def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: 
         payload = batch * config.hidden_size * np.dtype(jax.numpy.dtype(config.dtype)).itemsize
         slot = payload if payload > sifar_jax.DEFAULT_SLOT_BYTES else None
     options = DecodeOptions(allreduce=kind, algorithm=alg, fused=fused, slot_bytes=slot,
-                            kv_layout=kv_layout,
+                            kv_layout=kv_layout, gemm_rows=gemm_rows, attn_impl=attn_impl,
                             prefetch_bytes=variant[4] if len(variant) > 4 else None,
-                            gemm_rows=gemm_rows, attn_impl=attn_impl,
                             pack_params=True if pack_params is None else pack_params)
     dec = Decoder(config, mesh, params, options, batch_size=batch, max_seq_len=context)
     dec.reset(context)
@@ -566,9 +567,8 @@ def run(s, devices, on_record) -> list[dict]:
         bar.set_postfix_str(f"TP={tp}: random weights")
         params = common.block(families.family_of(config).random_params(
             config, mesh, seed=s["seed"], quantize="fp8" if s["weights"] == "fp8" else None))
-        used_sifar = False
+        used_sifar = any(case[3][1] in SIFAR_KINDS for case in mine)
         for case in mine:
-            used_sifar |= case[3][1] in SIFAR_KINDS
             recs = run_variant(config, mesh, params, case, s, bar)
             records += recs
             for r in (r for r in recs if r["cache_copies"]):
