@@ -84,6 +84,8 @@ def parse_args(argv=None):
              "on one device, TP=1, no all-reduce")
     add("--moe-impl", choices=MOE_IMPLS, default=None, help="an MoE preset's expert computation")
     add("--dtype", default=None, help="default: bfloat16 on GPU, the preset's on CPU")
+    add("--weights", choices=("bf16", "fp8"), default="bf16",
+        help="fp8: the projections quantized to e4m3 per channel (bf16: dense, in --dtype)")
     add("--allreduce", default="psum,sifar,identity",
         help="comma list of psum, sifar, identity, sifar:<algorithm>, sifar_buffers[:<algorithm>]")
     add("--baselines", default=",".join(BASELINE_ALGORITHMS),
@@ -172,11 +174,6 @@ def parse_variants(args) -> list[tuple]:
     return out
 
 
-def prefetch_of(variant) -> int | None:
-    """A variant's prefetch_bytes for the fused call: None, the library's default."""
-    return variant[4] if len(variant) > 4 else None
-
-
 def tp2_rank_config(config):
     """One rank's share of `config` at TP=2 as a model of its own: half the query and KV heads,
     the MLP (or each expert's) width and the vocabulary; the same hidden size and head size."""
@@ -199,6 +196,7 @@ def settings(args, platform: str, n_devices: int) -> dict:
         "preset": preset,
         "shapes": args.shapes,
         "dtype": dtype,
+        "weights": "fp8" if args.weights == "fp8" else dtype,  # each record's "weights"
         "batch": _ints(" ".join(args.batch)) if args.batch else ([1, 2] if quick else [1, 2, 4, 8]),
         "context": (_ints(" ".join(args.context)) if args.context
                     else ([256, 512] if quick else [1024, 4096, 16384])),
@@ -221,6 +219,8 @@ def settings(args, platform: str, n_devices: int) -> dict:
     }
     wanted = {f"sifar:{a}" for a in _baseline_algorithms(args)}
     s["baselines"] = [v[0] for v in s["variants"] if v[0] in wanted]
+    if args.weights == "fp8" and (args.ttft or args.ttft_only):
+        raise SystemExit("--ttft runs dense weights only (bench/ttft.py): not with --weights fp8")
     if args.shapes == "tp2_rank":
         config = tp2_rank_config(config)
     s["config"] = config.replace(dtype=dtype, max_seq_len=max(s["context"]))
@@ -339,8 +339,8 @@ def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: 
         payload = batch * config.hidden_size * np.dtype(jax.numpy.dtype(config.dtype)).itemsize
         slot = payload if payload > sifar_jax.DEFAULT_SLOT_BYTES else None
     options = DecodeOptions(allreduce=kind, algorithm=alg, fused=fused, slot_bytes=slot,
-                            kv_layout=kv_layout, prefetch_bytes=prefetch_of(variant),
-                            gemm_rows=gemm_rows, attn_impl=attn_impl,
+                            kv_layout=kv_layout, gemm_rows=gemm_rows, attn_impl=attn_impl,
+                            prefetch_bytes=variant[4] if len(variant) > 4 else None,
                             pack_params=True if pack_params is None else pack_params)
     dec = Decoder(config, mesh, params, options, batch_size=batch, max_seq_len=context)
     dec.reset(context)
@@ -430,7 +430,7 @@ def make_record(variant, loop: str, tp: int, batch: int, context: int, s, second
            "prefetch_bytes": _prefetch_bytes(variant), "batch": batch, "context": context,
            "tpot_ms_median": round(med, 4), "tpot_ms_p99": round(common.percentile(ms, 99), 4),
            "tokens_per_s": round(batch * 1e3 / med, 2), "tpot_samples": len(ms), "kind": kind,
-           "algorithm": alg, "preset": s["preset"], "dtype": s["dtype"],
+           "algorithm": alg, "preset": s["preset"], "dtype": s["dtype"], "weights": s["weights"],
            "moe_impl": getattr(s["config"], "moe_impl", None),
            "start_position": context - steps_needed(loop, s) - 1, "steps": steps_needed(loop, s),
            "generated": [int(t[0]) for t in tokens]}  # sequence 0
@@ -493,8 +493,8 @@ def run_variant(config, mesh, params, case, s, bar) -> list[dict]:
     if s["breakdown"] and (batch, context) == (1, s["context"][0]):
         bar.set_postfix_str(f"{where}: breakdown")
         split = step_breakdown(dec, context, first)
-    family = families.family_of(config)
-    weights = family.step_weight_bytes(family.layout(config, tp))  # an MoE: top-k experts
+    # the bytes a step reads of these params (FP8: e4m3 + scales; an MoE: top-k experts)
+    weights = dec.family.step_weight_bytes(dec.layout, dec.params)
     kv = kv_cache_bytes_per_rank(config, context, tp, batch)
     common_fields = {"setup_s": round(setup_s, 2), "shapes": s["shapes"], "kv_layout": dec.kv_layout,
                      "rows": dec.rows,
@@ -565,11 +565,10 @@ def run(s, devices, on_record) -> list[dict]:
             continue
         mesh = make_mesh(tp, devices=devices)
         bar.set_postfix_str(f"TP={tp}: random weights")
-        params = common.block(families.family_of(config).random_params(config, mesh,
-                                                                       seed=s["seed"]))
-        used_sifar = False
+        params = common.block(families.family_of(config).random_params(
+            config, mesh, seed=s["seed"], quantize="fp8" if s["weights"] == "fp8" else None))
+        used_sifar = any(case[3][1] in SIFAR_KINDS for case in mine)
         for case in mine:
-            used_sifar |= case[3][1] in SIFAR_KINDS
             recs = run_variant(config, mesh, params, case, s, bar)
             records += recs
             for r in (r for r in recs if r["cache_copies"]):
@@ -861,8 +860,9 @@ def describe_run(s) -> str:
     c = s["config"]
     moe = (f", {c.num_experts} experts top-{c.num_experts_per_tok} ({c.moe_impl})"
            if hasattr(c, "moe_impl") else "")
-    return (f"{s['preset']} ({c.num_layers} layers, hidden {c.hidden_size}{moe}, {s['dtype']}), "
-            f"random weights and KV cache; loops {','.join(s['loops'])} at batch 1, KV length "
+    fp8 = ", FP8 weights (e4m3, per-channel scales)" if s["weights"] == "fp8" else ""
+    return (f"{s['preset']} ({c.num_layers} layers, hidden {c.hidden_size}{moe}, {s['dtype']}"
+            f"{fp8}), random weights and KV cache; loops {','.join(s['loops'])} at batch 1, KV length "
             f"{s['context'][0]}; sweep ({','.join(s['sweep_loops']) or 'none'}) batch "
             f"{s['batch']} x KV length {s['context']}; {s['tokens']} timed steps (sync, stream, "
             f"on_device), {s['samples']} pipelined samples, on_device {s['chunk']} tokens per "

@@ -57,7 +57,7 @@ class Programs:
         if key not in self.forwards:
             self.forwards[key] = self.family.make_forward(
                 self.layout, self.mesh, self.options, last_only=last_only,
-                attend_len=attend_len, ar_specs=self.ar_specs)
+                attend_len=attend_len, ar_specs=self.ar_specs, params=self.weights.params)
         return self.forwards[key]
 
     def run_forward(self, leaves, state, tokens, attend_len: int, last_only: bool):

@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from . import checkpoint, random_weights, sharding
+from .quant import Fp8Weight
 
 
 class ModelConfig(Protocol):
@@ -88,28 +89,31 @@ class _Parameters:
         """(graphdef, pure-dict pytree of ShapeDtypeStruct) without allocating anything."""
         return _abstract_model(self.model, config)
 
-    def param_specs(self, params: dict, axis_name: str = "tp") -> dict:
-        """PartitionSpec pytree for a parameter pytree (arrays or ShapeDtypeStructs)."""
-        return sharding.param_specs(params, self.tp_dims, axis_name)
+    def param_specs(self, params: dict, axis_name: str = "tp", tp: int = 1) -> dict:
+        """PartitionSpec pytree for a parameter pytree (arrays or ShapeDtypeStructs; Fp8Weight
+        leaves get Fp8Weights of specs, which depend on the tp size: sharding.fp8_spec)."""
+        return sharding.param_specs(params, self.tp_dims, axis_name, self.projections, tp)
 
-    def param_shardings(self, layout: Layout, mesh: Mesh, axis_name: str = "tp") -> dict:
-        """NamedSharding pytree of the parameters of `layout` on `mesh`."""
+    def param_shardings(self, layout: Layout, mesh: Mesh, axis_name: str = "tp",
+                        params: Any = None) -> dict:
+        """NamedSharding pytree of the parameters of `layout` on `mesh`: of the layout's dense
+        parameters, or of `params` (e.g. FP8 ones: arrays or ShapeDtypeStructs, global shapes)."""
         layout.check_mesh(mesh, axis_name)
-        _, abstract = self.abstract_model(layout.shapes)
-        return sharding.param_shardings(abstract, mesh, self.tp_dims, axis_name)
+        if params is None:
+            _, params = self.abstract_model(layout.shapes)
+        return sharding.param_shardings(params, mesh, self.tp_dims, axis_name, self.projections)
 
     def place_params(self, params: dict, layout: Layout, mesh: Mesh,
                      axis_name: str = "tp") -> dict:
         """`params` placed as param_shardings says (a no-op for arrays already placed so), or a
         clear error where their shapes are not those of `layout`."""
         _, abstract = self.abstract_model(layout.shapes)
-        got = jax.tree.map(lambda a: tuple(a.shape), params)
         want = jax.tree.map(lambda a: tuple(a.shape), abstract)
-        if got != want:
+        if self.dense_shapes(params) != want:
             raise ValueError(f"params do not have the shapes of the tp={layout.tp} layout (KV "
                              f"heads replicated when tp > num_kv_heads): make them for this mesh "
                              f"with the family's random_params or load_hf_checkpoint")
-        return jax.device_put(params, self.param_shardings(layout, mesh, axis_name))
+        return jax.device_put(params, self.param_shardings(layout, mesh, axis_name, params))
 
     def init_cache(self, layout: Layout, mesh: Mesh, batch_size: int, max_seq_len: int,
                    axis_name: str = "tp", kv_layout: str = "bshd") -> jax.Array:
@@ -121,35 +125,71 @@ class _Parameters:
                                    kv_layout)
 
     def random_params(self, config: Any, mesh: Mesh, seed: int = 0, *,
-                      axis_name: str = "tp") -> dict:
+                      axis_name: str = "tp", quantize: Optional[str] = None) -> dict:
         """Random parameters (never zero) created directly sharded on the devices. The values
-        depend on (config, seed) only, not on the mesh (see random_weights.random_params)."""
+        depend on (config, seed) only, not on the mesh (see random_weights.random_params).
+        quantize="fp8": the projections then quantized per output channel where they lie
+        (models/quantize.py), the LM head included."""
+        from .quantize import check_quantize, quantize_params
+
+        check_quantize(quantize)
         layout = self.layout(config, mesh.shape[axis_name])
         _, abstract = self.abstract_model(config)
-        return random_weights.random_params(
+        params = random_weights.random_params(
             abstract, self.param_shardings(layout, mesh, axis_name), seed, self.fan_in,
             layout.kv_replicas)
+        if quantize is None:
+            return params
+        return quantize_params(params, self, axis_name=axis_name, donate=True)
 
-    def step_weight_bytes(self, layout: Layout) -> int:
+
+class _Sizes:
+    """ModelFamily's parameter shapes and bytes, dense or FP8 (a mixin: the family's tables are
+    its fields)."""
+
+    def dense_shapes(self, params: dict) -> dict:
+        """Each parameter's shape, an Fp8Weight's as its einsum weight's (the dense layout)."""
+        def shape(path, a):
+            if isinstance(a, Fp8Weight):
+                return self.projections[sharding.leaf_name(path)].einsum_shape(a)
+            return tuple(a.shape)
+
+        return jax.tree_util.tree_map_with_path(shape, params,
+                                                is_leaf=lambda a: isinstance(a, Fp8Weight))
+
+    def local_bytes(self, params: dict, tp: int, axis_name: str = "tp") -> dict:
+        """Per parameter (arrays or ShapeDtypeStructs, global shapes; an Fp8Weight: its e4m3
+        values plus its scales), the bytes one rank of a tp-way layout holds of it."""
+        def one(path, a, spec):
+            parts = [(a.q, spec.q), (a.scale, spec.scale)] if isinstance(a, Fp8Weight) else [
+                (a, spec)]
+            return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                       // (tp if axis_name in tuple(s) else 1) for x, s in parts)
+
+        fp8 = lambda a: isinstance(a, Fp8Weight)  # noqa: E731
+        return jax.tree_util.tree_map_with_path(one, params, self.param_specs(params, axis_name, tp),
+                                                is_leaf=fp8)
+
+    def step_weight_bytes(self, layout: Layout, params: Any = None) -> int:
         """Parameter bytes one rank reads in a batch-1 decode step (a step's memory floor, beside
-        its KV cache): each parameter's local shard of the tp layout times the share one token
-        reads (step_read_fraction: the routed experts of an MoE), except the embedding table, of
+        its KV cache): each parameter's local shard of the tp layout (of `params`, e.g. FP8
+        ones, else the layout's dense parameters) times the share one token reads
+        (step_read_fraction: the routed experts of an MoE), except the embedding table, of
         which a step gathers one row (plus, when tied, its vocab/tp slice as the LM head)."""
         config, tp = layout.config, layout.tp
-        _, abstract = self.abstract_model(layout.shapes)
+        if params is None:
+            _, params = self.abstract_model(layout.shapes)
         total = 0.0
-        for path, sds in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+        for path, n in jax.tree_util.tree_flatten_with_path(self.local_bytes(params, tp))[0]:
             name = sharding.leaf_name(path)
-            itemsize = jnp.dtype(sds.dtype).itemsize
             if name == "embed":
-                vocab, hidden = sds.shape
-                total += hidden * itemsize * (1 + (vocab // tp if config.tie_word_embeddings else 0))
+                embed = params["embed"]
+                vocab, hidden = embed.shape
+                total += hidden * jnp.dtype(embed.dtype).itemsize * (
+                    1 + (vocab // tp if config.tie_word_embeddings else 0))
                 continue
-            shape = list(sds.shape)
-            if name in self.tp_dims:
-                shape[self.tp_dims[name]] //= tp
             fraction = self.step_read_fraction[name](config) if name in self.step_read_fraction else 1
-            total += math.prod(shape) * itemsize * fraction
+            total += n * fraction
         return int(round(total))
 
 
@@ -196,7 +236,7 @@ class _HFCheckpoints:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ModelFamily(_Parameters, _HFCheckpoints):
+class ModelFamily(_Parameters, _Sizes, _HFCheckpoints):
     name: str
     config_type: type  # a ModelConfig
     presets: Mapping[str, Callable[..., Any]]  # preset name -> f(**overrides) -> config
@@ -210,6 +250,9 @@ class ModelFamily(_Parameters, _HFCheckpoints):
     # MoE's experts, top-k of them (step_weight_bytes)
     step_read_fraction: Mapping[str, Callable[[Any], float]] = dataclasses.field(
         default_factory=dict)
+    # parameter name -> quant.Projection: the weights an FP8 model holds as Fp8Weight, and how
+    # many dims each contracts (models/quantize.py, sharding.fp8_spec)
+    projections: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     # ---- configs -------------------------------------------------------------------------------
 
@@ -227,9 +270,10 @@ class ModelFamily(_Parameters, _HFCheckpoints):
 
     def make_forward(self, layout: Layout, mesh: Mesh, options: Any = None, *,
                      last_only: bool = False, attend_len: Optional[int] = None,
-                     ar_specs: Any = None):
-        """The TP forward of `layout` on `mesh`, ready for jax.jit (forward.make_forward)."""
+                     ar_specs: Any = None, params: Any = None):
+        """The TP forward of `layout` on `mesh`, ready for jax.jit (forward.make_forward;
+        params: the parameter tree when it is not the layout's dense one, e.g. FP8)."""
         from .forward import make_forward
 
         return make_forward(self, layout, mesh, options, last_only=last_only,
-                            attend_len=attend_len, ar_specs=ar_specs)
+                            attend_len=attend_len, ar_specs=ar_specs, params=params)

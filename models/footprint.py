@@ -54,17 +54,24 @@ class Footprint:
 
 
 def estimate(family, config: Any, tp: int, rows: int, capacity: int,
-             prompt_len: int = 0) -> Footprint:
+             prompt_len: int = 0, quantize: Optional[str] = None) -> Footprint:
     """The footprint per device of `config` split tp ways with a KV cache of rows x capacity
-    positions and a prefill of prompt_len tokens (family.layout raises if tp does not split it)."""
+    positions and a prefill of prompt_len tokens (family.layout raises if tp does not split it).
+    quantize="fp8": the projections held as FP8 (1 byte a weight, plus their float32 scales;
+    models/quantize.py); the transient still holds the largest one in float32."""
+    from .quantize import check_quantize, quantize_params
+
+    check_quantize(quantize)
     layout = family.layout(config, tp).shapes
     _, abstract = family.abstract_model(layout)
-    weights, largest, matmul = 0, 0, 0
+    held = abstract if quantize is None else jax.eval_shape(
+        lambda p: quantize_params(p, family), abstract)
+    weights = sum(jax.tree.leaves(family.local_bytes(held, tp)))
+    largest, matmul = 0, 0
     for path, sds in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         n = math.prod(sds.shape)
         if leaf_name(path) in family.tp_dims:
             n //= tp
-        weights += n * np.dtype(sds.dtype).itemsize
         largest = max(largest, n)
         if len(sds.shape) > 1 and leaf_name(path) != "embed":  # a matmul's weight
             matmul += n

@@ -16,7 +16,7 @@ from .tp import TPContext, make_allreduce, make_allreduce_into, make_fused_add_n
 
 def make_forward(family, layout: "family.Layout", mesh: Mesh, options: Any = None, *,
                  last_only: bool = False, attend_len: Optional[int] = None,
-                 ar_specs: Any = None):
+                 ar_specs: Any = None, params: Any = None):
     """The TP forward of `family`'s model split as `layout`, on `mesh`, as a pure function,
     ready for jax.jit:
 
@@ -29,13 +29,16 @@ def make_forward(family, layout: "family.Layout", mesh: Mesh, options: Any = Non
     `ar_specs` its specs). options: an options.DecodeOptions (None: the defaults), resolved
     for `mesh` here if it is not: the all-reduce, fused or not, the cache's kv_layout,
     gemm_rows, attn_impl. attend_len: attention over that many cache positions (see
-    attention.Step). Works for a 1-device mesh (tp=1) too.
+    attention.Step). params: the parameter tree (arrays or ShapeDtypeStructs) when it is not
+    the layout's dense one (FP8: Fp8Weight leaves, their specs from sharding.fp8_spec; each
+    rank takes its blocks of a scale left whole, sharding.local_fp8). Works for a 1-device mesh
+    (tp=1) too.
     """
     options = (options or DecodeOptions()).resolve(mesh)
     axis_name = options.axis_name
     layout.check_mesh(mesh, axis_name)
     graphdef, abstract = family.abstract_model(layout.shapes)
-    pspecs = family.param_specs(abstract, axis_name)
+    pspecs = family.param_specs(abstract if params is None else params, axis_name, layout.tp)
     cspec = sharding.cache_spec(axis_name, options.kv_layout)
     aspecs = {} if ar_specs is None else ar_specs
     reduce_fn = make_allreduce(options.allreduce, options.algorithm)
@@ -44,7 +47,7 @@ def make_forward(family, layout: "family.Layout", mesh: Mesh, options: Any = Non
     into_fn = make_allreduce_into(options.algorithm)
 
     def per_rank(params, cache, tokens, positions, ar, start):
-        model = nnx.merge(graphdef, params)
+        model = nnx.merge(graphdef, sharding.local_fp8(params, pspecs, axis_name))
         ctx = TPContext(axis_name, layout.tp, reduce_fn, ar, into_fn, fused_fn)
         logits, cache = model(tokens, positions, cache, ctx, options, last_only=last_only,
                               attend_len=attend_len, start=start)

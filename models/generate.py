@@ -83,6 +83,10 @@ def _parser(algorithms: tuple, sifar_why: str | None) -> argparse.ArgumentParser
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]")
     p.add_argument("--dtype", help="override parameter/activation dtype (a float dtype, e.g. "
                                    "bfloat16)")
+    p.add_argument("--quantize", choices=("fp8",),
+                   help="fp8: the projections (attention, MLP or experts, LM head) quantized to "
+                        "e4m3 per output channel after the weights are made or loaded "
+                        "(models/quantize.py); norms, embedding and router stay in --dtype")
     p.add_argument("--max-seq-len", type=int, help="KV cache length (default: the request, "
                                                    "rounded up to a power of two)")
     p.add_argument("--seed", type=int, default=0, help="random weights, prompt and sampling")
@@ -300,7 +304,8 @@ def _checked_fit(args, family, config, prompt):
                         f"({prompt.size}) + --tokens {args.tokens}")
     try:
         footprint.check_fits(footprint.estimate(family, config, args.tp, 1, capacity,
-                                                prompt.size), jax.devices()[:args.tp])
+                                                prompt.size, args.quantize),
+                             jax.devices()[:args.tp])
     except MemoryError as e:
         raise UserError(str(e)) from None
     return config
@@ -322,8 +327,12 @@ def _decoder(args, family, config):
     t_weights = time.perf_counter()
     if args.checkpoint:
         config, params = family.load_hf_checkpoint(args.checkpoint, mesh, config=config)
+        if args.quantize:
+            from .quantize import quantize_params
+
+            params = quantize_params(params, family, donate=True)
     else:
-        params = family.random_params(config, mesh, seed=args.seed)
+        params = family.random_params(config, mesh, seed=args.seed, quantize=args.quantize)
     jax.block_until_ready(params)
     weights_s = time.perf_counter() - t_weights
     try:
@@ -360,7 +369,8 @@ def _print_setup(args, sifar_why, family, config, cache_dir, warmup, cache_use, 
         ar += f" (sifar_jax unusable here: {sifar_why})"
     print(f"device: {jax.devices()[0].device_kind} x{args.tp} ({jax.default_backend()}), "
           f"{family.name}: layers={config.num_layers} hidden={config.hidden_size} "
-          f"dtype={config.dtype}, allreduce={ar}" + (" fused" if args.fused else "")
+          f"dtype={config.dtype}" + (f" weights={args.quantize}" if args.quantize else "")
+          + f", allreduce={ar}" + (" fused" if args.fused else "")
           + f", loop={args.loop}")
     print("compilation cache: " + (cache_dir or "off"))
     if warmup:

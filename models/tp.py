@@ -180,6 +180,8 @@ class TPContext:
         next_weight: the weight the next matmul reads; the fused call prefetches its start into
         L2 while it waits for the other ranks (the unfused composition ignores it)."""
         weight = norm.weight[...]
+        if hasattr(next_weight, "q"):  # an Fp8Weight: its e4m3 values are what is read next
+            next_weight = next_weight.q
         if self._fused_add_norm is not None:
             self.count += 1
             return self._fused_add_norm(x, residual, weight, self.axis_name, eps=norm.eps,

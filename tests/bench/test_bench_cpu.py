@@ -523,6 +523,7 @@ def test_decode_names_the_baseline_and_carries_the_floor(tmp_path, capsys):
     assert re.search(r"sifar:oneshot\s+oneshot\s+[1-9]\d*\s+\d+\s+0\s+ok\s+pipelined 1/1", out)
     records = json.loads(next(tmp_path.glob("decode-*.json")).read_text())
     assert {r["shapes"] for r in records} == {"full"}
+    assert {r["weights"] for r in records} == {"float32"}  # dense, the tiny preset's dtype
     by = {(r["tp"], r["allreduce"]): r for r in records}
     assert {(2, "sifar:oneshot"), (2, "sifar:twoshot"), (2, "psum"), (1, "psum")} <= set(by)
     fastest = min(("sifar:oneshot", "sifar:twoshot"), key=lambda a: by[(2, a)]["tpot_ms_median"])
@@ -557,7 +558,9 @@ def test_decode_names_the_baseline_and_carries_the_floor(tmp_path, capsys):
 
 def test_decode_tp2_rank_shapes_run_one_rank_of_tp2_on_one_device(tmp_path):
     """--shapes tp2_rank: half the heads, MLP and vocabulary at TP=1 (one rank of TP=2 as a model
-    on one device), and every record says so."""
+    on one device), and every record says so; run with --weights fp8, whose records count the
+    bytes a step reads of the FP8 params (e4m3 + scales: those of TP=2's rank of the full
+    model)."""
     from bench import decode as bd
 
     s = bd.settings(bd.parse_args(["--quick", "--shapes", "tp2_rank"]), "cpu", 8)
@@ -570,10 +573,20 @@ def test_decode_tp2_rank_shapes_run_one_rank_of_tp2_on_one_device(tmp_path):
     with pytest.raises(SystemExit, match="--tp 1 only"):
         bd.settings(bd.parse_args(["--quick", "--shapes", "tp2_rank", "--tp", "2"]), "cpu", 8)
     assert bd.main(["--quick", "--shapes", "tp2_rank", "--no-sweep", "--loops", "pipelined",
-                    "--no-trace", "--out", str(tmp_path)]) == 0
+                    "--no-trace", "--weights", "fp8", "--out", str(tmp_path)]) == 0
     records = json.loads(next(tmp_path.glob("decode-*.json")).read_text())
-    assert records and {(r["shapes"], r["tp"], r["allreduce"]) for r in records} == {
-        ("tp2_rank", 1, "psum")}
+    assert records and {(r["shapes"], r["tp"], r["allreduce"], r["weights"]) for r in records} == {
+        ("tp2_rank", 1, "psum", "fp8")}
+    import jax
+
+    from models import LLAMA
+    from models.quantize import quantize_params
+
+    full = full.replace(max_seq_len=c.max_seq_len)
+    layout = LLAMA.layout(full, 2)
+    fp8 = jax.eval_shape(lambda p: quantize_params(p, LLAMA), LLAMA.abstract_model(full)[1])
+    want = LLAMA.step_weight_bytes(layout, fp8)
+    assert records[0]["weights_bytes_per_rank"] == want < LLAMA.step_weight_bytes(layout) / 2
 
 
 def test_floor_note_names_the_baselines_or_says_none_ran():

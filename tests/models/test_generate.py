@@ -159,6 +159,22 @@ def test_a_user_error_in_a_real_process_prints_no_traceback():
     assert r.stderr.startswith("error: --tp 3") and r.stderr.count("\n") == 1, r.stderr
 
 
+def test_quantize_fp8_decodes_with_fp8_weights(capsys, monkeypatch):
+    """--quantize fp8: the random weights' projections quantized after they are made; the memory
+    check is asked about the FP8 model."""
+    from models import footprint
+
+    asked = []
+    real = footprint.estimate
+    monkeypatch.setattr(footprint, "estimate", lambda *a, **kw: asked.append(a) or real(*a, **kw))
+    assert generate.main(["--tp", "2", "--tokens", "4", "--quantize", "fp8", "--allreduce",
+                          "psum", "--no-warmup"]) == 0
+    out = capsys.readouterr().out
+    assert "weights=fp8" in out.splitlines()[0]
+    assert len([ln for ln in out.splitlines() if ln.startswith("tokens:")][0].split()) == 1 + 4
+    assert asked and asked[0][-1] == "fp8"
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_every_loop_prints_its_tokens_once_and_a_true_time_per_token(capsys, loop):
     assert generate.main(["--tp", "2", "--tokens", "12", "--loop", loop, "--seed", "3"]) == 0

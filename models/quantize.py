@@ -1,0 +1,135 @@
+"""A model's parameters to FP8 and back: quantize_params turns the projections of a parameter
+tree (those in its family's `projections` table: the attention's qkv and o, an MLP's gate_up and
+down or an MoE's expert stacks, the LM head) into Fp8Weight (models/quant.py) per output
+channel; norms, embeddings and an MoE's router stay as they are.
+
+Sharded parameters are quantized where they lie: one jit per weight with the Fp8Weight's
+shardings as out_shardings (sharding.fp8_spec), so nothing is gathered; a row-parallel weight
+(o, down: the contracted dim split) takes its channels' max over the shards (an all-reduce of
+one float per channel). The result equals quantizing the unsharded weight bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from . import sharding
+from .quant import Fp8Weight, Projection, dequantize, quantize_fp8
+
+QUANTIZE = ("fp8",)  # the --quantize / quantize= choices (None: the model's dtype)
+
+
+def check_quantize(quantize: Optional[str]) -> None:
+    if quantize is not None and quantize not in QUANTIZE:
+        raise ValueError(f"quantize must be None or one of {QUANTIZE}, got {quantize!r}")
+
+
+def _family(family_or_config):
+    from .family import ModelFamily
+    from .families import family_of
+
+    return family_or_config if isinstance(family_or_config, ModelFamily) else family_of(
+        family_or_config)
+
+
+def is_quantized(params) -> bool:
+    """Whether any leaf of a parameter tree is an Fp8Weight."""
+    return any(isinstance(x, Fp8Weight) for x in
+               jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Fp8Weight)))
+
+
+def quantize_weight(w, proj: Projection) -> Fp8Weight:
+    """One einsum-layout weight [*lead, *in, *out] -> Fp8Weight per output channel (an expert
+    stack, lead=1: each expert on its own)."""
+    if proj.lead == 0:
+        return quantize_fp8(w, proj.n_in)
+    if proj.lead != 1:
+        raise ValueError(f"quantize: {proj.lead} leading stacked dims (at most 1)")
+    one = jax.vmap(lambda we: quantize_fp8(we, proj.n_in))(jnp.asarray(w))
+    return Fp8Weight(one.q, one.scale, proj.n_in, one.block)
+
+
+def dequantize_weight(w: Fp8Weight, proj: Projection, dtype) -> jax.Array:
+    """The einsum-layout weight of an Fp8Weight as dtype (q x scale, rounded once)."""
+    if proj.lead == 0:
+        return dequantize(w, dtype)
+    return jax.vmap(lambda q, s: dequantize(Fp8Weight(q, s, w.n_in, w.block), dtype))(
+        w.q, w.scale)
+
+
+def _where_they_lie(fn, ws: list, out_specs):
+    """fn(ws) under one jit, its results placed as out_specs(abstract results, mesh) says on the
+    mesh of ws' sharded jax.Arrays, or fn(ws) as it is (numpy, abstract values, unsharded)."""
+    leaves = [w.q if isinstance(w, Fp8Weight) else w for w in ws]
+    sh = leaves[0].sharding if leaves and isinstance(leaves[0], jax.Array) and not isinstance(
+        leaves[0], jax.core.Tracer) else None
+    if not isinstance(sh, NamedSharding):
+        return fn(ws)
+    specs = out_specs(jax.eval_shape(fn, ws), sh.mesh)
+    return jax.jit(fn, out_shardings=jax.tree.map(lambda s: NamedSharding(sh.mesh, s), specs))(ws)
+
+
+def _map_projections(params: dict, family, pick, fn, out_specs) -> dict:
+    """params with fn(leaves, names) in place of the leaves `pick(name, leaf)` selects, all in
+    one jit where they lie (_where_they_lie)."""
+    is_fp8 = lambda x: isinstance(x, Fp8Weight)  # noqa: E731
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_fp8)
+    names = [sharding.leaf_name(path) for path, _ in flat]
+    todo = [i for i, (_, w) in enumerate(flat) if pick(names[i], w)]
+    picked = [names[i] for i in todo]
+    out = _where_they_lie(lambda ws: fn(ws, picked), [flat[i][1] for i in todo],
+                          lambda res, mesh: out_specs(res, picked, mesh))
+    leaves = [w for _, w in flat]
+    for i, w in zip(todo, out):
+        leaves[i] = w
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def quantize_params(params: dict, family_or_config, *, lm_head: bool = True,
+                    axis_name: str = "tp", donate: bool = False) -> dict:
+    """`params` (dense, as random_params or load_hf_checkpoint make them, sharded or not) with
+    every projection of the family's table an Fp8Weight per output channel; the LM head too
+    unless lm_head=False. Weights already FP8 stay as they are. donate: delete the dense
+    weights once quantized (the model's peak memory: its dense and FP8 weights at once)."""
+    family = _family(family_or_config)
+    proj = family.projections
+
+    def pick(name, w):
+        return name in proj and not isinstance(w, Fp8Weight) and (lm_head or name != "lm_head")
+
+    def specs(res, names, mesh):
+        return [sharding.fp8_spec(w, family.tp_dims.get(n), proj[n], axis_name,
+                                  mesh.shape[axis_name]) for w, n in zip(res, names)]
+
+    out = _map_projections(params, family, pick,
+                           lambda ws, names: [quantize_weight(w, proj[n]) for w, n in
+                                              zip(ws, names)], specs)
+    if donate:
+        is_fp8 = lambda x: isinstance(x, Fp8Weight)  # noqa: E731
+        for a, b in zip(jax.tree.leaves(params, is_leaf=is_fp8),
+                        jax.tree.leaves(out, is_leaf=is_fp8)):
+            if a is not b and isinstance(a, jax.Array):
+                a.delete()
+    return out
+
+
+def dequantize_params(params: dict, family_or_config, dtype: Any = None,
+                      axis_name: str = "tp") -> dict:
+    """Every Fp8Weight of `params` back to its einsum-layout weight as dtype (default: the
+    config's dtype when a config is given, else bfloat16), sharded as the family's dense
+    parameters are."""
+    family = _family(family_or_config)
+    dt = jnp.dtype(dtype or getattr(family_or_config, "dtype", "bfloat16"))
+
+    def specs(res, names, mesh):
+        return [sharding.spec_for(n, len(w.shape), family.tp_dims, axis_name)
+                for w, n in zip(res, names)]
+
+    return _map_projections(
+        params, family, lambda name, w: isinstance(w, Fp8Weight),
+        lambda ws, names: [dequantize_weight(w, family.projections[n], dt) for w, n in
+                           zip(ws, names)], specs)
