@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from .pallas_attention import decode_attention
+from .quant import Projection
 from .sharding import KV_LAYOUTS
 from .tp import RMSNorm, normal, project
 
@@ -28,6 +29,8 @@ from .tp import RMSNorm, normal, project
 # from its shape (random init); a family's tables include these.
 TP_DIM = {"qkv": 1, "o": 0}
 FAN_IN = {"qkv": lambda shape: shape[0], "o": lambda shape: shape[0] * shape[1]}
+# The projections (FP8-quantizable weights): how many leading dims each contracts.
+PROJECTIONS = {"qkv": Projection(n_in=1), "o": Projection(n_in=2)}
 KV_PARAM = "qkv"  # the parameter holding the KV heads (sharding.replicate_kv's layout)
 
 

@@ -88,15 +88,19 @@ class _Parameters:
         """(graphdef, pure-dict pytree of ShapeDtypeStruct) without allocating anything."""
         return _abstract_model(self.model, config)
 
-    def param_specs(self, params: dict, axis_name: str = "tp") -> dict:
-        """PartitionSpec pytree for a parameter pytree (arrays or ShapeDtypeStructs)."""
-        return sharding.param_specs(params, self.tp_dims, axis_name)
+    def param_specs(self, params: dict, axis_name: str = "tp", tp: int = 1) -> dict:
+        """PartitionSpec pytree for a parameter pytree (arrays or ShapeDtypeStructs; Fp8Weight
+        leaves get Fp8Weights of specs, which depend on the tp size: sharding.fp8_spec)."""
+        return sharding.param_specs(params, self.tp_dims, axis_name, self.projections, tp)
 
-    def param_shardings(self, layout: Layout, mesh: Mesh, axis_name: str = "tp") -> dict:
-        """NamedSharding pytree of the parameters of `layout` on `mesh`."""
+    def param_shardings(self, layout: Layout, mesh: Mesh, axis_name: str = "tp",
+                        params: Any = None) -> dict:
+        """NamedSharding pytree of the parameters of `layout` on `mesh`: of the layout's dense
+        parameters, or of `params` (e.g. FP8 ones: arrays or ShapeDtypeStructs, global shapes)."""
         layout.check_mesh(mesh, axis_name)
-        _, abstract = self.abstract_model(layout.shapes)
-        return sharding.param_shardings(abstract, mesh, self.tp_dims, axis_name)
+        if params is None:
+            _, params = self.abstract_model(layout.shapes)
+        return sharding.param_shardings(params, mesh, self.tp_dims, axis_name, self.projections)
 
     def place_params(self, params: dict, layout: Layout, mesh: Mesh,
                      axis_name: str = "tp") -> dict:
@@ -222,6 +226,9 @@ class ModelFamily(_Parameters, _HFCheckpoints):
     # MoE's experts, top-k of them (step_weight_bytes)
     step_read_fraction: Mapping[str, Callable[[Any], float]] = dataclasses.field(
         default_factory=dict)
+    # parameter name -> quant.Projection: the weights an FP8 model holds as Fp8Weight, and how
+    # many dims each contracts (models/quantize.py, sharding.fp8_spec)
+    projections: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     # ---- configs -------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from . import attention, sharding, transformer
 from .attention import Attention, Step
 from .config import LlamaConfig
 from .family import ModelFamily
+from .quant import Projection
 from .tp import RMSNorm, TPContext, normal, project
 
 # Which dimension of each (global) parameter is split over the tp axis (others are replicated),
@@ -32,6 +33,10 @@ from .tp import RMSNorm, TPContext, normal, project
 TP_DIM = {**attention.TP_DIM, "gate_up": 2, "down": 0, **transformer.TP_DIM}
 FAN_IN = {**attention.FAN_IN, "gate_up": lambda shape: shape[0], "down": lambda shape: shape[0],
           **transformer.FAN_IN}
+# The projections an FP8 model holds as Fp8Weight (quant.Projection: contracted dims); norms and
+# the embedding are not in it and stay in the model dtype.
+PROJECTIONS = {**attention.PROJECTIONS, "gate_up": Projection(n_in=1), "down": Projection(n_in=1),
+               **transformer.PROJECTIONS}
 
 
 class MLP(nnx.Module):
@@ -85,5 +90,5 @@ def check_tp(config: LlamaConfig, tp: int) -> None:
 LLAMA = ModelFamily(
     name="llama", config_type=LlamaConfig,
     presets={"tiny": LlamaConfig.tiny, "llama3_8b": LlamaConfig.llama3_8b},
-    model=Llama, tp_dims=TP_DIM, check_tp=check_tp, fan_in=FAN_IN,
+    model=Llama, tp_dims=TP_DIM, check_tp=check_tp, fan_in=FAN_IN, projections=PROJECTIONS,
     loader=f"{__package__}.weights", hf_model_types=("llama",))

@@ -69,18 +69,45 @@ class Fp8Weight:
         return self.q.reshape(n, k), scale.reshape(grid), (bn, bk)
 
 
+@dataclass(frozen=True)
+class Projection:
+    """What a family's table (its `projections`) says of one projection weight: n_in, how many
+    of its einsum weight's leading dims (after `lead` stacked ones: an MoE's experts) are
+    contracted. The einsum weight is [*lead, *in, *out]; its Fp8Weight's q is [*lead, *out, *in]."""
+    n_in: int
+    lead: int = 0
+
+    def q_perm(self, ndim: int) -> tuple[int, ...]:
+        """q = transpose(einsum weight, q_perm): q's dim j is the einsum weight's q_perm[j]."""
+        lead, k = self.lead, self.n_in
+        return tuple(range(lead)) + tuple(range(lead + k, ndim)) + tuple(range(lead, lead + k))
+
+    def q_dim(self, ndim: int, dim: int) -> int:
+        """The dim of q that is the einsum weight's `dim`."""
+        return self.q_perm(ndim).index(dim)
+
+    def einsum_shape(self, w: "Fp8Weight") -> tuple[int, ...]:
+        """The einsum weight's shape of an Fp8Weight."""
+        perm, shape = self.q_perm(w.q.ndim), [0] * w.q.ndim
+        for j, d in enumerate(perm):
+            shape[d] = w.q.shape[j]
+        return tuple(shape)
+
+
 def quantize_fp8(w: jax.Array | np.ndarray, n_in: int) -> Fp8Weight:
     """Per output channel: w in the einsum layout [*in, *out] (n_in leading contracted dims)
-    -> Fp8Weight, scale = max |w| over the channel / 448 (1 where the channel is all zeros)."""
+    -> Fp8Weight, scale = max |w| over the channel / 448 (1 where the channel is all zeros).
+    No reshape across dims: under jit a sharded w stays sharded (a contracted dim split over
+    devices takes one max over them, never a gather)."""
     xp = np if isinstance(w, np.ndarray) else jnp
     perm = tuple(range(n_in, w.ndim)) + tuple(range(n_in))
     wt = xp.transpose(xp.asarray(w, np.float32), perm)  # [*out, *in]
-    out = wt.shape[: w.ndim - n_in]
-    flat = wt.reshape(out + (-1,))
-    amax = xp.max(xp.abs(flat), axis=-1, keepdims=True)
+    n_out = w.ndim - n_in
+    amax = xp.max(xp.abs(wt), axis=tuple(range(n_out, w.ndim)), keepdims=True)
     scale = xp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
-    q = xp.clip(flat / scale, -E4M3_MAX, E4M3_MAX).astype(E4M3).reshape(wt.shape)
-    return Fp8Weight(q, scale, n_in, (1, math.prod(wt.shape[w.ndim - n_in:])))
+    q = xp.clip(wt / scale, -E4M3_MAX, E4M3_MAX).astype(E4M3)
+    return Fp8Weight(q, scale.reshape(wt.shape[:n_out] + (1,)), n_in,
+                     (1, math.prod(wt.shape[n_out:])))
 
 
 def dequantize(w: Fp8Weight, dtype=jnp.bfloat16) -> jax.Array:
@@ -107,8 +134,9 @@ def _parse(equation: str, w: Fp8Weight) -> tuple[str, str, str]:
 
 def project_fp8(equation: str, x: jax.Array, w: Fp8Weight, **kw) -> jax.Array:
     """jnp.einsum(equation, x, dequantize(w)) for an Fp8Weight, as one batch-1..8 GEMV: x's
-    leading (batch) dims flattened into rows. preferred_element_type (float32) is honoured by
-    casting the result; the sums are float32 either way."""
+    leading (batch) dims flattened into rows. The sums are float32 either way; with
+    preferred_element_type=float32 (the LM head's logits) x goes in as float32, so the result
+    is the float32 sum, not its rounding to x's dtype."""
     from sifar_jax import fp8_matvec as f8
 
     xs, ws, out = _parse(equation, w)
@@ -117,10 +145,12 @@ def project_fp8(equation: str, x: jax.Array, w: Fp8Weight, **kw) -> jax.Array:
     if tuple(x.shape[len(lead):]) != w.in_dims:
         raise ValueError(f"project: x's contracted dims {x.shape[len(lead):]} are not the "
                          f"weight's {w.in_dims}")
+    dt = kw.get("preferred_element_type")
+    if dt is not None and jnp.dtype(dt) in f8.X_DTYPES:
+        x = x.astype(dt)
     q2, s2, block = w.kernel_operands()
     y = f8.fp8_matvec(x.reshape(-1, k), q2, s2, block=block)
     y = y.reshape(lead + w.out_dims)
-    dt = kw.get("preferred_element_type")
     return y if dt is None else y.astype(dt)
 
 

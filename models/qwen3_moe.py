@@ -42,6 +42,7 @@ from . import attention, sharding, transformer
 from .attention import Attention, Step
 from .config import AttentionConfig, RopeScaling, rope_from_hf
 from .family import ModelFamily
+from .quant import Projection
 from .tp import RMSNorm, TPContext, normal
 
 MOE_IMPLS = ("gather", "matvec")
@@ -265,6 +266,10 @@ def experts(x, weights, ids, gate_up, down, impl: str = "matvec", rows: int = 1)
 TP_DIM = {**attention.TP_DIM, "gate_up": 3, "down": 1, **transformer.TP_DIM}
 FAN_IN = {**attention.FAN_IN, "router": lambda shape: shape[0],
           "gate_up": lambda shape: shape[1], "down": lambda shape: shape[1], **transformer.FAN_IN}
+# The projections an FP8 model holds as Fp8Weight: the attention's, the expert stacks (one
+# leading expert dim) and the LM head; the router, norms and embedding stay in the model dtype.
+PROJECTIONS = {**attention.PROJECTIONS, "gate_up": Projection(n_in=1, lead=1),
+               "down": Projection(n_in=1, lead=1), **transformer.PROJECTIONS}
 
 
 class MoE(nnx.Module):
@@ -327,6 +332,6 @@ def _routed_share(config: Qwen3MoeConfig) -> float:
 QWEN3_MOE = ModelFamily(
     name="qwen3_moe", config_type=Qwen3MoeConfig,
     presets={"qwen3_moe_tiny": Qwen3MoeConfig.tiny, "qwen3_30b_a3b": Qwen3MoeConfig.qwen3_30b_a3b},
-    model=Qwen3Moe, tp_dims=TP_DIM, check_tp=check_tp, fan_in=FAN_IN,
+    model=Qwen3Moe, tp_dims=TP_DIM, check_tp=check_tp, fan_in=FAN_IN, projections=PROJECTIONS,
     loader=f"{__package__}.qwen3_moe_weights", hf_model_types=("qwen3_moe",),
     step_read_fraction={"gate_up": _routed_share, "down": _routed_share})

@@ -12,7 +12,8 @@ depend on tp.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import math
+from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -96,16 +97,108 @@ def spec_for(name: str, ndim: int, tp_dims: Mapping[str, int], axis_name: str = 
     return P(*[axis_name if i == dim else None for i in range(ndim)])
 
 
-def param_specs(params: dict, tp_dims: Mapping[str, int], axis_name: str = "tp") -> dict:
-    """PartitionSpec pytree for a parameter pytree (arrays or ShapeDtypeStructs)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: spec_for(leaf_name(path), len(leaf.shape), tp_dims, axis_name), params)
+def _is_fp8(x) -> bool:
+    from .quant import Fp8Weight
+
+    return isinstance(x, Fp8Weight)
+
+
+def _scale_split(w, qdim: int, tp: int) -> Optional[int]:
+    """The dim of w.scale split like q's dim qdim, or None: the scale stays whole on every rank
+    (one block along that dim, or a block grid the shards do not line up with: local_fp8 then
+    takes the rank's blocks by offset). scale is [*out[:-1], grid over out[-1], grid over K]."""
+    n_out = w.q.ndim - w.n_in
+    if qdim < n_out - 1:  # an out dim the scale has whole
+        return qdim
+    size, grid, block, axis = ((w.q.shape[qdim], w.scale.shape[n_out - 1], w.block[0], n_out - 1)
+                               if qdim == n_out - 1 else
+                               (math.prod(w.q.shape[n_out:]), w.scale.shape[-1], w.block[1],
+                                w.scale.ndim - 1))
+    if grid == 1:
+        return None
+    if qdim > n_out:  # the 2D view's K is the in dims flattened: only the first splits evenly
+        raise ValueError(f"an Fp8Weight {tuple(w.q.shape)} split on contracted dim {qdim} "
+                         f"(not the first, {n_out}) with a block grid over K: unsupported")
+    local = size // tp
+    return axis if local % block == 0 and grid == tp * (local // block) else None
+
+
+def fp8_spec(w, dim: Optional[int], proj, axis_name: str, tp: int):
+    """The Fp8Weight of PartitionSpecs of an Fp8Weight `w` (global shapes) whose einsum weight
+    is split along `dim` (None: replicated): q's spec is the einsum weight's permuted
+    (proj: quant.Projection), the scale's out dims split like q's where its block grid lines up
+    with the shards (_scale_split)."""
+    from .quant import Fp8Weight
+
+    if dim is None or tp == 1:
+        return Fp8Weight(P(), P(), w.n_in, w.block)
+    qdim = proj.q_dim(w.q.ndim, dim)
+    sdim = _scale_split(w, qdim, tp)
+    one = lambda n, d: P(*[axis_name if i == d else None for i in range(n)])  # noqa: E731
+    return Fp8Weight(one(w.q.ndim, qdim), one(w.scale.ndim, sdim), w.n_in, w.block)
+
+
+def param_specs(params: dict, tp_dims: Mapping[str, int], axis_name: str = "tp",
+                projections: Optional[Mapping[str, Any]] = None, tp: int = 1) -> dict:
+    """PartitionSpec pytree for a parameter pytree (arrays or ShapeDtypeStructs); an Fp8Weight
+    leaf gets an Fp8Weight of specs (fp8_spec: its family's `projections` entry, and the tp
+    size, which decides whether a block grid lines up with the shards)."""
+    def spec(path, leaf):
+        name = leaf_name(path)
+        if _is_fp8(leaf):
+            if not projections or name not in projections:
+                raise ValueError(f"an Fp8Weight at {jax.tree_util.keystr(path)}: {name!r} is "
+                                 f"not a projection of this family (its `projections` table)")
+            return fp8_spec(leaf, tp_dims.get(name), projections[name], axis_name, tp)
+        return spec_for(name, len(leaf.shape), tp_dims, axis_name)
+
+    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=_is_fp8)
 
 
 def param_shardings(abstract: dict, mesh: Mesh, tp_dims: Mapping[str, int],
-                    axis_name: str = "tp") -> dict:
+                    axis_name: str = "tp", projections: Optional[Mapping[str, Any]] = None
+                    ) -> dict:
     """NamedSharding pytree for a parameter pytree laid out for `mesh` (see tp_layout)."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(abstract, tp_dims, axis_name))
+    specs = param_specs(abstract, tp_dims, axis_name, projections, mesh.shape[axis_name])
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+
+
+def _local_blocks(scale, axis: int, block: int, local: int, rank):
+    """The scale rows (along `axis`, blocks of `block`) of a rank's `local` rows of a dim split
+    evenly, on a grid of gcd(block, local) that starts at the rank's first row."""
+    fine = math.gcd(block, local)
+    idx = (rank * local + jnp.arange(local // fine) * fine) // block
+    return jnp.take(scale, idx, axis=axis), fine
+
+
+def local_fp8(params: dict, specs: dict, axis_name: str = "tp") -> dict:
+    """Inside shard_map: each Fp8Weight whose q is split but whose scale was left whole
+    (fp8_spec: a grid the shards do not line up with) gets this rank's blocks of it, by the
+    rank's offset; everything else is returned as it is."""
+    from .quant import Fp8Weight
+
+    def one(w, spec):
+        if not _is_fp8(w):
+            return w
+        split = [i for i, a in enumerate(spec.q) if a == axis_name]
+        if not split or axis_name in tuple(spec.scale):
+            return w
+        n_out, qdim = w.q.ndim - w.n_in, split[0]
+        if qdim < n_out - 1:
+            return w  # the scale has this dim whole: cannot happen with fp8_spec's specs
+        rank = jax.lax.axis_index(axis_name)
+        if qdim == n_out - 1:
+            if w.scale.shape[n_out - 1] == 1:
+                return w
+            s, fine = _local_blocks(w.scale, n_out - 1, w.block[0], w.q.shape[qdim], rank)
+            return Fp8Weight(w.q, s, w.n_in, (fine, w.block[1]))
+        if w.scale.shape[-1] == 1:
+            return w
+        s, fine = _local_blocks(w.scale, w.scale.ndim - 1, w.block[1],
+                                math.prod(w.q.shape[n_out:]), rank)
+        return Fp8Weight(w.q, s, w.n_in, (w.block[0], fine))
+
+    return jax.tree.map(one, params, specs, is_leaf=_is_fp8)
 
 
 # ---- the KV cache ----------------------------------------------------------------------------------

@@ -32,11 +32,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .attention import Step
+from .quant import Projection
 from .tp import RMSNorm, TPContext, normal, project
 
 # The stack's split parameters and fan-ins (a family's tables include them).
 TP_DIM = {"lm_head": 1}
 FAN_IN = {"lm_head": lambda shape: shape[0]}
+PROJECTIONS = {"lm_head": Projection(n_in=1)}
 
 
 # The norms that follow an all-reduce (TPContext.add_norm): a block's input_norm and post_norm,
