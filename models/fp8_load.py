@@ -32,17 +32,10 @@ from .fp8_checkpoint import (DTYPES, E4M3_MAX, Fp8CheckpointError, Fp8Scheme,
                              parse_quantization_config, quantization_config, read_checkpoint_dir,
                              read_fp8_weight, scheme_from_spec, write_fp8_weight)
 from .quant import Fp8Weight
-from .fp8_placement import q_perm
 from .sharding import leaf_name
 from .weights import hf_name
 
 E4M3 = DTYPES["F8_E4M3"]
-# Each projection's einsum weight [*lead, *in, *out] as (n_in, lead); its Fp8Weight's q is
-# [*lead, *out, *in].
-PROJECTIONS = {"llama": {"qkv": (1, 0), "o": (2, 0), "gate_up": (1, 0), "down": (1, 0),
-                         "lm_head": (1, 0)},
-               "qwen3_moe": {"qkv": (1, 0), "o": (2, 0), "gate_up": (1, 1), "down": (1, 1),
-                             "lm_head": (1, 0)}}
 
 
 # ---- readers: checkpoint.Checkpoint's interface, float8 included -------------------------------
@@ -246,16 +239,10 @@ def load_fp8(family, path: str, mesh, layout, axis_name: str, quantize: Optional
         grids = {k: scale_grid(name, mods, layout, k[1] if len(k) > 1 else None, scales)
                  for k, (name, mods) in plan.items()}
         builders = family.hf_loader().hf_builders(layout.shapes, ck, layout.kv_replicas)
-        params = fp8_placement.place(family, layout, mesh, axis_name, builders, grids,
-                                     projections(family))
+        params = fp8_placement.place(family, layout, mesh, axis_name, builders, grids)
     ignore = () if head else ("lm_head",)
     config = layout.config.replace(quantization=dataclasses.replace(scheme, ignore=ignore).spec)
     return config, params
-
-
-def projections(family) -> dict[str, tuple[int, int]]:
-    """The family's projection table: (n_in, lead) per parameter name."""
-    return PROJECTIONS[family.name]
 
 
 # ---- the way back: HF tensors in the layout they came from ---------------------------------------
@@ -285,12 +272,10 @@ def expand_scale(w: Fp8Weight) -> np.ndarray:
 def _einsum_views(params: dict, family):
     """(q tree, per-element scale tree): each Fp8Weight as its e4m3 values, and as its scales
     broadcast over them, both in the einsum layout the family's writer takes."""
-    table = projections(family)
-
     def views(path, w):
         if not isinstance(w, Fp8Weight):
             return w, w
-        inv = np.argsort(q_perm(w.q.ndim, *table[leaf_name(path)]))
+        inv = np.argsort(family.projections[leaf_name(path)].q_perm(w.q.ndim))
         return (np.transpose(np.asarray(jax.device_get(w.q)), inv),
                 np.transpose(expand_scale(w), inv))
 
