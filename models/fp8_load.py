@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
+import os
 from typing import Any, Optional
 
 import jax
@@ -30,7 +32,8 @@ import numpy as np
 from . import checkpoint, fp8_placement
 from .fp8_checkpoint import (DTYPES, E4M3_MAX, Fp8CheckpointError, Fp8Scheme,
                              parse_quantization_config, quantization_config, read_checkpoint_dir,
-                             read_fp8_weight, scheme_from_spec, write_fp8_weight)
+                             read_fp8_weight, read_safetensors, scheme_from_spec,
+                             write_fp8_weight)
 from .quant import Fp8Weight
 from .sharding import leaf_name
 from .weights import hf_name
@@ -44,7 +47,14 @@ class MemmapCheckpoint:
     """Name -> slice reader over a folder's .safetensors files, memory-mapped (float8 too)."""
 
     def __init__(self, path: str):
-        self.tensors = read_checkpoint_dir(path)
+        index = os.path.join(path, checkpoint.INDEX_FILE)
+        if os.path.exists(index):  # only the files the index names (a folder may hold others)
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+            self.tensors = {k: v for fn in files
+                            for k, v in read_safetensors(os.path.join(path, fn)).items()}
+        else:
+            self.tensors = read_checkpoint_dir(path)
         if not self.tensors:
             raise FileNotFoundError(f"no *.safetensors in {path}")
 
@@ -197,6 +207,23 @@ def read_scales(ck, plan: dict, scheme: Fp8Scheme) -> dict:
     return out
 
 
+def check_k_blocks(plan: dict, grids: dict, tensors: dict, tp: int) -> None:
+    """A row-parallel projection's blocks over its input must give each rank's K a grid of
+    multiples of 16 (what the FP8 GEMV reads): a rank's K that starts inside a block is
+    regridded to gcd(block, K / tp) columns (sharding.local_fp8)."""
+    for keys, (name, mods) in plan.items():
+        grid, (_, bk) = grids[keys]
+        if name not in ("o", "down") or grid.shape[-1] == 1 or tp == 1:
+            continue
+        local = tensors[f"{mods[0]}.weight"].shape[1] // tp
+        fine = math.gcd(bk, local)
+        if local % bk and fine < local and fine % 16:
+            raise Fp8CheckpointError(
+                f"{mods[0]}.weight: its scale blocks of {bk} input columns do not line up with "
+                f"TP={tp}'s shards of {local} columns (a rank's blocks would be {fine} wide; "
+                f"the FP8 GEMV takes multiples of 16): load it at another TP size")
+
+
 def _lm_head_fp8(family, layout, ck, scheme: Fp8Scheme, quantizing: bool) -> bool:
     """Whether the LM head loads in FP8: with quantize="fp8" always (untied); from an FP8
     checkpoint where its layout quantizes it (fine-grained FP8 leaves the head in bf16 unless
@@ -238,11 +265,11 @@ def load_fp8(family, path: str, mesh, layout, axis_name: str, quantize: Optional
         scales = read_scales(ck, plan, scheme)
         grids = {k: scale_grid(name, mods, layout, k[1] if len(k) > 1 else None, scales)
                  for k, (name, mods) in plan.items()}
+        if not quantizing:
+            check_k_blocks(plan, grids, ck.tensors, layout.tp)
         builders = family.hf_loader().hf_builders(layout.shapes, ck, layout.kv_replicas)
         params = fp8_placement.place(family, layout, mesh, axis_name, builders, grids)
-    ignore = () if head else ("lm_head",)
-    config = layout.config.replace(quantization=dataclasses.replace(scheme, ignore=ignore).spec)
-    return config, params
+    return layout.config.replace(quantization=scheme.spec), params
 
 
 # ---- the way back: HF tensors in the layout they came from ---------------------------------------

@@ -296,3 +296,27 @@ def test_bad_inputs_are_named_before_anything_is_placed(written, tmp_path):
         LLAMA.load_hf_checkpoint(str(tmp_path / "group"), mesh)
     with pytest.raises(ValueError, match="quantize must be None or 'fp8'"):
         LLAMA.load_hf_checkpoint(path, mesh, quantize="int4")
+
+
+def test_blocks_a_shard_cannot_take_are_refused(tmp_path):
+    """down's K = 368 over 2 ranks: 184 columns each, blocks of 32 would leave 8-wide ones."""
+    config = LlamaConfig.tiny(intermediate_size=368)
+    write_fp8(str(tmp_path), LLAMA, config, LAYOUTS["fp8_48x32"])
+    live = len(jax.live_arrays())
+    with pytest.raises(fc.Fp8CheckpointError, match=r"mlp.down_proj.weight: its scale blocks of "
+                       r"32 input columns do not line up with TP=2's shards of 184"):
+        LLAMA.load_hf_checkpoint(str(tmp_path), make_mesh(2))
+    assert len(jax.live_arrays()) == live
+    LLAMA.load_hf_checkpoint(str(tmp_path), make_mesh(1))  # whole rows: fine
+
+
+def test_dtype_is_the_compute_dtype_and_projections_stay_fp8(written):
+    path, _ = written("qwen3_moe", "fp8_48x32")
+    config, params = QWEN3_MOE.load_hf_checkpoint(path, make_mesh(2), dtype="bfloat16")
+    assert config.dtype == "bfloat16"
+    layer = params["layers"][0]
+    for w in (layer["attn"]["qkv"], layer["moe"]["gate_up"], layer["moe"]["down"]):
+        assert isinstance(w, Fp8Weight) and w.q.dtype == jnp.float8_e4m3fn
+    for a in (params["embed"], params["lm_head"], layer["moe"]["router"],
+              layer["attn"]["q_norm"]["weight"], layer["input_norm"]["weight"]):
+        assert a.dtype == jnp.bfloat16
