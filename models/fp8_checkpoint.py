@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from typing import Optional
@@ -99,7 +100,10 @@ class Fp8Scheme:
         return f"{self.layout}:{self.strategy}"
 
     def quantized(self, module: str) -> bool:
-        return not any(module == i or module.endswith("." + i) or module.startswith(i + ".")
+        """Whether `module` is not in ignore: a name (a suffix or prefix of it), or as
+        compressed-tensors writes, "re:<pattern>" matched from its start."""
+        return not any(re.match(i[3:], module) if i.startswith("re:") else
+                       module == i or module.endswith("." + i) or module.startswith(i + ".")
                        for i in self.ignore)
 
 
