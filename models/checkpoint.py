@@ -10,6 +10,7 @@ its parameters, how to build a chunk of it from checkpoint tensors (`builders`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from typing import Any, Callable, Mapping, Optional
@@ -19,7 +20,10 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from . import fp8_checkpoint
 from .sharding import leaf_name
+
+FLOAT8 = (fp8_checkpoint.DTYPES["F8_E4M3"], fp8_checkpoint.DTYPES["F8_E5M2"])
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
@@ -54,6 +58,11 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._map
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._map:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        return tuple(self._files[self._map[name]].get_slice(name).get_shape())
+
     def read(self, name: str, dim: int = 0, lo: Optional[int] = None, hi: Optional[int] = None):
         """tensor[lo:hi] along dim (all of it if lo is None), as numpy."""
         if name not in self._map:
@@ -64,6 +73,30 @@ class Checkpoint:
         return sl[(slice(None),) * dim + (slice(lo, hi),)]
 
 
+def place_array(where: str, sds, sharding, dim: Optional[int], build: Callable) -> jax.Array:
+    """One parameter placed as `sharding`: each device's chunk [lo, hi) along dim (the whole
+    tensor for dim None) from build(lo, hi), cast to sds.dtype and its shape checked."""
+    chunks: dict = {}  # a replicated tensor is read once, not once per device
+
+    def callback(index):
+        if dim is None:
+            lo, hi = 0, sds.shape[0]
+        else:
+            lo, hi, _ = index[dim].indices(sds.shape[dim])
+        if (lo, hi) not in chunks:
+            a = np.asarray(build(lo, hi)).astype(sds.dtype)
+            want = list(sds.shape)
+            if dim is not None:
+                want[dim] = hi - lo
+            if a.shape != tuple(want):
+                raise ValueError(f"{where}: checkpoint gives shape {a.shape}, expected "
+                                 f"{tuple(want)}")
+            chunks[(lo, hi)] = a
+        return chunks[(lo, hi)]
+
+    return jax.make_array_from_callback(sds.shape, sharding, callback)
+
+
 def load_sharded(path: str, abstract: dict, shardings: dict, tp_dims: Mapping[str, int],
                  builders: Callable[[Checkpoint], dict]) -> dict:
     """The parameter pytree `abstract` (ShapeDtypeStructs of the tp layout) read from the
@@ -72,30 +105,10 @@ def load_sharded(path: str, abstract: dict, shardings: dict, tp_dims: Mapping[st
     replicated one)."""
     with contextlib.ExitStack() as stack:
         tree = builders(Checkpoint(path, stack))
-
-        def place(path_, sds, sharding, build: Callable):
-            dim = tp_dims.get(leaf_name(path_))
-            chunks: dict = {}  # a replicated tensor is read once, not once per device
-
-            def callback(index):
-                if dim is None:
-                    lo, hi = 0, sds.shape[0]
-                else:
-                    lo, hi, _ = index[dim].indices(sds.shape[dim])
-                if (lo, hi) not in chunks:
-                    a = np.asarray(build(lo, hi)).astype(sds.dtype)
-                    want = list(sds.shape)
-                    if dim is not None:
-                        want[dim] = hi - lo
-                    if a.shape != tuple(want):
-                        raise ValueError(f"{jax.tree_util.keystr(path_)}: checkpoint gives shape "
-                                         f"{a.shape}, expected {tuple(want)}")
-                    chunks[(lo, hi)] = a
-                return chunks[(lo, hi)]
-
-            return jax.make_array_from_callback(sds.shape, sharding, callback)
-
-        return jax.tree_util.tree_map_with_path(place, abstract, shardings, tree)
+        return jax.tree_util.tree_map_with_path(
+            lambda p, sds, sh, build: place_array(jax.tree_util.keystr(p), sds, sh,
+                                                  tp_dims.get(leaf_name(p)), build),
+            abstract, shardings, tree)
 
 
 def save(tensors: dict[str, np.ndarray], hf_config: dict[str, Any], path: str, *,
@@ -103,17 +116,22 @@ def save(tensors: dict[str, np.ndarray], hf_config: dict[str, Any], path: str, *
     """Write config.json and model.safetensors (or num_shards files plus
     model.safetensors.index.json) in Hugging Face's layout."""
     os.makedirs(path, exist_ok=True)
+    if any(a.dtype in FLOAT8 for a in tensors.values()):  # safetensors' numpy API has no float8
+        def write(t, fn):
+            fp8_checkpoint.write_safetensors(fn, t, {"format": "pt"})
+    else:
+        write = functools.partial(save_file, metadata={"format": "pt"})
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
         json.dump(hf_config, f, indent=2)
     if num_shards == 1:
-        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        write(tensors, os.path.join(path, "model.safetensors"))
         return
     names = list(tensors)
     groups = [names[k::num_shards] for k in range(num_shards)]
     weight_map = {}
     for k, group in enumerate(groups):
         fn = f"model-{k + 1:05d}-of-{num_shards:05d}.safetensors"
-        save_file({n: tensors[n] for n in group}, os.path.join(path, fn), metadata={"format": "pt"})
+        write({n: tensors[n] for n in group}, os.path.join(path, fn))
         weight_map.update({n: fn for n in group})
     total = sum(a.nbytes for a in tensors.values())
     with open(os.path.join(path, INDEX_FILE), "w") as f:

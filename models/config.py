@@ -75,6 +75,9 @@ class LlamaConfig(AttentionConfig):
     # Llama 3.1 is 131072: a cache that long would cost 17 GB at 8B shapes).
     max_seq_len: int = 8192
     dtype: str = "bfloat16"  # parameters and activations
+    # The FP8 layout the projections were loaded in (fp8_checkpoint.Fp8Scheme.spec, e.g.
+    # "compressed-tensors:channel"; None: not FP8), which save_hf_checkpoint writes back.
+    quantization: Optional[str] = None
 
     def __post_init__(self):
         if self.head_dim is None:

@@ -206,16 +206,23 @@ class _HFCheckpoints:
 
     def load_hf_checkpoint(self, path: str, mesh: Mesh, *, axis_name: str = "tp",
                            config: Any = None, dtype: Optional[str] = None,
-                           max_seq_len: Optional[int] = None) -> tuple[Any, dict]:
+                           max_seq_len: Optional[int] = None,
+                           quantize: Optional[str] = None) -> tuple[Any, dict]:
         """Read `path`/config.json and its safetensors shards; return (config, params) with
         params sharded onto `mesh` (tp_dims; KV heads replicated when tp > num_kv_heads, see
-        layout). `dtype` overrides the checkpoint's dtype."""
+        layout). `dtype` overrides the checkpoint's dtype (the compute dtype). An FP8
+        checkpoint (config.json's quantization_config), or quantize="fp8", loads the
+        projections as Fp8Weight leaves (fp8_load.py); config.quantization records the layout."""
+        hf = checkpoint.read_hf_config(path)
         if config is None:
-            config = self.config_from_hf(checkpoint.read_hf_config(path), max_seq_len=max_seq_len,
-                                         dtype=dtype)
+            config = self.config_from_hf(hf, max_seq_len=max_seq_len, dtype=dtype)
         elif dtype is not None:
             config = config.replace(dtype=dtype)
         layout = self.layout(config, mesh.shape[axis_name])
+        if quantize is not None or "quantization_config" in hf:
+            from .fp8_load import load_fp8
+
+            return load_fp8(self, path, mesh, layout, axis_name, quantize)
         _, abstract = self.abstract_model(layout.shapes)
         params = checkpoint.load_sharded(
             path, abstract, self.param_shardings(layout, mesh, axis_name), self.tp_dims,
@@ -231,8 +238,13 @@ class _HFCheckpoints:
                            num_shards: int = 1) -> None:
         """Write config.json and model.safetensors (or num_shards files plus
         model.safetensors.index.json) in Hugging Face's layout."""
-        checkpoint.save(self.to_hf_tensors(params, config), config.to_hf_config(), path,
-                        num_shards=num_shards)
+        from .fp8_load import fp8_to_hf  # Fp8Weight leaves: in the layout they came from
+
+        tensors, qc = fp8_to_hf(self, params, config)
+        hf = config.to_hf_config()
+        if qc is not None:
+            hf["quantization_config"] = qc
+        checkpoint.save(tensors, hf, path, num_shards=num_shards)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from typing import Optional
@@ -90,8 +91,19 @@ class Fp8Scheme:
     def scale_suffix(self) -> str:
         return "weight_scale_inv" if self.layout == "fp8" else "weight_scale"
 
+    @property
+    def spec(self) -> str:
+        """A short hashable name of the layout (a config field): 'compressed-tensors:channel',
+        'fp8:128x128', 'fp8:tensor', ... (scheme_from_spec reads it back)."""
+        if self.strategy == "block":
+            return f"{self.layout}:{self.block[0]}x{self.block[1]}"
+        return f"{self.layout}:{self.strategy}"
+
     def quantized(self, module: str) -> bool:
-        return not any(module == i or module.endswith("." + i) or module.startswith(i + ".")
+        """Whether `module` is not in ignore: a name (a suffix or prefix of it), or as
+        compressed-tensors writes, "re:<pattern>" matched from its start."""
+        return not any(re.match(i[3:], module) if i.startswith("re:") else
+                       module == i or module.endswith("." + i) or module.startswith(i + ".")
                        for i in self.ignore)
 
 
@@ -135,6 +147,32 @@ def parse_quantization_config(config: dict) -> Optional[Fp8Scheme]:
                              f"'compressed-tensors' or 'fp8')")
 
 
+def scheme_from_spec(spec: str, ignore: tuple[str, ...] = ()) -> Fp8Scheme:
+    """The Fp8Scheme named by Fp8Scheme.spec."""
+    layout, _, strategy = spec.partition(":")
+    if "x" in strategy:
+        bn, bk = strategy.split("x")
+        return Fp8Scheme(layout, "block", (int(bn), int(bk)), ignore)
+    return Fp8Scheme(layout, strategy, ignore=ignore)
+
+
+def quantization_config(scheme: Fp8Scheme) -> dict:
+    """config.json's quantization_config for scheme (weights only: activations stay bf16, so
+    compressed-tensors' input_activations is null and fine-grained FP8's scheme dynamic)."""
+    if scheme.layout == "fp8":
+        qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+              "modules_to_not_convert": list(scheme.ignore) or None}
+        if scheme.strategy == "block":
+            qc["weight_block_size"] = list(scheme.block)
+        return qc
+    weights = {"num_bits": 8, "type": "float", "strategy": scheme.strategy, "symmetric": True,
+               "dynamic": False}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "quantization_status": "compressed", "ignore": list(scheme.ignore),
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": None}}}
+
+
 # ---- one projection ----------------------------------------------------------------------------
 
 def read_fp8_weight(tensors, module: str, scheme: Fp8Scheme):
@@ -168,6 +206,8 @@ def read_fp8_weight(tensors, module: str, scheme: Fp8Scheme):
     if not np.isfinite(s).all() or (s == 0).any():
         raise Fp8CheckpointError(f"{sname}: non-finite or zero scales (expected finite, "
                                  f"non-zero)")
+    if (s < 0).any():  # a sign flip folded into the scale is no checkpoint any writer makes
+        raise Fp8CheckpointError(f"{sname}: negative scales (expected positive)")
     return q, s, (bn, bk)
 
 

@@ -68,6 +68,9 @@ class Qwen3MoeConfig(AttentionConfig):
     tie_word_embeddings: bool = False
     max_seq_len: int = 8192  # the longest KV cache the decoder may allocate
     dtype: str = "bfloat16"
+    # The FP8 layout the projections were loaded in (fp8_checkpoint.Fp8Scheme.spec, e.g.
+    # "compressed-tensors:channel"; None: not FP8), which save_hf_checkpoint writes back.
+    quantization: Optional[str] = None
     moe_impl: str = "matvec"  # MOE_IMPLS: how the chosen experts are computed
 
     def __post_init__(self):

@@ -162,12 +162,14 @@ def to_hf_tensors(params: dict, config: LlamaConfig) -> dict[str, np.ndarray]:
 
 def load_hf_checkpoint(path: str, mesh: Mesh, *, axis_name: str = "tp",
                        config: Optional[LlamaConfig] = None, dtype: Optional[str] = None,
-                       max_seq_len: Optional[int] = None) -> tuple[LlamaConfig, dict]:
+                       max_seq_len: Optional[int] = None,
+                       quantize: Optional[str] = None) -> tuple[LlamaConfig, dict]:
     """Read `path`/config.json and its safetensors shards; return (config, params) with params
     sharded onto `mesh` (see llama.TP_DIM; KV heads replicated when tp > num_kv_heads, see
-    LLAMA.layout). `dtype` overrides the checkpoint's dtype."""
+    LLAMA.layout). `dtype` overrides the checkpoint's dtype. FP8 checkpoints, and
+    quantize="fp8": the projections as Fp8Weight (ModelFamily.load_hf_checkpoint)."""
     return LLAMA.load_hf_checkpoint(path, mesh, axis_name=axis_name, config=config, dtype=dtype,
-                                    max_seq_len=max_seq_len)
+                                    max_seq_len=max_seq_len, quantize=quantize)
 
 
 def save_hf_checkpoint(params: dict, config: LlamaConfig, path: str, *, num_shards: int = 1) -> None:
