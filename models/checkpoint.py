@@ -68,6 +68,10 @@ class Checkpoint:
         if name not in self._map:
             raise KeyError(f"checkpoint has no tensor {name!r}")
         sl = self._files[self._map[name]].get_slice(name)
+        if sl.get_dtype().startswith("F8"):  # FP8 tensors go through models/fp8_load.py
+            raise ValueError(f"{name}: a {sl.get_dtype()} tensor read as a dense weight: an FP8 "
+                             f"checkpoint names its layout in config.json's quantization_config "
+                             f"(docs/reference.md, Loading FP8 checkpoints)")
         if lo is None:
             return sl[:]
         return sl[(slice(None),) * dim + (slice(lo, hi),)]

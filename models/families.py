@@ -3,7 +3,7 @@ name, or by a Hugging Face checkpoint's config.json. A new family adds one entry
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from .checkpoint import read_hf_config
 from .family import ModelFamily
@@ -50,3 +50,26 @@ def family_for_checkpoint(path: str) -> ModelFamily:
             return family
     raise ValueError(f"{path}: model_type {model_type!r} is not supported; known: "
                      f"{sorted(t for f in FAMILIES.values() for t in f.hf_model_types)}")
+
+
+# models.<name>: the family found from the config or the checkpoint, then its own method.
+
+def random_params(config: Any, mesh, seed: int = 0, *, axis_name: str = "tp",
+                  quantize: Optional[str] = None) -> dict:
+    """family_of(config).random_params (random weights, never zero; quantize="fp8": FP8)."""
+    return family_of(config).random_params(config, mesh, seed, axis_name=axis_name,
+                                           quantize=quantize)
+
+
+def load_hf_checkpoint(path: str, mesh, *, axis_name: str = "tp", config: Any = None,
+                       dtype: Optional[str] = None, max_seq_len: Optional[int] = None,
+                       quantize: Optional[str] = None) -> tuple[Any, dict]:
+    """The checkpoint's family's load_hf_checkpoint (by config.json's model_type)."""
+    return family_for_checkpoint(path).load_hf_checkpoint(
+        path, mesh, axis_name=axis_name, config=config, dtype=dtype, max_seq_len=max_seq_len,
+        quantize=quantize)
+
+
+def save_hf_checkpoint(params: dict, config: Any, path: str, *, num_shards: int = 1) -> None:
+    """family_of(config).save_hf_checkpoint."""
+    family_of(config).save_hf_checkpoint(params, config, path, num_shards=num_shards)

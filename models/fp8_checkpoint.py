@@ -199,6 +199,8 @@ def read_fp8_weight(tensors, module: str, scheme: Fp8Scheme):
     else:
         bn, bk, want = n, k, (1, 1)
         s = s.reshape(-1) if s.size == 1 else s
+    if scheme.strategy == "channel" and s.shape == (n,):  # [N]: transformers reshapes it too
+        s = s.reshape(want)
     if s.shape != want and not (want == (1, 1) and s.shape in ((1,), ())):
         raise Fp8CheckpointError(f"{sname}: shape {tuple(s.shape)}, expected {want} for "
                                  f"{wname} {tuple(q.shape)} ({scheme.strategy} scales)")

@@ -48,7 +48,7 @@ def _parser(algorithms: tuple, sifar_why: str | None) -> argparse.ArgumentParser
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # (the names are checked after jax is imported: every family's presets, models.families)
     p.add_argument("--preset", default="tiny",
-                   help="model shapes, random weights (tiny, llama3_8b, ...)")
+                   help="model shapes, random weights: tiny, qwen3_moe_tiny, llama3_8b, qwen3_30b_a3b")
     p.add_argument("--checkpoint", help="Hugging Face checkpoint dir (config.json + safetensors; "
                                         "its model_type picks the family); overrides --preset")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")
@@ -269,7 +269,7 @@ def _run(args, sifar_why, started: float) -> int:
     request = dict(eos_id=stops, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                    reserve=cache_reserve(args.tokens, args.loop))
     warmup, cache_use = _warmup(args, dec, prompt)
-    _print_setup(args, sifar_why, family, config, cache_dir, warmup, cache_use, stops, prompt)
+    _print_setup(args, sifar_why, family, dec.config, cache_dir, warmup, cache_use, stops, prompt)
     ttft = _time_to_first_token(dec, prompt, request)
     print(f"process start to first token: {time.perf_counter() - started - weights_s:.1f} s "
           f"(+ {weights_s:.1f} s making or loading the weights)")
@@ -326,7 +326,10 @@ def _decoder(args, family, config):
     mesh = make_mesh(args.tp)
     t_weights = time.perf_counter()
     if args.checkpoint:
-        config, params = family.load_hf_checkpoint(args.checkpoint, mesh, config=config)
+        try:
+            config, params = family.load_hf_checkpoint(args.checkpoint, mesh, config=config)
+        except (ValueError, OSError) as e:  # a bad checkpoint (Fp8CheckpointError among them)
+            raise UserError(f"--checkpoint {args.checkpoint}: {e}") from None
         if args.quantize:
             from .quantize import quantize_params
 
@@ -362,6 +365,7 @@ def _warmup(args, dec, prompt):
 def _print_setup(args, sifar_why, family, config, cache_dir, warmup, cache_use, stops, prompt):
     import jax
 
+    fp8_checkpoint = getattr(config, "quantization", None) is not None  # an FP8 checkpoint's
     ar = args.allreduce + (f"/{args.algorithm}" if "sifar" in args.allreduce else "")
     if args.allreduce == "identity":
         ar += " " + IDENTITY_NOTE
@@ -369,7 +373,7 @@ def _print_setup(args, sifar_why, family, config, cache_dir, warmup, cache_use, 
         ar += f" (sifar_jax unusable here: {sifar_why})"
     print(f"device: {jax.devices()[0].device_kind} x{args.tp} ({jax.default_backend()}), "
           f"{family.name}: layers={config.num_layers} hidden={config.hidden_size} "
-          f"dtype={config.dtype}" + (f" weights={args.quantize}" if args.quantize else "")
+          f"dtype={config.dtype}" + (" weights=fp8" if args.quantize or fp8_checkpoint else "")
           + f", allreduce={ar}" + (" fused" if args.fused else "")
           + f", loop={args.loop}")
     print("compilation cache: " + (cache_dir or "off"))

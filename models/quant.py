@@ -132,6 +132,16 @@ def _parse(equation: str, w: Fp8Weight) -> tuple[str, str, str]:
     return xs, ws, out
 
 
+def _check_k(k: int, what: str) -> None:
+    """The FP8 GEMV reads rows in 16-byte chunks: say which weight and what to change."""
+    from sifar_jax import fp8_matvec as f8
+
+    if k % f8.CHUNK:
+        raise ValueError(f"{what}: {k} contracted columns on this rank, not a multiple of "
+                         f"{f8.CHUNK} (the FP8 GEMV's unit): use a tensor-parallel size that "
+                         f"leaves each rank a multiple of {f8.CHUNK}, or keep the model dense")
+
+
 def project_fp8(equation: str, x: jax.Array, w: Fp8Weight, **kw) -> jax.Array:
     """jnp.einsum(equation, x, dequantize(w)) for an Fp8Weight, as one batch-1..8 GEMV: x's
     leading (batch) dims flattened into rows. The sums are float32 either way; with
@@ -148,6 +158,7 @@ def project_fp8(equation: str, x: jax.Array, w: Fp8Weight, **kw) -> jax.Array:
     dt = kw.get("preferred_element_type")
     if dt is not None and jnp.dtype(dt) in f8.X_DTYPES:
         x = x.astype(dt)
+    _check_k(k, f"an FP8 projection {equation!r} of in dims {w.in_dims}")
     q2, s2, block = w.kernel_operands()
     y = f8.fp8_matvec(x.reshape(-1, k), q2, s2, block=block)
     y = y.reshape(lead + w.out_dims)
@@ -165,6 +176,7 @@ def matvec_fp8(x: jax.Array, w: Fp8Weight, ids: jax.Array) -> jax.Array:
     one = Fp8Weight(w.q[0], w.scale[0], w.n_in, w.block)  # the per-expert view's operands
     q2, s2, block = one.kernel_operands()
     n, k = q2.shape
+    _check_k(k, f"an FP8 expert stack of in dims {w.in_dims}")
     scale = w.scale
     if s2.size != math.prod(w.scale.shape[1:]):  # regridded: the stack's scales likewise
         scale = jax.vmap(lambda s: Fp8Weight(w.q[0], s, w.n_in, w.block).kernel_operands()[1])(

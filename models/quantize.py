@@ -99,6 +99,10 @@ def quantize_params(params: dict, family_or_config, *, lm_head: bool = True,
     proj = family.projections
 
     def pick(name, w):
+        if (name in proj and not isinstance(w, Fp8Weight)
+                and w.ndim <= proj[name].lead + proj[name].n_in):
+            raise ValueError(f"quantize_params: {name!r} has shape {tuple(w.shape)}, not a "
+                             f"{family.name} projection's: are these params of another family?")
         return name in proj and not isinstance(w, Fp8Weight) and (lm_head or name != "lm_head")
 
     def specs(res, names, mesh):

@@ -342,3 +342,62 @@ def test_dtype_is_the_compute_dtype_and_projections_stay_fp8(written):
     for a in (params["embed"], params["lm_head"], layer["moe"]["router"],
               layer["attn"]["q_norm"]["weight"], layer["input_norm"]["weight"]):
         assert a.dtype == jnp.bfloat16
+
+
+def test_the_command_line_names_fp8_weights_and_a_bad_checkpoint_in_one_line(written, tmp_path,
+                                                                              capsys):
+    """models.generate: an FP8 checkpoint's banner says weights=fp8; a bad one is one `error:`
+    line and exit 2 (the CLI's contract), not a traceback."""
+    from models import generate
+
+    path, _ = written("llama", "ct_channel")
+    assert generate.main(["--checkpoint", path, "--tokens", "2", "--allreduce", "psum",
+                          "--no-warmup", "--no-compile-cache"]) == 0
+    assert "weights=fp8" in capsys.readouterr().out.splitlines()[0]
+    tensors = {k: np.array(v) for k, v in fc.read_checkpoint_dir(path).items()}
+    tensors.pop("model.layers.0.mlp.down_proj.weight_scale")
+    _write(str(tmp_path / "bad"), checkpoint.read_hf_config(path), tensors)
+    assert generate.main(["--checkpoint", str(tmp_path / "bad"), "--tokens", "2",
+                          "--no-warmup"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --checkpoint") and err.count("\n") == 1
+    assert "down_proj.weight_scale: missing" in err
+
+
+def test_float8_tensors_without_a_quantization_config_are_named(written, tmp_path):
+    path, _ = written("llama", "ct_channel")
+    hf = checkpoint.read_hf_config(path)
+    hf.pop("quantization_config")
+    _write(str(tmp_path / "noqc"), hf, fc.read_checkpoint_dir(path))
+    with pytest.raises(ValueError, match="F8_E4M3 tensor read as a dense weight"):
+        LLAMA.load_hf_checkpoint(str(tmp_path / "noqc"), make_mesh(1))
+
+
+def test_per_channel_scales_as_a_vector_read_as_a_column():
+    """transformers reshapes a [N] per-channel weight_scale to [N, 1]; so do we."""
+    q = np.asarray(np.random.default_rng(0).uniform(-4, 4, (6, 32)), E4M3)
+    s = np.random.default_rng(1).uniform(0.5, 2, (6,)).astype(np.float32)
+    scheme = fc.parse_quantization_config({"quantization_config": ct("channel")})
+    _, col, block = fc.read_fp8_weight({"m.weight": q, "m.weight_scale": s[:, None]}, "m", scheme)
+    _, vec, _ = fc.read_fp8_weight({"m.weight": q, "m.weight_scale": s}, "m", scheme)
+    assert vec.shape == (6, 1) and np.array_equal(vec, col) and block == (1, 32)
+
+
+def test_quantizing_another_familys_params_is_named():
+    from models.quantize import quantize_params
+
+    config = LlamaConfig.tiny()
+    params = LLAMA.random_params(config, make_mesh(1))
+    with pytest.raises(ValueError, match="another family"):
+        quantize_params(params, QWEN3_MOE)
+
+
+def test_the_package_level_functions_follow_the_family(written):
+    """models.load_hf_checkpoint / random_params pick the family from the checkpoint / config."""
+    import models
+    from models.quantize import is_quantized
+
+    path, _ = written("qwen3_moe", "ct_channel")
+    config, params = models.load_hf_checkpoint(path, make_mesh(1))
+    assert isinstance(config, Qwen3MoeConfig) and is_quantized(params)
+    assert is_quantized(models.random_params(config, make_mesh(1), quantize="fp8"))

@@ -141,3 +141,11 @@ def test_qwen3_moe_experts_with_fp8_stacks_equal_dequantized():
                                  dequantize_stack(down, jnp.float32), impl="matvec")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
                                atol=1e-5 * np.abs(np.asarray(want)).max())
+
+
+def test_a_contracted_size_the_gemv_cannot_read_is_named():
+    """K = 8 on a rank (e.g. experts 32 wide at TP 4): the error names the projection and what
+    to change, at trace time."""
+    w = quantize_fp8(jnp.asarray(rand((8, 16), 3)), 1)
+    with pytest.raises(ValueError, match=r"'btf,fh->bth'.*8 contracted columns.*multiple of 16"):
+        project("btf,fh->bth", jnp.asarray(rand((1, 1, 8), 4)), w)
