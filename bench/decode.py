@@ -927,7 +927,8 @@ def write_outputs(args, s, env, records, platform, final: bool):
     gpu, host, order = platform == "gpu", env["host"], label_order(s)
     d = out_dir(args, platform)
     records = with_baseline(records, s)
-    json_path = common.write_json(common.results_path(d, "decode", host, ".json"), records)
+    stem = "decode-fp8" if args.weights == "fp8" else "decode"  # an FP8 run beside a bf16 one
+    json_path = common.write_json(common.results_path(d, stem, host, ".json"), records)
     notes = ([] if gpu else [CPU_NOTE]) + [describe_run(s) + ".", METHOD_NOTE]
     notes += [floor_note(s)] if gpu else []
     if args.breakdown and not s["breakdown"]:
@@ -948,7 +949,7 @@ def write_outputs(args, s, env, records, platform, final: bool):
                          protocol_rows(records, order))
     sections += _section("Every record" if gpu else "Every record (XLA:CPU timings: not a "
                          "performance result)", table_rows(records, order, gpu))
-    md_path = common.write_markdown(common.results_path(d, "decode", host, ".md"),
+    md_path = common.write_markdown(common.results_path(d, stem, host, ".md"),
                                     f"Decode TPOT on {host}", env, sections, notes)
     return json_path, md_path
 

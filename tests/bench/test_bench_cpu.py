@@ -574,7 +574,7 @@ def test_decode_tp2_rank_shapes_run_one_rank_of_tp2_on_one_device(tmp_path):
         bd.settings(bd.parse_args(["--quick", "--shapes", "tp2_rank", "--tp", "2"]), "cpu", 8)
     assert bd.main(["--quick", "--shapes", "tp2_rank", "--no-sweep", "--loops", "pipelined",
                     "--no-trace", "--weights", "fp8", "--out", str(tmp_path)]) == 0
-    records = json.loads(next(tmp_path.glob("decode-*.json")).read_text())
+    records = json.loads(next(tmp_path.glob("decode-fp8-*.json")).read_text())
     assert records and {(r["shapes"], r["tp"], r["allreduce"], r["weights"]) for r in records} == {
         ("tp2_rank", 1, "psum", "fp8")}
     import jax
