@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from . import checkpoint, random_weights, sharding
-from .quant import Fp8Weight
+from .quant import Fp8Weight, is_fp8
 
 
 class ModelConfig(Protocol):
@@ -154,8 +154,7 @@ class _Sizes:
                 return self.projections[sharding.leaf_name(path)].einsum_shape(a)
             return tuple(a.shape)
 
-        return jax.tree_util.tree_map_with_path(shape, params,
-                                                is_leaf=lambda a: isinstance(a, Fp8Weight))
+        return jax.tree_util.tree_map_with_path(shape, params, is_leaf=is_fp8)
 
     def local_bytes(self, params: dict, tp: int, axis_name: str = "tp") -> dict:
         """Per parameter (arrays or ShapeDtypeStructs, global shapes; an Fp8Weight: its e4m3
@@ -166,9 +165,8 @@ class _Sizes:
             return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
                        // (tp if axis_name in tuple(s) else 1) for x, s in parts)
 
-        fp8 = lambda a: isinstance(a, Fp8Weight)  # noqa: E731
         return jax.tree_util.tree_map_with_path(one, params, self.param_specs(params, axis_name, tp),
-                                                is_leaf=fp8)
+                                                is_leaf=is_fp8)
 
     def step_weight_bytes(self, layout: Layout, params: Any = None) -> int:
         """Parameter bytes one rank reads in a batch-1 decode step (a step's memory floor, beside

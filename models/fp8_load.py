@@ -23,10 +23,9 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Optional
+from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from . import checkpoint, fp8_placement
@@ -34,7 +33,7 @@ from .fp8_checkpoint import (DTYPES, E4M3_MAX, Fp8CheckpointError, Fp8Scheme,
                              parse_quantization_config, quantization_config, read_checkpoint_dir,
                              read_fp8_weight, read_safetensors, scheme_from_spec,
                              write_fp8_weight)
-from .quant import Fp8Weight
+from .quant import Fp8Weight, is_fp8, is_quantized
 from .sharding import leaf_name
 from .weights import hf_name
 
@@ -306,8 +305,7 @@ def _einsum_views(params: dict, family):
         return (np.transpose(np.asarray(jax.device_get(w.q)), inv),
                 np.transpose(expand_scale(w), inv))
 
-    both = jax.tree_util.tree_map_with_path(views, params,
-                                            is_leaf=lambda x: isinstance(x, Fp8Weight))
+    both = jax.tree_util.tree_map_with_path(views, params, is_leaf=is_fp8)
     is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
     return (jax.tree.map(lambda t: t[0], both, is_leaf=is_pair),
             jax.tree.map(lambda t: t[1], both, is_leaf=is_pair))
@@ -317,7 +315,7 @@ def fp8_to_hf(family, params: dict, config) -> tuple[dict, Optional[dict]]:
     """(HF tensors, quantization_config or None): Fp8Weight leaves written in the layout the
     config records (config.quantization; compressed-tensors per channel when None), each
     checked to be exactly representable so; the rest as the family writes it."""
-    if not has_fp8(params):
+    if not is_quantized(params):
         return family.to_hf_tensors(params, config), None
     scheme = scheme_from_spec(getattr(config, "quantization", None) or "compressed-tensors:channel")
     qs, es = _einsum_views(params, family)
@@ -335,7 +333,3 @@ def fp8_to_hf(family, params: dict, config) -> tuple[dict, Optional[dict]]:
         ignore.append("re:.*mlp.gate$")  # the routers, as compressed-tensors checkpoints say
     return out, quantization_config(dataclasses.replace(scheme, ignore=tuple(ignore)))
 
-
-def has_fp8(params: Any) -> bool:
-    return any(isinstance(x, Fp8Weight)
-               for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Fp8Weight)))

@@ -94,6 +94,16 @@ class Projection:
         return tuple(shape)
 
 
+def is_fp8(x) -> bool:
+    """Whether a pytree node is an Fp8Weight (the `is_leaf` of trees that hold them)."""
+    return isinstance(x, Fp8Weight)
+
+
+def is_quantized(params) -> bool:
+    """Whether any leaf of a parameter tree is an Fp8Weight."""
+    return any(is_fp8(x) for x in jax.tree.leaves(params, is_leaf=is_fp8))
+
+
 def quantize_fp8(w: jax.Array | np.ndarray, n_in: int) -> Fp8Weight:
     """Per output channel: w in the einsum layout [*in, *out] (n_in leading contracted dims)
     -> Fp8Weight, scale = max |w| over the channel / 448 (1 where the channel is all zeros).

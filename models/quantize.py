@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from . import sharding
-from .quant import Fp8Weight, Projection, dequantize, quantize_fp8
+from .quant import Fp8Weight, Projection, dequantize, is_fp8, quantize_fp8
+from .quant import is_quantized  # noqa: F401 - part of this module's API (docs/reference.md)
 
 QUANTIZE = ("fp8",)  # the --quantize / quantize= choices (None: the model's dtype)
 
@@ -34,12 +35,6 @@ def _family(family_or_config):
 
     return family_or_config if isinstance(family_or_config, ModelFamily) else family_of(
         family_or_config)
-
-
-def is_quantized(params) -> bool:
-    """Whether any leaf of a parameter tree is an Fp8Weight."""
-    return any(isinstance(x, Fp8Weight) for x in
-               jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Fp8Weight)))
 
 
 def quantize_weight(w, proj: Projection) -> Fp8Weight:
@@ -76,7 +71,6 @@ def _where_they_lie(fn, ws: list, out_specs):
 def _map_projections(params: dict, family, pick, fn, out_specs) -> dict:
     """params with fn(leaves, names) in place of the leaves `pick(name, leaf)` selects, all in
     one jit where they lie (_where_they_lie)."""
-    is_fp8 = lambda x: isinstance(x, Fp8Weight)  # noqa: E731
     flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_fp8)
     names = [sharding.leaf_name(path) for path, _ in flat]
     todo = [i for i, (_, w) in enumerate(flat) if pick(names[i], w)]
@@ -99,11 +93,12 @@ def quantize_params(params: dict, family_or_config, *, lm_head: bool = True,
     proj = family.projections
 
     def pick(name, w):
-        if (name in proj and not isinstance(w, Fp8Weight)
-                and w.ndim <= proj[name].lead + proj[name].n_in):
+        if name not in proj or is_fp8(w):
+            return False
+        if w.ndim <= proj[name].lead + proj[name].n_in:
             raise ValueError(f"quantize_params: {name!r} has shape {tuple(w.shape)}, not a "
                              f"{family.name} projection's: are these params of another family?")
-        return name in proj and not isinstance(w, Fp8Weight) and (lm_head or name != "lm_head")
+        return lm_head or name != "lm_head"
 
     def specs(res, names, mesh):
         return [sharding.fp8_spec(w, family.tp_dims.get(n), proj[n], axis_name,
@@ -113,7 +108,6 @@ def quantize_params(params: dict, family_or_config, *, lm_head: bool = True,
                            lambda ws, names: [quantize_weight(w, proj[n]) for w, n in
                                               zip(ws, names)], specs)
     if donate:
-        is_fp8 = lambda x: isinstance(x, Fp8Weight)  # noqa: E731
         for a, b in zip(jax.tree.leaves(params, is_leaf=is_fp8),
                         jax.tree.leaves(out, is_leaf=is_fp8)):
             if a is not b and isinstance(a, jax.Array):
@@ -134,6 +128,6 @@ def dequantize_params(params: dict, family_or_config, dtype: Any = None,
                 for w, n in zip(res, names)]
 
     return _map_projections(
-        params, family, lambda name, w: isinstance(w, Fp8Weight),
+        params, family, lambda name, w: is_fp8(w),
         lambda ws, names: [dequantize_weight(w, family.projections[n], dt) for w, n in
                            zip(ws, names)], specs)

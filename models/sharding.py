@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .quant import Fp8Weight, is_fp8
+
 # KV cache layouts, by the einsum letters of one layer's keys (or values): b batch, s positions,
 # k kv heads, d head dim. Which one a platform reads in place: default_kv_layout.
 KV_LAYOUTS = {"bshd": "bskd", "bhsd": "bksd"}
@@ -97,12 +99,6 @@ def spec_for(name: str, ndim: int, tp_dims: Mapping[str, int], axis_name: str = 
     return P(*[axis_name if i == dim else None for i in range(ndim)])
 
 
-def _is_fp8(x) -> bool:
-    from .quant import Fp8Weight
-
-    return isinstance(x, Fp8Weight)
-
-
 def _scale_split(w, qdim: int, tp: int) -> Optional[int]:
     """The dim of w.scale split like q's dim qdim, or None: the scale stays whole on every rank
     (one block along that dim, or a block grid the shards do not line up with: local_fp8 then
@@ -128,8 +124,6 @@ def fp8_spec(w, dim: Optional[int], proj, axis_name: str, tp: int):
     is split along `dim` (None: replicated): q's spec is the einsum weight's permuted
     (proj: quant.Projection), the scale's out dims split like q's where its block grid lines up
     with the shards (_scale_split)."""
-    from .quant import Fp8Weight
-
     if dim is None or tp == 1:
         return Fp8Weight(P(), P(), w.n_in, w.block)
     qdim = proj.q_dim(w.q.ndim, dim)
@@ -145,14 +139,14 @@ def param_specs(params: dict, tp_dims: Mapping[str, int], axis_name: str = "tp",
     size, which decides whether a block grid lines up with the shards)."""
     def spec(path, leaf):
         name = leaf_name(path)
-        if _is_fp8(leaf):
+        if is_fp8(leaf):
             if not projections or name not in projections:
                 raise ValueError(f"an Fp8Weight at {jax.tree_util.keystr(path)}: {name!r} is "
                                  f"not a projection of this family (its `projections` table)")
             return fp8_spec(leaf, tp_dims.get(name), projections[name], axis_name, tp)
         return spec_for(name, len(leaf.shape), tp_dims, axis_name)
 
-    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=_is_fp8)
+    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=is_fp8)
 
 
 def param_shardings(abstract: dict, mesh: Mesh, tp_dims: Mapping[str, int],
@@ -175,10 +169,8 @@ def local_fp8(params: dict, specs: dict, axis_name: str = "tp") -> dict:
     """Inside shard_map: each Fp8Weight whose q is split but whose scale was left whole
     (fp8_spec: a grid the shards do not line up with) gets this rank's blocks of it, by the
     rank's offset; everything else is returned as it is."""
-    from .quant import Fp8Weight
-
     def one(w, spec):
-        if not _is_fp8(w):
+        if not is_fp8(w):
             return w
         split = [i for i, a in enumerate(spec.q) if a == axis_name]
         if not split or axis_name in tuple(spec.scale):
@@ -198,7 +190,7 @@ def local_fp8(params: dict, specs: dict, axis_name: str = "tp") -> dict:
                                 math.prod(w.q.shape[n_out:]), rank)
         return Fp8Weight(w.q, s, w.n_in, (w.block[0], fine))
 
-    return jax.tree.map(one, params, specs, is_leaf=_is_fp8)
+    return jax.tree.map(one, params, specs, is_leaf=is_fp8)
 
 
 # ---- the KV cache ----------------------------------------------------------------------------------
