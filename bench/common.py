@@ -257,11 +257,12 @@ def fmt_latency(rec: dict, unit: str = "") -> str:
 
 
 def progress(total: int, desc: str):
-    """A tqdm bar on stderr (tqdm comes with the bench and test extras)."""
+    """A tqdm bar on stderr (tqdm comes with the bench and test extras); none when stderr is
+    not a terminal (a log or a pipe would get every redraw)."""
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="case", dynamic_ncols=True, file=sys.stderr,
-                mininterval=0.5)
+                mininterval=0.5, disable=None)
 
 
 # ----------------------------------------------------------------- payloads --
