@@ -2,7 +2,11 @@
 // (as many blocks as stay resident, each looping over groups of rows); each weight row (K
 // contiguous bytes) is read by `lanes` threads in 16-byte loads, the next batch of loads in
 // flight while the current one is added up; `ksplit` warps of a block share a row's K and add
-// their sums through shared memory.  With pdl the launch is a programmatic dependent launch:
+// their sums through shared memory.  Two kernels: Fp8RowKernel for one x row per block (batch
+// 1, and every expert-stack call), which stages the row once per block in shared memory as
+// float, so a chunk costs 4 shared loads, its decode and 16 fmas, with no branch between the
+// chunks of a batch; Fp8MatVecKernel for 2-8 x rows sharing a weight row (and a K too large
+// to stage), which reads x through L1.  With pdl the launch is a programmatic dependent launch:
 // the block lets the next kernel launch, optionally (prefetch) asks L2 for its first rows
 // (weights never depend on the previous kernel; an L2 prefetch binds no value), then waits for
 // the previous kernel before reading x and ids.
@@ -12,6 +16,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <tuple>
+#include <type_traits>
+#include <vector>
 
 #include "allreduce/launch.h"
 #include "allreduce/plan.h"
@@ -28,7 +35,6 @@ namespace {
 using fp8mv::kChunk;
 using fp8mv::kThreads;
 using fp8mv::kWarps;
-constexpr int kUnroll = 8;  // 16-byte weight loads each thread has in flight
 
 struct Fp8Args {
   const void* x;
@@ -251,37 +257,229 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8MatVecKernel(Fp8Args a) {
   }
 }
 
-template <typename T, int MB>
-cudaError_t LaunchRows(const Fp8MatVecCall& c, const Fp8Args& a, unsigned grid_y,
-                       cudaStream_t stream) {
-  const int64_t rows = fp8mv::RowsPerBlock(c.lanes, c.ksplit);
-  cudaLaunchConfig_t config = {};
-  // As many blocks as stay resident (each loops over row groups), at most one per group.
-  static int per_sm = 0;
-  if (per_sm == 0 &&
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Fp8MatVecKernel<T, MB>, kThreads, 0) !=
-          cudaSuccess)
-    per_sm = 1;
+// Fp8RowKernel's x: chunk c's 16 floats as 4 quads, quad q at 4c + (q ^ ((c >> 1) & 3)), so
+// the 8 lanes of a quarter warp reading consecutive chunks' quad q hit 32 distinct banks.
+__device__ __forceinline__ int XQuad(int64_t c, int q) {
+  return static_cast<int>(4 * c + (q ^ ((c >> 1) & 3)));
+}
+__device__ __forceinline__ float4 LoadQuad(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 LoadQuad(const __nv_bfloat16* p) {
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
+  return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                     __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+}
+__device__ __forceinline__ float4 LoadQuad(const __half* p) {
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
+  const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
+  const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+
+// p = fma over a chunk's 16 weights in order, from 0 (fp8_matvec.h); x's quads q0..q3.
+__device__ __forceinline__ float ChunkDot(const uint4& v, const float4& q0, const float4& q1,
+                                          const float4& q2, const float4& q3) {
+  float w[kChunk];
+  DecodeE4m3(v, w);
+  const float x[kChunk] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w,
+                           q2.x, q2.y, q2.z, q2.w, q3.x, q3.y, q3.z, q3.w};
+  float p = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) p = __fmaf_rn(x[j], w[j], p);
+  return p;
+}
+
+// One x row per block: row blockIdx.y of x (E == 1: M == 1; a stack: its expert ids[row]).
+// Lane l of split s reads its chunks c0, c0 + LANES, ... of a row (nl of them) as batches of
+// U loads; two buffers alternate (the next batch is issued into one before the other is added
+// up), unrolled so that no register copy waits for a load in flight.  LANES is a template
+// parameter so that a batch's loads and x quads are immediate offsets from one address.
+template <typename T, int LANES>
+__global__ void __launch_bounds__(kThreads, 2) Fp8RowKernel(Fp8Args a) {
+  constexpr int U = 8;
+  constexpr int64_t kStride = LANES * kChunk;  // bytes between a lane's chunks of a row
+  extern __shared__ float4 xs[];  // x as float, XQuad's layout: K / 4 quads
+  __shared__ float split_sums[2][kWarps][8];  // [row group parity][warp][row of warp]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int kw = warp % a.ksplit, rg = warp / a.ksplit;
+  constexpr int rows_per_warp = 32 / LANES;
+  const int rw = lane / LANES, l = lane % LANES;
+  const int64_t rows_per_block = (kWarps / a.ksplit) * rows_per_warp;
+  const int64_t groups = (a.n + rows_per_block - 1) / rows_per_block;
+  const int64_t chunks = a.k / kChunk, per_split = (chunks + a.ksplit - 1) / a.ksplit;
+  const int64_t c_first = min(chunks, kw * per_split), c_end = min(chunks, c_first + per_split);
+  const int64_t c0 = c_first + l;
+  const int nl = c0 < c_end ? static_cast<int>((c_end - c0 + LANES - 1) / LANES) : 0;
+  // Batches per row: the same for every lane of the warp (their shuffles pair up), >= 1.
+  const int nb = max(1, static_cast<int>(((c_end - c_first + LANES - 1) / LANES + U - 1) / U));
+  const bool kblocked = a.block_k < a.k;
+  const uint32_t block_chunks = static_cast<uint32_t>(a.block_k / kChunk);
+  const int64_t m0 = blockIdx.y;
+  int64_t g = blockIdx.x;
+  AllowNextLaunch();
+  if (a.prefetch && a.e == 1 && threadIdx.x == 0 && g < groups) {
+    const int64_t row0 = g * rows_per_block, rows = min(rows_per_block, a.n - row0);
+    PrefetchL2(a.w + row0 * a.k, static_cast<uint32_t>(rows * a.k));
+  }
+  WaitForPreviousGrid();
+  int64_t e = 0;
+  if (a.e > 1) {
+    e = a.ids[m0];
+    e = e < 0 ? 0 : (e >= a.e ? a.e - 1 : e);
+  }
+  const T* xrow = static_cast<const T*>(a.x) + m0 * a.k;
+  for (int64_t i = threadIdx.x; i < chunks * 4; i += kThreads)
+    xs[XQuad(i >> 2, static_cast<int>(i & 3))] = LoadQuad(xrow + 4 * i);
+  __syncthreads();
+  // Chunk c0 + i * LANES's quad q is at xq[q ^ ((i * LANES / 2) & 3)] + 4 * LANES * i: the
+  // swizzle of a lane's chunks repeats every 2 chunks (LANES 4) or never changes (LANES >= 8).
+  const int sw = static_cast<int>((c0 >> 1) & 3);
+  const float4* xq[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) xq[q] = xs + 4 * c0 + (q ^ sw);
+
+  auto row_of = [&](int64_t grp) {  // a row past N computes, is never stored
+    const int64_t n = grp * rows_per_block + rg * rows_per_warp + rw;
+    return n < a.n ? n : a.n - 1;
+  };
+  auto load = [&](uint4 (&v)[U], int64_t grp, int b) {
+    const uint8_t* p = a.w + (e * a.n + row_of(grp)) * a.k + c0 * kChunk + b * U * kStride;
+    if ((b + 1) * U <= nl) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) v[u] = LoadWeights(p + u * kStride);
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (b * U + u < nl) v[u] = LoadWeights(p + u * kStride);
+    }
+  };
+  float acc = 0.0f;
+  // Chunks u < valid of batch b; `full` and `blocked` are compile-time, so a full batch's
+  // chunks are one branch-free block the compiler interleaves.
+  auto sum = [&](const uint4 (&v)[U], int b, const float* srow, int valid, auto full,
+                 auto blocked) {
+    const int off = b * U * 4 * LANES;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (!decltype(full)::value && u >= valid) break;
+      constexpr int kFlip[2] = {0, (LANES / 2) & 3};  // (i * LANES / 2) & 3 for even, odd i
+      const int at = off + u * 4 * LANES, f = kFlip[u & 1];
+      const float p = ChunkDot(v[u], xq[0 ^ f][at], xq[1 ^ f][at], xq[2 ^ f][at], xq[3 ^ f][at]);
+      if constexpr (decltype(blocked)::value) {
+        const uint32_t c = static_cast<uint32_t>(c0 + (b * U + u) * LANES);
+        acc = __fmaf_rn(p, __ldg(srow + c / block_chunks), acc);
+      } else {
+        acc = __fadd_rn(acc, p);
+      }
+    }
+  };
+  auto add = [&](const uint4 (&v)[U], int64_t grp, int b) {
+    using Yes = std::true_type;
+    using No = std::false_type;
+    const int valid = min(U, nl - b * U);
+    if (!kblocked) {
+      if (valid == U) sum(v, b, nullptr, U, Yes{}, No{});
+      else sum(v, b, nullptr, valid, No{}, No{});
+      return;
+    }
+    const float* srow = a.scale + (e * a.sn + row_of(grp) / a.block_n) * a.sk;
+    if (valid == U) sum(v, b, srow, U, Yes{}, Yes{});
+    else sum(v, b, srow, valid, No{}, Yes{});
+  };
+  int parity = 0;
+  auto finish_row = [&](int64_t grp) {  // lanes, then splits, then the scale; rounded once
+#pragma unroll
+    for (int off = LANES / 2; off >= 1; off /= 2)
+      acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, off));
+    if (a.ksplit > 1) {
+      if (l == 0) split_sums[parity][warp][rw] = acc;
+      __syncthreads();
+      float total = split_sums[parity][warp - kw][rw];
+      for (int sp = 1; sp < a.ksplit; ++sp)
+        total = __fadd_rn(total, split_sums[parity][warp - kw + sp][rw]);
+      acc = total;
+      parity ^= 1;
+    }
+    const int64_t n = grp * rows_per_block + rg * rows_per_warp + rw;
+    if (kw == 0 && l == 0 && n < a.n) {
+      const float out =
+          kblocked ? acc : __fmul_rn(acc, __ldg(a.scale + (e * a.sn + n / a.block_n) * a.sk));
+      static_cast<T*>(a.y)[m0 * a.n + n] = FromFloat<T>(out);
+    }
+    acc = 0.0f;
+  };
+  int b = 0;
+  // cur holds batch b of group g: issue the next batch into nxt, add cur up, end the row.
+  auto step = [&](const uint4 (&cur)[U], uint4 (&nxt)[U]) {
+    int64_t gn = g;
+    int bn = b + 1;
+    if (bn >= nb) bn = 0, gn = g + gridDim.x;
+    if (gn < groups) load(nxt, gn, bn);
+    add(cur, g, b);
+    if (bn == 0) finish_row(g);
+    g = gn, b = bn;
+    return g < groups;
+  };
+  uint4 A[U], B[U];
+  if (g >= groups) return;
+  load(A, g, 0);
+  while (step(A, B) && step(B, A)) {
+  }
+}
+
+// Fp8RowKernel's shared memory for K: x as float.  Past kRowSmemMax, Fp8MatVecKernel serves.
+constexpr int64_t kRowSmemMax = 100 * 1024;
+inline int64_t RowSmem(int64_t k) { return k * static_cast<int64_t>(sizeof(float)); }
+
+// Blocks of `kernel` one SM holds with `smem` dynamic bytes (read once per thread).
+int BlocksPerSm(const void* kernel, size_t smem) {
+  thread_local std::vector<std::tuple<const void*, size_t, int>> seen;
+  for (const auto& [k, s, n] : seen)
+    if (k == kernel && s == smem) return n;
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem) != cudaSuccess) {
+    cudaGetLastError();
+    n = 1;
+  }
+  seen.emplace_back(kernel, smem, std::max(n, 1));
+  return std::max(n, 1);
+}
+
+int SmCount() {
   static int sms_of[64] = {};  // per device ordinal, read once
-  int device = 0, sms = 0;
+  int device = 0;
   cudaGetDevice(&device);
-  if (device >= 0 && device < 64) {
-    if (sms_of[device] == 0)
-      cudaDeviceGetAttribute(&sms_of[device], cudaDevAttrMultiProcessorCount, device);
-    sms = sms_of[device];
+  if (device < 0 || device >= 64) return 1;
+  if (sms_of[device] == 0)
+    cudaDeviceGetAttribute(&sms_of[device], cudaDevAttrMultiProcessorCount, device);
+  return std::max(sms_of[device], 1);
+}
+
+// A persistent grid of `kernel`: as many blocks as stay resident per x row group (each loops
+// over row groups), at most one per group.
+template <typename Kernel>
+cudaError_t LaunchGrid(Kernel kernel, const Fp8MatVecCall& c, const Fp8Args& a, unsigned grid_y,
+                       size_t smem, cudaStream_t stream) {
+  const int64_t rows = fp8mv::RowsPerBlock(c.lanes, c.ksplit);
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  if (smem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(kRowSmemMax));
+    if (err != cudaSuccess) return err;
   }
   const int64_t groups = (c.n + rows - 1) / rows;
-  const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * std::max(sms, 1);
+  const int64_t resident = static_cast<int64_t>(BlocksPerSm(fn, smem)) * SmCount();
   const int64_t per_y = std::max<int64_t>(1, resident / grid_y);
+  cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(std::min(groups, per_y)), grid_y, 1);
   config.blockDim = dim3(kThreads, 1, 1);
+  config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
   config.numAttrs = c.pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&config, Fp8MatVecKernel<T, MB>, a);
+  return cudaLaunchKernelEx(&config, kernel, a);
 }
 
 template <typename T>
@@ -289,13 +487,25 @@ cudaError_t Launch(const Fp8MatVecCall& c, cudaStream_t stream) {
   const Fp8Args a{c.x, c.w, c.scale, c.ids, c.y, c.m, c.k, c.n, c.e, c.sn, c.sk, c.block_n,
                   c.block_k, static_cast<int>(c.lanes), static_cast<int>(c.ksplit),
                   c.prefetch ? 1 : 0};
-  if (c.e > 1) return LaunchRows<T, 1>(c, a, static_cast<unsigned>(c.m), stream);
+  // One x row per block (batch 1, or a stack's rows): x staged in shared memory.
+  const bool one_row = c.e > 1 || c.m == 1;
+  if (one_row && RowSmem(c.k) <= kRowSmemMax) {
+    const unsigned grid_y = static_cast<unsigned>(c.e > 1 ? c.m : 1);
+    const size_t smem = static_cast<size_t>(RowSmem(c.k));
+    switch (c.lanes) {
+      case 32: return LaunchGrid(Fp8RowKernel<T, 32>, c, a, grid_y, smem, stream);
+      case 16: return LaunchGrid(Fp8RowKernel<T, 16>, c, a, grid_y, smem, stream);
+      case 8: return LaunchGrid(Fp8RowKernel<T, 8>, c, a, grid_y, smem, stream);
+      default: return LaunchGrid(Fp8RowKernel<T, 4>, c, a, grid_y, smem, stream);
+    }
+  }
+  if (c.e > 1) return LaunchGrid(Fp8MatVecKernel<T, 1>, c, a, static_cast<unsigned>(c.m), 0, stream);
   // One weight: every x row a warp multiplies by each weight row it reads.
   const unsigned groups8 = static_cast<unsigned>((c.m + 7) / 8);
-  if (c.m == 1) return LaunchRows<T, 1>(c, a, 1, stream);
-  if (c.m == 2) return LaunchRows<T, 2>(c, a, 1, stream);
-  if (c.m <= 4) return LaunchRows<T, 4>(c, a, 1, stream);
-  return LaunchRows<T, 8>(c, a, groups8, stream);
+  if (c.m == 1) return LaunchGrid(Fp8MatVecKernel<T, 1>, c, a, 1, 0, stream);
+  if (c.m == 2) return LaunchGrid(Fp8MatVecKernel<T, 2>, c, a, 1, 0, stream);
+  if (c.m <= 4) return LaunchGrid(Fp8MatVecKernel<T, 4>, c, a, 1, 0, stream);
+  return LaunchGrid(Fp8MatVecKernel<T, 8>, c, a, groups8, 0, stream);
 }
 
 template <typename T>
@@ -305,6 +515,10 @@ void LoadKernels() {
   SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8MatVecKernel<T, 2>));
   SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8MatVecKernel<T, 4>));
   SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8MatVecKernel<T, 8>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RowKernel<T, 32>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RowKernel<T, 16>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RowKernel<T, 8>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RowKernel<T, 4>));
 }
 
 }  // namespace

@@ -195,3 +195,32 @@ def test_cuda_kernel_matches_cpu_handler_bits(dtype, shape, pdl):
     assert np.isfinite(got.astype(np.float32)).all()
     np.testing.assert_array_equal(got.view(np.uint8), cpu.view(np.uint8))
     check(got, x, w, scale, block, ids)
+
+
+# One x row per block (the shared-memory row kernel): every lanes value, K splits, a K whose
+# chunks do not fill the batches (ragged per lane), rows past a block's last group, a K too
+# large to stage (the L1 kernel serves it), an expert stack.
+ROW_PLANS = [((1, 1200, 100, None, "block"), (32, 2)), ((1, 1200, 100, None, "channel"), (16, 1)),
+             ((1, 1200, 100, None, "tensor"), (8, 4)), ((1, 1216, 37, None, "block"), (4, 8)),
+             ((1, 208, 9, None, "channel"), (4, 1)), ((1, 32768, 40, None, "channel"), (32, 1)),
+             ((3, 640, 72, 4, "block"), (8, 2))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ROW_PLANS, ids=lambda c: "x".join(map(str, c[0][:3])) + f"-{c[1]}")
+def test_cuda_row_kernel_matches_cpu_handler_bits_for_every_plan(dtype, case):
+    gpus = gpu_device_list()
+    if not gpus or "cuda" not in f8._ext.PLATFORMS:
+        pytest.skip("needs a CUDA GPU and the CUDA build")
+    (m, k, n, e, scaling), plan = case
+    x, w, scale, block, ids = operands(m, k, n, e, dtype, scaling, seed=k + n + plan[0])
+    f = jax.jit(lambda x, w, s, i: f8.fp8_matvec(x, w, s, i, block=block, impl="kernel",
+                                                  plan=plan))
+    on = lambda d: f(*jax.device_put((x, w, scale, ids), d))  # noqa: E731
+    poison = jax.device_put(jnp.full((4, m, n), jnp.nan, dtype), gpus[0]).block_until_ready()
+    del poison
+    got, cpu = np.asarray(on(gpus[0])), np.asarray(on(jax.devices("cpu")[0]))
+    assert np.isfinite(got.astype(np.float32)).all()
+    np.testing.assert_array_equal(got.view(np.uint8), cpu.view(np.uint8))
+    check(got, x, w, scale, block, ids)
