@@ -326,10 +326,6 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8RowKernel(Fp8Args a) {
     e = a.ids[m0];
     e = e < 0 ? 0 : (e >= a.e ? a.e - 1 : e);
   }
-  const T* xrow = static_cast<const T*>(a.x) + m0 * a.k;
-  for (int64_t i = threadIdx.x; i < chunks * 4; i += kThreads)
-    xs[XQuad(i >> 2, static_cast<int>(i & 3))] = LoadQuad(xrow + 4 * i);
-  __syncthreads();
   // Chunk c0 + i * LANES's quad q is at xq[q ^ ((i * LANES / 2) & 3)] + 4 * LANES * i: the
   // swizzle of a lane's chunks repeats every 2 chunks (LANES 4) or never changes (LANES >= 8).
   const int sw = static_cast<int>((c0 >> 1) & 3);
@@ -386,7 +382,8 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8RowKernel(Fp8Args a) {
     else sum(v, b, srow, valid, No{}, Yes{});
   };
   int parity = 0;
-  auto finish_row = [&](int64_t grp) {  // lanes, then splits, then the scale; rounded once
+  // lanes, then splits, then the scale (loaded before the row's last batch was added up)
+  auto finish_row = [&](int64_t grp, float row_scale) {
 #pragma unroll
     for (int off = LANES / 2; off >= 1; off /= 2)
       acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, off));
@@ -401,8 +398,7 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8RowKernel(Fp8Args a) {
     }
     const int64_t n = grp * rows_per_block + rg * rows_per_warp + rw;
     if (kw == 0 && l == 0 && n < a.n) {
-      const float out =
-          kblocked ? acc : __fmul_rn(acc, __ldg(a.scale + (e * a.sn + n / a.block_n) * a.sk));
+      const float out = kblocked ? acc : __fmul_rn(acc, row_scale);
       static_cast<T*>(a.y)[m0 * a.n + n] = FromFloat<T>(out);
     }
     acc = 0.0f;
@@ -414,14 +410,20 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8RowKernel(Fp8Args a) {
     int bn = b + 1;
     if (bn >= nb) bn = 0, gn = g + gridDim.x;
     if (gn < groups) load(nxt, gn, bn);
+    float row_scale = 1.0f;
+    if (bn == 0 && !kblocked) row_scale = __ldg(a.scale + (e * a.sn + row_of(g) / a.block_n) * a.sk);
     add(cur, g, b);
-    if (bn == 0) finish_row(g);
+    if (bn == 0) finish_row(g, row_scale);
     g = gn, b = bn;
     return g < groups;
   };
   uint4 A[U], B[U];
   if (g >= groups) return;
-  load(A, g, 0);
+  load(A, g, 0);  // the first weights in flight while x is staged
+  const T* xrow = static_cast<const T*>(a.x) + m0 * a.k;
+  for (int64_t i = threadIdx.x; i < chunks * 4; i += kThreads)
+    xs[XQuad(i >> 2, static_cast<int>(i & 3))] = LoadQuad(xrow + 4 * i);
+  __syncthreads();
   while (step(A, B) && step(B, A)) {
   }
 }
