@@ -428,9 +428,29 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8RowKernel(Fp8Args a) {
   }
 }
 
-// Fp8RowKernel's shared memory for K: x as float.  Past kRowSmemMax, Fp8MatVecKernel serves.
-constexpr int64_t kRowSmemMax = 100 * 1024;
+// Fp8RowKernel's shared memory for K: x as float.  Past RowSmemLimit, Fp8MatVecKernel serves.
+constexpr int64_t kRowSmemMax = 100 * 1024;  // 2 blocks per SM on Hopper and Blackwell
 inline int64_t RowSmem(int64_t k) { return k * static_cast<int64_t>(sizeof(float)); }
+
+// kRowSmemMax, or less on a GPU whose blocks opt in to less (e.g. 99 KiB on sm_86 / sm_120),
+// less the kernel's own 1 KiB.  Read once per device ordinal.
+int64_t RowSmemLimit() {
+  static int optin_of[64] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) {
+    cudaGetLastError();
+    return 0;
+  }
+  if (optin_of[device] == 0) {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+      cudaGetLastError();
+      v = -1;
+    }
+    optin_of[device] = v;
+  }
+  return std::min<int64_t>(kRowSmemMax, static_cast<int64_t>(optin_of[device]) - 1024);
+}
 
 // Blocks of `kernel` one SM holds with `smem` dynamic bytes (read once per thread).
 int BlocksPerSm(const void* kernel, size_t smem) {
@@ -465,7 +485,7 @@ cudaError_t LaunchGrid(Kernel kernel, const Fp8MatVecCall& c, const Fp8Args& a, 
   const void* fn = reinterpret_cast<const void*>(kernel);
   if (smem > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(kRowSmemMax));
+                                                 static_cast<int>(RowSmemLimit()));
     if (err != cudaSuccess) return err;
   }
   const int64_t groups = (c.n + rows - 1) / rows;
@@ -491,7 +511,7 @@ cudaError_t Launch(const Fp8MatVecCall& c, cudaStream_t stream) {
                   c.prefetch ? 1 : 0};
   // One x row per block (batch 1, or a stack's rows): x staged in shared memory.
   const bool one_row = c.e > 1 || c.m == 1;
-  if (one_row && RowSmem(c.k) <= kRowSmemMax) {
+  if (one_row && RowSmem(c.k) <= RowSmemLimit()) {
     const unsigned grid_y = static_cast<unsigned>(c.e > 1 ? c.m : 1);
     const size_t smem = static_cast<size_t>(RowSmem(c.k));
     switch (c.lanes) {
