@@ -363,7 +363,9 @@ __device__ __forceinline__ bool ClearTaggedAtWrap(const Ws& w, CallState& s) {
 // One LL line: publishes `mine` (this rank's 8 payload bytes of the line) and
 // returns in `sum` the rank-order sum of every rank's, rounded once.  False:
 // this thread timed out (s.failed_peer) or saw the communicator fail.
-template <typename T, int NR, bool PUSH>
+// WAVE_IN_LOOP: where the first polling wave sits, a measured choice per kernel
+// (below).
+template <typename T, int NR, bool PUSH, bool WAVE_IN_LOOP = (NR <= 4)>
 __device__ __forceinline__ bool PullLine(const Ws& w, CallState& s, size_t line, uint2 mine,
                                          uint2& sum) {
   const KernelArgs& a = w.a;
@@ -389,12 +391,13 @@ __device__ __forceinline__ bool PullLine(const Ws& w, CallState& s, size_t line,
     for (int p = 0; p < NR; ++p)
       if ((missing >> (2 * p)) & 3u) LoadLL(src(p), v[p][0], v[p][1]);
   };
-  // Where the first wave sits is a measured choice (docs/performance.md, issue 38's A/B): for
-  // NR <= 4 it is issued at the top of the loop, since written before the loop ptxas hoisted its
+  // Where the first wave sits is a measured choice (docs/performance.md, issue 38's A/B): at
+  // the top of the loop by default for NR <= 4, since written before the loop ptxas hoisted its
   // address arithmetic above the publish store and left the loads one instruction behind it
-  // (sifar 8 KB N=2/4 5-10% slower, presumably more stale first reads); for NR = 8 before the
-  // loop, where the top-of-loop wave measured 12-17% slower.
-  constexpr bool kWaveInLoop = NR <= 4;
+  // (sifar 8 KB N=2/4 5-10% slower, presumably more stale first reads); before the loop for the
+  // all-reduce's NR = 8, where the top-of-loop wave measured 12-17% slower.  The fused kernel
+  // takes the top of the loop at every NR (N=8 2-4% faster there than before the loop).
+  constexpr bool kWaveInLoop = WAVE_IN_LOOP;
   if constexpr (!kWaveInLoop) wave();
   for (uint32_t spins = 0; missing; ++spins) {
     if constexpr (kWaveInLoop) {

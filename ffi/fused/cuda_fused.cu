@@ -225,7 +225,7 @@ __device__ __forceinline__ bool FusedBlock(const FusedArgs& f) {
           base < kRoundLines ? first : mine ? LoadFusedLine<E>(f, line) : FusedLine<E>{};
       uint2 sum = in.x;
       if (mine && ok && !dropped) {
-        const bool pulled = PullLine<T, NR, false>(w, s, line, in.x, sum);
+        const bool pulled = PullLine<T, NR, false, true>(w, s, line, in.x, sum);
         if (!pulled && s.failed_peer >= 0) RecordFailure(w, kSifar, s);
         ok = pulled;
       }
