@@ -5,7 +5,8 @@ On every machine: the CPU handler (impl="kernel") against a float64 reference on
 per-tensor / per-channel / 128x128-block scales, every (lanes, ksplit), dense rows 1..9 and
 expert stacks with ids; a tensor-parallel shard whose rows or columns start inside a scale
 block (320 over 2 ranks); under shard_map; the user errors at trace time. With a CUDA GPU: the
-kernel's bits equal the CPU handler's on the decoders' real shapes, outputs poisoned first.
+kernels' bits equal the CPU handler's on the decoders' real shapes and on every plan of the row
+kernel (one x row per block), outputs poisoned first.
 """
 
 from __future__ import annotations
