@@ -169,6 +169,22 @@ def test_default_plan_fills_the_gpu():
         assert blocks >= f8.TARGET_BLOCKS or ksplit == 8 or chunks < 4 * lanes * ksplit
 
 
+def assert_gpu_bits_equal_cpu(gpu, ops, dtype, **kw):
+    """The kernel on `gpu` (its output's memory poisoned with NaNs first) against the CPU
+    handler, bit for bit, and both within the float64 reference's bound."""
+    x, w, scale, block, ids = ops
+    f = jax.jit(lambda x, w, s, i: f8.fp8_matvec(x, w, s, i, block=block, impl="kernel", **kw))
+    on = lambda d: f(*jax.device_put((x, w, scale, ids), d))  # noqa: E731
+    # NaNs left in the allocator's free memory, where the output will be: all of it is written.
+    poison = jax.device_put(jnp.full((4, x.shape[0], w.shape[-2]), jnp.nan, dtype), gpu)
+    poison.block_until_ready()
+    del poison
+    got, cpu = np.asarray(on(gpu)), np.asarray(on(jax.devices("cpu")[0]))
+    assert np.isfinite(got.astype(np.float32)).all()
+    np.testing.assert_array_equal(got.view(np.uint8), cpu.view(np.uint8))
+    check(got, x, w, scale, block, ids)
+
+
 # The decoders' shapes: Llama-8B TP=1 and TP=2 per-rank, Qwen3-30B-A3B experts (top-8).
 GPU_SHAPES = [(1, 4096, 6144, None, "channel"), (1, 14336, 4096, None, "block"),
               (1, 7168, 4096, None, "tensor"), (2, 4096, 3072, None, "block"),
@@ -185,17 +201,8 @@ def test_cuda_kernel_matches_cpu_handler_bits(dtype, shape, pdl):
     if not gpus or "cuda" not in f8._ext.PLATFORMS:
         pytest.skip("needs a CUDA GPU and the CUDA build")
     m, k, n, e, scaling = shape
-    x, w, scale, block, ids = operands(m, k, n, e, dtype, scaling, seed=k + n)
-    f = jax.jit(lambda x, w, s, i: f8.fp8_matvec(x, w, s, i, block=block, impl="kernel", pdl=pdl,
-                                                  prefetch=pdl))
-    on = lambda d: f(*jax.device_put((x, w, scale, ids), d))  # noqa: E731
-    # NaNs left in the allocator's free memory, where the output will be: all of it is written.
-    poison = jax.device_put(jnp.full((4, m, n), jnp.nan, dtype), gpus[0]).block_until_ready()
-    del poison
-    got, cpu = np.asarray(on(gpus[0])), np.asarray(on(jax.devices("cpu")[0]))
-    assert np.isfinite(got.astype(np.float32)).all()
-    np.testing.assert_array_equal(got.view(np.uint8), cpu.view(np.uint8))
-    check(got, x, w, scale, block, ids)
+    ops = operands(m, k, n, e, dtype, scaling, seed=k + n)
+    assert_gpu_bits_equal_cpu(gpus[0], ops, dtype, pdl=pdl, prefetch=pdl)
 
 
 # One x row per block (the shared-memory row kernel): every lanes value, K splits, a K whose
@@ -215,13 +222,5 @@ def test_cuda_row_kernel_matches_cpu_handler_bits_for_every_plan(dtype, case):
     if not gpus or "cuda" not in f8._ext.PLATFORMS:
         pytest.skip("needs a CUDA GPU and the CUDA build")
     (m, k, n, e, scaling), plan = case
-    x, w, scale, block, ids = operands(m, k, n, e, dtype, scaling, seed=k + n + plan[0])
-    f = jax.jit(lambda x, w, s, i: f8.fp8_matvec(x, w, s, i, block=block, impl="kernel",
-                                                  plan=plan))
-    on = lambda d: f(*jax.device_put((x, w, scale, ids), d))  # noqa: E731
-    poison = jax.device_put(jnp.full((4, m, n), jnp.nan, dtype), gpus[0]).block_until_ready()
-    del poison
-    got, cpu = np.asarray(on(gpus[0])), np.asarray(on(jax.devices("cpu")[0]))
-    assert np.isfinite(got.astype(np.float32)).all()
-    np.testing.assert_array_equal(got.view(np.uint8), cpu.view(np.uint8))
-    check(got, x, w, scale, block, ids)
+    ops = operands(m, k, n, e, dtype, scaling, seed=k + n + plan[0])
+    assert_gpu_bits_equal_cpu(gpus[0], ops, dtype, plan=plan)
