@@ -16,8 +16,9 @@
 #             algorithm and N, before and after alternating AB_ROUNDS times; an A/B table last
 # Multicast is never run: only portable algorithms are named, and its switches are forced off.
 #   OUT=/tmp/out bash tools/validate_ffi.sh [steps...]
-# One 10-minute device call holds about "build tests sanitize"; a second "stress ab" (build
-# again first if the machine went cold: .validate/ keeps the builds while it stays warm).
+# One 10-minute device call holds "build tests sanitize ab"; 10M stress calls take a call of
+# their own and more ("BUILD_BEFORE=0 ... build stress" with STRESS_S near 480 reaches about
+# 9M: the counts of calls on the same commit add up). Each call builds again (a cold machine).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
