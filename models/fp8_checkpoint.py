@@ -26,6 +26,16 @@ import ml_dtypes
 import numpy as np
 
 E4M3_MAX = 448.0
+# 1 / 448 in float32. A channel's scale is max |w| times it, written as a product so numpy and
+# XLA give the same bits (XLA turns a division by a constant into this multiplication).
+INV_E4M3_MAX = np.float32(1.0 / E4M3_MAX)
+
+
+def channel_scale(amax, xp=np):
+    """max |w| of each output channel -> its float32 scale (1 for an all-zero channel); xp is
+    numpy or jax.numpy, with the same bits from either."""
+    a = xp.asarray(amax, np.float32)
+    return xp.where(a > 0, a * INV_E4M3_MAX, np.float32(1.0)).astype(np.float32)
 DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
           "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16),
           "F32": np.dtype(np.float32), "I32": np.dtype(np.int32), "I64": np.dtype(np.int64)}
@@ -221,11 +231,10 @@ def write_fp8_weight(out: dict, module: str, q, scale, scheme: Fp8Scheme) -> Non
 
 
 def quantize_per_channel(w) -> tuple[np.ndarray, np.ndarray]:
-    """A bf16/f32 [N, K] weight -> (q e4m3 [N, K], scale float32 [N, 1]): max |w| / 448 per
-    output channel (1 for an all-zero channel)."""
+    """A bf16/f32 [N, K] weight -> (q e4m3 [N, K], scale float32 [N, 1]): channel_scale of
+    max |w| per output channel."""
     wf = np.asarray(w, np.float32)
-    amax = np.abs(wf).max(axis=1, keepdims=True)
-    scale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
+    scale = channel_scale(np.abs(wf).max(axis=1, keepdims=True))
     q = np.clip(wf / scale, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
     return q, scale
 

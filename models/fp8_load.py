@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from . import checkpoint, fp8_placement
-from .fp8_checkpoint import (DTYPES, E4M3_MAX, Fp8CheckpointError, Fp8Scheme,
+from .fp8_checkpoint import (DTYPES, E4M3_MAX, Fp8CheckpointError, Fp8Scheme, channel_scale,
                              parse_quantization_config, quantization_config, read_checkpoint_dir,
                              read_fp8_weight, read_safetensors, scheme_from_spec,
                              write_fp8_weight)
@@ -69,7 +69,7 @@ class MemmapCheckpoint:
 
 class QuantizingCheckpoint:
     """A bf16 checkpoint read as a compressed-tensors per-channel FP8 one: each of `modules`'
-    weight slices quantized as it is read, with the scale max |row| / 448 of the whole row (one
+    weight slices quantized as it is read, with the scale channel_scale(max |row|) of the whole row (one
     pass over the rows in chunks), so the bits are fp8_checkpoint.quantize_per_channel's of the
     whole tensor whatever the TP split."""
 
@@ -89,7 +89,7 @@ class QuantizingCheckpoint:
                                       np.float32)).max(axis=1, keepdims=True)
                     for lo in range(0, n, self.ROWS)]
             a = np.concatenate(amax)
-            self._scales[module] = np.where(a > 0, a / E4M3_MAX, 1.0).astype(np.float32)
+            self._scales[module] = channel_scale(a)
         return self._scales[module]
 
     def read(self, name: str, dim: int = 0, lo: Optional[int] = None, hi: Optional[int] = None):

@@ -326,11 +326,12 @@ def _decoder(args, family, config):
     mesh = make_mesh(args.tp)
     t_weights = time.perf_counter()
     if args.checkpoint:
-        try:
-            config, params = family.load_hf_checkpoint(args.checkpoint, mesh, config=config)
+        try:  # a bf16 checkpoint is quantized shard by shard as it loads
+            config, params = family.load_hf_checkpoint(args.checkpoint, mesh, config=config,
+                                                       quantize=args.quantize)
         except (ValueError, OSError) as e:  # a bad checkpoint (Fp8CheckpointError among them)
             raise UserError(f"--checkpoint {args.checkpoint}: {e}") from None
-        if args.quantize:
+        if args.quantize:  # an FP8 checkpoint's dense leftovers (a bf16 LM head)
             from .quantize import quantize_params
 
             params = quantize_params(params, family, donate=True)

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .fp8_checkpoint import channel_scale
+
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448
 
@@ -106,7 +108,8 @@ def is_quantized(params) -> bool:
 
 def quantize_fp8(w: jax.Array | np.ndarray, n_in: int) -> Fp8Weight:
     """Per output channel: w in the einsum layout [*in, *out] (n_in leading contracted dims)
-    -> Fp8Weight, scale = max |w| over the channel / 448 (1 where the channel is all zeros).
+    -> Fp8Weight, scale = max |w| over the channel x float32(1/448) (fp8_checkpoint's
+    channel_scale; 1 where the channel is all zeros).
     No reshape across dims: under jit a sharded w stays sharded (a contracted dim split over
     devices takes one max over them, never a gather)."""
     xp = np if isinstance(w, np.ndarray) else jnp
@@ -114,7 +117,7 @@ def quantize_fp8(w: jax.Array | np.ndarray, n_in: int) -> Fp8Weight:
     wt = xp.transpose(xp.asarray(w, np.float32), perm)  # [*out, *in]
     n_out = w.ndim - n_in
     amax = xp.max(xp.abs(wt), axis=tuple(range(n_out, w.ndim)), keepdims=True)
-    scale = xp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
+    scale = channel_scale(amax, xp)  # the same bits as the loader's quantize="fp8"
     q = xp.clip(wt / scale, -E4M3_MAX, E4M3_MAX).astype(E4M3)
     return Fp8Weight(q, scale.reshape(wt.shape[:n_out] + (1,)), n_in,
                      (1, math.prod(wt.shape[n_out:])))

@@ -146,6 +146,14 @@ def _check(x, w, scale, ids, block):
         raise ValueError(f"{name}: M={x.shape[0]} rows (at most {MAX_ROWS})")
 
 
+def _check_plan(plan) -> None:
+    ok = (isinstance(plan, (tuple, list)) and len(plan) == 2
+          and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in plan))
+    if not ok or plan[0] not in LANES or plan[1] not in KSPLITS:
+        raise ValueError(f"sifar_jax.fp8_matvec: plan={plan!r}: a pair (lanes, ksplit) of ints, "
+                         f"lanes in {LANES}, ksplit in {KSPLITS}")
+
+
 def fp8_matvec(x: jax.Array, w: jax.Array, scale: jax.Array, ids: jax.Array | None = None, *,
                block: tuple[int, int] | None = None, impl: str = "auto",
                plan: tuple[int, int] | None = None, pdl: bool = True,
@@ -172,13 +180,13 @@ def fp8_matvec(x: jax.Array, w: jax.Array, scale: jax.Array, ids: jax.Array | No
     w3 = w.reshape((-1, n, k))
     grid = (math.ceil(n / block[0]), math.ceil(k / block[1]))
     s3 = scale.astype(jnp.float32).reshape((w3.shape[0],) + grid)
+    if plan is not None:  # checked on every impl: a plan XLA's path ignores is still wrong
+        _check_plan(plan)
     if impl == "xla":
         return _reference(x, w3, s3, ids, block)
     if plan is None:
         plan = fp8_matvec_plan(x.shape[0], k, n, ids is not None and w3.shape[0] > 1)
     lanes, ksplit = plan
-    if lanes not in LANES or ksplit not in KSPLITS:
-        raise ValueError(f"sifar_jax.fp8_matvec: plan={plan}: lanes in {LANES}, ksplit in {KSPLITS}")
     idx = jnp.zeros(x.shape[:1], jnp.int32) if ids is None else ids.astype(jnp.int32)
     run = lambda: _kernel(x, w3, s3, idx, block, lanes, ksplit, pdl, prefetch)  # noqa: E731
     if impl == "kernel":

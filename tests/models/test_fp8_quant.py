@@ -149,3 +149,24 @@ def test_a_contracted_size_the_gemv_cannot_read_is_named():
     w = quantize_fp8(jnp.asarray(rand((8, 16), 3)), 1)
     with pytest.raises(ValueError, match=r"'btf,fh->bth'.*8 contracted columns.*multiple of 16"):
         project("btf,fh->bth", jnp.asarray(rand((1, 1, 8), 4)), w)
+
+
+def test_a_channels_scale_has_the_same_bits_from_numpy_jax_jit_and_the_loader():
+    """max |w| x float32(1/448): XLA turns a division by 448 into that product, so writing it as
+    one keeps quantize_params (jax) and load_hf_checkpoint(quantize="fp8") (numpy) bit-equal."""
+    from models.fp8_checkpoint import quantize_per_channel
+
+    w = rand((96, 200), 7) * np.float32(3.7)
+    via_np, via_jnp = quantize_fp8(w, 1), quantize_fp8(jnp.asarray(w), 1)
+    via_jit = jax.jit(lambda v: quantize_fp8(v, 1))(jnp.asarray(w))
+    q_ck, s_ck = quantize_per_channel(w.T)  # [N, K] as the checkpoint holds it
+    for got in (via_jnp, via_jit):
+        np.testing.assert_array_equal(np.asarray(got.scale).view(np.uint32),
+                                      np.asarray(via_np.scale).view(np.uint32))
+        np.testing.assert_array_equal(np.asarray(got.q).view(np.uint8),
+                                      np.asarray(via_np.q).view(np.uint8))
+    np.testing.assert_array_equal(s_ck.view(np.uint32), np.asarray(via_np.scale).view(np.uint32))
+    np.testing.assert_array_equal(q_ck.view(np.uint8), np.asarray(via_np.q).view(np.uint8))
+    # the scale is max |w| / 448 to within one float32 rounding
+    amax = np.abs(w).max(axis=0)
+    np.testing.assert_allclose(np.asarray(via_np.scale).ravel(), amax / 448, rtol=2 ** -23)

@@ -309,6 +309,34 @@ def text_checkpoint(tmp_path_factory):
     return path
 
 
+def test_checkpoint_with_quantize_fp8_is_the_loaders_quantize_at_load(capsys, monkeypatch,
+                                                                       text_checkpoint):
+    """--checkpoint with --quantize fp8 quantizes shard by shard as it loads
+    (load_hf_checkpoint(quantize="fp8"), never the whole bf16 model first), with the tokens of
+    that route through the API."""
+    from models import LLAMA, fp8_load
+    from models.decode import Decoder
+
+    asked = []
+    real = fp8_load.load_fp8
+    monkeypatch.setattr(fp8_load, "load_fp8", lambda *a: asked.append(a[-1]) or real(*a))
+
+    argv = ["--checkpoint", str(text_checkpoint), "--tp", "2", "--allreduce", "psum",
+            "--tokens", "8", "--prompt-ids", "5", "6", "7", "--no-warmup", "--show-ids",
+            "--ignore-eos"]
+    assert generate.main(argv + ["--quantize", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "weights=fp8" in out.splitlines()[0], out
+    assert asked == ["fp8"]
+    cli = [ln for ln in out.splitlines() if ln.startswith("tokens:")][0].split()[1:]
+    config, params = LLAMA.load_hf_checkpoint(str(text_checkpoint), make_mesh(2),
+                                              quantize="fp8")
+    assert config.quantization == "compressed-tensors:channel"
+    api = [int(t) for t in Decoder(config, make_mesh(2), params).generate(
+        np.array([[5, 6, 7]]), 8)[0]]
+    assert [int(t) for t in cli] == api, (cli, api)
+
+
 def test_text_stream_never_cuts_a_character(text_checkpoint):
     """Tokens pushed one at a time: the pieces joined are the whole text, none holds a partial
     character, and an emoji split over several tokens arrives in one piece."""

@@ -157,6 +157,10 @@ def test_user_errors_at_trace_time():
         f8.fp8_matvec(x, w, jnp.ones((1, 8)), block=(32, 8))
     with pytest.raises(ValueError, match="plan"):
         f8.fp8_matvec(x, w, scale, block=block, impl="kernel", plan=(64, 1))
+    for impl in f8.IMPLS:  # a malformed plan is named on every impl, XLA's (which ignores it) too
+        for plan in ((32,), "auto", (32.0, 1), (64, 1)):
+            with pytest.raises(ValueError, match=r"a pair \(lanes, ksplit\) of ints"):
+                f8.fp8_matvec(x, w, scale, block=block, impl=impl, plan=plan)
 
 
 def test_default_plan_fills_the_gpu():
