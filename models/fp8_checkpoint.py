@@ -36,6 +36,8 @@ def channel_scale(amax, xp=np):
     numpy or jax.numpy, with the same bits from either."""
     a = xp.asarray(amax, np.float32)
     return xp.where(a > 0, a * INV_E4M3_MAX, np.float32(1.0)).astype(np.float32)
+
+
 DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
           "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16),
           "F32": np.dtype(np.float32), "I32": np.dtype(np.int32), "I64": np.dtype(np.int64)}

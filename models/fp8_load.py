@@ -69,8 +69,8 @@ class MemmapCheckpoint:
 
 class QuantizingCheckpoint:
     """A bf16 checkpoint read as a compressed-tensors per-channel FP8 one: each of `modules`'
-    weight slices quantized as it is read, with the scale channel_scale(max |row|) of the whole row (one
-    pass over the rows in chunks), so the bits are fp8_checkpoint.quantize_per_channel's of the
+    weight slices quantized as it is read, with the scale channel_scale(max |row|) of the whole
+    row (one pass over the rows in chunks), so the bits are fp8_checkpoint.quantize_per_channel's of the
     whole tensor whatever the TP split."""
 
     ROWS = 2048  # rows per chunk of the scale's pass
