@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -447,7 +448,7 @@ constexpr int RingBlocksPerSm() { return NL >= 4 ? 1 : 2; }
 constexpr int64_t kRingStageBytes = 16 * 1024;
 constexpr int kRingPassChunks = 8;  // chunks a consumer adds up per stage before it reduces
 constexpr int kRingMaxRows = 64;   // rows of a stage
-constexpr long long kRingSpinLimit = 1ll << 26;  // a copy that never lands traps (seconds), never hangs
+constexpr unsigned long long kRingWaitNs = 5000000000ull;  // a copy that never lands traps after 5 s
 
 struct RingShape {
   int64_t rows_per_pass, stage_rows, stage_bytes;  // stage_bytes: a 128-byte multiple
@@ -474,14 +475,25 @@ inline size_t RingSmem(const RingShape& r) {
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
+__device__ __forceinline__ unsigned long long GlobalNs() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// Bounded by the clock, not by iterations (try_wait may suspend for a while each time).
 __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
-  for (long long n = 0;; ++n) {
+  unsigned long long t0 = 0;
+  for (unsigned n = 0;; ++n) {
     uint32_t ok;
     asm volatile(
         "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
         : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
     if (ok) return;
-    if (n > kRingSpinLimit) __trap();
+    if (n % 64 == 0) {
+      const unsigned long long t = GlobalNs();
+      if (t0 == 0) t0 = t;
+      else if (t - t0 > kRingWaitNs) __trap();
+    }
   }
 }
 __device__ __forceinline__ void ConsumersSync() {  // the 8 consumer warps, not the producer
@@ -528,6 +540,8 @@ __global__ void __launch_bounds__(kRingThreads, RingBlocksPerSm<NL>()) Fp8RingKe
     for (int j = 0; j < stages; ++j) {
       const int s = j % rs.stages;
       MbarWait(SmemAddr(&empty[s]), static_cast<uint32_t>(((j / rs.stages) & 1) ^ 1));
+      // The consumers' generic-proxy reads of the slot before the bulk copy's async-proxy write.
+      if (j >= rs.stages) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       const int64_t row = r0 + j * rs.stage_rows;
       const uint32_t bytes = static_cast<uint32_t>(min(rs.stage_rows, r1 - row) * a.k);
       const uint32_t fb = SmemAddr(&full[s]), dst = SmemAddr(smem + s * rs.stage_bytes);
@@ -546,7 +560,9 @@ __global__ void __launch_bounds__(kRingThreads, RingBlocksPerSm<NL>()) Fp8RingKe
   const int chunks = k / kChunk, per_split = (chunks + a.ksplit - 1) / a.ksplit;
   const int c_first = min(chunks, kw * per_split), c_end = min(chunks, c_first + per_split);
   const bool kblocked = a.block_k < a.k;
-  const int rpp = static_cast<int>(rs.rows_per_pass), block_n = static_cast<int>(a.block_n);
+  // block_n past N gives every row scale row 0, as min(block_n, N) does: it fits an int.
+  const int rpp = static_cast<int>(rs.rows_per_pass);
+  const int block_n = static_cast<int>(a.block_n < a.n ? a.block_n : a.n);
   WaitForPreviousGrid();
   float xf[NL][kChunk];
   int at[NL], scol[NL];  // chunk i's byte offset in a row (-1: none), its scale column
@@ -626,7 +642,7 @@ inline int64_t RowSmem(int64_t k) { return k * static_cast<int64_t>(sizeof(float
 
 // kRowSmemMax, or less on a GPU whose blocks opt in to less (e.g. 99 KiB on sm_86 / sm_120),
 // less the kernel's own 1 KiB.  Read once per device ordinal.
-int64_t RowSmemLimit() {
+int64_t SmemOptin() {  // a block's shared memory opt-in limit on this device (0: unknown)
   static int optin_of[64] = {};
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) {
@@ -641,16 +657,17 @@ int64_t RowSmemLimit() {
     }
     optin_of[device] = v;
   }
-  return std::min<int64_t>(kRowSmemMax, static_cast<int64_t>(optin_of[device]) - 1024);
+  return std::max<int64_t>(0, optin_of[device]);
 }
+int64_t RowSmemLimit() { return std::min<int64_t>(kRowSmemMax, SmemOptin() - 1024); }
 
 // Blocks of `kernel` one SM holds with `smem` dynamic bytes (read once per thread).
-int BlocksPerSm(const void* kernel, size_t smem) {
+int BlocksPerSm(const void* kernel, size_t smem, int threads = kThreads) {
   thread_local std::vector<std::tuple<const void*, size_t, int>> seen;
   for (const auto& [k, s, n] : seen)
     if (k == kernel && s == smem) return n;
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess) {
     cudaGetLastError();
     n = 1;
   }
@@ -704,16 +721,13 @@ cudaError_t LaunchRing(const Fp8MatVecCall& c, const Fp8Args& a, const RingShape
   const auto kernel = Fp8RingKernel<T, NL, W32>;
   const void* fn = reinterpret_cast<const void*>(kernel);
   const size_t smem = RingSmem(rs);
-  cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
+  // The device's limit, not this call's size: the same value from every thread and call.
+  const cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(SmemOptin()));
   if (err != cudaSuccess) return err;
-  int per_sm = 0;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kRingThreads, smem);
-  if (err != cudaSuccess) return err;
+  const int64_t resident = static_cast<int64_t>(BlocksPerSm(fn, smem, kRingThreads)) * SmCount();
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(
-                            c.n, static_cast<int64_t>(std::max(per_sm, 1)) * SmCount())),
-                        1, 1);
+  config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(c.n, resident)), 1, 1);
   config.blockDim = dim3(kRingThreads, 1, 1);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
@@ -730,9 +744,10 @@ cudaError_t Launch(const Fp8MatVecCall& c, cudaStream_t stream) {
   const Fp8Args a{c.x, c.w, c.scale, c.ids, c.y, c.m, c.k, c.n, c.e, c.sn, c.sk, c.block_n,
                   c.block_k, static_cast<int>(c.lanes), static_cast<int>(c.ksplit),
                   c.prefetch ? 1 : 0};
-  // Batch 1 against one weight, a thread's share of a row at most 4 chunks: the ring.
-  if (c.e == 1 && c.m == 1) {
-    const RingShape rs = RingShapeOf(c);
+  // Batch 1 against one weight, a thread's share of a row at most 4 chunks, its stages within
+  // the device's shared memory (else the row kernel: the plan, not the kernel, fixes the bits).
+  const RingShape rs = RingShapeOf(c);
+  if (c.e == 1 && c.m == 1 && c.n <= INT32_MAX && static_cast<int64_t>(RingSmem(rs)) <= SmemOptin()) {
     const bool w32 = c.lanes == 32;
     if (rs.nl <= 1) return w32 ? LaunchRing<T, 1, true>(c, a, rs, stream) : LaunchRing<T, 1, false>(c, a, rs, stream);
     if (rs.nl <= 2) return w32 ? LaunchRing<T, 2, true>(c, a, rs, stream) : LaunchRing<T, 2, false>(c, a, rs, stream);
