@@ -5,8 +5,7 @@ gate_up, down), chained in one jit (one call's output feeds the next; a slice wh
 has attention or the activation), at Llama-3.1-8B's TP=1 shapes and TP=2's per-rank shapes.
 Each row: time per chain, the weight bytes read per second, and the ratio to the bytes' floor
 (weight bytes / FLOOR_TBPS). Paths: sifar_jax.fp8_matvec (per-channel scales; with and without
-programmatic dependent launch and the L2 prefetch; and with the plan that keeps batch 1 off the
-ring kernel, the row kernel's), XLA's bf16 dot (1 and 2 rows), XLA's dot
+programmatic dependent launch and the L2 prefetch), XLA's bf16 dot (1 and 2 rows), XLA's dot
 on e4m3 weights converted inside it x per-channel scale (1 and 2 rows), torch._scaled_mm
 (e4m3 x e4m3, 16 rows, per-tensor scales, a CUDA graph) when torch is there.
 
@@ -82,11 +81,8 @@ def jax_rows(tp: int, rows: int) -> list[dict]:
     fp8_bytes = sum(q.size for ws in fp8 for q, _ in ws)
     x = jax.random.normal(key, (rows, max(k for _, k, _ in shapes(tp))), jnp.bfloat16)
 
-    def ours(ring=True, **kw):  # ring=False: the row kernel's plan (batch 1 off the ring)
-        def f(h, w):
-            plan = f8.fp8_matvec_plan(h.shape[0], h.shape[1], w[0].shape[0], False, ring=ring)
-            return f8.fp8_matvec(h, w[0], w[1], impl="kernel", plan=plan, **kw)
-        return f
+    def ours(**kw):
+        return lambda h, w: f8.fp8_matvec(h, w[0], w[1], impl="kernel", **kw)
 
     def widened(dot, r):  # XLA's dot on r copies of one row (docs/performance.md: 2 rows)
         def f(h, w):
@@ -101,7 +97,6 @@ def jax_rows(tp: int, rows: int) -> list[dict]:
     paths = [("sifar fp8_matvec, pdl + L2 prefetch", "fp8", ours(prefetch=True), fp8),
              ("sifar fp8_matvec, pdl", "fp8", ours(prefetch=False), fp8),
              ("sifar fp8_matvec, plain launch", "fp8", ours(pdl=False, prefetch=False), fp8),
-             ("sifar fp8_matvec, row kernel's plan, pdl", "fp8", ours(False, prefetch=False), fp8),
              ("XLA bf16 dot, 1 row", "bf16", widened(bf16_dot, 1), bf16),
              ("XLA bf16 dot, 2 rows", "bf16", widened(bf16_dot, 2), bf16),
              ("XLA e4m3 converted in the dot x scale, 1 row", "fp8", widened(fp8_dot, 1), fp8),

@@ -1,24 +1,21 @@
-// The FP8-weight product on CUDA (fp8_matvec.h): one launch, no workspace, a persistent grid
-// (as many blocks as stay resident).  `lanes` threads share a weight row (K contiguous bytes),
-// reading it in 16-byte chunks; `ksplit` warps of a block share a row's K and add their sums
-// through shared memory.  Three kernels:
-//   - Fp8RingKernel: batch 1 against one weight, a thread's share of a row at most 4 chunks.
-//     Each block's rows land in shared memory by bulk copies; x stays in registers.
-//   - Fp8RowKernel: the other one-x-row calls (every expert-stack call, batch 1 with a plan
-//     outside the ring's).  x staged once per block in shared memory as float, so a chunk
-//     costs 4 shared loads, its decode and 16 fmas, no branch between a batch's chunks.
-//   - Fp8MatVecKernel: 2-8 x rows sharing a weight row (and a K too large to stage), x read
-//     through L1.
-// With pdl the launch is a programmatic dependent launch: the block lets the next kernel
-// launch, optionally (prefetch) asks L2 for its first rows (an L2 prefetch binds no value),
-// then waits for the previous kernel before reading x, ids or (bulk copies) the weights.
+// The FP8-weight product on CUDA (fp8_matvec.h): one launch, no workspace.  A persistent grid
+// (as many blocks as stay resident, each looping over groups of rows); each weight row (K
+// contiguous bytes) is read by `lanes` threads in 16-byte loads, the next batch of loads in
+// flight while the current one is added up; `ksplit` warps of a block share a row's K and add
+// their sums through shared memory.  Two kernels: Fp8RowKernel for one x row per block (batch
+// 1, and every expert-stack call), which stages the row once per block in shared memory as
+// float, so a chunk costs 4 shared loads, its decode and 16 fmas, with no branch between the
+// chunks of a batch; Fp8MatVecKernel for 2-8 x rows sharing a weight row (and a K too large
+// to stage), which reads x through L1.  With pdl the launch is a programmatic dependent launch:
+// the block lets the next kernel launch, optionally (prefetch) asks L2 for its first rows
+// (weights never depend on the previous kernel; an L2 prefetch binds no value), then waits for
+// the previous kernel before reading x and ids.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -431,218 +428,13 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8RowKernel(Fp8Args a) {
   }
 }
 
-// Fp8RingKernel: batch 1 against one weight (E == 1, M == 1), the weights landed in shared
-// memory by bulk copies (a ring of rs.stages stages per block, one producer thread) instead
-// of each thread's own loads: the bytes in flight live in shared memory, not in registers, and
-// the memory sees few large reads.  Block b owns the contiguous rows [N b / grid, N (b+1) /
-// grid) (the checkpoint's [N, K] layout makes them one byte range), copied SR rows per stage.
-// The eight consumer warps hold x for their chunks in registers (NL chunks a thread: the plan's
-// lanes x ksplit threads share a row, 256 / (lanes x ksplit) rows at once), so a chunk costs
-// one shared load, its decode and 16 fmas.  Same chunks, lanes, splits and order as the other
-// kernels (fp8_matvec.h): the plan, not the kernel, fixes the bits.
-constexpr int kRingThreads = kThreads + 32;  // 8 consumer warps, then the producer's warp
-// Stages per block: 4 at two blocks per SM, 8 where x's registers leave room for one (NL 4).
-constexpr int kRingMaxStages = 8;
-template <int NL>
-constexpr int RingBlocksPerSm() { return NL >= 4 ? 1 : 2; }
-constexpr int64_t kRingStageBytes = 16 * 1024;
-constexpr int kRingPassChunks = 8;  // chunks a consumer adds up per stage before it reduces
-constexpr int kRingMaxRows = 64;   // rows of a stage
-constexpr unsigned long long kRingWaitNs = 5000000000ull;  // a copy that never lands traps after 5 s
-
-struct RingShape {
-  int64_t rows_per_pass, stage_rows, stage_bytes;  // stage_bytes: a 128-byte multiple
-  int nl;                                          // chunks of a row per consumer thread
-  int stages;
-};
-inline RingShape RingShapeOf(const Fp8MatVecCall& c) {
-  RingShape r;
-  r.rows_per_pass = fp8mv::RowsPerBlock(c.lanes, c.ksplit);
-  const int64_t chunks = c.k / kChunk, per_split = (chunks + c.ksplit - 1) / c.ksplit;
-  r.nl = static_cast<int>((per_split + c.lanes - 1) / c.lanes);
-  const int nl = r.nl <= 1 ? 1 : r.nl <= 2 ? 2 : 4;  // the kernel's NL
-  r.stage_rows = std::min<int64_t>({std::max<int64_t>(1, kRingStageBytes / c.k),
-                                    kRingPassChunks / nl * r.rows_per_pass, kRingMaxRows});
-  r.stage_bytes = (r.stage_rows * c.k + 127) / 128 * 128;
-  r.stages = nl >= 4 ? kRingMaxStages : kRingMaxStages / 2;
-  return r;
-}
-inline size_t RingSmem(const RingShape& r) {
-  return static_cast<size_t>(r.stages * r.stage_bytes) + 2 * kRingMaxRows * kWarps * sizeof(float) +
-         2 * kRingMaxStages * sizeof(uint64_t);
-}
-
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ unsigned long long GlobalNs() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-// Bounded by the clock, not by iterations (try_wait may suspend for a while each time).
-__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
-  unsigned long long t0 = 0;
-  for (unsigned n = 0;; ++n) {
-    uint32_t ok;
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
-    if (ok) return;
-    if (n % 64 == 0) {
-      const unsigned long long t = GlobalNs();
-      if (t0 == 0) t0 = t;
-      else if (t - t0 > kRingWaitNs) __trap();
-    }
-  }
-}
-__device__ __forceinline__ void ConsumersSync() {  // the 8 consumer warps, not the producer
-  asm volatile("bar.sync 1, %0;" ::"r"(kThreads) : "memory");
-}
-
-// p = fma over a chunk's 16 weights in order, from 0 (fp8_matvec.h).
-__device__ __forceinline__ float Dot16(const uint4& v, const float (&x)[kChunk]) {
-  float w[kChunk];
-  DecodeE4m3(v, w);
-  float p = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kChunk; ++j) p = __fmaf_rn(x[j], w[j], p);
-  return p;
-}
-
-template <typename T, int NL, bool W32>
-__global__ void __launch_bounds__(kRingThreads, RingBlocksPerSm<NL>()) Fp8RingKernel(Fp8Args a, RingShape rs) {
-  constexpr int kPasses = kRingPassChunks / NL;  // row sets of a stage (RingShapeOf)
-  extern __shared__ __align__(128) unsigned char smem[];
-  float* sums = reinterpret_cast<float*>(smem + rs.stages * rs.stage_bytes);  // [2][rows][warp]
-  uint64_t* full = reinterpret_cast<uint64_t*>(sums + 2 * kRingMaxRows * kWarps);
-  uint64_t* empty = full + kRingMaxStages;
-  const int64_t r0 = a.n * blockIdx.x / gridDim.x, r1 = a.n * (blockIdx.x + 1) / gridDim.x;
-  const int stages = static_cast<int>((r1 - r0 + rs.stage_rows - 1) / rs.stage_rows);
-  AllowNextLaunch();
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < rs.stages; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SmemAddr(&full[s])));
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(&empty[s])), "r"(kThreads));
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (warp == kWarps) {  // the producer: stage j's rows into slot j % stages once it is free
-    if (lane != 0) return;
-    if (a.prefetch)  // L2 only (binds no value), before the previous kernel is done
-      for (int j = 0; j < stages && j < rs.stages; ++j) {
-        const int64_t row = r0 + j * rs.stage_rows, rows = min(rs.stage_rows, r1 - row);
-        PrefetchL2(a.w + row * a.k, static_cast<uint32_t>(rows * a.k));
-      }
-    WaitForPreviousGrid();
-    for (int j = 0; j < stages; ++j) {
-      const int s = j % rs.stages;
-      MbarWait(SmemAddr(&empty[s]), static_cast<uint32_t>(((j / rs.stages) & 1) ^ 1));
-      // The consumers' generic-proxy reads of the slot before the bulk copy's async-proxy write.
-      if (j >= rs.stages) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      const int64_t row = r0 + j * rs.stage_rows;
-      const uint32_t bytes = static_cast<uint32_t>(min(rs.stage_rows, r1 - row) * a.k);
-      const uint32_t fb = SmemAddr(&full[s]), dst = SmemAddr(smem + s * rs.stage_bytes);
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(fb), "r"(bytes)
-                   : "memory");
-      asm volatile(
-          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-          ::"r"(dst), "l"(a.w + row * a.k), "r"(bytes), "r"(fb) : "memory");
-    }
-    return;
-  }
-  // A consumer: split kw of row prow of each pass; its chunks c_first + l + i * lanes, i < NL.
-  // 32-bit offsets: a stage is at most 16 KiB, a row index below 2^31.
-  const int kw = warp % a.ksplit, prow = (warp / a.ksplit) * (32 / a.lanes) + lane / a.lanes;
-  const int l = lane % a.lanes, k = static_cast<int>(a.k), lanes = W32 ? 32 : a.lanes;
-  const int chunks = k / kChunk, per_split = (chunks + a.ksplit - 1) / a.ksplit;
-  const int c_first = min(chunks, kw * per_split), c_end = min(chunks, c_first + per_split);
-  const bool kblocked = a.block_k < a.k;
-  // block_n past N gives every row scale row 0, as min(block_n, N) does: it fits an int.
-  const int rpp = static_cast<int>(rs.rows_per_pass);
-  const int block_n = static_cast<int>(a.block_n < a.n ? a.block_n : a.n);
-  WaitForPreviousGrid();
-  float xf[NL][kChunk];
-  int at[NL], scol[NL];  // chunk i's byte offset in a row (-1: none), its scale column
-#pragma unroll
-  for (int i = 0; i < NL; ++i) {
-    const int c = c_first + l + i * lanes;
-    at[i] = c < c_end ? c * kChunk : -1;
-    scol[i] = kblocked ? static_cast<int>(static_cast<int64_t>(min(c, chunks - 1)) * kChunk / a.block_k) : 0;
-    if (c < c_end) {
-      LoadX16(static_cast<const T*>(a.x) + c * kChunk, xf[i]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < kChunk; ++j) xf[i][j] = 0.0f;
-    }
-  }
-  for (int j = 0; j < stages; ++j) {
-    const int s = j % rs.stages;
-    const int row0 = static_cast<int>(r0) + j * static_cast<int>(rs.stage_rows);
-    const int rows = min(static_cast<int>(rs.stage_rows), static_cast<int>(r1) - row0);
-    const int passes = (rows + rpp - 1) / rpp;
-    MbarWait(SmemAddr(&full[s]), static_cast<uint32_t>((j / rs.stages) & 1));
-    const unsigned char* stage = smem + s * rs.stage_bytes;
-    float acc[kPasses];
-#pragma unroll
-    for (int p = 0; p < kPasses; ++p) {
-      acc[p] = 0.0f;
-      const int r = p * rpp + prow;
-      if (p >= passes || r >= rows) continue;
-      const unsigned char* wrow = stage + r * k;
-      if (kblocked) {
-        const float* srow = a.scale + static_cast<int64_t>((row0 + r) / block_n) * a.sk;
-#pragma unroll
-        for (int i = 0; i < NL; ++i) {
-          if (at[i] < 0) break;
-          const float d = Dot16(*reinterpret_cast<const uint4*>(wrow + at[i]), xf[i]);
-          acc[p] = __fmaf_rn(d, __ldg(srow + scol[i]), acc[p]);
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < NL; ++i) {
-          if (at[i] < 0) break;
-          acc[p] = __fadd_rn(acc[p], Dot16(*reinterpret_cast<const uint4*>(wrow + at[i]), xf[i]));
-        }
-      }
-    }
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(&empty[s])) : "memory");
-    float* part = sums + (j & 1) * kRingMaxRows * kWarps;  // [row][split]
-#pragma unroll
-    for (int p = 0; p < kPasses; ++p) {
-      if (p >= passes) break;
-      if (W32) {
-#pragma unroll
-        for (int off = 16; off >= 1; off /= 2)
-          acc[p] = __fadd_rn(acc[p], __shfl_xor_sync(0xffffffffu, acc[p], off));
-      } else {
-        for (int off = lanes / 2; off >= 1; off /= 2)
-          acc[p] = __fadd_rn(acc[p], __shfl_xor_sync(0xffffffffu, acc[p], off));
-      }
-      const int r = p * rpp + prow;
-      if (l == 0 && r < rows) part[r * kWarps + kw] = acc[p];
-    }
-    ConsumersSync();  // the parity buffer alternates: its next writer passed this barrier's next
-    if (threadIdx.x < rows) {
-      const int r = threadIdx.x;
-      float total = part[r * kWarps];
-      for (int sp = 1; sp < a.ksplit; ++sp) total = __fadd_rn(total, part[r * kWarps + sp]);
-      const int n = row0 + r;
-      if (!kblocked) total = __fmul_rn(total, __ldg(a.scale + static_cast<int64_t>(n / block_n) * a.sk));
-      static_cast<T*>(a.y)[n] = FromFloat<T>(total);
-    }
-  }
-}
-
 // Fp8RowKernel's shared memory for K: x as float.  Past RowSmemLimit, Fp8MatVecKernel serves.
 constexpr int64_t kRowSmemMax = 100 * 1024;  // 2 blocks per SM on Hopper and Blackwell
 inline int64_t RowSmem(int64_t k) { return k * static_cast<int64_t>(sizeof(float)); }
 
 // kRowSmemMax, or less on a GPU whose blocks opt in to less (e.g. 99 KiB on sm_86 / sm_120),
 // less the kernel's own 1 KiB.  Read once per device ordinal.
-int64_t SmemOptin() {  // a block's shared memory opt-in limit on this device (0: unknown)
+int64_t RowSmemLimit() {
   static int optin_of[64] = {};
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) {
@@ -657,17 +449,16 @@ int64_t SmemOptin() {  // a block's shared memory opt-in limit on this device (0
     }
     optin_of[device] = v;
   }
-  return std::max<int64_t>(0, optin_of[device]);
+  return std::min<int64_t>(kRowSmemMax, static_cast<int64_t>(optin_of[device]) - 1024);
 }
-int64_t RowSmemLimit() { return std::min<int64_t>(kRowSmemMax, SmemOptin() - 1024); }
 
 // Blocks of `kernel` one SM holds with `smem` dynamic bytes (read once per thread).
-int BlocksPerSm(const void* kernel, size_t smem, int threads = kThreads) {
+int BlocksPerSm(const void* kernel, size_t smem) {
   thread_local std::vector<std::tuple<const void*, size_t, int>> seen;
   for (const auto& [k, s, n] : seen)
     if (k == kernel && s == smem) return n;
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem) != cudaSuccess) {
     cudaGetLastError();
     n = 1;
   }
@@ -713,46 +504,11 @@ cudaError_t LaunchGrid(Kernel kernel, const Fp8MatVecCall& c, const Fp8Args& a, 
   return cudaLaunchKernelEx(&config, kernel, a);
 }
 
-
-// Fp8RingKernel's grid: as many blocks as stay resident, at most one per row.
-template <typename T, int NL, bool W32>
-cudaError_t LaunchRing(const Fp8MatVecCall& c, const Fp8Args& a, const RingShape& rs,
-                       cudaStream_t stream) {
-  const auto kernel = Fp8RingKernel<T, NL, W32>;
-  const void* fn = reinterpret_cast<const void*>(kernel);
-  const size_t smem = RingSmem(rs);
-  // The device's limit, not this call's size: the same value from every thread and call.
-  const cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(SmemOptin()));
-  if (err != cudaSuccess) return err;
-  const int64_t resident = static_cast<int64_t>(BlocksPerSm(fn, smem, kRingThreads)) * SmCount();
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(c.n, resident)), 1, 1);
-  config.blockDim = dim3(kRingThreads, 1, 1);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = c.pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, a, rs);
-}
-
 template <typename T>
 cudaError_t Launch(const Fp8MatVecCall& c, cudaStream_t stream) {
   const Fp8Args a{c.x, c.w, c.scale, c.ids, c.y, c.m, c.k, c.n, c.e, c.sn, c.sk, c.block_n,
                   c.block_k, static_cast<int>(c.lanes), static_cast<int>(c.ksplit),
                   c.prefetch ? 1 : 0};
-  // Batch 1 against one weight, a thread's share of a row at most 4 chunks, its stages within
-  // the device's shared memory (else the row kernel: the plan, not the kernel, fixes the bits).
-  const RingShape rs = RingShapeOf(c);
-  if (c.e == 1 && c.m == 1 && c.n <= INT32_MAX && static_cast<int64_t>(RingSmem(rs)) <= SmemOptin()) {
-    const bool w32 = c.lanes == 32;
-    if (rs.nl <= 1) return w32 ? LaunchRing<T, 1, true>(c, a, rs, stream) : LaunchRing<T, 1, false>(c, a, rs, stream);
-    if (rs.nl <= 2) return w32 ? LaunchRing<T, 2, true>(c, a, rs, stream) : LaunchRing<T, 2, false>(c, a, rs, stream);
-    if (rs.nl <= 4) return w32 ? LaunchRing<T, 4, true>(c, a, rs, stream) : LaunchRing<T, 4, false>(c, a, rs, stream);
-  }
   // One x row per block (batch 1, or a stack's rows): x staged in shared memory.
   const bool one_row = c.e > 1 || c.m == 1;
   if (one_row && RowSmem(c.k) <= RowSmemLimit()) {
@@ -785,12 +541,6 @@ void LoadKernels() {
   SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RowKernel<T, 16>));
   SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RowKernel<T, 8>));
   SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RowKernel<T, 4>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RingKernel<T, 1, true>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RingKernel<T, 2, true>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RingKernel<T, 4, true>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RingKernel<T, 1, false>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RingKernel<T, 2, false>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RingKernel<T, 4, false>));
 }
 
 }  // namespace

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _ext, _jax_compat
 
-__all__ = ["fp8_matvec", "fp8_matvec_plan", "ring_kernel_serves", "scale_block", "regrid_scale", "dequantize"]
+__all__ = ["fp8_matvec", "fp8_matvec_plan", "scale_block", "regrid_scale", "dequantize"]
 
 X_DTYPES = tuple(jnp.dtype(n) for n in ("float32", "bfloat16", "float16"))
 W_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
@@ -31,27 +31,15 @@ LANES = (32, 16, 8, 4)
 KSPLITS = (1, 2, 4, 8)
 TARGET_BLOCKS = 2 * 132  # blocks a call aims for: two per SM of an H100/H200
 MAX_ROWS = 65535
-RING_CHUNKS = 4  # a ring-kernel thread's chunks of a row, at most (x in its registers)
 
 
 def fp8_matvec_plan(m: int, k: int, n: int, stacked: bool,
-                    target_blocks: int | None = None, ring: bool = True) -> tuple[int, int]:
-    """(lanes, ksplit) for x [m, k] against w [.., n, k].
-
-    Batch 1 against one weight (the ring kernel, ffi/matvec/cuda_fp8_matvec.cu; ring=False
-    asks for the other kernels' plan): lanes x ksplit = the largest power of two up to 256
-    (a block's 8 warps) and up to K's chunks, so that each thread holds x for at most 4 chunks
-    of a row. Otherwise: `lanes` threads per weight row, the widest whose threads get >= 2
-    chunks of the row each; then the fewest warps sharing a row's K whose grid reaches
-    target_blocks (None: TARGET_BLOCKS)."""
-    chunks = k // CHUNK
-    if ring and m == 1 and not stacked:
-        per_row = min(WARPS * 32, 1 << max(2, chunks.bit_length() - 1))
-        lanes = min(32, per_row)
-        ksplit = per_row // lanes
-        if math.ceil(math.ceil(chunks / ksplit) / lanes) <= RING_CHUNKS:
-            return lanes, ksplit
+                    target_blocks: int | None = None) -> tuple[int, int]:
+    """(lanes, ksplit) for x [m, k] against w [.., n, k]: `lanes` threads per weight row, the
+    widest whose threads get >= 2 chunks of the row each; then the fewest warps sharing a
+    row's K whose grid reaches target_blocks (None: TARGET_BLOCKS)."""
     target = TARGET_BLOCKS if target_blocks is None else target_blocks
+    chunks = k // CHUNK
     lanes = next((v for v in LANES if chunks >= 2 * v), LANES[-1])
     grid_y = m if stacked else max(1, math.ceil(m / 8))
     best = 1
@@ -62,14 +50,6 @@ def fp8_matvec_plan(m: int, k: int, n: int, stacked: bool,
         if math.ceil(n / ((WARPS // ksplit) * (32 // lanes))) * grid_y >= target:
             break
     return lanes, best
-
-
-def ring_kernel_serves(m: int, k: int, stacked: bool, plan: tuple[int, int]) -> bool:
-    """Whether the CUDA backend runs this call on the ring kernel (batch 1, one weight, each
-    thread's share of a row at most RING_CHUNKS chunks); the plan fixes the bits either way."""
-    lanes, ksplit = plan
-    chunks = k // CHUNK
-    return m == 1 and not stacked and math.ceil(math.ceil(chunks / ksplit) / lanes) <= RING_CHUNKS
 
 
 def scale_block(w_shape, scale_shape) -> tuple[int, int]:
