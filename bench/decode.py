@@ -565,8 +565,11 @@ def run(s, devices, on_record) -> list[dict]:
             continue
         mesh = make_mesh(tp, devices=devices)
         bar.set_postfix_str(f"TP={tp}: random weights")
-        params = common.block(families.family_of(config).random_params(
-            config, mesh, seed=s["seed"], quantize="fp8" if s["weights"] == "fp8" else None))
+        try:
+            params = common.block(families.family_of(config).random_params(
+                config, mesh, seed=s["seed"], quantize="fp8" if s["weights"] == "fp8" else None))
+        except ValueError as e:  # a model this TP size cannot split or quantize: say so, no trace
+            raise SystemExit(f"bench.decode: TP={tp}: {e}") from None
         used_sifar = any(case[3][1] in SIFAR_KINDS for case in mine)
         for case in mine:
             recs = run_variant(config, mesh, params, case, s, bar)

@@ -178,9 +178,11 @@ def project_fp8(equation: str, x: jax.Array, w: Fp8Weight, **kw) -> jax.Array:
     return y if dt is None else y.astype(dt)
 
 
-def matvec_fp8(x: jax.Array, w: Fp8Weight, ids: jax.Array) -> jax.Array:
+def matvec_fp8(x: jax.Array, w: Fp8Weight, ids: jax.Array,
+               name: str = "an FP8 expert stack") -> jax.Array:
     """y[m] = x[m] @ dequantize(w)[ids[m]] for an expert stack (out dims (E, *rest)): x [M, *in]
-    -> [M, *rest], each row against its chosen expert's weight, read in place in FP8."""
+    -> [M, *rest], each row against its chosen expert's weight, read in place in FP8. name:
+    the stack's, for errors."""
     from sifar_jax import fp8_matvec as f8
 
     e, rest = w.out_dims[0], w.out_dims[1:]
@@ -189,7 +191,7 @@ def matvec_fp8(x: jax.Array, w: Fp8Weight, ids: jax.Array) -> jax.Array:
     one = Fp8Weight(w.q[0], w.scale[0], w.n_in, w.block)  # the per-expert view's operands
     q2, s2, block = one.kernel_operands()
     n, k = q2.shape
-    _check_k(k, f"an FP8 expert stack of in dims {w.in_dims}")
+    _check_k(k, f"{name} of in dims {w.in_dims}")
     scale = w.scale
     if s2.size != math.prod(w.scale.shape[1:]):  # regridded: the stack's scales likewise
         scale = jax.vmap(lambda s: Fp8Weight(w.q[0], s, w.n_in, w.block).kernel_operands()[1])(

@@ -83,6 +83,25 @@ def _map_projections(params: dict, family, pick, fn, out_specs) -> dict:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def _check_local_k(name: str, w, proj: Projection, axis_name: str) -> None:
+    """The FP8 GEMV reads a rank's contracted columns in chunks of 16 (sifar_jax.fp8_matvec):
+    a weight whose shard leaves fewer is named now, before any trace."""
+    from sifar_jax.fp8_matvec import CHUNK
+
+    sh = getattr(w, "sharding", None)
+    local = sh.shard_shape(w.shape) if isinstance(sh, NamedSharding) else tuple(w.shape)
+    k = 1
+    for d in local[proj.lead: proj.lead + proj.n_in]:
+        k *= d
+    if k % CHUNK:
+        tp = sh.mesh.shape.get(axis_name, 1) if isinstance(sh, NamedSharding) else 1
+        raise ValueError(f"quantize='fp8': {name!r} has {k} contracted columns per rank at "
+                         f"TP={tp} (in dims {tuple(w.shape[proj.lead: proj.lead + proj.n_in])}), "
+                         f"not a multiple of {CHUNK}, the FP8 GEMV's unit: use a tensor-parallel "
+                         f"size that leaves each rank a multiple of {CHUNK}, or keep the model "
+                         f"dense")
+
+
 def quantize_params(params: dict, family_or_config, *, lm_head: bool = True,
                     axis_name: str = "tp", donate: bool = False) -> dict:
     """`params` (dense, as random_params or load_hf_checkpoint make them, sharded or not) with
@@ -98,7 +117,10 @@ def quantize_params(params: dict, family_or_config, *, lm_head: bool = True,
         if w.ndim <= proj[name].lead + proj[name].n_in:
             raise ValueError(f"quantize_params: {name!r} has shape {tuple(w.shape)}, not a "
                              f"{family.name} projection's: are these params of another family?")
-        return lm_head or name != "lm_head"
+        if lm_head or name != "lm_head":
+            _check_local_k(name, w, proj[name], axis_name)
+            return True
+        return False
 
     def specs(res, names, mesh):
         return [sharding.fp8_spec(w, family.tp_dims.get(n), proj[n], axis_name,

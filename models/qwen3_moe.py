@@ -247,8 +247,8 @@ def experts(x, weights, ids, gate_up, down, impl: str = "matvec", rows: int = 1)
 
     if isinstance(gate_up, Fp8Weight):  # FP8 experts: always read in place, as matvec does
         n, k = ids.shape
-        h = matvec_fp8(jnp.repeat(x, k, axis=0), gate_up, ids.reshape(-1))
-        y = matvec_fp8(_swiglu(h), down, ids.reshape(-1))
+        h = matvec_fp8(jnp.repeat(x, k, axis=0), gate_up, ids.reshape(-1), "the experts' gate_up")
+        y = matvec_fp8(_swiglu(h), down, ids.reshape(-1), "the experts' down")
         return jnp.einsum("nkh,nk->nh", y.reshape(n, k, -1), weights)
     if impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {impl!r}")

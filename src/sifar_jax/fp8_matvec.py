@@ -142,6 +142,9 @@ def _check(x, w, scale, ids, block):
     if tuple(scale.shape) != lead + grid and not (grid == (1, 1) and scale.size == math.prod(lead)):
         raise ValueError(f"{name}: scale {scale.shape} is not {lead + grid} (w {w.shape} in "
                          f"blocks of {block})")
+    if not jnp.issubdtype(scale.dtype, jnp.floating):
+        raise TypeError(f"{name}: the scale must be floating (float32; bfloat16 and float16 are "
+                        f"widened exactly, float64 rounded to float32), got {scale.dtype}")
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"{name}: M={x.shape[0]} rows (at most {MAX_ROWS})")
 
@@ -161,7 +164,8 @@ def fp8_matvec(x: jax.Array, w: jax.Array, scale: jax.Array, ids: jax.Array | No
     """y[m, n] = sum_k x[m, k] * w[ids[m], n, k] * scale[.., n // block_n, k // block_k].
 
     x [M, K] float32/bfloat16/float16. w [N, K] float8_e4m3fn (ids None) or [E, N, K] with ids
-    [M] (clipped to [0, E)). scale float32 [ceil(N/bn), ceil(K/bk)] ([E, ...] with ids); block
+    [M] (clipped to [0, E)). scale float32 [ceil(N/bn), ceil(K/bk)] ([E, ...] with ids; bfloat16
+    and float16 are widened exactly, float64 rounded to float32, other dtypes refused); block
     (bn, bk) defaults to what the scale's shape says (per tensor / per channel). Returns [M, N]
     in x's dtype.
 

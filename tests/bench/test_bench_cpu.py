@@ -475,6 +475,15 @@ def test_decode_baseline_rows_come_by_default_and_only_at_the_loops_point():
 
 
 
+def test_decode_names_a_model_this_tp_size_cannot_quantize_without_a_traceback():
+    from bench import decode as bd
+
+    with pytest.raises(SystemExit, match=r"bench.decode: TP=4: quantize='fp8': 'down' has 8 "
+                                         r"contracted columns"):
+        bd.main(["--preset", "qwen3_moe_tiny", "--tp", "4", "--weights", "fp8", "--quick",
+                 "--out", "/tmp/sifar-test-decode-fp8-tp4"])
+
+
 def test_decode_runs_the_fused_rows_at_tp1_only_when_asked():
     """At TP=1 only lax.psum by default; with --fused on also the fused call (one rank: a
     residual add + RMSNorm kernel in place of XLA's fusions), at the loops' point."""

@@ -151,6 +151,31 @@ def test_a_contracted_size_the_gemv_cannot_read_is_named():
         project("btf,fh->bth", jnp.asarray(rand((1, 1, 8), 4)), w)
 
 
+def test_an_expert_stack_the_gemv_cannot_read_is_named():
+    from models.quant import matvec_fp8, quantize_fp8_stack
+
+    stack = quantize_fp8_stack(jnp.asarray(rand((4, 8, 16), 5)), 1)  # 4 experts, K = 8
+    with pytest.raises(ValueError, match=r"the experts' down of in dims \(8,\): 8 contracted"):
+        matvec_fp8(jnp.asarray(rand((2, 8), 6)), stack, jnp.asarray([0, 3]), "the experts' down")
+
+
+def test_quantizing_a_model_whose_shard_the_gemv_cannot_read_names_it_before_any_trace():
+    """qwen3_moe_tiny's experts are 32 wide: at TP=4 a rank's down has 8 contracted columns.
+    quantize="fp8" says so while quantizing (the weight, the TP size, what to change), not as a
+    traceback from inside the decoder's trace; TP=2 (16 columns) quantizes."""
+    from models import families
+    from models.decode import make_mesh
+
+    config = families.preset("qwen3_moe_tiny")
+    family = families.family_of(config)
+    with pytest.raises(ValueError, match=r"'down' has 8 contracted columns per rank at TP=4.*"
+                                         r"multiple of 16"):
+        family.random_params(config, make_mesh(4), quantize="fp8")
+    params = family.random_params(config, make_mesh(2), quantize="fp8")
+    assert any(isinstance(w, Fp8Weight) for w in jax.tree.leaves(
+        params, is_leaf=lambda a: isinstance(a, Fp8Weight)))
+
+
 def test_a_channels_scale_has_the_same_bits_from_numpy_jax_jit_and_the_loader():
     """max |w| x float32(1/448): XLA turns a division by 448 into that product, so writing it as
     one keeps quantize_params (jax) and load_hf_checkpoint(quantize="fp8") (numpy) bit-equal."""

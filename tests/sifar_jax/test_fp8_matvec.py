@@ -181,6 +181,8 @@ def test_user_errors_at_trace_time():
         f8.fp8_matvec(x, w, scale, jnp.zeros((1,), jnp.int32), block=block)
     with pytest.raises(ValueError, match="block_k a multiple"):
         f8.fp8_matvec(x, w, jnp.ones((1, 8)), block=(32, 8))
+    with pytest.raises(TypeError, match="scale must be floating"):
+        f8.fp8_matvec(x, w, jnp.ones((1, 1), jnp.int32), block=block)
     with pytest.raises(ValueError, match="plan"):
         f8.fp8_matvec(x, w, scale, block=block, impl="kernel", plan=(64, 1))
     for impl in f8.IMPLS:  # a malformed plan is named on every impl, XLA's (which ignores it) too
