@@ -1,8 +1,13 @@
 """Tokens and logits of every decoder variant (psum, sifar, sifar_buffers, fused; both KV
 layouts; gemm_rows 2; Pallas attention; unpacked params; batch 2 with prompts of different
-lengths; the MoE's matvec and gather experts) and every loop equal, bit for bit, those that the
-code before the options object (commit 71ea98f) recorded in data/decode_golden.npz
-(tests/models/decode_golden.py wrote it)."""
+lengths; the MoE's matvec and gather experts) and every loop against those that the code before
+the options object (commit 71ea98f) recorded in data/decode_golden.npz
+(tests/models/decode_golden.py wrote it): every token equal, every logit within float32
+summation noise. Not bit for bit across machines: XLA:CPU's dot kernels follow the host's
+vector width, so the same code on another CPU rounds float32 sums in another order (on an
+AVX-512 host: tokens all equal, logits up to 1.7e-6 apart, 4.7e-7 of their largest magnitude;
+on the host that recorded them, bit for bit). A behaviour change moves these tiny models'
+logits by orders of magnitude more than the bound."""
 
 import os
 
@@ -30,7 +35,11 @@ def test_variant_equals_recorded(golden, name):
     want = {k: v for k, v in golden.items() if k.startswith(name + "/")}
     assert sorted(got) == sorted(want)
     for key, value in want.items():
-        np.testing.assert_array_equal(np.asarray(got[key]), value, err_msg=key)
+        if np.asarray(value).dtype.kind == "f":  # logits: 2^-16 of their largest magnitude
+            np.testing.assert_allclose(np.asarray(got[key]), value, rtol=0,
+                                       atol=2.0 ** -16 * float(np.abs(value).max()), err_msg=key)
+        else:  # tokens, names
+            np.testing.assert_array_equal(np.asarray(got[key]), value, err_msg=key)
 
 
 def test_recording_covers_every_loop_and_kind():
