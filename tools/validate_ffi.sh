@@ -64,7 +64,8 @@ tests)
   log "tests: GPU tests of one GPU"
   pytest_ -m "not slow" tests/sifar_jax/test_gpu.py tests/sifar_jax/test_buffers.py
   pytest_ tests/sifar_jax/test_ordering.py tests/sifar_jax/test_fused.py tests/sifar_jax/test_transforms.py \
-    tests/sifar_jax/test_multiprocess.py tests/sifar_jax/test_matvec.py tests/sifar_jax/test_fp8_matvec.py -k gpu ;;
+    tests/sifar_jax/test_multiprocess.py tests/sifar_jax/test_matvec.py -k gpu
+  pytest_ tests/sifar_jax/test_fp8_matvec.py -k gpu ;;  # its own timeout and summary line
 stress)
   log "stress: $STRESS_CALLS over virtual ranks (at most ${STRESS_S} s), then $STRESS_MP_CALLS over 2 processes"
   # One VirtualRanks at a time: each sizes its grids to the SMs it alone would have, so
