@@ -11,6 +11,7 @@ one float per channel). The result equals quantizing the unsharded weight bit fo
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import jax
@@ -89,14 +90,13 @@ def _check_local_k(name: str, w, proj: Projection, axis_name: str) -> None:
     from sifar_jax.fp8_matvec import CHUNK
 
     sh = getattr(w, "sharding", None)
-    local = sh.shard_shape(w.shape) if isinstance(sh, NamedSharding) else tuple(w.shape)
-    k = 1
-    for d in local[proj.lead: proj.lead + proj.n_in]:
-        k *= d
+    sharded = isinstance(sh, NamedSharding)
+    contracted = slice(proj.lead, proj.lead + proj.n_in)
+    k = math.prod((sh.shard_shape(w.shape) if sharded else tuple(w.shape))[contracted])
     if k % CHUNK:
-        tp = sh.mesh.shape.get(axis_name, 1) if isinstance(sh, NamedSharding) else 1
+        tp = sh.mesh.shape.get(axis_name, 1) if sharded else 1
         raise ValueError(f"quantize='fp8': {name!r} has {k} contracted columns per rank at "
-                         f"TP={tp} (in dims {tuple(w.shape[proj.lead: proj.lead + proj.n_in])}), "
+                         f"TP={tp} (in dims {tuple(w.shape[contracted])}), "
                          f"not a multiple of {CHUNK}, the FP8 GEMV's unit: use a tensor-parallel "
                          f"size that leaves each rank a multiple of {CHUNK}, or keep the model "
                          f"dense")
