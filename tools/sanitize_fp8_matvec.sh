@@ -2,7 +2,8 @@
 # compute-sanitizer's memcheck, racecheck and synccheck on sifar_jax.fp8_matvec's CUDA kernels,
 # small cases on one GPU: rows 1, 3, 8; a row tail; K of 9 chunks and 14336; K splits;
 # per-tensor, per-channel and 128x128 scales; more row groups than blocks; an expert stack;
-# the row kernel (one x row) at every lanes value and a K too large for it to stage.
+# the row kernel (one x row) at every lanes value, with two rows per thread (N 4100: 1-2 rounds
+# of row groups per block), and a K too large for it to stage.
 # Every buffer is its own allocation (XLA_PYTHON_CLIENT_ALLOCATOR=platform), so memcheck sees
 # an access past any of them.
 #   bash tools/sanitize_fp8_matvec.sh    (from any directory; sifar-jax installed, or built into src/)
@@ -26,7 +27,7 @@ cases = [(1, 144, 77, (77, 144), None), (3, 14336, 40, (128, 128), None),
          (8, 4096, 300, (1, 4096), (16, 2)), (1, 14336, 90, (128, 128), (8, 1)),
          (2, 144, 70, (1, 144), (4, 8)), (1, 256, 8 * 2 * 132 * 2 + 5, (1, 256), (32, 1)),
          (1, 1216, 37, (128, 128), (4, 8)), (1, 1200, 100, (1, 1200), (16, 2)),
-         (1, 32768, 8, (1, 32768), None)]
+         (1, 32768, 8, (1, 32768), None), (1, 1200, 4100, (128, 128), (16, 2))]
 for dt in ("float32", "bfloat16"):
     for m, k, n, block, plan in cases:
         x, w, s = operands(m, k, n, None, dt, block)

@@ -289,19 +289,23 @@ __device__ __forceinline__ float ChunkDot(const uint4& v, const float4& q0, cons
 }
 
 // One x row per block: row blockIdx.y of x (E == 1: M == 1; a stack: its expert ids[row]).
-// Lane l of split s reads its chunks c0, c0 + LANES, ... of a row (nl of them) as batches of
-// U loads; two buffers alternate (the next batch is issued into one before the other is added
-// up), unrolled so that no register copy waits for a load in flight.  LANES is a template
-// parameter so that a batch's loads and x quads are immediate offsets from one address.
-template <typename T, int LANES>
+// Lane l of split s reads its chunks c0, c0 + LANES, ... of R rows (nl of them per row) as
+// batches of U loads per row; two buffers alternate (the next batch is issued into one before
+// the other is added up), unrolled so that no register copy waits for a load in flight.  R
+// rows per thread share each x quad read from shared memory; which rows a thread holds does
+// not enter a row's sum (fp8_matvec.h), so R is the host's choice (RowsPerThread).  LANES is
+// a template parameter so that a batch's loads and x quads are immediate offsets.
+template <typename T, int LANES, int R>
 __global__ void __launch_bounds__(kThreads, 2) Fp8RowKernel(Fp8Args a) {
-  constexpr int U = 8;
+  constexpr int U = 8 / R;                     // loads in flight per row: 8 per thread in all
+  static_assert(U % 2 == 0, "the swizzle's parity is u's");
   constexpr int64_t kStride = LANES * kChunk;  // bytes between a lane's chunks of a row
+  static_assert(R * 32 / LANES <= 8, "split_sums holds 8 rows per warp");
   extern __shared__ float4 xs[];  // x as float, XQuad's layout: K / 4 quads
   __shared__ float split_sums[2][kWarps][8];  // [row group parity][warp][row of warp]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int kw = warp % a.ksplit, rg = warp / a.ksplit;
-  constexpr int rows_per_warp = 32 / LANES;
+  constexpr int rows_per_warp = R * 32 / LANES;
   const int rw = lane / LANES, l = lane % LANES;
   const int64_t rows_per_block = (kWarps / a.ksplit) * rows_per_warp;
   const int64_t groups = (a.n + rows_per_block - 1) / rows_per_block;
@@ -333,91 +337,121 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8RowKernel(Fp8Args a) {
 #pragma unroll
   for (int q = 0; q < 4; ++q) xq[q] = xs + 4 * c0 + (q ^ sw);
 
-  auto row_of = [&](int64_t grp) {  // a row past N computes, is never stored
-    const int64_t n = grp * rows_per_block + rg * rows_per_warp + rw;
-    return n < a.n ? n : a.n - 1;
+  // Row r of this thread in group grp; a row past N computes, is never stored.
+  auto row_at = [&](int64_t grp, int r) {
+    return grp * rows_per_block + rg * rows_per_warp + rw * R + r;
   };
-  auto load = [&](uint4 (&v)[U], int64_t grp, int b) {
-    const uint8_t* p = a.w + (e * a.n + row_of(grp)) * a.k + c0 * kChunk + b * U * kStride;
-    if ((b + 1) * U <= nl) {
+  auto row_of = [&](int64_t grp, int r) { return min(row_at(grp, r), a.n - 1); };
+  auto load = [&](uint4 (&v)[R][U], int64_t grp, int b) {
 #pragma unroll
-      for (int u = 0; u < U; ++u) v[u] = LoadWeights(p + u * kStride);
-    } else {
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* p = a.w + (e * a.n + row_of(grp, r)) * a.k + c0 * kChunk + b * U * kStride;
+      if ((b + 1) * U <= nl) {
 #pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (b * U + u < nl) v[u] = LoadWeights(p + u * kStride);
+        for (int u = 0; u < U; ++u) v[r][u] = LoadWeights(p + u * kStride);
+      } else {
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (b * U + u < nl) v[r][u] = LoadWeights(p + u * kStride);
+      }
     }
   };
-  float acc = 0.0f;
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
   // Chunks u < valid of batch b; `full` and `blocked` are compile-time, so a full batch's
   // chunks are one branch-free block the compiler interleaves.
-  auto sum = [&](const uint4 (&v)[U], int b, const float* srow, int valid, auto full,
-                 auto blocked) {
+  auto sum = [&](const uint4 (&v)[R][U], int b, const float* const (&srow)[R], int valid,
+                 auto full, auto blocked) {
     const int off = b * U * 4 * LANES;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (!decltype(full)::value && u >= valid) break;
       constexpr int kFlip[2] = {0, (LANES / 2) & 3};  // (i * LANES / 2) & 3 for even, odd i
-      const int at = off + u * 4 * LANES, f = kFlip[u & 1];
-      const float p = ChunkDot(v[u], xq[0 ^ f][at], xq[1 ^ f][at], xq[2 ^ f][at], xq[3 ^ f][at]);
-      if constexpr (decltype(blocked)::value) {
-        const uint32_t c = static_cast<uint32_t>(c0 + (b * U + u) * LANES);
-        acc = __fmaf_rn(p, __ldg(srow + c / block_chunks), acc);
-      } else {
-        acc = __fadd_rn(acc, p);
+      const int at = off + u * 4 * LANES, f = kFlip[u & 1];  // U is even: b * U + u has u's parity
+      const float4 q0 = xq[0 ^ f][at], q1 = xq[1 ^ f][at], q2 = xq[2 ^ f][at], q3 = xq[3 ^ f][at];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float p = ChunkDot(v[r][u], q0, q1, q2, q3);
+        if constexpr (decltype(blocked)::value) {
+          const uint32_t c = static_cast<uint32_t>(c0 + (b * U + u) * LANES);
+          acc[r] = __fmaf_rn(p, __ldg(srow[r] + c / block_chunks), acc[r]);
+        } else {
+          acc[r] = __fadd_rn(acc[r], p);
+        }
       }
     }
   };
-  auto add = [&](const uint4 (&v)[U], int64_t grp, int b) {
+  auto add = [&](const uint4 (&v)[R][U], int64_t grp, int b) {
     using Yes = std::true_type;
     using No = std::false_type;
     const int valid = min(U, nl - b * U);
+    const float* srow[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) srow[r] = nullptr;
     if (!kblocked) {
-      if (valid == U) sum(v, b, nullptr, U, Yes{}, No{});
-      else sum(v, b, nullptr, valid, No{}, No{});
+      if (valid == U) sum(v, b, srow, U, Yes{}, No{});
+      else sum(v, b, srow, valid, No{}, No{});
       return;
     }
-    const float* srow = a.scale + (e * a.sn + row_of(grp) / a.block_n) * a.sk;
+#pragma unroll
+    for (int r = 0; r < R; ++r) srow[r] = a.scale + (e * a.sn + row_of(grp, r) / a.block_n) * a.sk;
     if (valid == U) sum(v, b, srow, U, Yes{}, Yes{});
     else sum(v, b, srow, valid, No{}, Yes{});
   };
   int parity = 0;
-  // lanes, then splits, then the scale (loaded before the row's last batch was added up)
-  auto finish_row = [&](int64_t grp, float row_scale) {
+  // lanes, then splits, then the scale (loaded before the rows' last batch was added up)
+  auto finish_rows = [&](int64_t grp, const float (&row_scale)[R]) {
 #pragma unroll
-    for (int off = LANES / 2; off >= 1; off /= 2)
-      acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, off));
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int off = LANES / 2; off >= 1; off /= 2)
+        acc[r] = __fadd_rn(acc[r], __shfl_xor_sync(0xffffffffu, acc[r], off));
+    }
     if (a.ksplit > 1) {
-      if (l == 0) split_sums[parity][warp][rw] = acc;
+      if (l == 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) split_sums[parity][warp][rw * R + r] = acc[r];
+      }
       __syncthreads();
-      float total = split_sums[parity][warp - kw][rw];
-      for (int sp = 1; sp < a.ksplit; ++sp)
-        total = __fadd_rn(total, split_sums[parity][warp - kw + sp][rw]);
-      acc = total;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float total = split_sums[parity][warp - kw][rw * R + r];
+        for (int sp = 1; sp < a.ksplit; ++sp)
+          total = __fadd_rn(total, split_sums[parity][warp - kw + sp][rw * R + r]);
+        acc[r] = total;
+      }
       parity ^= 1;
     }
-    const int64_t n = grp * rows_per_block + rg * rows_per_warp + rw;
-    if (kw == 0 && l == 0 && n < a.n) {
-      const float out = kblocked ? acc : __fmul_rn(acc, row_scale);
-      static_cast<T*>(a.y)[m0 * a.n + n] = FromFloat<T>(out);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t n = row_at(grp, r);
+      if (kw == 0 && l == 0 && n < a.n) {
+        const float out = kblocked ? acc[r] : __fmul_rn(acc[r], row_scale[r]);
+        static_cast<T*>(a.y)[m0 * a.n + n] = FromFloat<T>(out);
+      }
+      acc[r] = 0.0f;
     }
-    acc = 0.0f;
   };
   int b = 0;
-  // cur holds batch b of group g: issue the next batch into nxt, add cur up, end the row.
-  auto step = [&](const uint4 (&cur)[U], uint4 (&nxt)[U]) {
+  // cur holds batch b of group g: issue the next batch into nxt, add cur up, end the rows.
+  auto step = [&](const uint4 (&cur)[R][U], uint4 (&nxt)[R][U]) {
     int64_t gn = g;
     int bn = b + 1;
     if (bn >= nb) bn = 0, gn = g + gridDim.x;
     if (gn < groups) load(nxt, gn, bn);
-    float row_scale = 1.0f;
-    if (bn == 0 && !kblocked) row_scale = __ldg(a.scale + (e * a.sn + row_of(g) / a.block_n) * a.sk);
+    float row_scale[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      row_scale[r] = 1.0f;
+      if (bn == 0 && !kblocked) row_scale[r] = __ldg(a.scale + (e * a.sn + row_of(g, r) / a.block_n) * a.sk);
+    }
     add(cur, g, b);
-    if (bn == 0) finish_row(g, row_scale);
+    if (bn == 0) finish_rows(g, row_scale);
     g = gn, b = bn;
     return g < groups;
   };
-  uint4 A[U], B[U];
+  uint4 A[R][U], B[R][U];
   if (g >= groups) return;
   load(A, g, 0);  // the first weights in flight while x is staged
   const T* xrow = static_cast<const T*>(a.x) + m0 * a.k;
@@ -476,12 +510,17 @@ int SmCount() {
   return std::max(sms_of[device], 1);
 }
 
-// A persistent grid of `kernel`: as many blocks as stay resident per x row group (each loops
+// Blocks one launch of `kernel` runs: as many as stay resident per x row group (each loops
 // over row groups), at most one per group.
+int64_t GridBlocks(const void* kernel, size_t smem, int64_t groups, unsigned grid_y) {
+  const int64_t resident = static_cast<int64_t>(BlocksPerSm(kernel, smem)) * SmCount();
+  return std::min(groups, std::max<int64_t>(1, resident / grid_y));
+}
+
+// A persistent grid of `kernel` over row groups of `rows` rows.
 template <typename Kernel>
 cudaError_t LaunchGrid(Kernel kernel, const Fp8MatVecCall& c, const Fp8Args& a, unsigned grid_y,
-                       size_t smem, cudaStream_t stream) {
-  const int64_t rows = fp8mv::RowsPerBlock(c.lanes, c.ksplit);
+                       size_t smem, cudaStream_t stream, int64_t rows) {
   const void* fn = reinterpret_cast<const void*>(kernel);
   if (smem > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -489,10 +528,8 @@ cudaError_t LaunchGrid(Kernel kernel, const Fp8MatVecCall& c, const Fp8Args& a, 
     if (err != cudaSuccess) return err;
   }
   const int64_t groups = (c.n + rows - 1) / rows;
-  const int64_t resident = static_cast<int64_t>(BlocksPerSm(fn, smem)) * SmCount();
-  const int64_t per_y = std::max<int64_t>(1, resident / grid_y);
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(std::min(groups, per_y)), grid_y, 1);
+  config.gridDim = dim3(static_cast<unsigned>(GridBlocks(fn, smem, groups, grid_y)), grid_y, 1);
   config.blockDim = dim3(kThreads, 1, 1);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
@@ -502,6 +539,30 @@ cudaError_t LaunchGrid(Kernel kernel, const Fp8MatVecCall& c, const Fp8Args& a, 
   config.attrs = attr;
   config.numAttrs = c.pdl ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, a);
+}
+template <typename Kernel>
+cudaError_t LaunchGrid(Kernel kernel, const Fp8MatVecCall& c, const Fp8Args& a, unsigned grid_y,
+                       size_t smem, cudaStream_t stream) {
+  return LaunchGrid(kernel, c, a, grid_y, smem, stream, fp8mv::RowsPerBlock(c.lanes, c.ksplit));
+}
+
+// The row kernel with R rows per thread (R = 2: half the x reads per weight byte, same sums).
+// R = 2 when the busiest block's rows are not more than with R = 1: twice the rows per group
+// halves the groups, so a grid that ends in a partly filled round can end later.
+template <typename T, int LANES>
+cudaError_t LaunchRows(const Fp8MatVecCall& c, const Fp8Args& a, unsigned grid_y, size_t smem,
+                       cudaStream_t stream) {
+  const int64_t rows1 = fp8mv::RowsPerBlock(c.lanes, c.ksplit);
+  if constexpr (LANES >= 8) {
+    const void* k1 = reinterpret_cast<const void*>(Fp8RowKernel<T, LANES, 1>);
+    const void* k2 = reinterpret_cast<const void*>(Fp8RowKernel<T, LANES, 2>);
+    const int64_t g1 = (c.n + rows1 - 1) / rows1, g2 = (c.n + 2 * rows1 - 1) / (2 * rows1);
+    const int64_t b1 = GridBlocks(k1, smem, g1, grid_y), b2 = GridBlocks(k2, smem, g2, grid_y);
+    const int64_t busiest1 = (g1 + b1 - 1) / b1, busiest2 = 2 * ((g2 + b2 - 1) / b2);
+    if (busiest2 <= busiest1)
+      return LaunchGrid(Fp8RowKernel<T, LANES, 2>, c, a, grid_y, smem, stream, 2 * rows1);
+  }
+  return LaunchGrid(Fp8RowKernel<T, LANES, 1>, c, a, grid_y, smem, stream, rows1);
 }
 
 template <typename T>
@@ -515,10 +576,10 @@ cudaError_t Launch(const Fp8MatVecCall& c, cudaStream_t stream) {
     const unsigned grid_y = static_cast<unsigned>(c.e > 1 ? c.m : 1);
     const size_t smem = static_cast<size_t>(RowSmem(c.k));
     switch (c.lanes) {
-      case 32: return LaunchGrid(Fp8RowKernel<T, 32>, c, a, grid_y, smem, stream);
-      case 16: return LaunchGrid(Fp8RowKernel<T, 16>, c, a, grid_y, smem, stream);
-      case 8: return LaunchGrid(Fp8RowKernel<T, 8>, c, a, grid_y, smem, stream);
-      default: return LaunchGrid(Fp8RowKernel<T, 4>, c, a, grid_y, smem, stream);
+      case 32: return LaunchRows<T, 32>(c, a, grid_y, smem, stream);
+      case 16: return LaunchRows<T, 16>(c, a, grid_y, smem, stream);
+      case 8: return LaunchRows<T, 8>(c, a, grid_y, smem, stream);
+      default: return LaunchRows<T, 4>(c, a, grid_y, smem, stream);
     }
   }
   if (c.e > 1) return LaunchGrid(Fp8MatVecKernel<T, 1>, c, a, static_cast<unsigned>(c.m), 0, stream);
@@ -537,10 +598,13 @@ void LoadKernels() {
   SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8MatVecKernel<T, 2>));
   SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8MatVecKernel<T, 4>));
   SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8MatVecKernel<T, 8>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RowKernel<T, 32>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RowKernel<T, 16>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RowKernel<T, 8>));
-  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RowKernel<T, 4>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RowKernel<T, 32, 1>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RowKernel<T, 16, 1>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RowKernel<T, 8, 1>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RowKernel<T, 4, 1>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RowKernel<T, 32, 2>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RowKernel<T, 16, 2>));
+  SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, Fp8RowKernel<T, 8, 2>));
 }
 
 }  // namespace

@@ -239,11 +239,14 @@ def test_cuda_kernel_matches_cpu_handler_bits(dtype, shape, pdl):
 
 # One x row per block (the shared-memory row kernel): every lanes value, K splits, a K whose
 # chunks do not fill the batches (ragged per lane), rows past a block's last group, a K too
-# large to stage (the L1 kernel serves it), an expert stack.
+# large to stage (the L1 kernel serves it), an expert stack; two rows per thread (chosen when
+# a grid has 1-2 rounds of row groups per block: N past 264 groups of one row each, on an
+# H100/H200) with lanes 16 and 8, N off the two-row group.
 ROW_PLANS = [((1, 1200, 100, None, "block"), (32, 2)), ((1, 1200, 100, None, "channel"), (16, 1)),
              ((1, 1200, 100, None, "tensor"), (8, 4)), ((1, 1216, 37, None, "block"), (4, 8)),
              ((1, 208, 9, None, "channel"), (4, 1)), ((1, 32768, 40, None, "channel"), (32, 1)),
-             ((3, 640, 72, 4, "block"), (8, 2))]
+             ((3, 640, 72, 4, "block"), (8, 2)), ((1, 1200, 4100, None, "block"), (16, 2)),
+             ((1, 1216, 9001, None, "channel"), (8, 1))]
 
 
 @pytest.mark.gpu
