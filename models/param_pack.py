@@ -10,12 +10,6 @@ a sharded weight cannot share a buffer with a replicated one, and a matmul's wei
 is, however small (a matmul reading a slice of a larger array ran ~18% slower,
 `stacked_weights`). A caller keeps others out with `keep`: the decoder keeps the norm scales the
 fused all-reduce takes, an operand of a custom call, where XLA would copy a slice first.
-
-FP8 weights' scales (`stack`: the caller marks them) are stacked instead: the scales of one
-shape, dtype and sharding become one array [count, *shape], sharded as they are along a new
-leading dim, and each scale is a static index of it inside the step. Llama-3.1-8B in FP8 has
-128 of them (one per projection), Qwen3-30B-A3B 192 (docs/performance.md has what that saves
-and costs).
 """
 
 from __future__ import annotations
@@ -27,8 +21,6 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .quant import is_fp8
-
 MAX_BYTES = 64 * 1024  # a norm scale is 4-16 KB; the smallest matmul weight is ~1 MB
 ALIGN = 64  # elements: each packed slice starts 128-byte aligned for bf16 (vector loads)
 
@@ -36,24 +28,14 @@ ALIGN = 64  # elements: each packed slice starts 128-byte aligned for bf16 (vect
 @dataclasses.dataclass(frozen=True)
 class PackPlan:
     """How `pack` split a list of leaves: `kept` leaves are passed as they are, in order, then one
-    packed array per entry of `groups`: (dtype, ((leaf index, offset, shape), ...)), then one
-    stacked array per entry of `stacks`: the leaf indices it holds, in order."""
+    packed array per entry of `groups`: (dtype, ((leaf index, offset, shape), ...))."""
     n_leaves: int
     kept: tuple[int, ...]
     groups: tuple[tuple[str, tuple[tuple[int, int, tuple[int, ...]], ...]], ...]
-    stacks: tuple[tuple[int, ...], ...] = ()
 
     @property
     def n_packed(self) -> int:
         return sum(len(members) for _, members in self.groups)
-
-    @property
-    def n_stacked(self) -> int:
-        return sum(len(members) for members in self.stacks)
-
-    @property
-    def n_arrays(self) -> int:
-        return len(self.kept) + len(self.groups) + len(self.stacks)
 
 
 def _packable(a, max_bytes: int) -> bool:
@@ -61,39 +43,17 @@ def _packable(a, max_bytes: int) -> bool:
             and a.sharding.is_fully_replicated)
 
 
-def _stack_key(a):
-    """What the arrays stacked together share (None: a leaf that cannot be stacked)."""
-    if not isinstance(a, jax.Array) or not isinstance(a.sharding, NamedSharding):
-        return None
-    return str(a.dtype), tuple(a.shape), tuple(a.sharding.spec)
-
-
-def _stacked(members: Sequence[jax.Array], mesh) -> jax.Array:
-    """The arrays as one [count, *shape], each rank's part of each where it was."""
-    spec = P(None, *members[0].sharding.spec)
-    return jax.jit(lambda *xs: jax.numpy.stack(xs),
-                   out_shardings=NamedSharding(mesh, spec))(*members)
-
-
 def pack(leaves: Sequence[jax.Array], mesh, max_bytes: int = MAX_BYTES,
-         keep: Optional[Sequence[bool]] = None,
-         stack: Optional[Sequence[bool]] = None) -> tuple[PackPlan, list[jax.Array]]:
+         keep: Optional[Sequence[bool]] = None) -> tuple[PackPlan, list[jax.Array]]:
     """(plan, arrays): the kept leaves, then one replicated array per dtype holding the small
-    vectors back to back, then the stacks. keep[i]: pass leaf i as it is; stack[i]: stack leaf i
-    with the others of its dtype, shape and sharding (stack[i] wins over packing it). A dtype
-    with a single small vector, or a stack of one, is kept as it is (nothing to save)."""
+    vectors back to back. keep[i]: pass leaf i as it is. A dtype with a single small vector is
+    kept as it is (nothing to save)."""
     by_dtype: dict[str, list[int]] = {}
-    by_key: dict[tuple, list[int]] = {}
     for i, a in enumerate(leaves):
-        if keep is not None and keep[i]:
-            continue
-        if stack is not None and stack[i] and _stack_key(a) is not None:
-            by_key.setdefault(_stack_key(a), []).append(i)
-        elif _packable(a, max_bytes):
+        if not (keep is not None and keep[i]) and _packable(a, max_bytes):
             by_dtype.setdefault(str(a.dtype), []).append(i)
     by_dtype = {d: ix for d, ix in by_dtype.items() if len(ix) > 1}
-    stacks = tuple(tuple(ix) for ix in by_key.values() if len(ix) > 1)
-    packed_ix = {i for ix in by_dtype.values() for i in ix} | {i for ix in stacks for i in ix}
+    packed_ix = {i for ix in by_dtype.values() for i in ix}
     kept = tuple(i for i in range(len(leaves)) if i not in packed_ix)
     groups, arrays = [], [leaves[i] for i in kept]
     rep = NamedSharding(mesh, P())
@@ -110,27 +70,21 @@ def pack(leaves: Sequence[jax.Array], mesh, max_bytes: int = MAX_BYTES,
             off += a.size + pad
         groups.append((dtype, tuple(members)))
         arrays.append(jax.device_put(np.concatenate(parts), rep))
-    arrays += [_stacked([leaves[i] for i in ix], mesh) for ix in stacks]
-    return PackPlan(len(leaves), kept, tuple(groups), stacks), arrays
+    return PackPlan(len(leaves), kept, tuple(groups)), arrays
 
 
 def unpack(plan: PackPlan, arrays: Sequence[jax.Array]) -> list[jax.Array]:
     """The original leaves from pack's arrays (inside jit: static slices of the packed ones)."""
-    if len(arrays) != plan.n_arrays:
+    if len(arrays) != len(plan.kept) + len(plan.groups):
         raise ValueError(f"unpack: {len(arrays)} arrays for a plan of {len(plan.kept)} kept "
-                         f"leaves, {len(plan.groups)} packed groups and {len(plan.stacks)} "
-                         f"stacks")
+                         f"leaves and {len(plan.groups)} packed groups")
     out: list = [None] * plan.n_leaves
     for i, a in zip(plan.kept, arrays):
         out[i] = a
-    n_kept, n_groups = len(plan.kept), len(plan.groups)
-    for (_, members), buf in zip(plan.groups, arrays[n_kept:n_kept + n_groups]):
+    for (_, members), buf in zip(plan.groups, arrays[len(plan.kept):]):
         for i, off, shape in members:
             out[i] = jax.lax.slice(buf, (off,), (off + int(np.prod(shape, dtype=np.int64)),)
                                    ).reshape(shape)
-    for members, buf in zip(plan.stacks, arrays[n_kept + n_groups:]):
-        for j, i in enumerate(members):
-            out[i] = jax.lax.index_in_dim(buf, j, 0, keepdims=False)
     return out
 
 
@@ -145,10 +99,7 @@ class PackedParams:
         paths, self.treedef = jax.tree_util.tree_flatten_with_path(params)
         self.paths = [p for p, _ in paths]
         leaves = [a for _, a in paths]
-        scales = {id(w.scale) for w in jax.tree.leaves(params, is_leaf=is_fp8) if is_fp8(w)}
-        stack = [id(a) in scales for a in leaves]
-        self.plan, self.leaves = (pack(leaves, mesh, keep=keep, stack=stack) if packed
-                                  else (None, leaves))
+        self.plan, self.leaves = pack(leaves, mesh, keep=keep) if packed else (None, leaves)
 
     def unflatten(self, leaves) -> dict:
         """The params tree from the arrays a call takes (packed ones unpacked: static slices)."""

@@ -1,7 +1,6 @@
 """The decoder's small replicated vectors packed into one array per dtype (models/param_pack.py):
 exact round trip, fewer arrays per call, the same tokens and logits, no added instruction, the
-fused call's norm scales kept out; FP8 weights' scales stacked per shape and sharding (tiny
-presets, host CPU devices from conftest.py)."""
+fused call's norm scales kept out (tiny presets, host CPU devices from conftest.py)."""
 
 import collections
 import re
@@ -14,8 +13,6 @@ import sifar_jax
 from models import Decoder, LlamaConfig, make_mesh, param_pack, random_params
 from models.options import DecodeOptions
 from models.families import family_of
-from models.quant import is_fp8
-from models.quantize import quantize_params
 from models.qwen3_moe import Qwen3MoeConfig
 from models.transformer import fused_norm_scale
 
@@ -137,43 +134,3 @@ def test_fused_keeps_the_norm_scales_its_call_takes(name, packed, sifar_clean):
     want = Decoder(config, mesh, params, DecodeOptions(allreduce="sifar", fused=True,
                                                        pack_params=False)).generate(PROMPT, 8)
     np.testing.assert_array_equal(dec.generate(PROMPT, 8), want)
-
-
-@pytest.mark.parametrize("name,tp", [("llama", 1), ("llama", 2), ("qwen3_moe", 2)])
-def test_fp8_scales_are_stacked_per_shape_and_sharding(name, tp):
-    """Every FP8 scale is one entry of a stack [count, *shape] sharded as the scale was (a new
-    leading dim), each stack holding one shape and sharding; the round trip is exact, the
-    decoder takes that many fewer arrays, and its tokens and logits are the unpacked ones."""
-    config, mesh, params = _model(name, tp)
-    fp8 = quantize_params(params, family_of(config))
-    paths = jax.tree_util.tree_flatten_with_path(fp8)[0]
-    leaves = [a for _, a in paths]
-    scales = {id(w.scale) for w in jax.tree.leaves(fp8, is_leaf=is_fp8) if is_fp8(w)}
-    is_scale = [id(a) in scales for a in leaves]
-    plan, arrays = param_pack.pack(leaves, mesh, stack=is_scale)
-    kinds = collections.Counter((a.shape, tuple(a.sharding.spec))
-                                for a, s in zip(leaves, is_scale) if s)
-    # every scale but one alone of its kind (a stack of one saves nothing: the LM head's)
-    assert plan.n_stacked == sum(n for n in kinds.values() if n > 1) >= 2 * config.num_layers
-    assert plan.n_arrays == len(arrays) == len(leaves) - plan.n_packed - plan.n_stacked + len(
-        plan.groups) + len(plan.stacks)
-    for members, stacked in zip(plan.stacks, arrays[len(arrays) - len(plan.stacks):]):
-        first = leaves[members[0]]
-        assert all(is_scale[i] for i in members)
-        assert stacked.shape == (len(members),) + first.shape
-        assert tuple(stacked.sharding.spec) == (None,) + tuple(first.sharding.spec)
-        assert {(leaves[i].shape, tuple(leaves[i].sharding.spec)) for i in members} == {
-            (first.shape, tuple(first.sharding.spec))}
-    back = jax.jit(lambda a: param_pack.unpack(plan, a))(arrays)
-    for a, b in zip(leaves, back):
-        assert a.shape == b.shape and a.dtype == b.dtype
-        np.testing.assert_array_equal(np.asarray(b).view(np.uint8), np.asarray(a).view(np.uint8))
-
-    plain = Decoder(config, mesh, fp8, DecodeOptions(pack_params=False))
-    packed = Decoder(config, mesh, fp8)
-    assert packed.weights.plan.n_stacked == plan.n_stacked
-    assert len(packed.weights.leaves) == len(plain.weights.leaves) - plan.n_packed - \
-        plan.n_stacked + len(plan.groups) + len(plan.stacks)
-    np.testing.assert_array_equal(packed.generate(PROMPT, 8), plain.generate(PROMPT, 8))
-    np.testing.assert_array_equal(packed.teacher_forced_logits(PROMPT[None]),
-                                  plain.teacher_forced_logits(PROMPT[None]))
