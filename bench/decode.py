@@ -112,6 +112,9 @@ def parse_args(argv=None):
     add("--kv-layout", choices=("auto", *sorted(KV_LAYOUTS)), default="auto")
     add("--gemm-rows", type=int, default=None, help="DecodeOptions(gemm_rows=)")
     add("--attn-impl", choices=ATTN_IMPLS, default=None, help="DecodeOptions(attn_impl=)")
+    add("--step", choices=("xla", "persistent", "both"), default="xla",
+        help="TP=1, batch 1: DecodeOptions(step=) of the rows (both: a 'persistent' row beside "
+             "psum's XLA step; records say which step ran)")
     add("--no-trace", action="store_true", help="skip the per-call all-reduce trace")
     add("--quick", action="store_true", help="tiny model, few steps (CPU, CI)")
     add("--out", default=None, help="results directory")
@@ -209,6 +212,7 @@ def settings(args, platform: str, n_devices: int) -> dict:
         "kv_layout": None if args.kv_layout == "auto" else args.kv_layout,
         "gemm_rows": args.gemm_rows,
         "attn_impl": args.attn_impl,
+        "step": args.step,
         "fused_tp1": args.fused == "on",
         "sweep_all": args.sweep_all,
         "breakdown": args.breakdown and gpu,
@@ -291,6 +295,10 @@ def _chunks(s) -> int:
     return max(4, s["tokens"] // s["chunk"]) + 2
 
 
+# The persistent step's row (DecodeOptions(step="persistent"), TP=1, batch 1; its 6th field).
+PERSISTENT = ("persistent", "psum", "auto", False, None, "persistent")
+
+
 def cases(s) -> list[tuple[int, int, int, tuple, list[str]]]:
     """[(tp, batch, context, variant, loops)]: the loops at batch 1 and the first context, the
     sweep elsewhere. TP=1 runs lax.psum (and the fused rows with --fused on); the fused and
@@ -301,11 +309,14 @@ def cases(s) -> list[tuple[int, int, int, tuple, list[str]]]:
     for tp in s["tp"]:
         variants = s["variants"] if tp > 1 else [("psum", "psum", "auto", False)] + (
             [v for v in s["variants"] if v[3]] if s.get("fused_tp1") else [])
+        if tp == 1 and s.get("step", "xla") != "xla":
+            keep = variants if s["step"] == "both" else []
+            variants = keep + [PERSISTENT]
         for b, c in points:
             loops = s["loops"] + [x for x in s["sweep_loops"] if x not in s["loops"]] \
                 if (b, c) == base else s["sweep_loops"]
-            here = [v for v in variants if (b, c) == base or s["sweep_all"]
-                    or not (v[3] or v[0] in s["baselines"])]
+            here = [v for v in variants if ((b, c) == base or s["sweep_all"]
+                    or not (v[3] or v[0] in s["baselines"])) and (b == 1 or v != PERSISTENT)]
             if loops:
                 out += [(tp, b, c, v, loops) for v in here]
     return out
@@ -341,11 +352,23 @@ def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: 
     options = DecodeOptions(allreduce=kind, algorithm=alg, fused=fused, slot_bytes=slot,
                             kv_layout=kv_layout, gemm_rows=gemm_rows, attn_impl=attn_impl,
                             prefetch_bytes=variant[4] if len(variant) > 4 else None,
-                            pack_params=True if pack_params is None else pack_params)
+                            pack_params=True if pack_params is None else pack_params,
+                            step=variant[5] if len(variant) > 5 else "xla")
     dec = Decoder(config, mesh, params, options, batch_size=batch, max_seq_len=context)
     dec.reset(context)
     dec.randomize_cache(seed)
     return dec
+
+
+def step_ran(dec) -> str:
+    """Which step the decoder's one-token calls run: "persistent" where it asked for it and
+    models.persistent.reason lets it, else "xla"."""
+    if dec.options.step != "persistent":
+        return "xla"
+    from models import persistent
+
+    why = persistent.reason(dec.family, dec.layout, dec.mesh, dec.options, dec.params)
+    return "xla" if why else "persistent"
 
 
 def start_tokens(config, batch: int, seed: int) -> np.ndarray:
@@ -497,6 +520,7 @@ def run_variant(config, mesh, params, case, s, bar) -> list[dict]:
     weights = dec.family.step_weight_bytes(dec.layout, dec.params)
     kv = kv_cache_bytes_per_rank(config, context, tp, batch)
     common_fields = {"setup_s": round(setup_s, 2), "shapes": s["shapes"], "kv_layout": dec.kv_layout,
+                     "step": step_ran(dec),
                      "rows": dec.rows,
                      "gemm_rows": dec.gemm_rows, "attn_impl": dec.attn_impl,
                      "pack_params": dec.pack_params, "arrays_per_call": len(dec.weights.leaves),

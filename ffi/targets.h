@@ -7,7 +7,7 @@
 //   X(op, target name, CPU handler, CUDA handler, CUDA kernel preload)
 //
 // A new op adds one row here; its handlers and preload are defined in its own
-// folder (allreduce/, fused/, matvec/).  Loading is idempotent: ops that share kernels
+// folder (allreduce/, fused/, matvec/, step/).  Loading is idempotent: ops that share kernels
 // may name the same preload.
 #pragma once
 
@@ -25,7 +25,10 @@
   /* (x [M, K], w [E, K, N], ids [M]) -> (y [M, N], workspace): batch-1 x @ w[ids] */         \
   X(matvec, "sifar_matvec", CpuMatVec, CudaMatVec, PreloadMatVecKernels)                    \
   /* (x [M, K], w [E, N, K] e4m3, scale, ids [M]) -> y [M, N]: FP8 weights, batch 1..8 */    \
-  X(fp8_matvec, "sifar_fp8_matvec", CpuFp8MatVec, CudaFp8MatVec, PreloadFp8MatVecKernels)
+  X(fp8_matvec, "sifar_fp8_matvec", CpuFp8MatVec, CudaFp8MatVec, PreloadFp8MatVecKernels)    \
+  /* (x, rope, pos, final_norm, 10 per layer, cache) -> (h, cache, workspace): a Llama */    \
+  /* decode step with FP8 weights, one persistent kernel on CUDA (step/llama_step.h) */       \
+  X(llama_step, "sifar_llama_step", CpuLlamaStep, CudaLlamaStep, PreloadLlamaStepKernels)
 
 namespace sifar {
 

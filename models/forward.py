@@ -11,6 +11,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from . import sharding
 from .options import DecodeOptions
+from .persistent import step_forward_or_none
 from .tp import TPContext, make_allreduce, make_allreduce_into, make_fused_add_norm
 
 
@@ -69,8 +70,12 @@ def make_forward(family, layout: "family.Layout", mesh: Mesh, options: Any = Non
     # check_vma=True refuses: a one-token call that may run it is traced without the check
     # (calls of several tokens, prefills, keep it: they run the einsums).
     one_token = mapped(False) if options.attn_impl == "pallas" else checked
+    # step="persistent": a single token of a single row as one sifar_jax.llama_step call
+    persistent = step_forward_or_none(family, layout, mesh, options, params)
 
     def forward(params, cache, tokens, positions, ar, start=None):
+        if persistent is not None and tokens.shape == (1, 1):
+            return persistent(params, cache, tokens, positions, ar, start)
         fn = one_token if tokens.shape[1] == 1 else checked
         return fn(params, cache, tokens, positions, ar, start)
 

@@ -25,6 +25,7 @@ def check_attn_impl(attn_impl: str) -> None:
         raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
 
 
+STEPS = ("xla", "persistent")  # how a one-token step runs (models/persistent.py)
 SIFAR_KINDS = ("sifar", "sifar_buffers")  # all-reduce kinds that run sifar_jax (and call init)
 
 
@@ -69,6 +70,10 @@ class DecodeOptions:
       (models/param_pack.py): fewer arguments per call; fused, the norm scales the fused call
       takes stay arrays of their own (a custom call's operand).
     axis_name: the mesh axis the model is split over.
+    step: how a one-token step runs: "xla" (the model's forward, XLA's kernels) or
+      "persistent" (models/persistent.py: the whole step as one sifar_jax.llama_step call, a
+      persistent kernel on CUDA GPUs; where it cannot serve the decoder, the XLA step runs
+      and the reason is logged).
     """
 
     allreduce: str = "psum"
@@ -84,6 +89,7 @@ class DecodeOptions:
     compiler_options: Any = ()
     pack_params: bool = True
     axis_name: str = "tp"
+    step: str = "xla"
 
     def __post_init__(self):
         _check(self)
@@ -138,3 +144,5 @@ def _check(o: "DecodeOptions") -> None:
         check_kv_layout(o.kv_layout)
     if o.attn_impl is not None:
         check_attn_impl(o.attn_impl)
+    if o.step not in STEPS:
+        raise ValueError(f"step must be one of {STEPS}, got {o.step!r}")

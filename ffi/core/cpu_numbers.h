@@ -3,6 +3,7 @@
 // fills its outputs with.  Shared by the all-reduce and the fused epilogue.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -34,6 +35,18 @@ inline uint16_t F32ToF16(float f) {
   uint16_t h;
   std::memcpy(&h, &v, 2);
   return h;
+}
+
+// float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities; S.1111.111 NaN.
+inline float E4m3ToF32(uint8_t b) {
+  const int sign = b >> 7, exp = (b >> 3) & 15, man = b & 7;
+  float v;
+  if (exp == 15 && man == 7) return std::nanf("");
+  if (exp == 0)
+    v = std::ldexp(static_cast<float>(man), -9);
+  else
+    v = std::ldexp(static_cast<float>(8 + man), exp - 10);
+  return sign ? -v : v;
 }
 
 // A 16-bit element of type t (bf16 or f16) as fp32, and back, rounded once.

@@ -85,18 +85,6 @@ ffi::Error PlanFp8MatVec(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scal
 
 namespace {
 
-// float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities; S.1111.111 NaN.
-float E4m3ToF32(uint8_t b) {
-  const int sign = b >> 7, exp = (b >> 3) & 15, man = b & 7;
-  float v;
-  if (exp == 15 && man == 7) return std::nanf("");
-  if (exp == 0)
-    v = std::ldexp(static_cast<float>(man), -9);
-  else
-    v = std::ldexp(static_cast<float>(8 + man), exp - 10);
-  return sign ? -v : v;
-}
-
 float LoadX(Elem t, const void* p, int64_t i) {
   if (t == Elem::kF32) return static_cast<const float*>(p)[i];
   return cpu::HalfToF32(t, static_cast<const uint16_t*>(p)[i]);
@@ -131,7 +119,7 @@ void RunFp8MatVec(const Fp8MatVecCall& c) {
     for (int64_t k = 0; k < c.k; ++k) xm[k] = LoadX(c.elem, c.x, m * c.k + k);
     for (int64_t n = 0; n < c.n; ++n) {
       const uint8_t* w = c.w + (e * c.n + n) * c.k;
-      for (int64_t k = 0; k < c.k; ++k) wr[k] = E4m3ToF32(w[k]);
+      for (int64_t k = 0; k < c.k; ++k) wr[k] = cpu::E4m3ToF32(w[k]);
       const float* srow = c.scale + (e * c.sn + n / c.block_n) * c.sk;
       float total = 0.0f;
       for (int64_t s = 0; s < c.ksplit; ++s) {

@@ -1,0 +1,309 @@
+// The Llama step's checks (PlanLlamaStep: both backends run them), its workspace layout and
+// its CPU backend: the phases of llama_step.h in plain loops, each GEMV in fp8_matvec's
+// summation order (the CUDA kernel's bits), each norm's sum of squares in the kernel's block
+// order; the attention in one pass per head (the kernel splits it: not the same bits).
+#include "step/llama_step.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "allreduce/plan.h"
+#include "core/cpu_numbers.h"
+#include "targets.h"
+
+namespace ffi = xla::ffi;
+
+namespace sifar {
+namespace step {
+
+int Shape::max_k() const { return std::max(std::max(hidden, q_dim()), ffn); }
+
+Workspace StepWorkspace(const Shape& s) {
+  auto up = [](size_t v) { return (v + 255) / 256 * 256; };
+  Workspace w;
+  w.counter_bytes = up(4 * (1 + static_cast<size_t>(s.layers) * s.kv_heads));
+  w.counters = 0;
+  w.qkv = w.counter_bytes;
+  w.attn = w.qkv + up(2 * static_cast<size_t>(s.qkv_rows()));
+  w.act = w.attn + up(2 * static_cast<size_t>(s.q_dim()));
+  w.resid = w.act + up(2 * static_cast<size_t>(s.ffn));
+  w.part = w.resid + up(2 * static_cast<size_t>(s.hidden));
+  w.total = w.part + up(4 * static_cast<size_t>(s.kv_heads) * kMaxSplits * s.group *
+                        (kHeadDim + 2));
+  return w;
+}
+
+namespace {
+
+std::string Dims(ffi::AnyBuffer b) {
+  std::string s = "[";
+  for (int64_t d : b.dimensions()) s += (s.size() > 1 ? ", " : "") + std::to_string(d);
+  return s + "]";
+}
+
+bool HasDims(ffi::AnyBuffer b, std::initializer_list<int64_t> want) {
+  auto d = b.dimensions();
+  if (d.size() != want.size()) return false;
+  size_t i = 0;
+  for (int64_t w : want)
+    if (d[i++] != w) return false;
+  return true;
+}
+
+const char* kProjNames[4] = {"qkv", "o", "gate_up", "down"};
+
+}  // namespace
+
+ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuffer cache,
+                         ffi::AnyBuffer work, int64_t layers, int64_t kv_heads, int64_t group,
+                         float eps, StepCall* call) {
+  const std::string name = "llama_step: ";
+  if (layers < 1 || layers > kMaxLayers)
+    return Invalid(name + "layers must be in [1, " + std::to_string(kMaxLayers) + "], got " +
+                   std::to_string(layers));
+  if (kv_heads < 1 || group < 1 || group > kMaxGroup)
+    return Invalid(name + "kv_heads >= 1 and group in [1, " + std::to_string(kMaxGroup) +
+                   "] needed, got " + std::to_string(kv_heads) + ", " + std::to_string(group));
+  const size_t want = kLeadOperands + kOperandsPerLayer * layers + 1;
+  if (args.size() != want)
+    return Invalid(name + "expected " + std::to_string(want) + " operands for " +
+                   std::to_string(layers) + " layers, got " + std::to_string(args.size()));
+  auto arg = [&](size_t i) { return args.get<ffi::AnyBuffer>(i).value(); };
+  ffi::AnyBuffer x = arg(0), rope = arg(1), pos = arg(2), fnorm = arg(3);
+  ffi::AnyBuffer cache_in = arg(want - 1);
+  StepCall& c = *call;
+  Shape& s = c.shape;
+  if (x.element_type() != ffi::DataType::BF16 || x.dimensions().size() != 1)
+    return Invalid(name + "x must be bf16 [H], got " + Dims(x));
+  s.hidden = static_cast<int>(x.dimensions()[0]);
+  s.kv_heads = static_cast<int>(kv_heads);
+  s.group = static_cast<int>(group);
+  s.layers = static_cast<int>(layers);
+  s.eps = eps;
+  if (s.hidden % 16) return Invalid(name + "H must be a multiple of 16");
+  if (rope.element_type() != ffi::DataType::F32 || !HasDims(rope, {2, kHeadDim}))
+    return Invalid(name + "rope must be float32 [2, " + std::to_string(kHeadDim) + "], got " +
+                   Dims(rope));
+  if (pos.element_type() != ffi::DataType::S32 || !HasDims(pos, {2}))
+    return Invalid(name + "pos must be int32 [2] (slot, first slot), got " + Dims(pos));
+  if (fnorm.element_type() != ffi::DataType::BF16 || !HasDims(fnorm, {s.hidden}))
+    return Invalid(name + "final_norm must be bf16 [H], got " + Dims(fnorm));
+  // The FFN width from the first gate_up.
+  ffi::AnyBuffer gu0 = arg(kLeadOperands + 6);
+  if (gu0.dimensions().size() != 2)
+    return Invalid(name + "gate_up must be [2F, H], got " + Dims(gu0));
+  s.ffn = static_cast<int>(gu0.dimensions()[0] / 2);
+  if (s.ffn % 16 || s.q_dim() % 16) return Invalid(name + "F and the heads' width must be multiples of 16");
+  const int64_t ns[4] = {s.qkv_rows(), s.hidden, 2 * static_cast<int64_t>(s.ffn), s.hidden};
+  const int64_t ks[4] = {s.hidden, s.q_dim(), s.hidden, s.ffn};
+  c.layers.resize(layers);
+  for (int64_t l = 0; l < layers; ++l) {
+    const size_t b = kLeadOperands + kOperandsPerLayer * l;
+    LayerWeights& L = c.layers[l];
+    const std::string at = name + "layer " + std::to_string(l) + " ";
+    ffi::AnyBuffer in_norm = arg(b), post_norm = arg(b + 5);
+    for (ffi::AnyBuffer nb : {in_norm, post_norm})
+      if (nb.element_type() != ffi::DataType::BF16 || !HasDims(nb, {s.hidden}))
+        return Invalid(at + "norm scales must be bf16 [H], got " + Dims(nb));
+    L.input_norm = static_cast<const uint16_t*>(in_norm.untyped_data());
+    L.post_norm = static_cast<const uint16_t*>(post_norm.untyped_data());
+    const size_t wi[4] = {b + 1, b + 3, b + 6, b + 8};
+    const uint8_t** wp[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
+    const float** sp[4] = {&L.qkv_scale, &L.o_scale, &L.gate_up_scale, &L.down_scale};
+    L.scale_per_channel = 0;
+    for (int p = 0; p < 4; ++p) {
+      ffi::AnyBuffer w = arg(wi[p]), sc = arg(wi[p] + 1);
+      if (w.element_type() != ffi::DataType::F8E4M3FN || !HasDims(w, {ns[p], ks[p]}))
+        return Invalid(at + kProjNames[p] + " must be float8_e4m3fn [" + std::to_string(ns[p]) +
+                       ", " + std::to_string(ks[p]) + "], got " + Dims(w));
+      if (sc.element_type() != ffi::DataType::F32 ||
+          (sc.element_count() != 1 && sc.element_count() != ns[p]))
+        return Invalid(at + kProjNames[p] + "'s scale must be float32 with 1 (per tensor) or " +
+                       std::to_string(ns[p]) + " (per channel) values, got " + Dims(sc));
+      if (reinterpret_cast<uintptr_t>(w.untyped_data()) % 16)
+        return Invalid(at + kProjNames[p] + " must be 16-byte aligned");
+      *wp[p] = static_cast<const uint8_t*>(w.untyped_data());
+      *sp[p] = static_cast<const float*>(sc.untyped_data());
+      if (sc.element_count() == ns[p] && ns[p] > 1) L.scale_per_channel |= 1u << p;
+    }
+  }
+  auto cd = cache_in.dimensions();
+  if (cache_in.element_type() != ffi::DataType::BF16 || cd.size() != 6 || cd[0] != layers ||
+      cd[1] != 2 || cd[2] != 1 || cd[3] != kv_heads || cd[5] != kHeadDim)
+    return Invalid(name + "cache must be bf16 [layers, 2, 1, kv_heads, S, " +
+                   std::to_string(kHeadDim) + "] (bhsd, batch 1), got " + Dims(cache_in));
+  s.capacity = static_cast<int>(cd[4]);
+  if (cache.size_bytes() != cache_in.size_bytes()) return Invalid(name + "cache result size");
+  if (h.element_type() != ffi::DataType::BF16 || !HasDims(h, {s.hidden}))
+    return Invalid(name + "h must be bf16 [H], got " + Dims(h));
+  c.ws = StepWorkspace(s);
+  if (work.size_bytes() != c.ws.total)
+    return Invalid(name + "the workspace must be " + std::to_string(c.ws.total) + " bytes, got " +
+                   std::to_string(work.size_bytes()));
+  c.x = static_cast<const uint16_t*>(x.untyped_data());
+  c.rope = static_cast<const float*>(rope.untyped_data());
+  c.pos = static_cast<const int32_t*>(pos.untyped_data());
+  c.final_norm = static_cast<const uint16_t*>(fnorm.untyped_data());
+  c.cache_in = static_cast<const uint16_t*>(cache_in.untyped_data());
+  c.cache = static_cast<uint16_t*>(cache.untyped_data());
+  c.cache_bytes = cache.size_bytes();
+  c.h = static_cast<uint16_t*>(h.untyped_data());
+  c.work = static_cast<uint8_t*>(work.untyped_data());
+  return ffi::Error::Success();
+}
+
+}  // namespace step
+
+namespace {
+
+using cpu::Bf16ToF32;
+using cpu::F32ToBf16;
+using step::kHeadDim;
+using step::kThreads;
+
+float Rb(float v) { return Bf16ToF32(F32ToBf16(v)); }  // rounded to bf16
+
+// The kernel's sum of squares: thread t adds the quads t, t + 256, ... (each quad's 4 in
+// order, fma); each warp's lanes by a butterfly (lane 0's value); the 8 warps' values in order.
+float SumSquares(const std::vector<float>& v) {
+  float t[kThreads] = {};
+  for (size_t j = 0; j < v.size(); ++j) {
+    float& a = t[(j / 4) % kThreads];
+    a = std::fma(v[j], v[j], a);
+  }
+  float total = 0.0f;
+  for (int w = 0; w < kThreads / 32; ++w) {
+    float* lane = t + 32 * w;
+    for (int off = 16; off >= 1; off /= 2)
+      for (int i = 0; i < off; ++i) lane[i] = lane[i] + lane[i + off];
+    total += lane[0];
+  }
+  return total;
+}
+
+// x [H] (as floats) -> bf16(bf16(x * inv) * scale) as floats.
+std::vector<float> Norm(const std::vector<float>& x, const uint16_t* scale, float eps) {
+  const float inv = 1.0f / std::sqrt(SumSquares(x) / static_cast<float>(x.size()) + eps);
+  std::vector<float> y(x.size());
+  for (size_t j = 0; j < x.size(); ++j) y[j] = Rb(Rb(x[j] * inv) * Bf16ToF32(scale[j]));
+  return y;
+}
+
+// One output row: fp8_matvec's lanes-32 order (chunks of 16, lane l takes chunks l + 32 i,
+// the lanes added by a butterfly), times the row's scale.
+float Row(const uint8_t* w, int k, const std::vector<float>& x, float scale) {
+  float lane[32] = {};
+  for (int ch = 0; ch < k / 16; ++ch) {
+    float p = 0.0f;
+    for (int j = 0; j < 16; ++j) p = std::fma(x[16 * ch + j], cpu::E4m3ToF32(w[16 * ch + j]), p);
+    lane[ch % 32] = lane[ch % 32] + p;
+  }
+  for (int off = 16; off >= 1; off /= 2)
+    for (int i = 0; i < off; ++i) lane[i] = lane[i] + lane[i + off];
+  return lane[0] * scale;
+}
+
+std::vector<float> Gemv(const uint8_t* w, const float* s, bool per_channel, int n, int k,
+                        const std::vector<float>& x) {
+  std::vector<float> y(n);
+  for (int r = 0; r < n; ++r)
+    y[r] = Rb(Row(w + static_cast<size_t>(r) * k, k, x, per_channel ? s[r] : s[0]));
+  return y;
+}
+
+void RunLlamaStep(const step::StepCall& c) {
+  const step::Shape& s = c.shape;
+  const int H = s.hidden, D = kHeadDim, G = s.group, KV = s.kv_heads, F = s.ffn, S = s.capacity;
+  const int pos = c.pos[0], start = c.pos[1];
+  if (c.cache != c.cache_in) std::memcpy(c.cache, c.cache_in, c.cache_bytes);
+  std::vector<float> resid(H);
+  for (int j = 0; j < H; ++j) resid[j] = Bf16ToF32(c.x[j]);
+  auto slot = [&](int l, int kv01, int h, int j) {
+    return c.cache + ((((static_cast<size_t>(l) * 2 + kv01) * KV + h) * S + j) * D);
+  };
+  auto rope = [&](const float* v, float* out) {
+    for (int d = 0; d < D; ++d) {
+      const float rot = d < D / 2 ? -v[d + D / 2] : v[d - D / 2];
+      out[d] = Rb(v[d] * c.rope[d] + rot * c.rope[D + d]);
+    }
+  };
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  for (int l = 0; l < s.layers; ++l) {
+    const step::LayerWeights& L = c.layers[l];
+    const std::vector<float> xn = Norm(resid, L.input_norm, s.eps);
+    const std::vector<float> qkv = Gemv(L.qkv, L.qkv_scale, L.scale_per_channel & 1,
+                                        s.qkv_rows(), H, xn);
+    std::vector<float> att(s.q_dim());
+    for (int h = 0; h < KV; ++h) {
+      const float* base = qkv.data() + static_cast<size_t>(h) * (G + 2) * D;
+      std::vector<float> q(G * D), k(D), v(D);
+      for (int g = 0; g < G; ++g) rope(base + g * D, q.data() + g * D);
+      rope(base + G * D, k.data());
+      for (int d = 0; d < D; ++d) v[d] = base[(G + 1) * D + d];
+      for (int d = 0; d < D; ++d) {
+        slot(l, 0, h, pos)[d] = F32ToBf16(k[d]);
+        slot(l, 1, h, pos)[d] = F32ToBf16(v[d]);
+      }
+      for (int g = 0; g < G; ++g) {
+        std::vector<float> sc(pos + 1 - start);
+        float m = -INFINITY;
+        for (int j = start; j <= pos; ++j) {
+          const uint16_t* kj = slot(l, 0, h, j);
+          float dot = 0.0f;
+          for (int d = 0; d < D; ++d) dot += q[g * D + d] * Bf16ToF32(kj[d]);
+          sc[j - start] = dot * scale;
+          m = std::max(m, sc[j - start]);
+        }
+        float den = 0.0f;
+        std::vector<float> num(D, 0.0f);
+        for (int j = start; j <= pos; ++j) {
+          const float p = std::exp(sc[j - start] - m);
+          den += p;
+          const uint16_t* vj = slot(l, 1, h, j);
+          for (int d = 0; d < D; ++d) num[d] += p * Bf16ToF32(vj[d]);
+        }
+        for (int d = 0; d < D; ++d) att[(static_cast<size_t>(h) * G + g) * D + d] = Rb(num[d] / den);
+      }
+    }
+    const std::vector<float> o = Gemv(L.o, L.o_scale, L.scale_per_channel & 2, H, s.q_dim(), att);
+    for (int j = 0; j < H; ++j) resid[j] = Rb(resid[j] + o[j]);
+    const std::vector<float> xm = Norm(resid, L.post_norm, s.eps);
+    const std::vector<float> gu = Gemv(L.gate_up, L.gate_up_scale, L.scale_per_channel & 4,
+                                       2 * F, H, xm);
+    std::vector<float> act(F);
+    for (int j = 0; j < F; ++j) {
+      const float g = gu[j], u = gu[F + j];
+      act[j] = Rb(g / (1.0f + std::exp(-g)) * u);
+    }
+    const std::vector<float> dn = Gemv(L.down, L.down_scale, L.scale_per_channel & 8, H, F, act);
+    for (int j = 0; j < H; ++j) resid[j] = Rb(resid[j] + dn[j]);
+  }
+  const std::vector<float> out = Norm(resid, c.final_norm, s.eps);
+  for (int j = 0; j < H; ++j) c.h[j] = F32ToBf16(out[j]);
+}
+
+ffi::Error CpuLlamaStepImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> h,
+                            ffi::Result<ffi::AnyBuffer> cache, ffi::Result<ffi::AnyBuffer> work,
+                            int64_t layers, int64_t kv_heads, int64_t group, float eps) {
+  step::StepCall call;
+  ffi::Error err = step::PlanLlamaStep(args, *h, *cache, *work, layers, kv_heads, group, eps,
+                                       &call);
+  if (err.failure()) return err;
+  const int pos = call.pos[0], start = call.pos[1];
+  if (pos < 0 || pos >= call.shape.capacity || start < 0 || start > pos)
+    return Invalid("llama_step: slot " + std::to_string(pos) + " (first slot " +
+                   std::to_string(start) + ") outside the cache's " +
+                   std::to_string(call.shape.capacity) + " slots");
+  RunLlamaStep(call);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuLlamaStep, CpuLlamaStepImpl,
+                              WithLlamaStepOperands(ffi::Ffi::Bind()));
+
+}  // namespace sifar

@@ -1,0 +1,120 @@
+// The batch-1 decode step of a Llama-family model with FP8 weights as ONE op: every layer's
+// RMSNorm, qkv, RoPE, KV-cache write, attention, o, residual add, RMSNorm, gate_up, SwiGLU,
+// down, residual add, then the final norm. On CUDA it is one cooperative launch (a
+// persistent kernel: one grid, grid barriers between the phases, no kernel boundary inside
+// the step); on the CPU a reference that runs the same phases in order. The LM head stays
+// outside (XLA's dot or fp8_matvec on the returned hidden state).
+//
+// Operands (dtypes checked by PlanLlamaStep):
+//   x [H] bf16 (the token's embedding), rope [2, D] f32 (cos, sin at the token's rotary
+//   position), pos [2] int32 (the cache slot written, the first slot attended), final_norm
+//   [H] bf16, then per layer 10 arrays: input_norm [H], qkv [Nqkv, H] e4m3 + scale, o [H, Q]
+//   e4m3 + scale, post_norm [H], gate_up [2F, H] e4m3 (gate rows, then up rows) + scale, down
+//   [H, F] e4m3 + scale, each scale float32 per output channel [N] or per tensor [1]; last the
+//   cache [L, 2, 1, kv, S, D] bf16 ("bhsd"), updated in place (result 1 aliases it).
+//   qkv's rows per KV head h: its `group` query heads, then its key, then its value (D rows
+//   each, models/attention.py's layout); o's K follows the heads in (kv head, group) order.
+// Results: h [H] bf16 = final_norm(residual stream after the last layer), the cache, and a
+//   workspace (StepWorkspace) whose counters the op zeroes before each launch.
+//
+// Numerics: the GEMVs are fp8_matvec's (lanes 32, no K split: the same bits as
+// sifar_jax.fp8_matvec); activations are rounded to bf16 where the XLA decoder rounds them
+// (each projection's output, the residual stream, the norms' scaled values, the roped q and k,
+// the attention output, the SwiGLU product); the attention's softmax is a float32 split-K
+// (flash-decoding) merge, whose probabilities are not rounded to bf16 (the XLA decoder rounds
+// them): the two agree within bf16 rounding, not bit for bit.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__CUDACC__)
+#define SIFAR_STEP_HD __host__ __device__  // the kernel reads the shape too
+#else
+#define SIFAR_STEP_HD
+#endif
+
+namespace sifar {
+namespace step {
+
+constexpr int kOperandsPerLayer = 10;
+constexpr int kLeadOperands = 4;     // x, rope, pos, final_norm
+constexpr int kHeadDim = 128;        // D: the kernel's lanes hold D / 32 dims each
+constexpr int kMaxGroup = 8;         // query heads per KV head
+constexpr int kMaxSplits = 64;       // key ranges one KV head's attention is split into
+constexpr int kMaxLayers = 128;
+constexpr int kThreads = 256;
+
+// One layer's weights (device or host pointers). scale_per_channel bit p: projection p's
+// (0 qkv, 1 o, 2 gate_up, 3 down) scale has one value per output row, else one per tensor.
+struct LayerWeights {
+  const uint16_t* input_norm;
+  const uint8_t* qkv;
+  const float* qkv_scale;
+  const uint8_t* o;
+  const float* o_scale;
+  const uint16_t* post_norm;
+  const uint8_t* gate_up;
+  const float* gate_up_scale;
+  const uint8_t* down;
+  const float* down_scale;
+  uint32_t scale_per_channel;
+};
+
+struct Shape {
+  int hidden = 0, kv_heads = 0, group = 0, ffn = 0, layers = 0, capacity = 0;
+  float eps = 1e-5f;
+  SIFAR_STEP_HD int qkv_rows() const { return kv_heads * (group + 2) * kHeadDim; }
+  SIFAR_STEP_HD int q_dim() const { return kv_heads * group * kHeadDim; }
+  int max_k() const;  // the widest projection input (shared memory per block)
+};
+
+// Byte offsets into the workspace (each 256-aligned): the barrier and per-head attention
+// counters (zeroed by the op), qkv's output, the attention output, the SwiGLU output, the
+// residual stream, the attention's per-split partials [kv][kMaxSplits][group][D + 2] f32.
+struct Workspace {
+  size_t counters = 0, qkv = 0, attn = 0, act = 0, resid = 0, part = 0, total = 0;
+  size_t counter_bytes = 0;
+};
+Workspace StepWorkspace(const Shape& s);
+
+struct StepCall {
+  Shape shape;
+  const uint16_t* x = nullptr;
+  const float* rope = nullptr;
+  const int32_t* pos = nullptr;
+  const uint16_t* final_norm = nullptr;
+  const uint16_t* cache_in = nullptr;
+  uint16_t* cache = nullptr;
+  size_t cache_bytes = 0;
+  uint16_t* h = nullptr;
+  uint8_t* work = nullptr;
+  Workspace ws;
+  std::vector<LayerWeights> layers;
+};
+
+// Checks every operand (dtype, shape, alignment) against the attributes; fills *call.
+xla::ffi::Error PlanLlamaStep(xla::ffi::RemainingArgs args, xla::ffi::AnyBuffer h,
+                              xla::ffi::AnyBuffer cache, xla::ffi::AnyBuffer work,
+                              int64_t layers, int64_t kv_heads, int64_t group, float eps,
+                              StepCall* call);
+
+}  // namespace step
+
+template <typename Binding>
+auto WithLlamaStepOperands(Binding binding) {
+  return std::move(binding)
+      .RemainingArgs()                        // x, rope, pos, final_norm, 10 per layer, cache
+      .template Ret<xla::ffi::AnyBuffer>()    // h [H] bf16
+      .template Ret<xla::ffi::AnyBuffer>()    // the cache (aliases the last operand)
+      .template Ret<xla::ffi::AnyBuffer>()    // workspace (uint8)
+      .template Attr<int64_t>("layers")
+      .template Attr<int64_t>("kv_heads")
+      .template Attr<int64_t>("group")
+      .template Attr<float>("eps");
+}
+
+}  // namespace sifar

@@ -1,0 +1,147 @@
+"""The persistent decode step (DecodeOptions(step="persistent")): a Llama model's batch-1 step
+of one token as ONE op, sifar_jax.llama_step (on CUDA GPUs one cooperative launch of a
+persistent kernel, no kernel boundary between the layers), then the LM head in XLA (or
+fp8_matvec for an FP8 head).
+
+It serves what its kernel serves: the Llama family, TP=1, batch 1, the "bhsd" cache in bf16,
+FP8 projections with per-channel or per-tensor scales, head_dim 128, 1-4 or 8 query heads per
+KV head. Anything else (and any GPU-less platform, where the op's CPU handler is a reference,
+not a speed-up) runs the XLA step; `reason` says why, and the decoder logs it once.
+Prefills and chunks of several tokens always run the XLA forward. The two steps write the same
+cache: a decoder may switch between them at any token.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from .attention import rope_cos_sin, rope_inv_freq
+from .quant import Fp8Weight
+from .tp import project
+
+log = logging.getLogger(__name__)
+
+KERNEL_GROUPS = (1, 2, 3, 4, 8)  # query heads per KV head the kernel is built for
+_LOGGED: set = set()  # the reasons logged so far (once each)
+_PROJECTIONS = (("attn", "qkv"), ("attn", "o"), ("mlp", "gate_up"), ("mlp", "down"))
+
+
+def backend_reason(mesh: Mesh) -> Optional[str]:
+    """None on a CUDA GPU with sifar_jax's CUDA backend, else why not. (Tests replace it to run
+    the step through the op's CPU reference.)"""
+    import sifar_jax
+
+    platform = mesh.devices.flat[0].platform
+    if platform != "gpu":
+        return f"the persistent step is a CUDA kernel; this mesh is on {platform!r}"
+    if "cuda" not in sifar_jax._ext.PLATFORMS:
+        return "sifar_jax was built without its CUDA backend"
+    return None
+
+
+def reason(family, layout, mesh: Mesh, options, params: Any) -> Optional[str]:
+    """None when the persistent step can run this decoder, else why not (one sentence)."""
+    import sifar_jax
+
+    c = layout.config
+    why = backend_reason(mesh)
+    if why:
+        return why
+    if family.name != "llama":
+        return f"the persistent step is the Llama family's; this model is {family.name!r}"
+    if layout.tp != 1:
+        return (f"tp={layout.tp}: the persistent step with the all-reduce inside it (SiFAR as a "
+                f"phase of the kernel) is not built yet; it runs at tp=1")
+    if options.batch_size != 1:
+        return f"batch_size={options.batch_size}: the persistent step decodes one sequence"
+    if options.kv_layout != "bhsd":
+        return f"kv_layout={options.kv_layout!r}: the persistent step reads the 'bhsd' cache"
+    if jnp.dtype(c.dtype) != jnp.bfloat16:
+        return f"dtype={c.dtype}: the persistent step's activations and cache are bfloat16"
+    if c.head_dim != sifar_jax.decode_step.HEAD_DIM:
+        return f"head_dim={c.head_dim}: the kernel is built for {sifar_jax.decode_step.HEAD_DIM}"
+    if c.group_size not in KERNEL_GROUPS:
+        return f"{c.group_size} query heads per KV head: the kernel is built for {KERNEL_GROUPS}"
+    if c.num_layers > sifar_jax.decode_step.MAX_LAYERS:
+        return f"{c.num_layers} layers: the kernel takes at most {sifar_jax.decode_step.MAX_LAYERS}"
+    if c.hidden_size % 16 or c.intermediate_size % 16:
+        return "hidden_size and intermediate_size must be multiples of 16 (the FP8 GEMV's unit)"
+    layers = params.get("layers", {})
+    for i in range(c.num_layers):
+        for group, name in _PROJECTIONS:
+            w = layers[i][group][name]
+            if not isinstance(w, Fp8Weight):
+                return (f"layer {i} {group}.{name} is {jnp.dtype(w.dtype).name}: the persistent "
+                        f"step streams FP8 weights (load with quantize='fp8' or an FP8 "
+                        f"checkpoint); bf16 weights run the XLA step")
+            if not (w.scale.size == 1 or (w.block[0] == 1 and w.scale.shape[-1] == 1)):
+                return (f"layer {i} {group}.{name} has block scales {w.block}: the persistent "
+                        f"step takes per-channel or per-tensor scales")
+    return None
+
+
+def _layer_operands(block) -> "sifar_jax.LlamaLayer":
+    import sifar_jax
+
+    def proj(w: Fp8Weight):
+        q2, s2, _ = w.kernel_operands()
+        return q2, s2.reshape(-1).astype(jnp.float32)
+
+    qkv, qkv_s = proj(block.attn.qkv[...])
+    o, o_s = proj(block.attn.o[...])
+    gu, gu_s = proj(block.mlp.gate_up[...])
+    dn, dn_s = proj(block.mlp.down[...])
+    return sifar_jax.LlamaLayer(block.input_norm.weight[...], qkv, qkv_s, o, o_s,
+                                block.post_norm.weight[...], gu, gu_s, dn, dn_s)
+
+
+def make_step_forward(family, layout, options):
+    """forward(params, cache, tokens [1, 1], positions [1], ar, start=None) -> (logits [1, 1,
+    vocab] float32, cache, ar), the XLA forward's contract for one token, as the persistent
+    step (check `reason` first)."""
+    import sifar_jax
+
+    c = layout.config
+    graphdef, _ = family.abstract_model(layout.shapes)
+    inv_freq = rope_inv_freq(c)
+
+    def forward(params, cache, tokens, positions, ar, start=None):
+        model = nnx.merge(graphdef, params)
+        pos = positions[0].astype(jnp.int32)
+        first = jnp.int32(0) if start is None else start[0].astype(jnp.int32)
+        cos, sin = rope_cos_sin((pos - first)[None], inv_freq)
+        x = jnp.take(model.embed[...], tokens[0, 0], axis=0)
+        h, cache = sifar_jax.llama_step(
+            x, jnp.concatenate([cos, sin]), jnp.stack([pos, first]), model.norm.weight[...],
+            [_layer_operands(b) for b in model.layers], cache, kv_heads=c.num_kv_heads,
+            group=c.group_size, eps=c.rms_norm_eps)
+        h = h[None, None]
+        if c.tie_word_embeddings:
+            logits = project("bth,vh->btv", h, model.embed[...], options.gemm_rows,
+                             preferred_element_type=jnp.float32)
+        else:
+            logits = project("bth,hv->btv", h, model.lm_head[...], options.gemm_rows,
+                             preferred_element_type=jnp.float32)
+        return logits, cache, ar
+
+    return forward
+
+
+def step_forward_or_none(family, layout, mesh: Mesh, options, params: Any):
+    """The persistent one-token forward when options.step asks for it and `reason` allows it;
+    None otherwise (logged once per forward made, with the reason)."""
+    if getattr(options, "step", "xla") != "persistent":
+        return None
+    params = params if params is not None else family.abstract_model(layout.shapes)[1]
+    why = reason(family, layout, mesh, options, params)
+    if why:
+        if why not in _LOGGED:
+            _LOGGED.add(why)
+            log.warning("step='persistent' runs the XLA step: %s", why)
+        return None
+    return make_step_forward(family, layout, options)

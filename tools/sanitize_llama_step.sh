@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# compute-sanitizer's memcheck, racecheck and synccheck on sifar_jax.llama_step's persistent
+# kernel (ffi/step/cuda_llama_step.cu), one GPU: 2 layers of a small Llama (hidden 256, 2 KV
+# heads of 4 query heads, FFN 512, FP8 per-channel and per-tensor scales), a cache of 16384
+# slots, at slots 0, 63, 64, 1023 and 16383 (one key range per head up to every range the grid
+# holds), and one left-padded (first slot 40). Every buffer is its own allocation
+# (XLA_PYTHON_CLIENT_ALLOCATOR=platform), so memcheck sees an access past any of them.
+#   bash tools/sanitize_llama_step.sh    (from any directory; sifar-jax installed, or built into src/)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="${PYTHONPATH:-}:src:." XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="--xla_gpu_enable_command_buffer="
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+read -r -d '' CODE <<'PY'
+import jax, jax.numpy as jnp, numpy as np
+import sifar_jax
+rng = np.random.default_rng(0)
+H, KV, G, F, L, S = 256, 2, 4, 512, 2, 16384
+def w(n, k):
+    return jnp.asarray(np.clip(rng.standard_normal((n, k)) * 100, -448, 448), jnp.float8_e4m3fn)
+def s(n, k, per_channel=True):
+    return jnp.asarray(rng.uniform(0.5, 2, (n if per_channel else 1,)) / (100 * k ** 0.5), jnp.float32)
+norm = lambda: jnp.asarray(rng.uniform(0.5, 1.5, H), jnp.bfloat16)
+nq = KV * (G + 2) * 128
+layers = [sifar_jax.LlamaLayer(norm(), w(nq, H), s(nq, H, l == 0), w(H, KV * G * 128), s(H, KV * G * 128),
+                               norm(), w(2 * F, H), s(2 * F, H), w(H, F), s(H, F, l == 1)) for l in range(L)]
+x = jnp.asarray(rng.standard_normal(H), jnp.bfloat16)
+rope = jnp.asarray(np.stack([np.cos(np.arange(128)), np.sin(np.arange(128))]), jnp.float32)
+cache = jnp.asarray(rng.standard_normal((L, 2, 1, KV, S, 128)), jnp.bfloat16)
+f = jax.jit(lambda pos, cache: sifar_jax.llama_step(x, rope, pos, norm(), layers, cache,
+                                                    kv_heads=KV, group=G, eps=1e-5))
+for p, first in ((0, 0), (63, 0), (64, 0), (1023, 0), (16383, 0), (100, 40)):
+    h, cache = f(jnp.array([p, first], jnp.int32), cache)
+    assert np.isfinite(np.asarray(h, np.float32)).all(), p
+print("llama_step: 6 slots ran, outputs finite")
+PY
+. tools/sanitize_run.sh
+sanitize_python "$CODE"
