@@ -87,6 +87,10 @@ def _parser(algorithms: tuple, sifar_why: str | None) -> argparse.ArgumentParser
                    help="fp8: the projections (attention, MLP or experts, LM head) quantized to "
                         "e4m3 per output channel after the weights are made or loaded "
                         "(models/quantize.py); norms, embedding and router stay in --dtype")
+    p.add_argument("--step", default="xla", choices=("xla", "persistent"),
+                   help="persistent: each one-token step as one sifar_jax.llama_step call (a "
+                        "persistent kernel; Llama, TP=1, FP8 weights on a GPU; elsewhere the "
+                        "XLA step runs and says why)")
     p.add_argument("--max-seq-len", type=int, help="KV cache length (default: the request, "
                                                    "rounded up to a power of two)")
     p.add_argument("--seed", type=int, default=0, help="random weights, prompt and sampling")
@@ -342,7 +346,7 @@ def _decoder(args, family, config):
     try:
         options = DecodeOptions(allreduce=args.allreduce, algorithm=args.algorithm,
                                 fused=args.fused, slot_bytes=args.slot_bytes,
-                                max_seq_len=args.max_seq_len)
+                                max_seq_len=args.max_seq_len, step=args.step)
         return Decoder(config, mesh, params, options), weights_s, cache_dir
     except (ValueError, NotImplementedError) as e:
         raise UserError(str(e)) from None

@@ -606,3 +606,19 @@ def test_floor_note_names_the_baselines_or_says_none_ran():
     assert "rows none ran" not in none
     two = bd.floor_note({"baselines": ["sifar:oneshot", "sifar:twoshot"]})
     assert "the in-decoder rows sifar:oneshot or sifar:twoshot at the same TP" in two
+
+
+def test_decode_step_both_labels_the_step_that_ran(tmp_path):
+    """bench.decode --step both: a 'persistent' row beside psum's at TP=1; on a CPU the
+    persistent step cannot run, so its record says the XLA step ran ("step": "xla")."""
+    cmd = [sys.executable, "-m", "bench.decode", "--quick", "--tp", "1", "--batch", "1",
+           "--context", "256", "--loops", "pipelined", "--no-sweep", "--allreduce", "psum",
+           "--fused", "off", "--baselines", "none", "--no-trace", "--step", "both",
+           "--weights", "fp8", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (json_path,) = tmp_path.glob("decode-*.json")
+    by = {rec["allreduce"]: rec for rec in json.loads(json_path.read_text())}
+    assert set(by) == {"psum", "persistent"}
+    assert by["psum"]["step"] == "xla" and by["persistent"]["step"] == "xla"
+    assert by["persistent"]["generated"] == by["psum"]["generated"]

@@ -175,6 +175,20 @@ def test_quantize_fp8_decodes_with_fp8_weights(capsys, monkeypatch):
     assert asked and asked[0][-1] == "fp8"
 
 
+def test_step_persistent_on_a_cpu_runs_the_xla_step_and_says_why(capsys, caplog, monkeypatch):
+    """--step persistent where the kernel cannot run (a CPU): the request still completes, on
+    the XLA step, and the reason is logged."""
+    from models import persistent
+
+    monkeypatch.setattr(persistent, "_LOGGED", set())
+    with caplog.at_level("WARNING", logger="models.persistent"):
+        assert generate.main(["--tokens", "4", "--quantize", "fp8", "--step", "persistent",
+                              "--no-warmup"]) == 0
+    assert "step='persistent' runs the XLA step" in caplog.text
+    out = capsys.readouterr().out
+    assert len([ln for ln in out.splitlines() if ln.startswith("tokens:")][0].split()) == 1 + 4
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_every_loop_prints_its_tokens_once_and_a_true_time_per_token(capsys, loop):
     assert generate.main(["--tp", "2", "--tokens", "12", "--loop", loop, "--seed", "3"]) == 0

@@ -94,6 +94,22 @@ def test_persistent_writes_the_xla_cache(fp8_model, cpu_reference):
     assert np.abs(ka - kb).max() <= BOUND * np.abs(ka).max()
 
 
+def test_nothing_compiles_after_warmup(fp8_model, cpu_reference, monkeypatch):
+    """Decoder.warmup compiles the persistent step with the rest: requests within its limits
+    compile nothing more and trace no further step."""
+    cfg, mesh, params = fp8_model
+    calls = _traced_steps(monkeypatch)
+    dec = _decoder(cfg, mesh, params, "persistent")
+    dec.warmup(8, 24, loops=("stream",))
+    traced = len(calls)
+    assert traced
+    rng = np.random.default_rng(1)
+    for n in (3, 8):
+        toks = list(dec.stream(rng.integers(0, cfg.vocab_size, n, dtype=np.int32), 24))
+        assert len(toks) == 24
+    assert dec.compiles_after_warmup == 0 and len(calls) == traced
+
+
 @pytest.mark.parametrize("change, words", [
     (dict(weights="bf16"), "bf16 weights run the XLA step"),
     (dict(kv_layout="bshd"), "'bhsd' cache"),
