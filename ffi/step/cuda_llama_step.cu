@@ -40,7 +40,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kU = 8;                        // 16-byte loads per lane per batch
 // Keys one block's range takes at least (a range's merge costs an L2 round trip per range).
 constexpr int kKeysPerSplit = 64;
-constexpr long long kSpinLimit = 1ll << 30;  // ~seconds of polling: a lost block traps
+constexpr long long kSpinLimit = 1ll << 30;  // polls (~0.3-0.5 us each: minutes): a lost block traps
 
 struct Params {
   step::Shape s;
