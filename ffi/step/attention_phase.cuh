@@ -1,0 +1,177 @@
+// The decode attention as a phase of the persistent step: RoPE, the new slot written, each KV
+// head's keys split into ranges (one block each, an online softmax in float32), the head's last
+// block merging the ranges in order. StepParams: the kernel's parameters (s, qkv, rope, cache,
+// part, counters, attn, score_scale).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "step/device_math.cuh"
+
+namespace sifar {
+namespace cuda {
+namespace phase {
+
+// Keys one block's range takes at least (a range's merge costs an L2 round trip per range).
+constexpr int kKeysPerSplit = 64;
+
+template <class StepParams>
+__device__ __forceinline__ bf16* Slot(const StepParams& P, int l, int kv01, int h, int j) {
+  const step::Shape& s = P.s;
+  return P.cache + ((((static_cast<size_t>(l) * 2 + kv01) * s.kv_heads + h) * s.capacity + j) *
+                    kHeadDim);
+}
+
+// How a layer's attention splits each KV head's keys [start, pos]: nsplit ranges of `per`
+// keys (the last shorter), one block each, every range at least kKeysPerSplit keys long.
+__device__ __forceinline__ void SplitKeys(int kv, int pos, int start, int* nsplit, int* per) {
+  const int nkeys = pos + 1 - start;
+  int n = min(min(kMaxSplits, max(1, static_cast<int>(gridDim.x) / kv)),
+              (nkeys + kKeysPerSplit - 1) / kKeysPerSplit);
+  n = max(n, 1);
+  *per = (nkeys + n - 1) / n;
+  *nsplit = (nkeys + *per - 1) / *per;  // no empty range
+}
+
+// The attention of layer l for every query head (llama_step.h); sm: the block's shared
+// memory (its GEMV input is dead here).
+template <int G, class StepParams>
+__device__ __forceinline__ void Attention(const StepParams& P, int l, float* sm, int* flag, int pos,
+                                          int start) {
+  const int KV = P.s.kv_heads, D = kHeadDim, DP = D + 2;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int nsplit, per;
+  SplitKeys(KV, pos, start, &nsplit, &per);
+  float* qf = sm;              // [G][D] roped queries
+  float* kn = qf + G * D;      // [D] the new key (roped), [D] the new value
+  float* vn = kn + D;
+  float* wp = vn + D;          // [warps][G][D + 2]: each warp's acc, max, sum
+  const float* cs = P.rope;
+  for (int item = blockIdx.x; item < KV * nsplit; item += gridDim.x) {
+    const int h = item / nsplit, sp = item % nsplit;
+    const bf16* base = P.qkv + static_cast<size_t>(h) * (G + 2) * D;
+    for (int idx = threadIdx.x; idx < (G + 2) * D; idx += kThreads) {
+      const int row = idx / D, d = idx % D;
+      const float v = LoadBf(base + idx);
+      float val = v;
+      if (row <= G) {
+        const float rot = d < D / 2 ? -LoadBf(base + idx + D / 2) : LoadBf(base + idx - D / 2);
+        val = Rb(__fadd_rn(__fmul_rn(v, __ldg(cs + d)), __fmul_rn(rot, __ldg(cs + D + d))));
+      }
+      (row < G ? qf + row * D : row == G ? kn : vn)[d] = val;
+    }
+    __syncthreads();
+    if (sp == nsplit - 1) {  // the range holding the new slot writes it, then reads it back
+      for (int d = threadIdx.x; d < D; d += kThreads) {
+        Slot(P, l, 0, h, pos)[d] = __float2bfloat16_rn(kn[d]);
+        Slot(P, l, 1, h, pos)[d] = __float2bfloat16_rn(vn[d]);
+      }
+      __syncthreads();  // the block's own global writes, visible to its L2 reads below
+    }
+    const int j0 = start + sp * per, j1 = min(j0 + per, pos + 1);
+    float m[G], ls[G], acc[G][4];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      m[g] = -INFINITY, ls[g] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[g][i] = 0.0f;
+    }
+    // kKeys keys per warp per round, their loads issued together (latency, not bandwidth,
+    // bounds this loop); a key past the range scores -inf.
+    constexpr int kKeys = G >= 8 ? 1 : G >= 4 ? 2 : 4;
+    const bf16* kbase = Slot(P, l, 0, h, 0);
+    const bf16* vbase = Slot(P, l, 1, h, 0);
+    for (int j = j0 + warp; j < j1; j += kWarps * kKeys) {
+      uint2 kw[kKeys], vw[kKeys];
+#pragma unroll
+      for (int u = 0; u < kKeys; ++u) {
+        const int jj = min(j + u * kWarps, j1 - 1);
+        kw[u] = __ldcg(reinterpret_cast<const uint2*>(kbase + static_cast<size_t>(jj) * D) + lane);
+        vw[u] = __ldcg(reinterpret_cast<const uint2*>(vbase + static_cast<size_t>(jj) * D) + lane);
+      }
+#pragma unroll
+      for (int u = 0; u < kKeys; ++u) {
+        const bool live = j + u * kWarps < j1;
+        const float kf[4] = {__uint_as_float(kw[u].x << 16), __uint_as_float(kw[u].x & 0xffff0000u),
+                             __uint_as_float(kw[u].y << 16), __uint_as_float(kw[u].y & 0xffff0000u)};
+        const float vf[4] = {__uint_as_float(vw[u].x << 16), __uint_as_float(vw[u].x & 0xffff0000u),
+                             __uint_as_float(vw[u].y << 16), __uint_as_float(vw[u].y & 0xffff0000u)};
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const float4 q = reinterpret_cast<const float4*>(qf + g * D)[lane];
+          float dot = __fmul_rn(q.x, kf[0]);
+          dot = __fmaf_rn(q.y, kf[1], dot);
+          dot = __fmaf_rn(q.z, kf[2], dot);
+          dot = __fmaf_rn(q.w, kf[3], dot);
+          const float sc = live ? __fmul_rn(WarpSum(dot), P.score_scale) : -INFINITY;
+          const float mn = fmaxf(m[g], sc);
+          if (mn == -INFINITY) continue;  // nothing live yet
+          const float corr = expf(m[g] - mn), e = expf(sc - mn);
+          ls[g] = __fmaf_rn(ls[g], corr, e);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[g][i] = __fmaf_rn(acc[g][i], corr, __fmul_rn(e, vf[i]));
+          m[g] = mn;
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float* o = wp + (warp * G + g) * DP;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[lane * 4 + i] = acc[g][i];
+      if (lane == 0) o[D] = m[g], o[D + 1] = ls[g];
+    }
+    __syncthreads();
+    float* part = P.part + (static_cast<size_t>(h) * kMaxSplits) * G * DP;
+    for (int idx = threadIdx.x; idx < G * D; idx += kThreads) {
+      const int g = idx / D, d = idx % D;
+      float mx = -INFINITY;
+      for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, wp[(w * G + g) * DP + D]);
+      float a = 0.0f, den = 0.0f;
+      for (int w = 0; w < kWarps; ++w) {
+        const float* o = wp + (w * G + g) * DP;
+        if (o[D] == -INFINITY) continue;  // a warp without keys
+        const float f = expf(o[D] - mx);
+        a = __fmaf_rn(o[d], f, a);
+        den = __fmaf_rn(o[D + 1], f, den);
+      }
+      float* dst = part + (static_cast<size_t>(sp) * G + g) * DP;
+      dst[d] = a;
+      if (d == 0) dst[D] = mx, dst[D + 1] = den;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      const unsigned old = atomicAdd(P.counters + 1 + l * KV + h, 1u);
+      *flag = old == static_cast<unsigned>(nsplit - 1);
+    }
+    __syncthreads();
+    if (*flag) {  // the head's last range: merge the ranges in order
+      __threadfence();
+      for (int idx = threadIdx.x; idx < G * D; idx += kThreads) {
+        const int g = idx / D, d = idx % D;
+        float mx = -INFINITY, num = 0.0f, den = 0.0f;  // one pass, rescaled as the max grows
+#pragma unroll 8
+        for (int q = 0; q < nsplit; ++q) {
+          const float* src = part + (static_cast<size_t>(q) * G + g) * DP;
+          const float mq = __ldcg(src + D), aq = __ldcg(src + d), lq = __ldcg(src + D + 1);
+          const float mn = fmaxf(mx, mq), cold = expf(mx - mn), cq = expf(mq - mn);
+          num = __fmaf_rn(aq, cq, __fmul_rn(num, cold));
+          den = __fmaf_rn(lq, cq, __fmul_rn(den, cold));
+          mx = mn;
+        }
+        P.attn[(static_cast<size_t>(h) * G + g) * D + d] = __float2bfloat16_rn(__fdiv_rn(num, den));
+      }
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace phase
+}  // namespace cuda
+}  // namespace sifar
