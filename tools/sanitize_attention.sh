@@ -8,9 +8,6 @@
 #   bash tools/sanitize_attention.sh     (from the repository root; no build needed)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="${PYTHONPATH:-}:src:." XLA_PYTHON_CLIENT_ALLOCATOR=platform
-export XLA_FLAGS="--xla_gpu_enable_command_buffer="
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 read -r -d '' CODE <<'PY'
 import jax, jax.numpy as jnp, numpy as np
 from models.pallas_attention import decode_attention

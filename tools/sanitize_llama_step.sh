@@ -8,8 +8,6 @@
 #   bash tools/sanitize_llama_step.sh    (from any directory; sifar-jax installed, or built into src/)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="${PYTHONPATH:-}:src:." XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="--xla_gpu_enable_command_buffer="
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 read -r -d '' CODE <<'PY'
 import jax, jax.numpy as jnp, numpy as np
 import sifar_jax
@@ -31,7 +29,7 @@ f = jax.jit(lambda pos, cache: sifar_jax.llama_step(x, rope, pos, norm(), layers
 for p, first in ((0, 0), (63, 0), (64, 0), (1023, 0), (16383, 0), (100, 40)):
     h, cache = f(jnp.array([p, first], jnp.int32), cache)
     assert np.isfinite(np.asarray(h, np.float32)).all(), p
-print("llama_step: 6 slots ran, outputs finite")
+print("sanitize_llama_step: all calls ran (6 slots, outputs finite)")
 PY
-. tools/sanitize_run.sh
+source tools/sanitize_run.sh
 sanitize_python "$CODE"

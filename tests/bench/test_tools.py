@@ -17,7 +17,7 @@ TOOLS = common.REPO_ROOT / "tools"
 
 
 @pytest.mark.parametrize("script", ["sanitize_matvec.sh", "sanitize_fp8_matvec.sh",
-                                    "sanitize_attention.sh"])
+                                    "sanitize_attention.sh", "sanitize_llama_step.sh"])
 def test_sanitizer_cases_run_on_the_cpu(script):
     text = (TOOLS / script).read_text()
     (code,) = re.findall(r"<<'PY'\n(.*?)\nPY\n", text, re.S)
