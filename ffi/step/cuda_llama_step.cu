@@ -69,10 +69,10 @@ __device__ __forceinline__ Mat LayerMat(const Params& P, int l, int p) {
   const step::LayerWeights& L = P.layer[l];
   const step::Shape& s = P.s;
   switch (p) {
-    case 0: return {L.qkv, L.qkv_scale, (L.scale_per_channel & 1) != 0, s.qkv_rows(), s.hidden, 1, 0};
-    case 1: return {L.o, L.o_scale, (L.scale_per_channel & 2) != 0, s.hidden, s.q_dim(), 1, 0};
-    case 2: return {L.gate_up, L.gate_up_scale, (L.scale_per_channel & 4) != 0, s.ffn, s.hidden, 2, s.ffn};
-    default: return {L.down, L.down_scale, (L.scale_per_channel & 8) != 0, s.hidden, s.ffn, 1, 0};
+    case 0: return {L.qkv, s.qkv_rows(), s.hidden, 1, 0};
+    case 1: return {L.o, s.hidden, s.q_dim(), 1, 0};
+    case 2: return {L.gate_up, s.ffn, s.hidden, 2, s.ffn};
+    default: return {L.down, s.hidden, s.ffn, 1, 0};
   }
 }
 

@@ -19,8 +19,6 @@ namespace phase {
 // One GEMV phase: `items` output items of `rows` weight rows each (row r + i * pair).
 struct Mat {
   const uint8_t* w;
-  const float* s;
-  bool per_channel;
   int items, k, rows, pair;
 };
 
