@@ -65,13 +65,13 @@ __device__ __forceinline__ void Attention(const StepParams& P, int l, float* sm,
       }
       (row < G ? qf + row * D : row == G ? kn : vn)[d] = val;
     }
-    __syncthreads();
+    BlockSync();
     if (sp == nsplit - 1) {  // the range holding the new slot writes it, then reads it back
       for (int d = threadIdx.x; d < D; d += kThreads) {
         Slot(P, l, 0, h, pos)[d] = __float2bfloat16_rn(kn[d]);
         Slot(P, l, 1, h, pos)[d] = __float2bfloat16_rn(vn[d]);
       }
-      __syncthreads();  // the block's own global writes, visible to its L2 reads below
+      BlockSync();  // the block's own global writes, visible to its L2 reads below
     }
     const int j0 = start + sp * per, j1 = min(j0 + per, pos + 1);
     float m[G], ls[G], acc[G][4];
@@ -82,8 +82,9 @@ __device__ __forceinline__ void Attention(const StepParams& P, int l, float* sm,
       for (int i = 0; i < 4; ++i) acc[g][i] = 0.0f;
     }
     // kKeys keys per warp per round, their loads issued together (latency, not bandwidth,
-    // bounds this loop); a key past the range scores -inf.
-    constexpr int kKeys = G >= 8 ? 1 : G >= 4 ? 2 : 4;
+    // bounds this loop: at 64 keys per range, one round); a key past the range scores -inf.
+    // A warp takes the keys j0 + warp, + kWarps, ... in order whatever kKeys is (same bits).
+    constexpr int kKeys = G >= 8 ? 4 : 8;
     const bf16* kbase = Slot(P, l, 0, h, 0);
     const bf16* vbase = Slot(P, l, 1, h, 0);
     for (int j = j0 + warp; j < j1; j += kWarps * kKeys) {
@@ -126,7 +127,7 @@ __device__ __forceinline__ void Attention(const StepParams& P, int l, float* sm,
       for (int i = 0; i < 4; ++i) o[lane * 4 + i] = acc[g][i];
       if (lane == 0) o[D] = m[g], o[D + 1] = ls[g];
     }
-    __syncthreads();
+    BlockSync();
     float* part = P.part + (static_cast<size_t>(h) * kMaxSplits) * G * DP;
     for (int idx = threadIdx.x; idx < G * D; idx += kThreads) {
       const int g = idx / D, d = idx % D;
@@ -144,15 +145,15 @@ __device__ __forceinline__ void Attention(const StepParams& P, int l, float* sm,
       dst[d] = a;
       if (d == 0) dst[D] = mx, dst[D + 1] = den;
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
+    BlockSync();
+    if (threadIdx.x == 0) {  // release this range's partial, and (the last) acquire the others'
       __threadfence();
       const unsigned old = atomicAdd(P.counters + 1 + l * KV + h, 1u);
       *flag = old == static_cast<unsigned>(nsplit - 1);
+      if (*flag) __threadfence();  // cumulative to the block through the barrier below
     }
-    __syncthreads();
+    BlockSync();
     if (*flag) {  // the head's last range: merge the ranges in order
-      __threadfence();
       for (int idx = threadIdx.x; idx < G * D; idx += kThreads) {
         const int g = idx / D, d = idx % D;
         float mx = -INFINITY, num = 0.0f, den = 0.0f;  // one pass, rescaled as the max grows
@@ -168,7 +169,7 @@ __device__ __forceinline__ void Attention(const StepParams& P, int l, float* sm,
         P.attn[(static_cast<size_t>(h) * G + g) * D + d] = __float2bfloat16_rn(__fdiv_rn(num, den));
       }
     }
-    __syncthreads();
+    BlockSync();
   }
 }
 

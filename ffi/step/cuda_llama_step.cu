@@ -1,15 +1,16 @@
-// The Llama step (llama_step.h) as one persistent kernel: a cooperative launch of every
-// block that fits (all resident), phases separated by grid barriers, 5 per layer:
+// The Llama step (llama_step.h) as one persistent kernel: a cooperative launch of one block
+// per SM (all resident), phases separated by grid barriers, 5 per layer:
 //   norm + qkv | attention | o + residual | norm + gate_up + SwiGLU | down + residual
-// and the final norm after the last. The GEMV phases are fp8_matvec's lanes-32 row kernel
-// (a warp per output row, 8 16-byte loads in flight per lane, double-buffered in
-// registers); a phase's last batch of loads is followed by the NEXT projection's first
-// batch, so each warp's first weights are on their way while the grid waits at the barrier
-// (the weights never depend on the activations). The attention splits each KV head's keys
-// into up to kMaxSplits ranges, one block each; a range's partial softmax goes to the
-// workspace and the head's last block (an atomic count per layer and head) merges them in
-// split order. Grid barriers spin a bounded time and trap past it: a lost block is a
-// failed launch (an error from XLA), never a hang.
+// and the final norm after the last. Each block is kWarps consumer warps, which run the phases,
+// and one producer warp, which streams the block's share of every projection's weights, layer
+// after layer, into a ring of shared-memory stages (ring_gemv.cuh: bulk copies, mbarriers); it
+// runs ahead of the consumers across the barriers, the attention and the norms, bounded only by
+// the ring (the weights never depend on the activations). A GEMV phase's rows are fp8_matvec's
+// lanes-32 sums (the same bits). The attention splits each KV head's keys into up to kMaxSplits
+// ranges, one block each; a range's partial softmax goes to the workspace and the head's last
+// block (an atomic count per layer and head) merges them in split order. Every wait is bounded
+// (device_math.cuh, Deadline) and traps past it: a lost block is a failed launch (an error
+// from XLA), never a hang.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -24,10 +25,10 @@
 #include "core/cuda_check.h"
 #include "step/attention_phase.cuh"
 #include "step/device_math.cuh"
-#include "step/gemv_phase.cuh"
 #include "step/grid_sync.cuh"
 #include "step/llama_step.h"
 #include "step/norm_phase.cuh"
+#include "step/ring_gemv.cuh"
 #include "targets.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -37,7 +38,18 @@ namespace sifar {
 namespace cuda {
 namespace {
 
-using namespace phase;  // NOLINT: the step's phases (device_math, grid_sync, gemv, norm, attention)
+using namespace phase;  // NOLINT: the step's phases (device_math, grid_sync, ring, norm, attention)
+
+#ifndef SIFAR_STEP_DECODE
+#define SIFAR_STEP_DECODE 0
+#endif
+// The consumers' e4m3 decode: 0 conversion instructions (Chunk), 1 integer ops (ChunkScaled:
+// the input staged times 2^kXLog2, each sum times 2^(120 - kXLog2), the same bits).
+constexpr int kDecode = SIFAR_STEP_DECODE;
+constexpr float kXMul = kDecode == 1 ? 0x1p100f : 1.0f;
+constexpr float kSumMul = kDecode == 1 ? 0x1p20f : 1.0f;
+static_assert(kDecode != 1 || kXLog2 == 100, "kXMul and kSumMul follow kXLog2");
+constexpr int kBlockThreads = kThreads + 32;  // the consumers, then the producer warp
 
 struct Params {
   step::Shape s;
@@ -54,15 +66,10 @@ struct Params {
   bf16* act;
   bf16* resid;
   float* part;
+  int stages;     // ring stages per block
+  int xs_bytes;   // shared memory before the ring: the GEMV input or the attention's scratch
   step::LayerWeights layer[step::kMaxLayers];
 };
-
-
-
-
-
-
-
 
 
 __device__ __forceinline__ Mat LayerMat(const Params& P, int l, int p) {
@@ -77,52 +84,60 @@ __device__ __forceinline__ Mat LayerMat(const Params& P, int l, int p) {
 }
 
 template <int G>
-__global__ void __launch_bounds__(kThreads, 2) LlamaStepKernel(const __grid_constant__ Params P) {
-  extern __shared__ float4 smem4[];
+__global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid_constant__ Params P) {
+  extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float red[kWarps];
   __shared__ int flag;
-  float4* xs = smem4;
+  float4* xs = reinterpret_cast<float4*>(smem);
   const step::Shape& s = P.s;
   const int pos = P.pos[0], start = P.pos[1];
   if (pos < 0 || pos >= s.capacity || start < 0 || start > pos) {  // every block alike
-    if (blockIdx.x == 0)
+    if (blockIdx.x == 0 && threadIdx.x < kThreads)
       for (int j = threadIdx.x; j < s.hidden; j += kThreads) P.h[j] = __float2bfloat16_rn(NAN);
     return;
   }
-  unsigned bars = 0;
-  auto sync = [&]() { GridSync(P.counters, ++bars * gridDim.x); };
-  uint4 A[kU], B[kU];
-  const int first = blockIdx.x * kWarps + threadIdx.x / 32;
+  unsigned char* ring_buf = smem + P.xs_bytes;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(ring_buf + static_cast<size_t>(P.stages) * kStageBytes);
+  Ring ring{ring_buf, bars, bars + P.stages, P.stages, 0};
+  if (threadIdx.x == 0) RingInit(ring);
+  __syncthreads();  // the last barrier of all kBlockThreads threads
   const auto mats = [&](int l, int p) { return LayerMat(P, l, p); };
-  Issue(A, LayerMat(P, 0, 0), first, 0);
+  if (threadIdx.x >= kThreads) {
+    Produce(mats, s.layers, ring);
+    return;
+  }
+  unsigned nbar = 0;
+  auto sync = [&]() { GridSync(P.counters, ++nbar * gridDim.x); };
   for (int l = 0; l < s.layers; ++l) {
     const step::LayerWeights& L = P.layer[l];
     const bf16* rin = l == 0 ? P.x : P.resid;  // the residual stream before this layer
-    StageNorm(xs, rin, L.input_norm, s.hidden, s.eps, red);
-    Gemv(mats, l, 0, 0, -1, xs, A, B, [&](int n, float r0, float) {
-      P.qkv[n] = __float2bfloat16_rn(__fmul_rn(r0, Scale(L.qkv_scale, L.scale_per_channel & 1, n)));
+    StageNorm(xs, rin, L.input_norm, s.hidden, s.eps, red, kXMul);
+    RingGemv<kDecode>(mats(l, 0), ring, xs, [&](int n, float r0, float) {
+      const float r = __fmul_rn(r0, kSumMul);
+      P.qkv[n] = __float2bfloat16_rn(__fmul_rn(r, Scale(L.qkv_scale, L.scale_per_channel & 1, n)));
     });
     sync();
-    Attention<G>(P, l, reinterpret_cast<float*>(smem4), &flag, pos, start);
-    Issue(A, LayerMat(P, l, 1), first, 0);  // o's first weights in flight across the barrier,
-    sync();                                 // not held through the attention (its registers)
-    StageX(xs, P.attn, s.q_dim());
-    Gemv(mats, l, 1, l, 2, xs, A, B, [&](int n, float r0, float) {
-      const float v = Rb(__fmul_rn(r0, Scale(L.o_scale, L.scale_per_channel & 2, n)));
+    Attention<G>(P, l, reinterpret_cast<float*>(smem), &flag, pos, start);
+    sync();
+    StageX(xs, P.attn, s.q_dim(), kXMul);
+    RingGemv<kDecode>(mats(l, 1), ring, xs, [&](int n, float r0, float) {
+      const float r = __fmul_rn(r0, kSumMul);
+      const float v = Rb(__fmul_rn(r, Scale(L.o_scale, L.scale_per_channel & 2, n)));
       P.resid[n] = __float2bfloat16_rn(__fadd_rn(LoadBf(rin + n), v));
     });
     sync();
-    StageNorm(xs, P.resid, L.post_norm, s.hidden, s.eps, red);
-    Gemv(mats, l, 2, l, 3, xs, A, B, [&](int j, float r0, float r1) {
+    StageNorm(xs, P.resid, L.post_norm, s.hidden, s.eps, red, kXMul);
+    RingGemv<kDecode>(mats(l, 2), ring, xs, [&](int j, float r0, float r1) {
       const unsigned pc = L.scale_per_channel & 4;
-      const float g = Rb(__fmul_rn(r0, Scale(L.gate_up_scale, pc, j)));
-      const float u = Rb(__fmul_rn(r1, Scale(L.gate_up_scale, pc, s.ffn + j)));
+      const float g = Rb(__fmul_rn(__fmul_rn(r0, kSumMul), Scale(L.gate_up_scale, pc, j)));
+      const float u = Rb(__fmul_rn(__fmul_rn(r1, kSumMul), Scale(L.gate_up_scale, pc, s.ffn + j)));
       P.act[j] = __float2bfloat16_rn(__fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u));
     });
     sync();
-    StageX(xs, P.act, s.ffn);
-    Gemv(mats, l, 3, l + 1, l + 1 < s.layers ? 0 : -1, xs, A, B, [&](int n, float r0, float) {
-      const float v = Rb(__fmul_rn(r0, Scale(L.down_scale, L.scale_per_channel & 8, n)));
+    StageX(xs, P.act, s.ffn, kXMul);
+    RingGemv<kDecode>(mats(l, 3), ring, xs, [&](int n, float r0, float) {
+      const float r = __fmul_rn(r0, kSumMul);
+      const float v = Rb(__fmul_rn(r, Scale(L.down_scale, L.scale_per_channel & 8, n)));
       P.resid[n] = __float2bfloat16_rn(__fadd_rn(LoadBf(P.resid + n), v));
     });
     sync();
@@ -153,20 +168,39 @@ KernelFn KernelFor(int group) {
   }
 }
 
-// Blocks of the cooperative grid on this device for `smem` bytes each (0: none fit), or the
+// The block's shared memory: the GEMV input (or the attention's scratch), then the ring's
+// stages (as many as fit, at most kMaxStages) and their 2 mbarriers each.
+constexpr int kMaxStages = 8;
+struct Smem {
+  size_t xs = 0, total = 0;
+  int stages = 0;
+};
+
+// The cooperative grid on this device (one block per SM; 0 blocks: it does not fit), or the
 // CUDA error that stopped the query.
-cudaError_t GridBlocks(KernelFn kernel, size_t smem, int* blocks) {
+cudaError_t GridBlocks(KernelFn kernel, const step::Shape& s, Smem* sm, int* blocks) {
   *blocks = 0;
-  int dev = 0, sms = 0, coop = 0, per_sm = 0;
+  int dev = 0, sms = 0, coop = 0, optin = 0, per_sm = 0;
+  cudaFuncAttributes attr;
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev);
-  if (e == cudaSuccess && smem > 48 * 1024)
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(smem));
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, kernel);
+  if (e != cudaSuccess) return e;
+  sm->xs = (std::max(sizeof(float) * static_cast<size_t>(s.max_k()), AttentionSmem(s)) + 127) / 128 * 128;
+  const size_t per_stage = kStageBytes + 2 * sizeof(uint64_t);
+  const size_t used = sm->xs + attr.sharedSizeBytes;
+  sm->stages = used < static_cast<size_t>(optin)
+                   ? static_cast<int>(std::min<size_t>(kMaxStages, (optin - used) / per_stage))
+                   : 0;
+  if (sm->stages < 2 || !coop) return cudaSuccess;  // no room for a ring of two stages
+  sm->total = sm->xs + sm->stages * per_stage;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(sm->total));
   if (e == cudaSuccess)
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
-  if (e == cudaSuccess && coop) *blocks = per_sm * sms;
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, sm->total);
+  if (e == cudaSuccess) *blocks = per_sm * sms;
   return e;
 }
 
@@ -181,17 +215,18 @@ ffi::Error CudaLlamaStepImpl(cudaStream_t stream, int32_t ordinal, ffi::Remainin
   err = UseDevice(ordinal);
   if (err.failure()) return err;
   const step::Shape& s = call.shape;
-  const size_t smem = std::max(sizeof(float) * static_cast<size_t>(s.max_k()), AttentionSmem(s));
   const KernelFn kernel = KernelFor(s.group);
   if (!kernel)
     return Invalid("llama_step: " + std::to_string(s.group) + " query heads per KV head; the "
                    "kernel is built for 1, 2, 3, 4 and 8");
+  Smem sm;
   int blocks = 0;
-  cudaError_t e = GridBlocks(kernel, smem, &blocks);
+  cudaError_t e = GridBlocks(kernel, s, &sm, &blocks);
   if (e != cudaSuccess) return Launched(e);
   if (blocks < 1)
     return Invalid("llama_step: this GPU cannot run the persistent step (no cooperative launch, "
-                   "or " + std::to_string(smem) + " bytes of shared memory per block do not fit)");
+                   "or no room for its input (" + std::to_string(sm.xs) + " bytes) and two " +
+                   std::to_string(kStageBytes) + "-byte weight stages in one block's shared memory)");
   if (call.cache != call.cache_in) {  // XLA gave the aliased result a buffer of its own
     e = cudaMemcpyAsync(call.cache, call.cache_in, call.cache_bytes, cudaMemcpyDeviceToDevice,
                         stream);
@@ -214,10 +249,13 @@ ffi::Error CudaLlamaStepImpl(cudaStream_t stream, int32_t ordinal, ffi::Remainin
   p->act = reinterpret_cast<bf16*>(call.work + call.ws.act);
   p->resid = reinterpret_cast<bf16*>(call.work + call.ws.resid);
   p->part = reinterpret_cast<float*>(call.work + call.ws.part);
+  p->stages = sm.stages;
+  p->xs_bytes = static_cast<int>(sm.xs);
   std::copy(call.layers.begin(), call.layers.end(), p->layer);
   void* kargs[] = {p.get()};
   return Launched(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel),
-                                              dim3(blocks), dim3(kThreads), kargs, smem, stream));
+                                              dim3(blocks), dim3(kBlockThreads), kargs, sm.total,
+                                              stream));
 }
 
 }  // namespace

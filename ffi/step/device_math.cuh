@@ -23,6 +23,18 @@ using step::kThreads;
 constexpr int kWarps = kThreads / 32;
 constexpr int kU = 8;  // 16-byte loads per lane per batch
 
+// One GEMV phase's weights: `items` outputs of `rows` weight rows each (row item, and item +
+// pair: gate_up's gate and up rows).
+struct Mat {
+  const uint8_t* w;
+  int items, k, rows, pair;
+};
+
+// A projection's scale for output row `row`: per channel or per tensor.
+__device__ __forceinline__ float Scale(const float* s, unsigned per_channel, int row) {
+  return per_channel ? __ldg(s + row) : __ldg(s);
+}
+
 __device__ __forceinline__ float F(bf16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float Rb(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 __device__ __forceinline__ float LoadBf(const bf16* p) {
@@ -59,9 +71,59 @@ __device__ __forceinline__ float Chunk(const uint4& v, const float4* q) {
   return p;
 }
 
+// The same product with the weights decoded by integer ops instead of conversions: byte b's
+// sign to bit 31 and its other 7 bits to bits 26..20 of a float, which is w * 2^-120 exactly
+// (e4m3's subnormals land on float subnormals), so q must hold x * 2^kXLog2 and the sum is
+// the unscaled sum * 2^(kXLog2 - 120): exact scalings of the same fma chain while every value
+// stays a normal float (|x| in [2^-96, 2^28)), so the same bits after * 2^(120 - kXLog2).
+constexpr int kXLog2 = 100;
+__device__ __forceinline__ float ChunkScaled(const uint4& v, const float4* q) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+  float w[16];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int32_t t = static_cast<int32_t>(words[i] << (24 - 8 * j));  // byte j on top
+      w[4 * i + j] = __int_as_float((t >> 4) & static_cast<int32_t>(0x87f00000u));
+    }
+  const float4 a = q[0], b = q[1], c = q[2], d = q[3];
+  const float x[16] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w,
+                       c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
+  float p = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) p = __fmaf_rn(x[j], w[j], p);
+  return p;
+}
+
 // The input vector in shared memory as float4s, swizzled so that a warp's 16-byte chunk
 // reads hit distinct banks: chunk c's quad q at 4c + (q ^ ((c >> 1) & 3)).
 __device__ __forceinline__ int XQuad(int c, int q) { return 4 * c + (q ^ ((c >> 1) & 3)); }
+
+// Bounded waits: a wait that has lasted kWaitNs (a block or warp that will never arrive: a
+// trap in it, a lost launch) traps, a failed launch that XLA reports, never a hang. The clock
+// is read once per 1024 polls, after the first 1024 (an uncontended wait never reads it).
+constexpr unsigned long long kWaitNs = 10ull * 1000 * 1000 * 1000;
+__device__ __forceinline__ unsigned long long GlobalNs() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+struct Deadline {
+  unsigned n = 0;
+  unsigned long long t0 = 0;
+  __device__ __forceinline__ void Tick() {
+    if ((++n & 1023u) != 0) return;
+    const unsigned long long t = GlobalNs();
+    if (t0 == 0) t0 = t;
+    else if (t - t0 > kWaitNs) __trap();
+  }
+};
+
+// The block barrier of the step's phases: the kThreads consumer threads only (barrier 1), so
+// that a producer warp beside them (ring_gemv.cuh) never has to join; the same memory ordering
+// as __syncthreads among the threads that take part.
+__device__ __forceinline__ void BlockSync() { asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory"); }
 
 __device__ __forceinline__ float WarpSum(float v) {
 #pragma unroll

@@ -16,12 +16,6 @@ namespace sifar {
 namespace cuda {
 namespace phase {
 
-// One GEMV phase: `items` output items of `rows` weight rows each (row r + i * pair).
-struct Mat {
-  const uint8_t* w;
-  int items, k, rows, pair;
-};
-
 __device__ __forceinline__ void Issue(uint4 (&v)[kU], const Mat& m, int item, int b) {
   const int lane = threadIdx.x % 32, nl = (m.k + 511) / 512, nb = (nl + kU - 1) / kU;
   const int row = min(item, m.items - 1) + (b / nb) * m.pair, bb = b % nb;
@@ -88,9 +82,6 @@ __device__ __forceinline__ void Gemv(MatAt mat_at, int l, int p, int next_l, int
   }
 }
 
-__device__ __forceinline__ float Scale(const float* s, unsigned per_channel, int row) {
-  return per_channel ? __ldg(s + row) : __ldg(s);
-}
 
 }  // namespace phase
 }  // namespace cuda

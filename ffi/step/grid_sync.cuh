@@ -1,5 +1,5 @@
 // The persistent step's grid barrier: bounded, monotonic (one counter per launch, zeroed by
-// the op; the k-th barrier waits for k * gridDim.x arrivals).
+// the op; the k-th barrier waits for k * gridDim.x arrivals), among the consumer threads.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -15,24 +15,23 @@ namespace sifar {
 namespace cuda {
 namespace phase {
 
-constexpr long long kSpinLimit = 1ll << 30;  // polls (~0.3-0.5 us each: minutes): a lost block traps
-
-// Every block's writes before it are visible to every block after it: a CTA barrier, one
-// thread's gpu-scope release (cumulative over the CTA's writes through bar.sync), its acquire
-// of the count, a CTA barrier.
+// Every block's writes before it are visible to every block after it: a barrier of the block's
+// consumer threads, one thread's gpu-scope release (cumulative over the block's writes through
+// bar.sync), its acquire of the count (a bounded wait: Deadline), a barrier of the consumers.
 __device__ __forceinline__ void GridSync(unsigned* counter, unsigned target) {
-  __syncthreads();
+  BlockSync();
   if (threadIdx.x == 0) {
     __threadfence();
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
     unsigned v;
-    long long n = 0;
-    do {
+    Deadline d;
+    while (true) {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
-      if (++n > kSpinLimit) __trap();
-    } while (v < target);
+      if (v >= target) break;
+      d.Tick();
+    }
   }
-  __syncthreads();
+  BlockSync();
 }
 
 }  // namespace phase

@@ -15,15 +15,16 @@ namespace sifar {
 namespace cuda {
 namespace phase {
 
-// xs <- in[0, k) (bf16 written by this launch: read through L2).
-__device__ void StageX(float4* xs, const bf16* in, int k) {
+// xs <- in[0, k) * mul (bf16 written by this launch: read through L2; mul a power of two,
+// the GEMV's input scaling: exact).
+__device__ void StageX(float4* xs, const bf16* in, int k, float mul = 1.0f) {
   for (int i = threadIdx.x; i < k / 4; i += kThreads) {
     const uint2 v = __ldcg(reinterpret_cast<const uint2*>(in) + i);
-    xs[XQuad(i >> 2, i & 3)] =
-        make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
-                    __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+    xs[XQuad(i >> 2, i & 3)] = make_float4(
+        __uint_as_float(v.x << 16) * mul, __uint_as_float(v.x & 0xffff0000u) * mul,
+        __uint_as_float(v.y << 16) * mul, __uint_as_float(v.y & 0xffff0000u) * mul);
   }
-  __syncthreads();
+  BlockSync();
 }
 
 // 1 / rms(r[0, n)): thread t's fma sum over the quads t, t + 256, ... (each quad's 4 in
@@ -40,16 +41,16 @@ __device__ float InvRms(const bf16* r, int n, float eps, float* red) {
   }
   ss = WarpSum(ss);
   if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
-  __syncthreads();
+  BlockSync();
   float tot = 0.0f;
   for (int w = 0; w < kWarps; ++w) tot = __fadd_rn(tot, red[w]);
-  __syncthreads();  // red is reused by the next call
+  BlockSync();  // red is reused by the next call
   return __frcp_rn(__fsqrt_rn(__fadd_rn(__fdiv_rn(tot, static_cast<float>(n)), eps)));
 }
 
-// xs <- bf16(bf16(r * inv) * scale), models' RMSNorm.
+// xs <- bf16(bf16(r * inv) * scale) * mul, models' RMSNorm (mul as StageX's).
 __device__ void StageNorm(float4* xs, const bf16* r, const uint16_t* scale, int n, float eps,
-                          float* red) {
+                          float* red, float mul = 1.0f) {
   const float inv = InvRms(r, n, eps, red);
   const bf16* sc = reinterpret_cast<const bf16*>(scale);
 #pragma unroll 4
@@ -60,9 +61,9 @@ __device__ void StageNorm(float4* xs, const bf16* r, const uint16_t* scale, int 
     float y[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) y[k] = Rb(__fmul_rn(Rb(__fmul_rn(e[k], inv)), F(sc[4 * i + k])));
-    xs[XQuad(i >> 2, i & 3)] = make_float4(y[0], y[1], y[2], y[3]);
+    xs[XQuad(i >> 2, i & 3)] = make_float4(y[0] * mul, y[1] * mul, y[2] * mul, y[3] * mul);
   }
-  __syncthreads();
+  BlockSync();
 }
 
 }  // namespace phase

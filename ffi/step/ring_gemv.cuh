@@ -1,0 +1,176 @@
+// The persistent step's weight stream: one producer warp per block copies the block's share of
+// every projection, layer after layer, into a ring of shared-memory stages with bulk copies
+// (TMA, completing on an mbarrier), bounded only by the ring, never by the data (the weights do
+// not depend on the activations): it keeps the memory busy while the consumers wait at a grid
+// barrier, run the attention or a norm. The consumers (the block's kWarps warps) multiply each
+// stage by the input in shared memory and release it.
+//
+// A stage holds kRingRows weight rows' next kSlab bytes (one bulk copy per row): warp w owns the
+// rows in slots 2w and 2w + 1 for a round of stages (K / kSlab of them), and lane l adds up the
+// chunks l, l + 32, ... of each row across the round, so a row's sum is fp8_matvec's lanes-32
+// order (the same bits as the row kernel; kSlab is a multiple of 32 chunks). A block takes the
+// items b, b + gridDim.x, ... of a projection; an item is one row (two items per warp and
+// round) or, for gate_up, a (gate, up) pair of rows (one per warp and round).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "step/device_math.cuh"
+
+namespace sifar {
+namespace cuda {
+namespace phase {
+
+constexpr int kRingRows = 2 * kWarps;                  // rows per stage: two per consumer warp
+constexpr int kStageBytes = 32 * 1024;                 // bytes per stage
+constexpr int kSlab = kStageBytes / kRingRows;         // one row's bytes per stage
+constexpr int kSlabChunks = kSlab / 16;                // 16-byte chunks of a row per stage
+static_assert(kSlabChunks % 32 == 0, "lane l's chunks of a row must stay l + 32 i");
+
+// The ring in this block's shared memory, and this thread's place in its stage sequence.
+struct Ring {
+  unsigned char* buf;  // stages x kStageBytes, 128-aligned
+  uint64_t* full;      // [stages]: the copies landed (1 arrival + the bytes)
+  uint64_t* empty;     // [stages]: every consumer thread is done with it (kThreads arrivals)
+  int stages;
+  unsigned n;          // stages passed so far
+};
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// One thread: the ring's barriers (before any other thread of the block uses them).
+__device__ __forceinline__ void RingInit(const Ring& r) {
+  for (int s = 0; s < r.stages; ++s) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SmemAddr(r.full + s)));
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(r.empty + s)),
+                 "r"(kThreads));
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// Waits for the phase of `bar` with this parity to complete (bounded: Deadline).
+__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
+  const uint32_t a = SmemAddr(bar);
+  Deadline d;
+  while (true) {
+    uint32_t ok;
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(ok) : "r"(a), "r"(parity) : "memory");
+    if (ok) return;
+    d.Tick();
+  }
+}
+
+// This block's part of projection m: items b, b + G, ...; `per_round` items per round of
+// stages, `slabs` stages per round.
+struct Part {
+  int n, per_round, rounds, slabs;
+};
+__device__ __forceinline__ Part PartOf(const Mat& m) {
+  const int g = static_cast<int>(gridDim.x), b = static_cast<int>(blockIdx.x);
+  Part p;
+  p.n = b < m.items ? (m.items - b + g - 1) / g : 0;
+  p.per_round = m.rows == 2 ? kRingRows / 2 : kRingRows;
+  p.rounds = (p.n + p.per_round - 1) / p.per_round;
+  p.slabs = (m.k + kSlab - 1) / kSlab;
+  return p;
+}
+// The item slot q of round r belongs to (-1: none), and the weight row it holds.
+__device__ __forceinline__ int SlotItem(const Mat& m, const Part& p, int r, int q) {
+  const int t = r * p.per_round + (m.rows == 2 ? q / 2 : q);
+  return t < p.n ? static_cast<int>(blockIdx.x) + t * static_cast<int>(gridDim.x) : -1;
+}
+__device__ __forceinline__ int SlotRow(const Mat& m, int item, int q) {
+  return m.rows == 2 ? item + (q & 1) * m.pair : item;
+}
+
+// The producer warp: every stage of every projection mat_at(l, p), l < layers, p < 4, in the
+// consumers' order. Lane q < kRingRows copies slot q's row.
+template <class MatAt>
+__device__ __forceinline__ void Produce(MatAt mat_at, int layers, Ring& ring) {
+  const int lane = threadIdx.x % 32;
+  uint64_t policy;  // weights are read once per step: first out of L2
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  for (int l = 0; l < layers; ++l) {
+    for (int pj = 0; pj < 4; ++pj) {
+      const Mat m = mat_at(l, pj);
+      const Part p = PartOf(m);
+      for (int r = 0; r < p.rounds; ++r) {
+        const int item = lane < kRingRows ? SlotItem(m, p, r, lane) : -1;
+        const uint8_t* src = item >= 0 ? m.w + static_cast<size_t>(SlotRow(m, item, lane)) * m.k
+                                       : nullptr;
+        const unsigned rows = __popc(__ballot_sync(0xffffffffu, item >= 0));
+        for (int s = 0; s < p.slabs; ++s, ++ring.n) {
+          const int st = static_cast<int>(ring.n % ring.stages);
+          MbarWait(ring.empty + st, ((ring.n / ring.stages) & 1) ^ 1);
+          const uint32_t bytes = static_cast<uint32_t>(min(kSlab, m.k - s * kSlab));
+          const uint32_t full = SmemAddr(ring.full + st);
+          if (lane == 0)
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(full),
+                         "r"(rows * bytes) : "memory");
+          __syncwarp();
+          if (item >= 0)
+            asm volatile(
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+                " [%0], [%1], %2, [%3], %4;" ::"r"(SmemAddr(ring.buf + st * kStageBytes + lane * kSlab)),
+                "l"(src + s * kSlab), "r"(bytes), "r"(full), "l"(policy) : "memory");
+        }
+      }
+    }
+  }
+}
+
+// A consumer GEMV phase: projection m times xs (swizzled floats, XQuad) from the ring.
+// epi(item, sum of its row, sum of its second row (gate_up's up) or 0) on lane 0.
+template <int kDecode = 0, class Epi>
+__device__ __forceinline__ void RingGemv(const Mat& m, Ring& ring, const float4* xs, Epi epi) {
+  const Part p = PartOf(m);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sw = (lane >> 1) & 3;
+  for (int r = 0; r < p.rounds; ++r) {
+    const int item0 = SlotItem(m, p, r, 2 * warp), item1 = SlotItem(m, p, r, 2 * warp + 1);
+    float acc0 = 0.0f, acc1 = 0.0f;
+    for (int s = 0; s < p.slabs; ++s, ++ring.n) {
+      const int st = static_cast<int>(ring.n % ring.stages);
+      MbarWait(ring.full + st, (ring.n / ring.stages) & 1);
+      const int chunks = min(kSlab, m.k - s * kSlab) / 16;
+      const uint4* w0 = reinterpret_cast<const uint4*>(ring.buf + st * kStageBytes + 2 * warp * kSlab);
+      const uint4* w1 = w0 + kSlabChunks;
+      const float4* x = xs + 4 * s * kSlabChunks;
+#pragma unroll
+      for (int u = 0; u < kSlabChunks / 32; ++u) {
+        const int c = lane + 32 * u;
+        if (c >= chunks) break;
+        float4 q[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) q[j] = x[4 * c + (j ^ sw)];
+        if constexpr (kDecode == 1) {
+          if (item0 >= 0) acc0 = __fadd_rn(acc0, ChunkScaled(w0[c], q));
+          if (item1 >= 0) acc1 = __fadd_rn(acc1, ChunkScaled(w1[c], q));
+        } else {
+          if (item0 >= 0) acc0 = __fadd_rn(acc0, Chunk(w0[c], q));
+          if (item1 >= 0) acc1 = __fadd_rn(acc1, Chunk(w1[c], q));
+        }
+      }
+      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(ring.empty + st))
+                   : "memory");
+    }
+    const float s0 = WarpSum(acc0), s1 = WarpSum(acc1);
+    if (lane == 0) {
+      if (m.rows == 2) {
+        if (item0 >= 0) epi(item0, s0, s1);
+      } else {
+        if (item0 >= 0) epi(item0, s0, 0.0f);
+        if (item1 >= 0) epi(item1, s1, 0.0f);
+      }
+    }
+  }
+}
+
+}  // namespace phase
+}  // namespace cuda
+}  // namespace sifar
