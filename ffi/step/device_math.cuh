@@ -1,6 +1,7 @@
-// What every phase of the persistent step shares: block geometry, bf16 rounding, the weight
-// loads and the FP8 chunk product (fp8_matvec's order), the input's shared-memory swizzle, the
-// warp butterfly. (Device functions only; the kernel is ffi/step/cuda_llama_step.cu.)
+// What every phase of the persistent step shares: block geometry, a GEMV's descriptor and
+// scale, bf16 rounding, the FP8 chunk product (fp8_matvec's order; by conversions or by
+// integer ops), the input's shared-memory swizzle, bounded waits, the consumers' block barrier,
+// the warp butterfly. (Device functions only; the kernel is ffi/step/cuda_llama_step.cu.)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -21,7 +22,6 @@ using step::kHeadDim;
 using step::kMaxSplits;
 using step::kThreads;
 constexpr int kWarps = kThreads / 32;
-constexpr int kU = 8;  // 16-byte loads per lane per batch
 
 // One GEMV phase's weights: `items` outputs of `rows` weight rows each (row item, and item +
 // pair: gate_up's gate and up rows).
@@ -40,13 +40,6 @@ __device__ __forceinline__ float Rb(float v) { return __bfloat162float(__float2b
 __device__ __forceinline__ float LoadBf(const bf16* p) {
   return __uint_as_float(static_cast<uint32_t>(__ldcg(reinterpret_cast<const unsigned short*>(p)))
                          << 16);
-}
-
-__device__ __forceinline__ uint4 LoadW(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
 }
 
 // 16 weights times 16 inputs, one fma chain from 0 (fp8_matvec's chunk order).
