@@ -3,8 +3,8 @@
 Every layer's RMSNorm, qkv, RoPE, KV-cache write, attention, o, residual add, RMSNorm,
 gate_up, SwiGLU, down and residual add, then the final norm, in one call: on CUDA GPUs one
 cooperative launch of a persistent kernel (ffi/step/cuda_llama_step.cu: grid barriers between
-the phases, each warp's first weights of the next projection loaded before it waits), on the
-CPU a reference of the same phases (ffi/step/llama_step.cc). The LM head stays outside: the
+the phases, the weights streamed into shared memory by a producer warp per block that runs
+ahead of them), on the CPU a reference of the same phases (ffi/step/llama_step.cc). The LM head stays outside: the
 op returns the final norm's output. What is rounded where, and why the attention is not
 bit-equal to XLA's: ffi/step/llama_step.h. models/persistent.py builds a decoder step on it.
 """
