@@ -42,7 +42,19 @@ __device__ __forceinline__ float LoadBf(const bf16* p) {
                          << 16);
 }
 
-// 16 weights times 16 inputs, one fma chain from 0 (fp8_matvec's chunk order).
+// 16 weights (decoded) times 16 inputs (quads q[0..3]), one fma chain from 0 (fp8_matvec's
+// chunk order).
+__device__ __forceinline__ float Dot16(const float (&w)[16], const float4* q) {
+  const float4 a = q[0], b = q[1], c = q[2], d = q[3];
+  const float x[16] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w,
+                       c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
+  float p = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) p = __fmaf_rn(x[j], w[j], p);
+  return p;
+}
+
+// A chunk's 16 e4m3 weights by the conversion instructions (exact), times the inputs.
 __device__ __forceinline__ float Chunk(const uint4& v, const float4* q) {
   const uint32_t words[4] = {v.x, v.y, v.z, v.w};
   float w[16];
@@ -55,13 +67,7 @@ __device__ __forceinline__ float Chunk(const uint4& v, const float4* q) {
       w[4 * i + 2 * h] = fv.x;
       w[4 * i + 2 * h + 1] = fv.y;
     }
-  const float4 a = q[0], b = q[1], c = q[2], d = q[3];
-  const float x[16] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w,
-                       c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
-  float p = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) p = __fmaf_rn(x[j], w[j], p);
-  return p;
+  return Dot16(w, q);
 }
 
 // The same product with the weights decoded by integer ops instead of conversions: byte b's
@@ -80,13 +86,7 @@ __device__ __forceinline__ float ChunkScaled(const uint4& v, const float4* q) {
       const int32_t t = static_cast<int32_t>(words[i] << (24 - 8 * j));  // byte j on top
       w[4 * i + j] = __int_as_float((t >> 4) & static_cast<int32_t>(0x87f00000u));
     }
-  const float4 a = q[0], b = q[1], c = q[2], d = q[3];
-  const float x[16] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w,
-                       c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
-  float p = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) p = __fmaf_rn(x[j], w[j], p);
-  return p;
+  return Dot16(w, q);
 }
 
 // The input vector in shared memory as float4s, swizzled so that a warp's 16-byte chunk
