@@ -125,7 +125,8 @@ __device__ __forceinline__ void Produce(MatAt mat_at, int layers, Ring& ring) {
   }
 }
 
-// A consumer GEMV phase: projection m times xs (swizzled floats, XQuad) from the ring.
+// A consumer GEMV phase: projection m times xs (swizzled floats, XQuad) from the ring. m.k is
+// a multiple of 16 (PlanLlamaStep checks it): a slab is whole chunks.
 // epi(item, sum of its row, sum of its second row (gate_up's up) or 0) on lane 0.
 template <int kDecode = 0, class Epi>
 __device__ __forceinline__ void RingGemv(const Mat& m, Ring& ring, const float4* xs, Epi epi) {
