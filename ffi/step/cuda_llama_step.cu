@@ -40,15 +40,6 @@ namespace {
 
 using namespace phase;  // NOLINT: the step's phases (device_math, grid_sync, ring, norm, attention)
 
-#ifndef SIFAR_STEP_DECODE
-#define SIFAR_STEP_DECODE 0
-#endif
-// The consumers' e4m3 decode: 0 conversion instructions (Chunk), 1 integer ops (ChunkScaled:
-// the input staged times 2^kXLog2, each sum times 2^(120 - kXLog2), the same bits).
-constexpr int kDecode = SIFAR_STEP_DECODE;
-constexpr float kXMul = kDecode == 1 ? 0x1p100f : 1.0f;
-constexpr float kSumMul = kDecode == 1 ? 0x1p20f : 1.0f;
-static_assert(kDecode != 1 || kXLog2 == 100, "kXMul and kSumMul follow kXLog2");
 constexpr int kBlockThreads = kThreads + 32;  // the consumers, then the producer warp
 
 struct Params {
@@ -70,7 +61,6 @@ struct Params {
   int xs_bytes;   // shared memory before the ring: the GEMV input or the attention's scratch
   step::LayerWeights layer[step::kMaxLayers];
 };
-
 
 __device__ __forceinline__ Mat LayerMat(const Params& P, int l, int p) {
   const step::LayerWeights& L = P.layer[l];
@@ -111,33 +101,30 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
   for (int l = 0; l < s.layers; ++l) {
     const step::LayerWeights& L = P.layer[l];
     const bf16* rin = l == 0 ? P.x : P.resid;  // the residual stream before this layer
-    StageNorm(xs, rin, L.input_norm, s.hidden, s.eps, red, kXMul);
-    RingGemv<kDecode>(mats(l, 0), ring, xs, [&](int n, float r0, float) {
-      const float r = __fmul_rn(r0, kSumMul);
-      P.qkv[n] = __float2bfloat16_rn(__fmul_rn(r, Scale(L.qkv_scale, L.scale_per_channel & 1, n)));
+    StageNorm(xs, rin, L.input_norm, s.hidden, s.eps, red);
+    RingGemv(mats(l, 0), ring, xs, [&](int n, float r0, float) {
+      P.qkv[n] = __float2bfloat16_rn(__fmul_rn(r0, Scale(L.qkv_scale, L.scale_per_channel & 1, n)));
     });
     sync();
     Attention<G>(P, l, reinterpret_cast<float*>(smem), &flag, pos, start);
     sync();
-    StageX(xs, P.attn, s.q_dim(), kXMul);
-    RingGemv<kDecode>(mats(l, 1), ring, xs, [&](int n, float r0, float) {
-      const float r = __fmul_rn(r0, kSumMul);
-      const float v = Rb(__fmul_rn(r, Scale(L.o_scale, L.scale_per_channel & 2, n)));
+    StageX(xs, P.attn, s.q_dim());
+    RingGemv(mats(l, 1), ring, xs, [&](int n, float r0, float) {
+      const float v = Rb(__fmul_rn(r0, Scale(L.o_scale, L.scale_per_channel & 2, n)));
       P.resid[n] = __float2bfloat16_rn(__fadd_rn(LoadBf(rin + n), v));
     });
     sync();
-    StageNorm(xs, P.resid, L.post_norm, s.hidden, s.eps, red, kXMul);
-    RingGemv<kDecode>(mats(l, 2), ring, xs, [&](int j, float r0, float r1) {
+    StageNorm(xs, P.resid, L.post_norm, s.hidden, s.eps, red);
+    RingGemv(mats(l, 2), ring, xs, [&](int j, float r0, float r1) {
       const unsigned pc = L.scale_per_channel & 4;
-      const float g = Rb(__fmul_rn(__fmul_rn(r0, kSumMul), Scale(L.gate_up_scale, pc, j)));
-      const float u = Rb(__fmul_rn(__fmul_rn(r1, kSumMul), Scale(L.gate_up_scale, pc, s.ffn + j)));
+      const float g = Rb(__fmul_rn(r0, Scale(L.gate_up_scale, pc, j)));
+      const float u = Rb(__fmul_rn(r1, Scale(L.gate_up_scale, pc, s.ffn + j)));
       P.act[j] = __float2bfloat16_rn(__fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u));
     });
     sync();
-    StageX(xs, P.act, s.ffn, kXMul);
-    RingGemv<kDecode>(mats(l, 3), ring, xs, [&](int n, float r0, float) {
-      const float r = __fmul_rn(r0, kSumMul);
-      const float v = Rb(__fmul_rn(r, Scale(L.down_scale, L.scale_per_channel & 8, n)));
+    StageX(xs, P.act, s.ffn);
+    RingGemv(mats(l, 3), ring, xs, [&](int n, float r0, float) {
+      const float v = Rb(__fmul_rn(r0, Scale(L.down_scale, L.scale_per_channel & 8, n)));
       P.resid[n] = __float2bfloat16_rn(__fadd_rn(LoadBf(P.resid + n), v));
     });
     sync();

@@ -1,6 +1,6 @@
 // What every phase of the persistent step shares: block geometry, a GEMV's descriptor and
-// scale, bf16 rounding, the FP8 chunk product (fp8_matvec's order; by conversions or by
-// integer ops), the input's shared-memory swizzle, bounded waits, the consumers' block barrier,
+// scale, bf16 rounding, the FP8 chunk product (fp8_matvec's order), the input's shared-memory
+// swizzle, bounded waits, the consumers' block barrier,
 // the warp butterfly. (Device functions only; the kernel is ffi/step/cuda_llama_step.cu.)
 #pragma once
 
@@ -42,19 +42,7 @@ __device__ __forceinline__ float LoadBf(const bf16* p) {
                          << 16);
 }
 
-// 16 weights (decoded) times 16 inputs (quads q[0..3]), one fma chain from 0 (fp8_matvec's
-// chunk order).
-__device__ __forceinline__ float Dot16(const float (&w)[16], const float4* q) {
-  const float4 a = q[0], b = q[1], c = q[2], d = q[3];
-  const float x[16] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w,
-                       c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
-  float p = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) p = __fmaf_rn(x[j], w[j], p);
-  return p;
-}
-
-// A chunk's 16 e4m3 weights by the conversion instructions (exact), times the inputs.
+// 16 weights times 16 inputs, one fma chain from 0 (fp8_matvec's chunk order).
 __device__ __forceinline__ float Chunk(const uint4& v, const float4* q) {
   const uint32_t words[4] = {v.x, v.y, v.z, v.w};
   float w[16];
@@ -67,26 +55,13 @@ __device__ __forceinline__ float Chunk(const uint4& v, const float4* q) {
       w[4 * i + 2 * h] = fv.x;
       w[4 * i + 2 * h + 1] = fv.y;
     }
-  return Dot16(w, q);
-}
-
-// The same product with the weights decoded by integer ops instead of conversions: byte b's
-// sign to bit 31 and its other 7 bits to bits 26..20 of a float, which is w * 2^-120 exactly
-// (e4m3's subnormals land on float subnormals), so q must hold x * 2^kXLog2 and the sum is
-// the unscaled sum * 2^(kXLog2 - 120): exact scalings of the same fma chain while every value
-// stays a normal float (|x| in [2^-96, 2^28)), so the same bits after * 2^(120 - kXLog2).
-constexpr int kXLog2 = 100;
-__device__ __forceinline__ float ChunkScaled(const uint4& v, const float4* q) {
-  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-  float w[16];
+  const float4 a = q[0], b = q[1], c = q[2], d = q[3];
+  const float x[16] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w,
+                       c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
+  float p = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int32_t t = static_cast<int32_t>(words[i] << (24 - 8 * j));  // byte j on top
-      w[4 * i + j] = __int_as_float((t >> 4) & static_cast<int32_t>(0x87f00000u));
-    }
-  return Dot16(w, q);
+  for (int j = 0; j < 16; ++j) p = __fmaf_rn(x[j], w[j], p);
+  return p;
 }
 
 // The input vector in shared memory as float4s, swizzled so that a warp's 16-byte chunk

@@ -128,7 +128,7 @@ __device__ __forceinline__ void Produce(MatAt mat_at, int layers, Ring& ring) {
 // A consumer GEMV phase: projection m times xs (swizzled floats, XQuad) from the ring. m.k is
 // a multiple of 16 (PlanLlamaStep checks it): a slab is whole chunks.
 // epi(item, sum of its row, sum of its second row (gate_up's up) or 0) on lane 0.
-template <int kDecode = 0, class Epi>
+template <class Epi>
 __device__ __forceinline__ void RingGemv(const Mat& m, Ring& ring, const float4* xs, Epi epi) {
   const Part p = PartOf(m);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sw = (lane >> 1) & 3;
@@ -149,13 +149,8 @@ __device__ __forceinline__ void RingGemv(const Mat& m, Ring& ring, const float4*
         float4 q[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) q[j] = x[4 * c + (j ^ sw)];
-        if constexpr (kDecode == 1) {
-          if (item0 >= 0) acc0 = __fadd_rn(acc0, ChunkScaled(w0[c], q));
-          if (item1 >= 0) acc1 = __fadd_rn(acc1, ChunkScaled(w1[c], q));
-        } else {
-          if (item0 >= 0) acc0 = __fadd_rn(acc0, Chunk(w0[c], q));
-          if (item1 >= 0) acc1 = __fadd_rn(acc1, Chunk(w1[c], q));
-        }
+        if (item0 >= 0) acc0 = __fadd_rn(acc0, Chunk(w0[c], q));
+        if (item1 >= 0) acc1 = __fadd_rn(acc1, Chunk(w1[c], q));
       }
       asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(ring.empty + st))
                    : "memory");
