@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # compute-sanitizer's memcheck, racecheck and synccheck on sifar_jax.llama_step's persistent
-# kernel (ffi/step/cuda_llama_step.cu), one GPU: 2 layers of a small Llama (hidden 256, 2 KV
-# heads of 4 query heads, FFN 512, FP8 per-channel and per-tensor scales), a cache of 16384
+# kernel (ffi/step/cuda_llama_step.cu), one GPU: 2 layers of a small Llama (hidden 2048, 2 KV
+# heads of 4 query heads, FFN 2560: the weight ring's whole slabs, a partial one and slots past
+# a block's rows; FP8 per-channel and per-tensor scales), a cache of 16384
 # slots, at slots 0, 63, 64, 1023 and 16383 (one key range per head up to every range the grid
 # holds), and one left-padded (first slot 40). Every buffer is its own allocation
 # (XLA_PYTHON_CLIENT_ALLOCATOR=platform), so memcheck sees an access past any of them.
@@ -12,7 +13,7 @@ read -r -d '' CODE <<'PY'
 import jax, jax.numpy as jnp, numpy as np
 import sifar_jax
 rng = np.random.default_rng(0)
-H, KV, G, F, L, S = 256, 2, 4, 512, 2, 16384
+H, KV, G, F, L, S = 2048, 2, 4, 2560, 2, 16384
 def w(n, k):
     return jnp.asarray(np.clip(rng.standard_normal((n, k)) * 100, -448, 448), jnp.float8_e4m3fn)
 def s(n, k, per_channel=True):

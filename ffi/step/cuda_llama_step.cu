@@ -41,6 +41,7 @@ namespace {
 using namespace phase;  // NOLINT: the step's phases (device_math, grid_sync, ring, norm, attention)
 
 constexpr int kBlockThreads = kThreads + 32;  // the consumers, then the producer warp
+using Dot = CvtDot;                            // the GEMV phases' chunk product
 
 struct Params {
   step::Shape s;
@@ -101,32 +102,47 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
   for (int l = 0; l < s.layers; ++l) {
     const step::LayerWeights& L = P.layer[l];
     const bf16* rin = l == 0 ? P.x : P.resid;  // the residual stream before this layer
-    StageNorm(xs, rin, L.input_norm, s.hidden, s.eps, red);
-    RingGemv(mats(l, 0), ring, xs, [&](int n, float r0, float) {
-      P.qkv[n] = __float2bfloat16_rn(__fmul_rn(r0, Scale(L.qkv_scale, L.scale_per_channel & 1, n)));
-    });
+    StageNorm<Dot>(xs, rin, L.input_norm, s.hidden, s.eps, red);
+    RingGemv<Dot>(
+        mats(l, 0), ring, xs,
+        [&](int n) { return make_float2(Scale(L.qkv_scale, L.scale_per_channel & 1, n), 0.0f); },
+        [&](int n, float r0, float, float2 pre) {
+          P.qkv[n] = __float2bfloat16_rn(__fmul_rn(r0, pre.x));
+        });
     sync();
     Attention<G>(P, l, reinterpret_cast<float*>(smem), &flag, pos, start);
     sync();
-    StageX(xs, P.attn, s.q_dim());
-    RingGemv(mats(l, 1), ring, xs, [&](int n, float r0, float) {
-      const float v = Rb(__fmul_rn(r0, Scale(L.o_scale, L.scale_per_channel & 2, n)));
-      P.resid[n] = __float2bfloat16_rn(__fadd_rn(LoadBf(rin + n), v));
-    });
+    StageX<Dot>(xs, P.attn, s.q_dim());
+    RingGemv<Dot>(
+        mats(l, 1), ring, xs,
+        [&](int n) {
+          return make_float2(Scale(L.o_scale, L.scale_per_channel & 2, n), LoadBf(rin + n));
+        },
+        [&](int n, float r0, float, float2 pre) {
+          P.resid[n] = __float2bfloat16_rn(__fadd_rn(pre.y, Rb(__fmul_rn(r0, pre.x))));
+        });
     sync();
-    StageNorm(xs, P.resid, L.post_norm, s.hidden, s.eps, red);
-    RingGemv(mats(l, 2), ring, xs, [&](int j, float r0, float r1) {
-      const unsigned pc = L.scale_per_channel & 4;
-      const float g = Rb(__fmul_rn(r0, Scale(L.gate_up_scale, pc, j)));
-      const float u = Rb(__fmul_rn(r1, Scale(L.gate_up_scale, pc, s.ffn + j)));
-      P.act[j] = __float2bfloat16_rn(__fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u));
-    });
+    StageNorm<Dot>(xs, P.resid, L.post_norm, s.hidden, s.eps, red);
+    RingGemv<Dot>(
+        mats(l, 2), ring, xs,
+        [&](int j) {
+          const unsigned pc = L.scale_per_channel & 4;
+          return make_float2(Scale(L.gate_up_scale, pc, j), Scale(L.gate_up_scale, pc, s.ffn + j));
+        },
+        [&](int j, float r0, float r1, float2 pre) {
+          const float g = Rb(__fmul_rn(r0, pre.x)), u = Rb(__fmul_rn(r1, pre.y));
+          P.act[j] = __float2bfloat16_rn(__fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u));
+        });
     sync();
-    StageX(xs, P.act, s.ffn);
-    RingGemv(mats(l, 3), ring, xs, [&](int n, float r0, float) {
-      const float v = Rb(__fmul_rn(r0, Scale(L.down_scale, L.scale_per_channel & 8, n)));
-      P.resid[n] = __float2bfloat16_rn(__fadd_rn(LoadBf(P.resid + n), v));
-    });
+    StageX<Dot>(xs, P.act, s.ffn);
+    RingGemv<Dot>(
+        mats(l, 3), ring, xs,
+        [&](int n) {
+          return make_float2(Scale(L.down_scale, L.scale_per_channel & 8, n), LoadBf(P.resid + n));
+        },
+        [&](int n, float r0, float, float2 pre) {
+          P.resid[n] = __float2bfloat16_rn(__fadd_rn(pre.y, Rb(__fmul_rn(r0, pre.x))));
+        });
     sync();
   }
   if (blockIdx.x == 0) {

@@ -6,11 +6,11 @@
 // stage by the input in shared memory and release it.
 //
 // A stage holds kRingRows weight rows' next kSlab bytes (one bulk copy per row): warp w owns the
-// rows in slots 2w and 2w + 1 for a round of stages (K / kSlab of them), and lane l adds up the
+// rows in slots kWarpRows * w + i for a round of stages (K / kSlab of them), and lane l adds up the
 // chunks l, l + 32, ... of each row across the round, so a row's sum is fp8_matvec's lanes-32
 // order (the same bits as the row kernel; kSlab is a multiple of 32 chunks). A block takes the
-// items b, b + gridDim.x, ... of a projection; an item is one row (two items per warp and
-// round) or, for gate_up, a (gate, up) pair of rows (one per warp and round).
+// items b, b + gridDim.x, ... of a projection; an item is one row (kWarpRows items per warp
+// and round) or, for gate_up, a (gate, up) pair of rows (in slots 2i, 2i + 1).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,11 +23,13 @@ namespace sifar {
 namespace cuda {
 namespace phase {
 
-constexpr int kRingRows = 2 * kWarps;                  // rows per stage: two per consumer warp
+constexpr int kWarpRows = 2;                           // rows per consumer warp and stage
+constexpr int kRingRows = kWarpRows * kWarps;          // rows per stage
 constexpr int kStageBytes = 32 * 1024;                 // bytes per stage
 constexpr int kSlab = kStageBytes / kRingRows;         // one row's bytes per stage
 constexpr int kSlabChunks = kSlab / 16;                // 16-byte chunks of a row per stage
 static_assert(kSlabChunks % 32 == 0, "lane l's chunks of a row must stay l + 32 i");
+static_assert(kWarpRows % 2 == 0 && kRingRows <= 32, "gate_up's pairs in a warp; a lane per row");
 
 // The ring in this block's shared memory, and this thread's place in its stage sequence.
 struct Ring {
@@ -126,42 +128,76 @@ __device__ __forceinline__ void Produce(MatAt mat_at, int layers, Ring& ring) {
 }
 
 // A consumer GEMV phase: projection m times xs (swizzled floats, XQuad) from the ring. m.k is
-// a multiple of 16 (PlanLlamaStep checks it): a slab is whole chunks.
-// epi(item, sum of its row, sum of its second row (gate_up's up) or 0) on lane 0.
-template <class Epi>
-__device__ __forceinline__ void RingGemv(const Mat& m, Ring& ring, const float4* xs, Epi epi) {
+// a multiple of 16 (PlanLlamaStep checks it): a slab is whole chunks. Warp w owns the slots
+// kWarpRows * w + i of each round. Per item, lane 0 calls pre(item) -> float2 when the item's
+// round starts (what its epilogue reads from global memory: a scale, the residual; the loads'
+// latency hides under the round) and epi(item, sum of its row, sum of its second row (gate_up's
+// up) or 0, pre's value) when the round ends. A full slab's chunks are one branch-free block
+// with every shared load issued first; a slot past the block's items sums stale bytes that are
+// never stored. dot(chunk, quads) is the chunk product (device_math.cuh, CvtDot).
+template <class Dot = CvtDot, class Pre, class Epi>
+__device__ __forceinline__ void RingGemv(const Mat& m, Ring& ring, const float4* xs, Pre pre,
+                                         Epi epi) {
+  constexpr int R = kWarpRows, kU = kSlabChunks / 32;  // rows per warp, chunks per lane and row
+  const Dot dot{};
   const Part p = PartOf(m);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sw = (lane >> 1) & 3;
   for (int r = 0; r < p.rounds; ++r) {
-    const int item0 = SlotItem(m, p, r, 2 * warp), item1 = SlotItem(m, p, r, 2 * warp + 1);
-    float acc0 = 0.0f, acc1 = 0.0f;
+    int item[R];
+    float2 pr[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      item[i] = SlotItem(m, p, r, R * warp + i);
+      pr[i] = make_float2(0.0f, 0.0f);
+      if (lane == 0 && item[i] >= 0 && (m.rows == 1 || i % 2 == 0)) pr[i] = pre(item[i]);
+    }
+    float acc[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) acc[i] = 0.0f;
     for (int s = 0; s < p.slabs; ++s, ++ring.n) {
       const int st = static_cast<int>(ring.n % ring.stages);
       MbarWait(ring.full + st, (ring.n / ring.stages) & 1);
       const int chunks = min(kSlab, m.k - s * kSlab) / 16;
-      const uint4* w0 = reinterpret_cast<const uint4*>(ring.buf + st * kStageBytes + 2 * warp * kSlab);
-      const uint4* w1 = w0 + kSlabChunks;
+      const uint4* w = reinterpret_cast<const uint4*>(ring.buf + st * kStageBytes + R * warp * kSlab);
       const float4* x = xs + 4 * s * kSlabChunks;
+      if (chunks == kSlabChunks) {
+        float4 q[kU][4];
+        uint4 a[kU][R];
 #pragma unroll
-      for (int u = 0; u < kSlabChunks / 32; ++u) {
-        const int c = lane + 32 * u;
-        if (c >= chunks) break;
-        float4 q[4];
+        for (int u = 0; u < kU; ++u) {
+          const int c = lane + 32 * u;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) q[j] = x[4 * c + (j ^ sw)];
-        if (item0 >= 0) acc0 = __fadd_rn(acc0, Chunk(w0[c], q));
-        if (item1 >= 0) acc1 = __fadd_rn(acc1, Chunk(w1[c], q));
+          for (int j = 0; j < 4; ++j) q[u][j] = x[4 * c + (j ^ sw)];
+#pragma unroll
+          for (int i = 0; i < R; ++i) a[u][i] = w[i * kSlabChunks + c];
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+#pragma unroll
+          for (int i = 0; i < R; ++i) acc[i] = __fadd_rn(acc[i], dot(a[u][i], q[u]));
+      } else {
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int c = lane + 32 * u;
+          if (c >= chunks) break;
+          float4 q[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) q[j] = x[4 * c + (j ^ sw)];
+#pragma unroll
+          for (int i = 0; i < R; ++i) acc[i] = __fadd_rn(acc[i], dot(w[i * kSlabChunks + c], q));
+        }
       }
       asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(ring.empty + st))
                    : "memory");
     }
-    const float s0 = WarpSum(acc0), s1 = WarpSum(acc1);
+#pragma unroll
+    for (int i = 0; i < R; ++i) acc[i] = WarpSum(acc[i]);
     if (lane == 0) {
-      if (m.rows == 2) {
-        if (item0 >= 0) epi(item0, s0, s1);
-      } else {
-        if (item0 >= 0) epi(item0, s0, 0.0f);
-        if (item1 >= 0) epi(item1, s1, 0.0f);
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        if (item[i] < 0) continue;
+        if (m.rows == 1) epi(item[i], Unscale<Dot>(acc[i]), 0.0f, pr[i]);
+        else if (i % 2 == 0) epi(item[i], Unscale<Dot>(acc[i]), Unscale<Dot>(acc[i + 1]), pr[i]);
       }
     }
   }
