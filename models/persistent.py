@@ -100,6 +100,22 @@ def _layer_operands(block) -> "sifar_jax.LlamaLayer":
                                 block.post_norm.weight[...], gu, gu_s, dn, dn_s)
 
 
+def _head_operands(model, c):
+    """(weight, scale) for the op when the LM head is FP8 with per-row or per-tensor scales
+    (untied): the kernel streams it; else None (the head runs in XLA on the op's h)."""
+    if c.tie_word_embeddings:
+        return None
+    w = model.lm_head[...]
+    if not isinstance(w, Fp8Weight):
+        return None
+    q2, s2, _ = w.kernel_operands()
+    if q2.shape[1] != c.hidden_size:  # the head's rows must be [V, H]
+        return None
+    if not (w.scale.size == 1 or (w.block[0] == 1 and w.scale.shape[-1] == 1)):
+        return None
+    return q2, s2.reshape(-1).astype(jnp.float32)
+
+
 def make_step_forward(family, layout, options):
     """forward(params, cache, tokens [1, 1], positions [1], ar, start=None) -> (logits [1, 1,
     vocab] float32, cache, ar), the XLA forward's contract for one token, as the persistent
@@ -116,10 +132,15 @@ def make_step_forward(family, layout, options):
         first = jnp.int32(0) if start is None else start[0].astype(jnp.int32)
         cos, sin = rope_cos_sin((pos - first)[None], inv_freq)
         x = jnp.take(model.embed[...], tokens[0, 0], axis=0)
-        h, cache = sifar_jax.llama_step(
+        head = _head_operands(model, c)
+        out = sifar_jax.llama_step(
             x, jnp.concatenate([cos, sin]), jnp.stack([pos, first]), model.norm.weight[...],
             [_layer_operands(b) for b in model.layers], cache, kv_heads=c.num_kv_heads,
-            group=c.group_size, eps=c.rms_norm_eps)
+            group=c.group_size, eps=c.rms_norm_eps, head=head)
+        if head is not None:  # the kernel streamed the head too
+            _, cache, logits = out
+            return logits[None, None], cache, ar
+        h, cache = out
         h = h[None, None]
         if c.tie_word_embeddings:
             logits = project("bth,vh->btv", h, model.embed[...], options.gemm_rows,

@@ -4,7 +4,8 @@
 # heads of 4 query heads, FFN 2560: the weight ring's whole slabs, a partial one and slots past
 # a block's rows; FP8 per-channel and per-tensor scales), a cache of 16384
 # slots, at slots 0, 63, 64, 1023 and 16383 (one key range per head up to every range the grid
-# holds), and one left-padded (first slot 40). Every buffer is its own allocation
+# holds), and one left-padded (first slot 40); an FP8 LM head of 1000 rows after the last
+# layer. Every buffer is its own allocation
 # (XLA_PYTHON_CLIENT_ALLOCATOR=platform), so memcheck sees an access past any of them.
 #   bash tools/sanitize_llama_step.sh    (from any directory; sifar-jax installed, or built into src/)
 set -uo pipefail
@@ -25,11 +26,13 @@ layers = [sifar_jax.LlamaLayer(norm(), w(nq, H), s(nq, H, l == 0), w(H, KV * G *
 x = jnp.asarray(rng.standard_normal(H), jnp.bfloat16)
 rope = jnp.asarray(np.stack([np.cos(np.arange(128)), np.sin(np.arange(128))]), jnp.float32)
 cache = jnp.asarray(rng.standard_normal((L, 2, 1, KV, S, 128)), jnp.bfloat16)
+V = 1000  # an FP8 head of per-row scales: the ring's last GEMV
+head = (w(V, H), s(V, H))
 f = jax.jit(lambda pos, cache: sifar_jax.llama_step(x, rope, pos, norm(), layers, cache,
-                                                    kv_heads=KV, group=G, eps=1e-5))
+                                                    kv_heads=KV, group=G, eps=1e-5, head=head))
 for p, first in ((0, 0), (63, 0), (64, 0), (1023, 0), (16383, 0), (100, 40)):
-    h, cache = f(jnp.array([p, first], jnp.int32), cache)
-    assert np.isfinite(np.asarray(h, np.float32)).all(), p
+    h, cache, logits = f(jnp.array([p, first], jnp.int32), cache)
+    assert np.isfinite(np.asarray(h, np.float32)).all() and np.isfinite(np.asarray(logits)).all(), p
 print("sanitize_llama_step: all calls ran (6 slots, outputs finite)")
 PY
 source tools/sanitize_run.sh

@@ -58,14 +58,20 @@ struct Params {
   bf16* act;
   bf16* resid;
   float* part;
+  const uint8_t* head;  // the LM head [vocab, H] e4m3 (vocab 0: none)
+  const float* head_scale;
+  int head_per_channel, vocab;
+  float* logits;
   int stages;     // ring stages per block
   int xs_bytes;   // shared memory before the ring: the GEMV input or the attention's scratch
   step::LayerWeights layer[step::kMaxLayers];
 };
 
+// Projection p of layer l; "layer" s.layers is the head (p 0; nothing for p > 0).
 __device__ __forceinline__ Mat LayerMat(const Params& P, int l, int p) {
-  const step::LayerWeights& L = P.layer[l];
   const step::Shape& s = P.s;
+  if (l == s.layers) return {P.head, p == 0 ? P.vocab : 0, s.hidden, 1, 0};
+  const step::LayerWeights& L = P.layer[l];
   switch (p) {
     case 0: return {L.qkv, s.qkv_rows(), s.hidden, 1, 0};
     case 1: return {L.o, s.hidden, s.q_dim(), 1, 0};
@@ -94,7 +100,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
   __syncthreads();  // the last barrier of all kBlockThreads threads
   const auto mats = [&](int l, int p) { return LayerMat(P, l, p); };
   if (threadIdx.x >= kThreads) {
-    Produce(mats, s.layers, ring);
+    Produce(mats, s.layers + (P.vocab > 0), ring);
     return;
   }
   unsigned nbar = 0;
@@ -150,6 +156,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
     const bf16* sc = P.final_norm;
     for (int j = threadIdx.x; j < s.hidden; j += kThreads)
       P.h[j] = __float2bfloat16_rn(__fmul_rn(Rb(__fmul_rn(LoadBf(P.resid + j), inv)), F(sc[j])));
+  }
+  if (P.vocab > 0) {  // the head: every block norms the residual stream itself (no barrier)
+    StageNorm<Dot>(xs, P.resid, reinterpret_cast<const uint16_t*>(P.final_norm), s.hidden, s.eps,
+                   red);
+    RingGemv<Dot>(
+        mats(s.layers, 0), ring, xs,
+        [&](int n) { return make_float2(Scale(P.head_scale, P.head_per_channel, n), 0.0f); },
+        [&](int n, float r0, float, float2 pre) { P.logits[n] = __fmul_rn(r0, pre.x); });
   }
 }
 
@@ -209,11 +223,11 @@ cudaError_t GridBlocks(KernelFn kernel, const step::Shape& s, Smem* sm, int* blo
 
 ffi::Error CudaLlamaStepImpl(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args,
                              ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> cache,
-                             ffi::Result<ffi::AnyBuffer> work, int64_t layers, int64_t kv_heads,
-                             int64_t group, float eps) {
+                             ffi::Result<ffi::AnyBuffer> work, ffi::Result<ffi::AnyBuffer> logits,
+                             int64_t layers, int64_t kv_heads, int64_t group, float eps) {
   step::StepCall call;
-  ffi::Error err = step::PlanLlamaStep(args, *h, *cache, *work, layers, kv_heads, group, eps,
-                                       &call);
+  ffi::Error err = step::PlanLlamaStep(args, *h, *cache, *work, *logits, layers, kv_heads, group,
+                                       eps, &call);
   if (err.failure()) return err;
   err = UseDevice(ordinal);
   if (err.failure()) return err;
@@ -252,6 +266,11 @@ ffi::Error CudaLlamaStepImpl(cudaStream_t stream, int32_t ordinal, ffi::Remainin
   p->act = reinterpret_cast<bf16*>(call.work + call.ws.act);
   p->resid = reinterpret_cast<bf16*>(call.work + call.ws.resid);
   p->part = reinterpret_cast<float*>(call.work + call.ws.part);
+  p->head = call.head;
+  p->head_scale = call.head_scale;
+  p->head_per_channel = call.head_per_channel;
+  p->vocab = call.vocab;
+  p->logits = call.logits;
   p->stages = sm.stages;
   p->xs_bytes = static_cast<int>(sm.xs);
   std::copy(call.layers.begin(), call.layers.end(), p->layer);

@@ -58,8 +58,8 @@ const char* kProjNames[4] = {"qkv", "o", "gate_up", "down"};
 }  // namespace
 
 ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuffer cache,
-                         ffi::AnyBuffer work, int64_t layers, int64_t kv_heads, int64_t group,
-                         float eps, StepCall* call) {
+                         ffi::AnyBuffer work, ffi::AnyBuffer logits, int64_t layers,
+                         int64_t kv_heads, int64_t group, float eps, StepCall* call) {
   const std::string name = "llama_step: ";
   if (layers < 1 || layers > kMaxLayers)
     return Invalid(name + "layers must be in [1, " + std::to_string(kMaxLayers) + "], got " +
@@ -68,9 +68,10 @@ ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuff
     return Invalid(name + "kv_heads >= 1 and group in [1, " + std::to_string(kMaxGroup) +
                    "] needed, got " + std::to_string(kv_heads) + ", " + std::to_string(group));
   const size_t want = kLeadOperands + kOperandsPerLayer * layers + 1;
-  if (args.size() != want)
+  if (args.size() != want && args.size() != want + 2)
     return Invalid(name + "expected " + std::to_string(want) + " operands for " +
-                   std::to_string(layers) + " layers, got " + std::to_string(args.size()));
+                   std::to_string(layers) + " layers (" + std::to_string(want + 2) +
+                   " with the head), got " + std::to_string(args.size()));
   auto arg = [&](size_t i) { return args.get<ffi::AnyBuffer>(i).value(); };
   ffi::AnyBuffer x = arg(0), rope = arg(1), pos = arg(2), fnorm = arg(3);
   ffi::AnyBuffer cache_in = arg(want - 1);
@@ -139,6 +140,26 @@ ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuff
   if (cache.size_bytes() != cache_in.size_bytes()) return Invalid(name + "cache result size");
   if (h.element_type() != ffi::DataType::BF16 || !HasDims(h, {s.hidden}))
     return Invalid(name + "h must be bf16 [H], got " + Dims(h));
+  if (args.size() == want + 2) {
+    ffi::AnyBuffer hw = arg(want), hs = arg(want + 1);
+    if (hw.element_type() != ffi::DataType::F8E4M3FN || hw.dimensions().size() != 2 ||
+        hw.dimensions()[1] != s.hidden || hw.dimensions()[0] < 1)
+      return Invalid(name + "head must be float8_e4m3fn [V, H], got " + Dims(hw));
+    c.vocab = static_cast<int>(hw.dimensions()[0]);
+    if (hs.element_type() != ffi::DataType::F32 ||
+        (hs.element_count() != 1 && hs.element_count() != c.vocab))
+      return Invalid(name + "head's scale must be float32 with 1 (per tensor) or " +
+                     std::to_string(c.vocab) + " (per row) values, got " + Dims(hs));
+    if (reinterpret_cast<uintptr_t>(hw.untyped_data()) % 16)
+      return Invalid(name + "head must be 16-byte aligned");
+    c.head = static_cast<const uint8_t*>(hw.untyped_data());
+    c.head_scale = static_cast<const float*>(hs.untyped_data());
+    c.head_per_channel = hs.element_count() == c.vocab && c.vocab > 1;
+  }
+  if (logits.element_type() != ffi::DataType::F32 || !HasDims(logits, {c.vocab}))
+    return Invalid(name + "logits must be float32 [" + std::to_string(c.vocab) + "], got " +
+                   Dims(logits));
+  c.logits = static_cast<float*>(logits.untyped_data());
   c.ws = StepWorkspace(s);
   if (work.size_bytes() != c.ws.total)
     return Invalid(name + "the workspace must be " + std::to_string(c.ws.total) + " bytes, got " +
@@ -283,14 +304,18 @@ void RunLlamaStep(const step::StepCall& c) {
   }
   const std::vector<float> out = Norm(resid, c.final_norm, s.eps);
   for (int j = 0; j < H; ++j) c.h[j] = F32ToBf16(out[j]);
+  for (int r = 0; r < c.vocab; ++r)
+    c.logits[r] = Row(c.head + static_cast<size_t>(r) * H, H, out,
+                      c.head_per_channel ? c.head_scale[r] : c.head_scale[0]);
 }
 
 ffi::Error CpuLlamaStepImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> h,
                             ffi::Result<ffi::AnyBuffer> cache, ffi::Result<ffi::AnyBuffer> work,
-                            int64_t layers, int64_t kv_heads, int64_t group, float eps) {
+                            ffi::Result<ffi::AnyBuffer> logits, int64_t layers, int64_t kv_heads,
+                            int64_t group, float eps) {
   step::StepCall call;
-  ffi::Error err = step::PlanLlamaStep(args, *h, *cache, *work, layers, kv_heads, group, eps,
-                                       &call);
+  ffi::Error err = step::PlanLlamaStep(args, *h, *cache, *work, *logits, layers, kv_heads, group,
+                                       eps, &call);
   if (err.failure()) return err;
   const int pos = call.pos[0], start = call.pos[1];
   if (pos < 0 || pos >= call.shape.capacity || start < 0 || start > pos)

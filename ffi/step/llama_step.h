@@ -11,11 +11,14 @@
 //   [H] bf16, then per layer 10 arrays: input_norm [H], qkv [Nqkv, H] e4m3 + scale, o [H, Q]
 //   e4m3 + scale, post_norm [H], gate_up [2F, H] e4m3 (gate rows, then up rows) + scale, down
 //   [H, F] e4m3 + scale, each scale float32 per output channel [N] or per tensor [1]; last the
-//   cache [L, 2, 1, kv, S, D] bf16 ("bhsd"), updated in place (result 1 aliases it).
+//   cache [L, 2, 1, kv, S, D] bf16 ("bhsd"), updated in place (result 1 aliases it); then,
+//   optionally, the LM head [V, H] e4m3 + its scale (per row [V] or per tensor [1]).
 //   qkv's rows per KV head h: its `group` query heads, then its key, then its value (D rows
 //   each, models/attention.py's layout); o's K follows the heads in (kv head, group) order.
-// Results: h [H] bf16 = final_norm(residual stream after the last layer), the cache, and a
-//   workspace (StepWorkspace) whose counters the op zeroes before each launch.
+// Results: h [H] bf16 = final_norm(residual stream after the last layer), the cache, a
+//   workspace (StepWorkspace) whose counters the op zeroes before each launch, and the logits
+//   [V] float32 = head x h (in fp8_matvec's order, times the scale, not rounded), [0] without
+//   a head.
 //
 // Numerics: the GEMVs are fp8_matvec's (lanes 32, no K split: the same bits as
 // sifar_jax.fp8_matvec); activations are rounded to bf16 where the XLA decoder rounds them
@@ -92,6 +95,11 @@ struct StepCall {
   size_t cache_bytes = 0;
   uint16_t* h = nullptr;
   uint8_t* work = nullptr;
+  const uint8_t* head = nullptr;  // the LM head [vocab, H] e4m3, or none (vocab 0)
+  const float* head_scale = nullptr;
+  bool head_per_channel = false;
+  int vocab = 0;
+  float* logits = nullptr;
   Workspace ws;
   std::vector<LayerWeights> layers;
 };
@@ -99,18 +107,19 @@ struct StepCall {
 // Checks every operand (dtype, shape, alignment) against the attributes; fills *call.
 xla::ffi::Error PlanLlamaStep(xla::ffi::RemainingArgs args, xla::ffi::AnyBuffer h,
                               xla::ffi::AnyBuffer cache, xla::ffi::AnyBuffer work,
-                              int64_t layers, int64_t kv_heads, int64_t group, float eps,
-                              StepCall* call);
+                              xla::ffi::AnyBuffer logits, int64_t layers, int64_t kv_heads,
+                              int64_t group, float eps, StepCall* call);
 
 }  // namespace step
 
 template <typename Binding>
 auto WithLlamaStepOperands(Binding binding) {
   return std::move(binding)
-      .RemainingArgs()                        // x, rope, pos, final_norm, 10 per layer, cache
+      .RemainingArgs()  // x, rope, pos, final_norm, 10 per layer, cache[, head, head scale]
       .template Ret<xla::ffi::AnyBuffer>()    // h [H] bf16
-      .template Ret<xla::ffi::AnyBuffer>()    // the cache (aliases the last operand)
+      .template Ret<xla::ffi::AnyBuffer>()    // the cache (aliases the cache operand)
       .template Ret<xla::ffi::AnyBuffer>()    // workspace (uint8)
+      .template Ret<xla::ffi::AnyBuffer>()    // logits [V] f32 ([0] without a head)
       .template Attr<int64_t>("layers")
       .template Attr<int64_t>("kv_heads")
       .template Attr<int64_t>("group")

@@ -4,14 +4,15 @@ Every layer's RMSNorm, qkv, RoPE, KV-cache write, attention, o, residual add, RM
 gate_up, SwiGLU, down and residual add, then the final norm, in one call: on CUDA GPUs one
 cooperative launch of a persistent kernel (ffi/step/cuda_llama_step.cu: grid barriers between
 the phases, the weights streamed into shared memory by a producer warp per block that runs
-ahead of them), on the CPU a reference of the same phases (ffi/step/llama_step.cc). The LM head stays outside: the
-op returns the final norm's output. What is rounded where, and why the attention is not
+ahead of them), on the CPU a reference of the same phases (ffi/step/llama_step.cc). With an
+FP8 LM head (`head=`) the op also returns the logits, the head streamed by the same kernel;
+without one it returns the final norm's output for a head outside. What is rounded where, and why the attention is not
 bit-equal to XLA's: ffi/step/llama_step.h. models/persistent.py builds a decoder step on it.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -108,8 +109,9 @@ def _check(x, rope, pos, final_norm, layers, cache, kv_heads, group):
 
 def llama_step(x: jax.Array, rope: jax.Array, pos: jax.Array, final_norm: jax.Array,
                layers: Sequence[LlamaLayer], cache: jax.Array, *, kv_heads: int, group: int,
-               eps: float) -> tuple[jax.Array, jax.Array]:
-    """One decode step of a Llama model with FP8 projections: returns (h, new cache).
+               eps: float, head: Optional[tuple[jax.Array, jax.Array]] = None) -> tuple:
+    """One decode step of a Llama model with FP8 projections: returns (h, new cache), or with
+    `head` (h, new cache, logits).
 
     x [H] bfloat16: the token's embedding. rope float32 [2, 128]: cos and sin at the token's
     rotary position (models.attention.rope_cos_sin). pos int32 [2]: the cache slot this
@@ -117,20 +119,41 @@ def llama_step(x: jax.Array, rope: jax.Array, pos: jax.Array, final_norm: jax.Ar
     final_norm [H]: the final RMSNorm's scale. layers: one LlamaLayer per layer. cache
     bfloat16 [layers, 2, 1, kv_heads, S, 128] (bhsd), updated in place (donate it). eps: the
     RMSNorms' epsilon. h [H] bfloat16 = final_norm(the residual stream after the last layer).
+    head: (weight float8_e4m3fn [V, H], scale float32 [V] or [1]): logits [V] float32 = the
+    head's rows times h in fp8_matvec's order, times the scale (not rounded).
     A slot outside [0, S), or a first slot after it, gives NaN in h on GPUs and an error on the
     CPU."""
     ffn = _check(x, rope, pos, final_norm, layers, cache, kv_heads, group)
+    vocab = _check_head(head, x.shape[0]) if head is not None else 0
     ws = workspace_bytes(x.shape[0], kv_heads, group, ffn, len(layers))
     operands = [x, rope, pos, final_norm]
     for layer in layers:
         operands.extend(layer)
     operands.append(cache)
+    cache_at = len(operands) - 1
+    if head is not None:
+        operands.extend(head)
     call = jax.ffi.ffi_call(
         _ext.TARGETS.llama_step,
         (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(cache.shape, cache.dtype),
-         jax.ShapeDtypeStruct((ws,), jnp.uint8)),
-        input_output_aliases={len(operands) - 1: 1})
-    h, new_cache, _ = call(*operands, layers=np.int64(len(layers)), kv_heads=np.int64(kv_heads),
-                           group=np.int64(group), eps=np.float32(eps))
-    return h, new_cache
+         jax.ShapeDtypeStruct((ws,), jnp.uint8), jax.ShapeDtypeStruct((vocab,), jnp.float32)),
+        input_output_aliases={cache_at: 1})
+    h, new_cache, _, logits = call(*operands, layers=np.int64(len(layers)),
+                                   kv_heads=np.int64(kv_heads), group=np.int64(group),
+                                   eps=np.float32(eps))
+    return (h, new_cache) if head is None else (h, new_cache, logits)
+
+
+def _check_head(head, hidden: int) -> int:
+    name = "sifar_jax.llama_step"
+    if not isinstance(head, (tuple, list)) or len(head) != 2:
+        raise TypeError(f"{name}: head must be (weight, scale), got {type(head).__name__}")
+    w, s = head
+    if jnp.dtype(w.dtype) != E4M3 or w.ndim != 2 or w.shape[1] != hidden or w.shape[0] < 1:
+        raise ValueError(f"{name}: head must be float8_e4m3fn [V, {hidden}], got {w.dtype} "
+                         f"{list(w.shape)}")
+    if jnp.dtype(s.dtype) != jnp.float32 or s.ndim != 1 or s.shape[0] not in (1, w.shape[0]):
+        raise ValueError(f"{name}: head's scale must be float32 [1] (per tensor) or "
+                         f"[{w.shape[0]}] (per row), got {s.dtype} {list(s.shape)}")
+    return int(w.shape[0])
 

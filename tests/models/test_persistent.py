@@ -175,6 +175,37 @@ def test_op_errors(fp8_model):
         sifar_jax.llama_step(x, rope, pos.astype(jnp.float32), fnorm, layers, cache, **kw)
 
 
+def _head(cfg, params):
+    from flax import nnx
+
+    model = nnx.merge(LLAMA.abstract_model(LLAMA.layout(cfg, 1).shapes)[0], params)
+    head = persistent._head_operands(model, cfg)
+    assert head is not None, "quantize='fp8' gives an FP8 head with per-row scales"
+    return head
+
+
+def test_op_head_logits(fp8_model):
+    """With head=, the op's logits are the head's rows times its h (float64 reference within
+    float32 summation error), and its h and cache are those of the call without it."""
+    cfg, _, params = fp8_model
+    x, rope, fnorm, layers, cache = _op_operands(cfg, params)
+    w, s = _head(cfg, params)
+    kw = dict(kv_heads=cfg.num_kv_heads, group=cfg.group_size, eps=1e-5)
+    pos = jnp.array([3, 0], jnp.int32)
+    h0, c0 = sifar_jax.llama_step(x, rope, pos, fnorm, layers, cache, **kw)
+    h, c, logits = sifar_jax.llama_step(x, rope, pos, fnorm, layers, cache, head=(w, s), **kw)
+    np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(h0, np.float32))
+    np.testing.assert_array_equal(np.asarray(c, np.float32), np.asarray(c0, np.float32))
+    want = (np.asarray(w, np.float64) @ np.asarray(h, np.float64)) * np.asarray(s, np.float64)
+    got = np.asarray(logits)
+    assert got.dtype == np.float32 and got.shape == (cfg.vocab_size,)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    with pytest.raises(ValueError, match=r"head must be float8_e4m3fn \[V, 256\]"):
+        sifar_jax.llama_step(x, rope, pos, fnorm, layers, cache, head=(w.astype(jnp.bfloat16), s), **kw)
+    with pytest.raises(ValueError, match="head's scale must be float32"):
+        sifar_jax.llama_step(x, rope, pos, fnorm, layers, cache, head=(w, s[:2]), **kw)
+
+
 def test_op_refuses_a_slot_outside_the_cache(fp8_model):
     if _on_gpu():
         pytest.skip("on GPUs a slot outside the cache gives NaN (tested below)")
@@ -221,7 +252,8 @@ def test_gpu_bits_equal_cpu_at_the_first_slot():
     step is GEMVs, norms, RoPE and SwiGLU. Layer 0's key and value are the kernel's norm, qkv
     GEMV and RoPE: equal to the CPU handler's bit for bit. h also passes through expf (the
     SwiGLU), which the GPU and the C library may round differently by an ulp: nearly all of
-    its values equal, none far. Widths that give the ring whole slabs (hidden 2048), a
+    its values equal, none far; the head's logits likewise (bit for bit where h is). Widths
+    that give the ring whole slabs (hidden 2048), a
     partial one (FFN 2560) and slots past a block's rows (1536 qkv rows over the grid)."""
     cfg = _config(hidden_size=2048, num_heads=8, num_kv_heads=2, intermediate_size=2560)
     params = LLAMA.random_params(cfg, make_mesh(1), seed=4, quantize="fp8")
@@ -229,11 +261,17 @@ def test_gpu_bits_equal_cpu_at_the_first_slot():
     kw = dict(kv_heads=cfg.num_kv_heads, group=cfg.group_size, eps=1e-5)
     pos = jnp.array([0, 0], jnp.int32)
     out = {}
+    head = _head(cfg, params)
     for dev in (jax.devices("gpu")[0], jax.devices("cpu")[0]):
-        x, rope, fnorm, layers, cache = jax.device_put(ops, dev)
-        h, cache = sifar_jax.llama_step(x, rope, jax.device_put(pos, dev), fnorm, layers, cache, **kw)
-        out[dev.platform] = (np.asarray(h, np.float32), np.asarray(cache[:, :, :, :, 0]))
-    (h_gpu, slot_gpu), (h_cpu, slot_cpu) = out["gpu"], out["cpu"]
+        x, rope, fnorm, layers, cache, hd = jax.device_put((*ops, head), dev)
+        h, cache, logits = sifar_jax.llama_step(x, rope, jax.device_put(pos, dev), fnorm, layers,
+                                                cache, head=hd, **kw)
+        out[dev.platform] = (np.asarray(h, np.float32), np.asarray(cache[:, :, :, :, 0]),
+                             np.asarray(logits))
+    (h_gpu, slot_gpu, lg_gpu), (h_cpu, slot_cpu, lg_cpu) = out["gpu"], out["cpu"]
+    if (h_gpu == h_cpu).all():  # the head's GEMV: the same bits on the same h
+        np.testing.assert_array_equal(lg_gpu.view(np.uint32), lg_cpu.view(np.uint32))
+    assert np.abs(lg_gpu - lg_cpu).max() <= 1e-2 * np.abs(lg_cpu).max()
     assert np.isfinite(h_cpu).all() and (h_cpu != 0).mean() > 0.9  # a real output
     np.testing.assert_array_equal(slot_gpu[0].view(np.uint16), slot_cpu[0].view(np.uint16))
     assert (h_gpu != h_cpu).mean() <= 0.01, (h_gpu != h_cpu).mean()
