@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(kThreads + 32, 1) RingChain(const __grid_const
   __syncthreads();
   const auto mats = [&](int l, int p) { return ChainMat(C, l, p); };
   if (threadIdx.x >= kThreads) {
-    Produce(mats, C.layers, ring);
+    if (MODE != 3) Produce(mats, C.layers, ring);  // compute only: no copies at all
     return;
   }
   unsigned bars = 0;
@@ -177,11 +177,6 @@ __global__ void __launch_bounds__(kThreads + 32, 1) RingChain(const __grid_const
           for (int i = 0; i < R; ++i) tot = __fadd_rn(tot, WarpSum(acc[i]));
           const int item = SlotItem(m, pt, r, R * warp);
           if (lane == 0 && item >= 0) epi(p, item, tot, tot, epi.pre(p, item));
-        }
-        for (int i = 0; i < pt.rounds * pt.slabs; ++i, ++ring.n) {
-          const int st = static_cast<int>(ring.n % ring.stages);
-          asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(ring.empty + st))
-                       : "memory");
         }
       } else {
         const Part pt = PartOf(m);

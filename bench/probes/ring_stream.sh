@@ -15,13 +15,13 @@ done
 sed -i 's/constexpr int kWarpRows = 2;/constexpr int kWarpRows = 4;/' /tmp/ffi4/step/ring_gemv.cuh
 sed -i 's/constexpr int kThreads = 256;/constexpr int kThreads = 512;/' /tmp/ffi16/step/llama_step.h
 grep -q "kWarpRows = 4;" /tmp/ffi4/step/ring_gemv.cuh && grep -q "kThreads = 512;" /tmp/ffi16/step/llama_step.h || exit 1
-for v in 2 4 16; do
+for v in ${VARIANTS:-2 4 16}; do
   inc=ffi; [[ $v != 2 ]] && inc=/tmp/ffi$v
   nvcc -O3 -std=c++17 -arch=sm_90 -I$inc -Iffi -Ibench/probes -I"$INC" -diag-suppress 940,2473 \
     bench/probes/ring_stream.cu -o /tmp/rs$v &
 done
 wait
-for v in 2 4 16; do
+for v in ${VARIANTS:-2 4 16}; do
   [[ -x /tmp/rs$v ]] || { echo "build $v failed"; continue; }
   timeout 200 /tmp/rs$v 2>&1 | tee "$OUT/ring$v.log"
   cuobjdump -sass /tmp/rs$v > /tmp/rs$v.sass
