@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
   for (int l = 0; l < s.layers; ++l) {
     const step::LayerWeights& L = P.layer[l];
     const bf16* rin = l == 0 ? P.x : P.resid;  // the residual stream before this layer
-    StageNorm<Dot>(xs, rin, L.input_norm, s.hidden, s.eps, red);
+    StageNorm(xs, rin, L.input_norm, s.hidden, s.eps, red);
     RingGemv<Dot>(
         mats(l, 0), ring, xs,
         [&](int n) { return make_float2(Scale(L.qkv_scale, L.scale_per_channel & 1, n), 0.0f); },
@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
     sync();
     Attention<G>(P, l, reinterpret_cast<float*>(smem), &flag, pos, start);
     sync();
-    StageX<Dot>(xs, P.attn, s.q_dim());
+    StageX(xs, P.attn, s.q_dim());
     RingGemv<Dot>(
         mats(l, 1), ring, xs,
         [&](int n) {
@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
           P.resid[n] = __float2bfloat16_rn(__fadd_rn(pre.y, Rb(__fmul_rn(r0, pre.x))));
         });
     sync();
-    StageNorm<Dot>(xs, P.resid, L.post_norm, s.hidden, s.eps, red);
+    StageNorm(xs, P.resid, L.post_norm, s.hidden, s.eps, red);
     RingGemv<Dot>(
         mats(l, 2), ring, xs,
         [&](int j) {
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
           P.act[j] = __float2bfloat16_rn(__fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u));
         });
     sync();
-    StageX<Dot>(xs, P.act, s.ffn);
+    StageX(xs, P.act, s.ffn);
     RingGemv<Dot>(
         mats(l, 3), ring, xs,
         [&](int n) {
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
       P.h[j] = __float2bfloat16_rn(__fmul_rn(Rb(__fmul_rn(LoadBf(P.resid + j), inv)), F(sc[j])));
   }
   if (P.vocab > 0) {  // the head: every block norms the residual stream itself (no barrier)
-    StageNorm<Dot>(xs, P.resid, reinterpret_cast<const uint16_t*>(P.final_norm), s.hidden, s.eps,
+    StageNorm(xs, P.resid, reinterpret_cast<const uint16_t*>(P.final_norm), s.hidden, s.eps,
                    red);
     RingGemv<Dot>(
         mats(s.layers, 0), ring, xs,

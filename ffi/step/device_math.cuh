@@ -64,26 +64,13 @@ __device__ __forceinline__ float Chunk(const uint4& v, const float4* q) {
   return p;
 }
 
-// A GEMV phase's chunk product as a policy (ring_gemv.cuh): Chunk by conversion instructions.
-// A decode that yields w * 2^-120 (the byte's bits placed in a float) sets kXLog2: the input
-// is then staged times 2^kXLog2 and each sum multiplied by 2^(120 - kXLog2), exact scalings of
-// the same fma chain, so the same bits while every value stays a normal float.
+// A GEMV phase's chunk product as a policy of ring_gemv.cuh (CvtDot: Chunk). Decodes by
+// integer ops were measured slower (docs/performance.md, Ideas tried, 2026-12-06).
 struct CvtDot {
-  static constexpr int kXLog2 = 0;
   __device__ __forceinline__ float operator()(const uint4& v, const float4* q) const {
     return Chunk(v, q);
   }
 };
-template <class Dot>
-__device__ __forceinline__ float StageMul(float x) {
-  if constexpr (Dot::kXLog2 == 0) return x;
-  else return __fmul_rn(x, __int_as_float((127 + Dot::kXLog2) << 23));
-}
-template <class Dot>
-__device__ __forceinline__ float Unscale(float sum) {
-  if constexpr (Dot::kXLog2 == 0) return sum;
-  else return __fmul_rn(sum, __int_as_float((127 + 120 - Dot::kXLog2) << 23));
-}
 
 // The input vector in shared memory as float4s, swizzled so that a warp's 16-byte chunk
 // reads hit distinct banks: chunk c's quad q at 4c + (q ^ ((c >> 1) & 3)).

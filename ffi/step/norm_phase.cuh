@@ -15,15 +15,13 @@ namespace sifar {
 namespace cuda {
 namespace phase {
 
-// xs <- in[0, k) (bf16 written by this launch: read through L2), times the Dot policy's
-// input scale (device_math.cuh, StageMul: exact).
-template <class Dot = CvtDot>
+// xs <- in[0, k) (bf16 written by this launch: read through L2).
 __device__ void StageX(float4* xs, const bf16* in, int k) {
   for (int i = threadIdx.x; i < k / 4; i += kThreads) {
     const uint2 v = __ldcg(reinterpret_cast<const uint2*>(in) + i);
-    xs[XQuad(i >> 2, i & 3)] = make_float4(
-        StageMul<Dot>(__uint_as_float(v.x << 16)), StageMul<Dot>(__uint_as_float(v.x & 0xffff0000u)),
-        StageMul<Dot>(__uint_as_float(v.y << 16)), StageMul<Dot>(__uint_as_float(v.y & 0xffff0000u)));
+    xs[XQuad(i >> 2, i & 3)] =
+        make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                    __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
   }
   BlockSync();
 }
@@ -49,8 +47,7 @@ __device__ float InvRms(const bf16* r, int n, float eps, float* red) {
   return __frcp_rn(__fsqrt_rn(__fadd_rn(__fdiv_rn(tot, static_cast<float>(n)), eps)));
 }
 
-// xs <- bf16(bf16(r * inv) * scale), models' RMSNorm (times StageMul, as StageX).
-template <class Dot = CvtDot>
+// xs <- bf16(bf16(r * inv) * scale), models' RMSNorm.
 __device__ void StageNorm(float4* xs, const bf16* r, const uint16_t* scale, int n, float eps,
                           float* red) {
   const float inv = InvRms(r, n, eps, red);
@@ -62,8 +59,7 @@ __device__ void StageNorm(float4* xs, const bf16* r, const uint16_t* scale, int 
                         __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u)};
     float y[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
-      y[k] = StageMul<Dot>(Rb(__fmul_rn(Rb(__fmul_rn(e[k], inv)), F(sc[4 * i + k]))));
+    for (int k = 0; k < 4; ++k) y[k] = Rb(__fmul_rn(Rb(__fmul_rn(e[k], inv)), F(sc[4 * i + k])));
     xs[XQuad(i >> 2, i & 3)] = make_float4(y[0], y[1], y[2], y[3]);
   }
   BlockSync();

@@ -196,8 +196,8 @@ __device__ __forceinline__ void RingGemv(const Mat& m, Ring& ring, const float4*
 #pragma unroll
       for (int i = 0; i < R; ++i) {
         if (item[i] < 0) continue;
-        if (m.rows == 1) epi(item[i], Unscale<Dot>(acc[i]), 0.0f, pr[i]);
-        else if (i % 2 == 0) epi(item[i], Unscale<Dot>(acc[i]), Unscale<Dot>(acc[i + 1]), pr[i]);
+        if (m.rows == 1) epi(item[i], acc[i], 0.0f, pr[i]);
+        else if (i % 2 == 0) epi(item[i], acc[i], acc[i + 1], pr[i]);
       }
     }
   }
