@@ -88,9 +88,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
   float4* xs = reinterpret_cast<float4*>(smem);
   const step::Shape& s = P.s;
   const int pos = P.pos[0], start = P.pos[1];
-  if (pos < 0 || pos >= s.capacity || start < 0 || start > pos) {  // every block alike
+  if (pos < 0 || pos >= s.capacity || start < 0 || start > pos) {  // every block alike: NaN out
     if (blockIdx.x == 0 && threadIdx.x < kThreads)
       for (int j = threadIdx.x; j < s.hidden; j += kThreads) P.h[j] = __float2bfloat16_rn(NAN);
+    if (threadIdx.x < kThreads)
+      for (int j = blockIdx.x * kThreads + threadIdx.x; j < P.vocab; j += gridDim.x * kThreads)
+        P.logits[j] = NAN;
     return;
   }
   unsigned char* ring_buf = smem + P.xs_bytes;

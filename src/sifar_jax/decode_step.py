@@ -121,8 +121,8 @@ def llama_step(x: jax.Array, rope: jax.Array, pos: jax.Array, final_norm: jax.Ar
     RMSNorms' epsilon. h [H] bfloat16 = final_norm(the residual stream after the last layer).
     head: (weight float8_e4m3fn [V, H], scale float32 [V] or [1]): logits [V] float32 = the
     head's rows times h in fp8_matvec's order, times the scale (not rounded).
-    A slot outside [0, S), or a first slot after it, gives NaN in h on GPUs and an error on the
-    CPU."""
+    A slot outside [0, S), or a first slot after it, gives NaN in h (and in the logits) on GPUs
+    and an error on the CPU."""
     ffn = _check(x, rope, pos, final_norm, layers, cache, kv_heads, group)
     vocab = _check_head(head, x.shape[0]) if head is not None else 0
     ws = workspace_bytes(x.shape[0], kv_heads, group, ffn, len(layers))

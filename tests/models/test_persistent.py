@@ -225,9 +225,11 @@ def test_op_refuses_a_slot_outside_the_cache(fp8_model):
 def test_gpu_slot_outside_the_cache_is_nan(fp8_model):
     cfg, _, params = fp8_model
     x, rope, fnorm, layers, cache = _op_operands(cfg, params)
-    h, _ = sifar_jax.llama_step(x, rope, jnp.array([16, 0], jnp.int32), fnorm, layers, cache,
-                                kv_heads=cfg.num_kv_heads, group=cfg.group_size, eps=1e-5)
+    h, _, logits = sifar_jax.llama_step(x, rope, jnp.array([16, 0], jnp.int32), fnorm, layers,
+                                        cache, kv_heads=cfg.num_kv_heads, group=cfg.group_size,
+                                        eps=1e-5, head=_head(cfg, params))
     assert np.isnan(np.asarray(h, np.float32)).all()
+    assert np.isnan(np.asarray(logits)).all()
 
 
 @pytest.mark.skipif(not any(d.platform == "gpu" for d in jax.devices()), reason="needs a GPU")
