@@ -79,41 +79,39 @@ def reason(family, layout, mesh: Mesh, options, params: Any) -> Optional[str]:
                 return (f"layer {i} {group}.{name} is {jnp.dtype(w.dtype).name}: the persistent "
                         f"step streams FP8 weights (load with quantize='fp8' or an FP8 "
                         f"checkpoint); bf16 weights run the XLA step")
-            if not (w.scale.size == 1 or (w.block[0] == 1 and w.scale.shape[-1] == 1)):
+            if not _row_scales(w):
                 return (f"layer {i} {group}.{name} has block scales {w.block}: the persistent "
                         f"step takes per-channel or per-tensor scales")
     return None
 
 
+def _row_scales(w: Fp8Weight) -> bool:
+    """Whether w's scales are per output row or per tensor (the kernel's two kinds)."""
+    return w.scale.size == 1 or (w.block[0] == 1 and w.scale.shape[-1] == 1)
+
+
+def _fp8_operands(w: Fp8Weight):
+    """(e4m3 [N, K], float32 scale [N] or [1]): a projection as the op takes it."""
+    q2, s2, _ = w.kernel_operands()
+    return q2, s2.reshape(-1).astype(jnp.float32)
+
+
 def _layer_operands(block) -> "sifar_jax.LlamaLayer":
     import sifar_jax
 
-    def proj(w: Fp8Weight):
-        q2, s2, _ = w.kernel_operands()
-        return q2, s2.reshape(-1).astype(jnp.float32)
-
-    qkv, qkv_s = proj(block.attn.qkv[...])
-    o, o_s = proj(block.attn.o[...])
-    gu, gu_s = proj(block.mlp.gate_up[...])
-    dn, dn_s = proj(block.mlp.down[...])
+    qkv, qkv_s = _fp8_operands(block.attn.qkv[...])
+    o, o_s = _fp8_operands(block.attn.o[...])
+    gu, gu_s = _fp8_operands(block.mlp.gate_up[...])
+    dn, dn_s = _fp8_operands(block.mlp.down[...])
     return sifar_jax.LlamaLayer(block.input_norm.weight[...], qkv, qkv_s, o, o_s,
                                 block.post_norm.weight[...], gu, gu_s, dn, dn_s)
 
 
 def _head_operands(model, c):
-    """(weight, scale) for the op when the LM head is FP8 with per-row or per-tensor scales
-    (untied): the kernel streams it; else None (the head runs in XLA on the op's h)."""
-    if c.tie_word_embeddings:
-        return None
-    w = model.lm_head[...]
-    if not isinstance(w, Fp8Weight):
-        return None
-    q2, s2, _ = w.kernel_operands()
-    if q2.shape[1] != c.hidden_size:  # the head's rows must be [V, H]
-        return None
-    if not (w.scale.size == 1 or (w.block[0] == 1 and w.scale.shape[-1] == 1)):
-        return None
-    return q2, s2.reshape(-1).astype(jnp.float32)
+    """The op's head operands when the LM head is untied FP8 with per-row or per-tensor
+    scales (the kernel streams it); else None (the head runs in XLA on the op's h)."""
+    w = None if c.tie_word_embeddings else model.lm_head[...]
+    return _fp8_operands(w) if isinstance(w, Fp8Weight) and _row_scales(w) else None
 
 
 def make_step_forward(family, layout, options):

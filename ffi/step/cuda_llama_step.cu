@@ -41,7 +41,6 @@ namespace {
 using namespace phase;  // NOLINT: the step's phases (device_math, grid_sync, ring, norm, attention)
 
 constexpr int kBlockThreads = kThreads + 32;  // the consumers, then the producer warp
-using Dot = CvtDot;                            // the GEMV phases' chunk product
 
 struct Params {
   step::Shape s;
@@ -112,7 +111,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
     const step::LayerWeights& L = P.layer[l];
     const bf16* rin = l == 0 ? P.x : P.resid;  // the residual stream before this layer
     StageNorm(xs, rin, L.input_norm, s.hidden, s.eps, red);
-    RingGemv<Dot>(
+    RingGemv(
         mats(l, 0), ring, xs,
         [&](int n) { return make_float2(Scale(L.qkv_scale, L.scale_per_channel & 1, n), 0.0f); },
         [&](int n, float r0, float, float2 pre) {
@@ -122,7 +121,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
     Attention<G>(P, l, reinterpret_cast<float*>(smem), &flag, pos, start);
     sync();
     StageX(xs, P.attn, s.q_dim());
-    RingGemv<Dot>(
+    RingGemv(
         mats(l, 1), ring, xs,
         [&](int n) {
           return make_float2(Scale(L.o_scale, L.scale_per_channel & 2, n), LoadBf(rin + n));
@@ -132,7 +131,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
         });
     sync();
     StageNorm(xs, P.resid, L.post_norm, s.hidden, s.eps, red);
-    RingGemv<Dot>(
+    RingGemv(
         mats(l, 2), ring, xs,
         [&](int j) {
           const unsigned pc = L.scale_per_channel & 4;
@@ -144,7 +143,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
         });
     sync();
     StageX(xs, P.act, s.ffn);
-    RingGemv<Dot>(
+    RingGemv(
         mats(l, 3), ring, xs,
         [&](int n) {
           return make_float2(Scale(L.down_scale, L.scale_per_channel & 8, n), LoadBf(P.resid + n));
@@ -161,9 +160,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
       P.h[j] = __float2bfloat16_rn(__fmul_rn(Rb(__fmul_rn(LoadBf(P.resid + j), inv)), F(sc[j])));
   }
   if (P.vocab > 0) {  // the head: every block norms the residual stream itself (no barrier)
-    StageNorm(xs, P.resid, reinterpret_cast<const uint16_t*>(P.final_norm), s.hidden, s.eps,
-                   red);
-    RingGemv<Dot>(
+    StageNorm(xs, P.resid, reinterpret_cast<const uint16_t*>(P.final_norm), s.hidden, s.eps, red);
+    RingGemv(
         mats(s.layers, 0), ring, xs,
         [&](int n) { return make_float2(Scale(P.head_scale, P.head_per_channel, n), 0.0f); },
         [&](int n, float r0, float, float2 pre) { P.logits[n] = __fmul_rn(r0, pre.x); });

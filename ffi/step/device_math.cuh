@@ -64,14 +64,6 @@ __device__ __forceinline__ float Chunk(const uint4& v, const float4* q) {
   return p;
 }
 
-// A GEMV phase's chunk product as a policy of ring_gemv.cuh (CvtDot: Chunk). Decodes by
-// integer ops were measured slower (docs/performance.md, Ideas tried, 2026-12-06).
-struct CvtDot {
-  __device__ __forceinline__ float operator()(const uint4& v, const float4* q) const {
-    return Chunk(v, q);
-  }
-};
-
 // The input vector in shared memory as float4s, swizzled so that a warp's 16-byte chunk
 // reads hit distinct banks: chunk c's quad q at 4c + (q ^ ((c >> 1) & 3)).
 __device__ __forceinline__ int XQuad(int c, int q) { return 4 * c + (q ^ ((c >> 1) & 3)); }

@@ -134,12 +134,12 @@ __device__ __forceinline__ void Produce(MatAt mat_at, int layers, Ring& ring) {
 // latency hides under the round) and epi(item, sum of its row, sum of its second row (gate_up's
 // up) or 0, pre's value) when the round ends. A full slab's chunks are one branch-free block
 // with every shared load issued first; a slot past the block's items sums stale bytes that are
-// never stored. dot(chunk, quads) is the chunk product (device_math.cuh, CvtDot).
-template <class Dot = CvtDot, class Pre, class Epi>
+// never stored. The e4m3 decode is Chunk's conversions (integer decodes measured slower:
+// docs/performance.md, Ideas tried, 2026-12-06).
+template <class Pre, class Epi>
 __device__ __forceinline__ void RingGemv(const Mat& m, Ring& ring, const float4* xs, Pre pre,
                                          Epi epi) {
   constexpr int R = kWarpRows, kU = kSlabChunks / 32;  // rows per warp, chunks per lane and row
-  const Dot dot{};
   const Part p = PartOf(m);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sw = (lane >> 1) & 3;
   for (int r = 0; r < p.rounds; ++r) {
@@ -174,7 +174,7 @@ __device__ __forceinline__ void RingGemv(const Mat& m, Ring& ring, const float4*
 #pragma unroll
         for (int u = 0; u < kU; ++u)
 #pragma unroll
-          for (int i = 0; i < R; ++i) acc[i] = __fadd_rn(acc[i], dot(a[u][i], q[u]));
+          for (int i = 0; i < R; ++i) acc[i] = __fadd_rn(acc[i], Chunk(a[u][i], q[u]));
       } else {
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
@@ -184,7 +184,7 @@ __device__ __forceinline__ void RingGemv(const Mat& m, Ring& ring, const float4*
 #pragma unroll
           for (int j = 0; j < 4; ++j) q[j] = x[4 * c + (j ^ sw)];
 #pragma unroll
-          for (int i = 0; i < R; ++i) acc[i] = __fadd_rn(acc[i], dot(w[i * kSlabChunks + c], q));
+          for (int i = 0; i < R; ++i) acc[i] = __fadd_rn(acc[i], Chunk(w[i * kSlabChunks + c], q));
         }
       }
       asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(ring.empty + st))

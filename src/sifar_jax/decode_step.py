@@ -6,8 +6,9 @@ cooperative launch of a persistent kernel (ffi/step/cuda_llama_step.cu: grid bar
 the phases, the weights streamed into shared memory by a producer warp per block that runs
 ahead of them), on the CPU a reference of the same phases (ffi/step/llama_step.cc). With an
 FP8 LM head (`head=`) the op also returns the logits, the head streamed by the same kernel;
-without one it returns the final norm's output for a head outside. What is rounded where, and why the attention is not
-bit-equal to XLA's: ffi/step/llama_step.h. models/persistent.py builds a decoder step on it.
+without one it returns the final norm's output for a head outside. What is rounded where, and
+why the attention is not bit-equal to XLA's: ffi/step/llama_step.h. models/persistent.py builds
+a decoder step on it.
 """
 
 from __future__ import annotations
