@@ -114,10 +114,12 @@ def _head_operands(model, c):
     return _fp8_operands(w) if isinstance(w, Fp8Weight) and _row_scales(w) else None
 
 
-def make_step_forward(family, layout, options):
+def make_step_forward(family, layout, options, virtual_ranks: int = 1, allreduce: str = "sifar"):
     """forward(params, cache, tokens [1, 1], positions [1], ar, start=None) -> (logits [1, 1,
     vocab] float32, cache, ar), the XLA forward's contract for one token, as the persistent
-    step (check `reason` first)."""
+    step (check `reason` first). virtual_ranks > 1 (tests, benchmarks): the step of a TP model
+    of that many ranks, run as sets of blocks of the one launch with `allreduce` ("sifar" or
+    "oneshot") inside it (sifar_jax.llama_step_virtual_ranks)."""
     import sifar_jax
 
     c = layout.config
@@ -131,10 +133,15 @@ def make_step_forward(family, layout, options):
         cos, sin = rope_cos_sin((pos - first)[None], inv_freq)
         x = jnp.take(model.embed[...], tokens[0, 0], axis=0)
         head = _head_operands(model, c)
-        out = sifar_jax.llama_step(
-            x, jnp.concatenate([cos, sin]), jnp.stack([pos, first]), model.norm.weight[...],
-            [_layer_operands(b) for b in model.layers], cache, kv_heads=c.num_kv_heads,
-            group=c.group_size, eps=c.rms_norm_eps, head=head)
+        args = (x, jnp.concatenate([cos, sin]), jnp.stack([pos, first]), model.norm.weight[...],
+                [_layer_operands(b) for b in model.layers], cache)
+        kw = dict(kv_heads=c.num_kv_heads, group=c.group_size, eps=c.rms_norm_eps, head=head)
+        if virtual_ranks > 1:
+            h, cache, logits, _ = sifar_jax.llama_step_virtual_ranks(
+                *args, ranks=virtual_ranks, allreduce=allreduce, **kw)
+            out = (h, cache) if head is None else (h, cache, logits)
+        else:
+            out = sifar_jax.llama_step(*args, **kw)
         if head is not None:  # the kernel streamed the head too
             _, cache, logits = out
             return logits[None, None], cache, ar

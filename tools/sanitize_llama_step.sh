@@ -5,7 +5,8 @@
 # a block's rows; FP8 per-channel and per-tensor scales), a cache of 16384
 # slots, at slots 0, 63, 64, 1023 and 16383 (one key range per head up to every range the grid
 # holds), and one left-padded (first slot 40); an FP8 LM head of 1000 rows after the last
-# layer. Every buffer is its own allocation
+# layer; then as 2 virtual ranks with the all-reduce inside (sifar and oneshot) at slots 0 and
+# 1023 (the all-reduce's waits get 5 s: the sanitizer slows the kernel). Every buffer is its own allocation
 # (XLA_PYTHON_CLIENT_ALLOCATOR=platform), so memcheck sees an access past any of them.
 #   bash tools/sanitize_llama_step.sh    (from any directory; sifar-jax installed, or built into src/)
 set -uo pipefail
@@ -33,7 +34,15 @@ f = jax.jit(lambda pos, cache: sifar_jax.llama_step(x, rope, pos, norm(), layers
 for p, first in ((0, 0), (63, 0), (64, 0), (1023, 0), (16383, 0), (100, 40)):
     h, cache, logits = f(jnp.array([p, first], jnp.int32), cache)
     assert np.isfinite(np.asarray(h, np.float32)).all() and np.isfinite(np.asarray(logits)).all(), p
-print("sanitize_llama_step: all calls ran (6 slots, outputs finite)")
+for ar in ("sifar", "oneshot"):
+    g = jax.jit(lambda pos, cache: sifar_jax.llama_step_virtual_ranks(
+        x, rope, pos, norm(), layers, cache, kv_heads=KV, group=G, eps=1e-5, head=head, ranks=2,
+        allreduce=ar, timeout_s=5.0))
+    for p in (0, 1023):
+        h, cache, logits, st = g(jnp.array([p, 0], jnp.int32), cache)
+        sifar_jax.check_step_status(st)
+        assert np.isfinite(np.asarray(h, np.float32)).all() and np.isfinite(np.asarray(logits)).all(), (ar, p)
+print("sanitize_llama_step: all calls ran (6 slots, 2 virtual ranks x 2 all-reduces x 2 slots; outputs finite)")
 PY
 source tools/sanitize_run.sh
 sanitize_python "$CODE"

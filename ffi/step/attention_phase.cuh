@@ -1,7 +1,7 @@
 // The decode attention as a phase of the persistent step: RoPE, the new slot written, each KV
 // head's keys split into ranges (one block each, an online softmax in float32), the head's last
 // block merging the ranges in order. StepParams: the kernel's parameters (s, qkv, rope, cache,
-// part, counters, attn, score_scale).
+// part, heads (the per-head counts), attn, score_scale). A rank's blocks take its KV heads.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -27,33 +27,35 @@ __device__ __forceinline__ bf16* Slot(const StepParams& P, int l, int kv01, int 
                     kHeadDim);
 }
 
-// How a layer's attention splits each KV head's keys [start, pos]: nsplit ranges of `per`
-// keys (the last shorter), one block each, every range at least kKeysPerSplit keys long.
-__device__ __forceinline__ void SplitKeys(int kv, int pos, int start, int* nsplit, int* per) {
+// How a layer's attention splits each of kv KV heads' keys [start, pos] over g blocks: nsplit
+// ranges of `per` keys (the last shorter), one block each, every range at least
+// kKeysPerSplit keys long.
+__device__ __forceinline__ void SplitKeys(int kv, int g, int pos, int start, int* nsplit, int* per) {
   const int nkeys = pos + 1 - start;
-  int n = min(min(kMaxSplits, max(1, static_cast<int>(gridDim.x) / kv)),
+  int n = min(min(kMaxSplits, max(1, g / kv)),
               (nkeys + kKeysPerSplit - 1) / kKeysPerSplit);
   n = max(n, 1);
   *per = (nkeys + n - 1) / n;
   *nsplit = (nkeys + *per - 1) / *per;  // no empty range
 }
 
-// The attention of layer l for every query head (llama_step.h); sm: the block's shared
-// memory (its GEMV input is dead here).
+// The attention of layer l for the query heads of KV heads [h0, h0 + nh) (llama_step.h), on
+// the g blocks of a rank (b: this block among them); sm: the block's shared memory (its GEMV
+// input is dead here).
 template <int G, class StepParams>
 __device__ __forceinline__ void Attention(const StepParams& P, int l, float* sm, int* flag, int pos,
-                                          int start) {
+                                          int start, int h0, int nh, int b, int g) {
   const int KV = P.s.kv_heads, D = kHeadDim, DP = D + 2;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int nsplit, per;
-  SplitKeys(KV, pos, start, &nsplit, &per);
+  SplitKeys(nh, g, pos, start, &nsplit, &per);
   float* qf = sm;              // [G][D] roped queries
   float* kn = qf + G * D;      // [D] the new key (roped), [D] the new value
   float* vn = kn + D;
   float* wp = vn + D;          // [warps][G][D + 2]: each warp's acc, max, sum
   const float* cs = P.rope;
-  for (int item = blockIdx.x; item < KV * nsplit; item += gridDim.x) {
-    const int h = item / nsplit, sp = item % nsplit;
+  for (int item = b; item < nh * nsplit; item += g) {
+    const int h = h0 + item / nsplit, sp = item % nsplit;
     const bf16* base = P.qkv + static_cast<size_t>(h) * (G + 2) * D;
     for (int idx = threadIdx.x; idx < (G + 2) * D; idx += kThreads) {
       const int row = idx / D, d = idx % D;
@@ -148,7 +150,7 @@ __device__ __forceinline__ void Attention(const StepParams& P, int l, float* sm,
     BlockSync();
     if (threadIdx.x == 0) {  // release this range's partial, and (the last) acquire the others'
       __threadfence();
-      const unsigned old = atomicAdd(P.counters + 1 + l * KV + h, 1u);
+      const unsigned old = atomicAdd(P.heads + l * KV + h, 1u);
       *flag = old == static_cast<unsigned>(nsplit - 1);
       if (*flag) __threadfence();  // cumulative to the block through the barrier below
     }

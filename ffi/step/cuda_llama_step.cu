@@ -11,6 +11,10 @@
 // block (an atomic count per layer and head) merges them in split order. Every wait is bounded
 // (device_math.cuh, Deadline) and traps past it: a lost block is a failed launch (an error
 // from XLA), never a hang.
+// Virtual ranks (kTP, ranks > 1: llama_step.h): the grid's blocks split into `ranks` equal
+// sets, each running the whole step on its rank's slices with barriers of its own blocks; the
+// barrier after o and after down becomes the all-reduce phase (allreduce_phase.cuh), whose
+// waits fail the step (NaN, status words) instead of trapping.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -23,6 +27,7 @@
 #include "allreduce/launch.h"
 #include "allreduce/plan.h"
 #include "core/cuda_check.h"
+#include "step/allreduce_phase.cuh"
 #include "step/attention_phase.cuh"
 #include "step/device_math.cuh"
 #include "step/grid_sync.cuh"
@@ -51,11 +56,16 @@ struct Params {
   const bf16* final_norm;
   bf16* cache;
   bf16* h;
-  unsigned* counters;  // [0] the grid barrier, [1 + l * kv + head] the attention's counts
+  unsigned* status;    // step::StepStatus
+  unsigned* barriers;  // [ranks] each rank's barrier, then [ranks] oneshot's arrivals
+  unsigned* heads;     // [layers][kv] the attention's counts
+  uint32_t* ar;        // [2][ranks][H] the all-reduce's tagged words
+  int oneshot, absent_rank;
+  long long timeout_ns, skew_ns;
   bf16* qkv;
   bf16* attn;
   bf16* act;
-  bf16* resid;
+  bf16* resid;  // [H]; [ranks][2][H] with ranks
   float* part;
   const uint8_t* head;  // the LM head [vocab, H] e4m3 (vocab 0: none)
   const float* head_scale;
@@ -66,47 +76,55 @@ struct Params {
   step::LayerWeights layer[step::kMaxLayers];
 };
 
-// Projection p of layer l; "layer" s.layers is the head (p 0; nothing for p > 0).
-__device__ __forceinline__ Mat LayerMat(const Params& P, int l, int p) {
+// Projection p of layer l as rank `rank` takes it on its blocks (b of g): qkv's and
+// gate_up's rows of its heads and FFN rows, o's and down's columns; "layer" s.layers is the
+// head (p 0; nothing for p > 0), on every block of the grid.
+__device__ __forceinline__ Mat LayerMat(const Params& P, int l, int p, int rank, int b, int g) {
   const step::Shape& s = P.s;
-  if (l == s.layers) return {P.head, p == 0 ? P.vocab : 0, s.hidden, 1, 0};
+  const int H = s.hidden, R = s.ranks;
+  if (l == s.layers) {
+    return {P.head, p == 0 ? P.vocab : 0, H, 1, 0, H, static_cast<int>(blockIdx.x),
+            static_cast<int>(gridDim.x)};
+  }
   const step::LayerWeights& L = P.layer[l];
+  const int qr = s.qkv_rows() / R, kr = s.q_dim() / R, fr = s.ffn / R;
   switch (p) {
-    case 0: return {L.qkv, s.qkv_rows(), s.hidden, 1, 0};
-    case 1: return {L.o, s.hidden, s.q_dim(), 1, 0};
-    case 2: return {L.gate_up, s.ffn, s.hidden, 2, s.ffn};
-    default: return {L.down, s.hidden, s.ffn, 1, 0};
+    case 0: return {L.qkv + static_cast<size_t>(rank) * qr * H, qr, H, 1, 0, H, b, g};
+    case 1: return {L.o + rank * kr, H, kr, 1, 0, s.q_dim(), b, g};
+    case 2: return {L.gate_up + static_cast<size_t>(rank) * fr * H, fr, H, 2, s.ffn, H, b, g};
+    default: return {L.down + rank * fr, H, fr, 1, 0, s.ffn, b, g};
   }
 }
 
+// The NaN answer of a slot outside the cache (every block alike).
+__device__ void NanOut(const Params& P) {
+  if (blockIdx.x == 0 && threadIdx.x < kThreads)
+    for (int j = threadIdx.x; j < P.s.hidden; j += kThreads) P.h[j] = __float2bfloat16_rn(NAN);
+  if (threadIdx.x < kThreads)
+    for (int j = blockIdx.x * kThreads + threadIdx.x; j < P.vocab; j += gridDim.x * kThreads)
+      P.logits[j] = NAN;
+}
+
+// The head after the last layer: xs holds the final norm of the stream (every block).
+__device__ __forceinline__ void Head(const Params& P, Ring& ring, const float4* xs, int rank,
+                                     int b, int g) {
+  RingGemv(
+      LayerMat(P, P.s.layers, 0, rank, b, g), ring, xs,
+      [&](int n) { return make_float2(Scale(P.head_scale, P.head_per_channel, n), 0.0f); },
+      [&](int n, float r0, float, float2 pre) { P.logits[n] = __fmul_rn(r0, pre.x); });
+}
+
+// TP=1: grid barriers after every projection and the attention, the residual adds in the
+// epilogues of o and down.
 template <int G>
-__global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid_constant__ Params P) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ float red[kWarps];
-  __shared__ int flag;
+__device__ __forceinline__ void Tp1Step(const Params& P, Ring& ring, unsigned char* smem,
+                                        float* red, int* flag, int pos, int start) {
   float4* xs = reinterpret_cast<float4*>(smem);
   const step::Shape& s = P.s;
-  const int pos = P.pos[0], start = P.pos[1];
-  if (pos < 0 || pos >= s.capacity || start < 0 || start > pos) {  // every block alike: NaN out
-    if (blockIdx.x == 0 && threadIdx.x < kThreads)
-      for (int j = threadIdx.x; j < s.hidden; j += kThreads) P.h[j] = __float2bfloat16_rn(NAN);
-    if (threadIdx.x < kThreads)
-      for (int j = blockIdx.x * kThreads + threadIdx.x; j < P.vocab; j += gridDim.x * kThreads)
-        P.logits[j] = NAN;
-    return;
-  }
-  unsigned char* ring_buf = smem + P.xs_bytes;
-  uint64_t* bars = reinterpret_cast<uint64_t*>(ring_buf + static_cast<size_t>(P.stages) * kStageBytes);
-  Ring ring{ring_buf, bars, bars + P.stages, P.stages, 0};
-  if (threadIdx.x == 0) RingInit(ring);
-  __syncthreads();  // the last barrier of all kBlockThreads threads
-  const auto mats = [&](int l, int p) { return LayerMat(P, l, p); };
-  if (threadIdx.x >= kThreads) {
-    Produce(mats, s.layers + (P.vocab > 0), ring);
-    return;
-  }
+  const int b = blockIdx.x, g = gridDim.x;
+  const auto mats = [&](int l, int p) { return LayerMat(P, l, p, 0, b, g); };
   unsigned nbar = 0;
-  auto sync = [&]() { GridSync(P.counters, ++nbar * gridDim.x); };
+  auto sync = [&]() { GridSync(P.barriers, ++nbar * gridDim.x); };
   for (int l = 0; l < s.layers; ++l) {
     const step::LayerWeights& L = P.layer[l];
     const bf16* rin = l == 0 ? P.x : P.resid;  // the residual stream before this layer
@@ -118,7 +136,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
           P.qkv[n] = __float2bfloat16_rn(__fmul_rn(r0, pre.x));
         });
     sync();
-    Attention<G>(P, l, reinterpret_cast<float*>(smem), &flag, pos, start);
+    Attention<G>(P, l, reinterpret_cast<float*>(smem), flag, pos, start, 0, s.kv_heads, b, g);
     sync();
     StageX(xs, P.attn, s.q_dim());
     RingGemv(
@@ -138,8 +156,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
           return make_float2(Scale(L.gate_up_scale, pc, j), Scale(L.gate_up_scale, pc, s.ffn + j));
         },
         [&](int j, float r0, float r1, float2 pre) {
-          const float g = Rb(__fmul_rn(r0, pre.x)), u = Rb(__fmul_rn(r1, pre.y));
-          P.act[j] = __float2bfloat16_rn(__fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u));
+          const float gt = Rb(__fmul_rn(r0, pre.x)), u = Rb(__fmul_rn(r1, pre.y));
+          P.act[j] = __float2bfloat16_rn(__fmul_rn(__fdiv_rn(gt, __fadd_rn(1.0f, expf(-gt))), u));
         });
     sync();
     StageX(xs, P.act, s.ffn);
@@ -161,11 +179,104 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
   }
   if (P.vocab > 0) {  // the head: every block norms the residual stream itself (no barrier)
     StageNorm(xs, P.resid, reinterpret_cast<const uint16_t*>(P.final_norm), s.hidden, s.eps, red);
-    RingGemv(
-        mats(s.layers, 0), ring, xs,
-        [&](int n) { return make_float2(Scale(P.head_scale, P.head_per_channel, n), 0.0f); },
-        [&](int n, float r0, float, float2 pre) { P.logits[n] = __fmul_rn(r0, pre.x); });
+    Head(P, ring, xs, 0, b, g);
   }
+}
+
+// Virtual ranks: this block is block b of rank `rank`'s nb. Barriers of the rank's blocks after
+// qkv, the attention and gate_up; after o and down the all-reduce phase, which also adds the
+// residual and stages the next norm (the last one the final norm, for h and the head).
+template <int G>
+__device__ __forceinline__ void RanksStep(const Params& P, Ring& ring, unsigned char* smem,
+                                          float* red, int* flag, int pos, int start, int rank,
+                                          int b, int nb) {
+  float4* xs = reinterpret_cast<float4*>(smem);
+  const step::Shape& s = P.s;
+  const int R = s.ranks, H = s.hidden;
+  const int qr = s.qkv_rows() / R, kr = s.q_dim() / R, fr = s.ffn / R;
+  const auto mats = [&](int l, int p) { return LayerMat(P, l, p, rank, b, nb); };
+  unsigned nbar = 0;
+  auto sync = [&]() { GridSync(P.barriers + rank, ++nbar * nb); };
+  const ArCtx a{P.ar, P.status, P.barriers + R, R, rank, nb, H, P.oneshot, P.absent_rank,
+                P.timeout_ns, P.skew_ns};
+  bf16* resid = P.resid + static_cast<size_t>(rank) * 2 * H;  // [2][H], phase k writes k & 1
+  const int qlo = b * (H / 4) / nb, qhi = (b + 1) * (H / 4) / nb;
+  unsigned k = 0;  // all-reduce phases so far
+  StageNorm(xs, P.x, P.layer[0].input_norm, H, s.eps, red);
+  for (int l = 0; l < s.layers; ++l) {
+    const step::LayerWeights& L = P.layer[l];
+    RingGemv(
+        mats(l, 0), ring, xs,
+        [&](int n) {
+          return make_float2(Scale(L.qkv_scale, L.scale_per_channel & 1, rank * qr + n), 0.0f);
+        },
+        [&](int n, float r0, float, float2 pre) {
+          P.qkv[rank * qr + n] = __float2bfloat16_rn(__fmul_rn(r0, pre.x));
+        });
+    sync();
+    Attention<G>(P, l, reinterpret_cast<float*>(smem), flag, pos, start,
+                 rank * (s.kv_heads / R), s.kv_heads / R, b, nb);
+    sync();
+    StageX(xs, P.attn + rank * kr, kr);
+    Skew(a, ++k);
+    FenceAcqRel();  // the words read before (the previous phases) ordered before these
+    RingGemv(
+        mats(l, 1), ring, xs,
+        [&](int n) { return make_float2(Scale(L.o_scale, L.scale_per_channel & 2, n), 0.0f); },
+        [&](int n, float r0, float, float2 pre) { ArPut(a, k, n, __fmul_rn(r0, pre.x)); });
+    ArReduce(a, k, k == 1 ? P.x : resid + ((k - 1) & 1) * H, resid + (k & 1) * H, qlo, qhi,
+             L.post_norm, s.eps, xs, red, nullptr);
+    RingGemv(
+        mats(l, 2), ring, xs,
+        [&](int j) {
+          const unsigned pc = L.scale_per_channel & 4;
+          return make_float2(Scale(L.gate_up_scale, pc, rank * fr + j),
+                             Scale(L.gate_up_scale, pc, s.ffn + rank * fr + j));
+        },
+        [&](int j, float r0, float r1, float2 pre) {
+          const float gt = Rb(__fmul_rn(r0, pre.x)), u = Rb(__fmul_rn(r1, pre.y));
+          P.act[rank * fr + j] =
+              __float2bfloat16_rn(__fmul_rn(__fdiv_rn(gt, __fadd_rn(1.0f, expf(-gt))), u));
+        });
+    sync();
+    StageX(xs, P.act + rank * fr, fr);
+    Skew(a, ++k);
+    FenceAcqRel();
+    RingGemv(
+        mats(l, 3), ring, xs,
+        [&](int n) { return make_float2(Scale(L.down_scale, L.scale_per_channel & 8, n), 0.0f); },
+        [&](int n, float r0, float, float2 pre) { ArPut(a, k, n, __fmul_rn(r0, pre.x)); });
+    const bool last = l + 1 == s.layers;
+    ArReduce(a, k, resid + ((k - 1) & 1) * H, last ? nullptr : resid + (k & 1) * H, qlo, qhi,
+             last ? reinterpret_cast<const uint16_t*>(P.final_norm) : P.layer[l + 1].input_norm,
+             s.eps, xs, red, last && blockIdx.x == 0 ? P.h : nullptr);
+  }
+  if (P.vocab > 0) Head(P, ring, xs, rank, b, nb);
+}
+
+template <int G, bool kTP>
+__global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid_constant__ Params P) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ float red[kWarps];
+  __shared__ int flag;
+  const step::Shape& s = P.s;
+  const int pos = P.pos[0], start = P.pos[1];
+  if (pos < 0 || pos >= s.capacity || start < 0 || start > pos) return NanOut(P);
+  unsigned char* ring_buf = smem + P.xs_bytes;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(ring_buf + static_cast<size_t>(P.stages) * kStageBytes);
+  Ring ring{ring_buf, bars, bars + P.stages, P.stages, 0};
+  if (threadIdx.x == 0) RingInit(ring);
+  __syncthreads();  // the last barrier of all kBlockThreads threads
+  const int nb = kTP ? static_cast<int>(gridDim.x) / s.ranks : static_cast<int>(gridDim.x);
+  const int rank = kTP ? static_cast<int>(blockIdx.x) / nb : 0;
+  const int b = static_cast<int>(blockIdx.x) - rank * nb;
+  if (threadIdx.x >= kThreads) {
+    Produce([&](int l, int p) { return LayerMat(P, l, p, rank, b, nb); },
+            s.layers + (P.vocab > 0), ring);
+    return;
+  }
+  if constexpr (kTP) RanksStep<G>(P, ring, smem, red, &flag, pos, start, rank, b, nb);
+  else Tp1Step<G>(P, ring, smem, red, &flag, pos, start);
 }
 
 size_t AttentionSmem(const step::Shape& s) {
@@ -173,17 +284,22 @@ size_t AttentionSmem(const step::Shape& s) {
                           static_cast<size_t>(kWarps) * s.group * (kHeadDim + 2));
 }
 
-// The kernels by query heads per KV head (Llama 3.x: 3 for 3B, 4 for 1B and 8B, 8 for 70B).
+// The kernels by query heads per KV head (Llama 3.x: 3 for 3B, 4 for 1B and 8B, 8 for 70B)
+// and TP=1 or virtual ranks.
 using KernelFn = void (*)(Params);
-KernelFn KernelFor(int group) {
+template <bool kTP>
+KernelFn KernelOf(int group) {
   switch (group) {
-    case 1: return LlamaStepKernel<1>;
-    case 2: return LlamaStepKernel<2>;
-    case 3: return LlamaStepKernel<3>;
-    case 4: return LlamaStepKernel<4>;
-    case 8: return LlamaStepKernel<8>;
+    case 1: return LlamaStepKernel<1, kTP>;
+    case 2: return LlamaStepKernel<2, kTP>;
+    case 3: return LlamaStepKernel<3, kTP>;
+    case 4: return LlamaStepKernel<4, kTP>;
+    case 8: return LlamaStepKernel<8, kTP>;
     default: return nullptr;
   }
+}
+KernelFn KernelFor(int group, int ranks) {
+  return ranks > 1 ? KernelOf<true>(group) : KernelOf<false>(group);
 }
 
 // The block's shared memory: the GEMV input (or the attention's scratch), then the ring's
@@ -225,15 +341,18 @@ cudaError_t GridBlocks(KernelFn kernel, const step::Shape& s, Smem* sm, int* blo
 ffi::Error CudaLlamaStepImpl(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args,
                              ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> cache,
                              ffi::Result<ffi::AnyBuffer> work, ffi::Result<ffi::AnyBuffer> logits,
-                             int64_t layers, int64_t kv_heads, int64_t group, float eps) {
+                             int64_t layers, int64_t kv_heads, int64_t group, float eps,
+                             int64_t ranks, int64_t oneshot, int64_t timeout_ns, int64_t skew_ns,
+                             int64_t absent_rank) {
   step::StepCall call;
-  ffi::Error err = step::PlanLlamaStep(args, *h, *cache, *work, *logits, layers, kv_heads, group,
-                                       eps, &call);
+  const step::StepAttrs attrs{layers, kv_heads, group, eps, ranks, oneshot, timeout_ns, skew_ns,
+                              absent_rank};
+  ffi::Error err = step::PlanLlamaStep(args, *h, *cache, *work, *logits, attrs, &call);
   if (err.failure()) return err;
   err = UseDevice(ordinal);
   if (err.failure()) return err;
   const step::Shape& s = call.shape;
-  const KernelFn kernel = KernelFor(s.group);
+  const KernelFn kernel = KernelFor(s.group, s.ranks);
   if (!kernel)
     return Invalid("llama_step: " + std::to_string(s.group) + " query heads per KV head; the "
                    "kernel is built for 1, 2, 3, 4 and 8");
@@ -241,6 +360,7 @@ ffi::Error CudaLlamaStepImpl(cudaStream_t stream, int32_t ordinal, ffi::Remainin
   int blocks = 0;
   cudaError_t e = GridBlocks(kernel, s, &sm, &blocks);
   if (e != cudaSuccess) return Launched(e);
+  blocks = blocks / s.ranks * s.ranks;  // virtual ranks: equal sets of blocks
   if (blocks < 1)
     return Invalid("llama_step: this GPU cannot run the persistent step (no cooperative launch, "
                    "or no room for its input (" + std::to_string(sm.xs) + " bytes) and two " +
@@ -250,7 +370,7 @@ ffi::Error CudaLlamaStepImpl(cudaStream_t stream, int32_t ordinal, ffi::Remainin
                         stream);
     if (e != cudaSuccess) return Launched(e);
   }
-  e = cudaMemsetAsync(call.work + call.ws.counters, 0, call.ws.counter_bytes, stream);
+  e = cudaMemsetAsync(call.work, 0, call.ws.counter_bytes, stream);  // status, counters, words
   if (e != cudaSuccess) return Launched(e);
   auto p = std::make_unique<Params>();
   p->s = s;
@@ -261,7 +381,14 @@ ffi::Error CudaLlamaStepImpl(cudaStream_t stream, int32_t ordinal, ffi::Remainin
   p->final_norm = reinterpret_cast<const bf16*>(call.final_norm);
   p->cache = reinterpret_cast<bf16*>(call.cache);
   p->h = reinterpret_cast<bf16*>(call.h);
-  p->counters = reinterpret_cast<unsigned*>(call.work + call.ws.counters);
+  p->status = reinterpret_cast<unsigned*>(call.work + call.ws.status);
+  p->barriers = reinterpret_cast<unsigned*>(call.work + call.ws.barriers);
+  p->heads = reinterpret_cast<unsigned*>(call.work + call.ws.heads);
+  p->ar = reinterpret_cast<uint32_t*>(call.work + call.ws.ar);
+  p->oneshot = call.oneshot;
+  p->absent_rank = call.absent_rank;
+  p->timeout_ns = call.timeout_ns;
+  p->skew_ns = call.skew_ns;
   p->qkv = reinterpret_cast<bf16*>(call.work + call.ws.qkv);
   p->attn = reinterpret_cast<bf16*>(call.work + call.ws.attn);
   p->act = reinterpret_cast<bf16*>(call.work + call.ws.act);
@@ -287,7 +414,8 @@ ffi::Error CudaLlamaStepImpl(cudaStream_t stream, int32_t ordinal, ffi::Remainin
 void PreloadLlamaStepKernels() {
   cudaFuncAttributes attr;
   for (int g : {1, 2, 3, 4, 8})
-    SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::KernelFor(g)));
+    for (int ranks : {1, 2})
+      SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::KernelFor(g, ranks)));
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaLlamaStep, cuda::CudaLlamaStepImpl,

@@ -24,10 +24,11 @@ using step::kThreads;
 constexpr int kWarps = kThreads / 32;
 
 // One GEMV phase's weights: `items` outputs of `rows` weight rows each (row item, and item +
-// pair: gate_up's gate and up rows).
+// pair: gate_up's gate and up rows) of k bytes, ld bytes apart (a rank's columns: ld > k),
+// taken by the g blocks of its rank (b: this block among them).
 struct Mat {
   const uint8_t* w;
-  int items, k, rows, pair;
+  int items, k, rows, pair, ld, b, g;
 };
 
 // A projection's scale for output row `row`: per channel or per tensor.

@@ -23,14 +23,18 @@ int Shape::max_k() const { return std::max(std::max(hidden, q_dim()), ffn); }
 
 Workspace StepWorkspace(const Shape& s) {
   auto up = [](size_t v) { return (v + 255) / 256 * 256; };
+  const size_t R = static_cast<size_t>(s.ranks), H = static_cast<size_t>(s.hidden);
   Workspace w;
-  w.counter_bytes = up(4 * (1 + static_cast<size_t>(s.layers) * s.kv_heads));
-  w.counters = 0;
+  w.status = 0;
+  w.barriers = up(4 * kStatusWords);
+  w.heads = w.barriers + up(4 * 2 * R);
+  w.ar = w.heads + up(4 * static_cast<size_t>(s.layers) * s.kv_heads);
+  w.counter_bytes = w.ar + (R > 1 ? up(4 * 2 * R * H) : 0);
   w.qkv = w.counter_bytes;
   w.attn = w.qkv + up(2 * static_cast<size_t>(s.qkv_rows()));
   w.act = w.attn + up(2 * static_cast<size_t>(s.q_dim()));
   w.resid = w.act + up(2 * static_cast<size_t>(s.ffn));
-  w.part = w.resid + up(2 * static_cast<size_t>(s.hidden));
+  w.part = w.resid + up(2 * (R > 1 ? 2 * R * H : H));
   w.total = w.part + up(4 * static_cast<size_t>(s.kv_heads) * kMaxSplits * s.group *
                         (kHeadDim + 2));
   return w;
@@ -58,9 +62,22 @@ const char* kProjNames[4] = {"qkv", "o", "gate_up", "down"};
 }  // namespace
 
 ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuffer cache,
-                         ffi::AnyBuffer work, ffi::AnyBuffer logits, int64_t layers,
-                         int64_t kv_heads, int64_t group, float eps, StepCall* call) {
+                         ffi::AnyBuffer work, ffi::AnyBuffer logits, const StepAttrs& attrs,
+                         StepCall* call) {
   const std::string name = "llama_step: ";
+  const int64_t layers = attrs.layers, kv_heads = attrs.kv_heads, group = attrs.group;
+  const float eps = attrs.eps;
+  const int64_t ranks = attrs.ranks;
+  if (ranks < 1 || ranks > kMaxRanks)
+    return Invalid(name + "ranks must be in [1, " + std::to_string(kMaxRanks) + "], got " +
+                   std::to_string(ranks));
+  if (kv_heads % ranks)
+    return Invalid(name + std::to_string(kv_heads) + " KV heads do not split over " +
+                   std::to_string(ranks) + " ranks");
+  if (attrs.timeout_ns < 1 || attrs.timeout_ns > kMaxTimeoutNs || attrs.skew_ns < 0 || attrs.absent_rank < -1 ||
+      attrs.absent_rank >= ranks || (attrs.oneshot != 0 && attrs.oneshot != 1))
+    return Invalid(name + "timeout_ns in [1, " + std::to_string(kMaxTimeoutNs) +
+                   "], skew_ns >= 0, absent_rank in [-1, ranks) and oneshot 0 or 1 needed");
   if (layers < 1 || layers > kMaxLayers)
     return Invalid(name + "layers must be in [1, " + std::to_string(kMaxLayers) + "], got " +
                    std::to_string(layers));
@@ -83,6 +100,7 @@ ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuff
   s.kv_heads = static_cast<int>(kv_heads);
   s.group = static_cast<int>(group);
   s.layers = static_cast<int>(layers);
+  s.ranks = static_cast<int>(ranks);
   s.eps = eps;
   if (s.hidden % 16) return Invalid(name + "H must be a multiple of 16");
   if (rope.element_type() != ffi::DataType::F32 || !HasDims(rope, {2, kHeadDim}))
@@ -98,6 +116,9 @@ ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuff
     return Invalid(name + "gate_up must be [2F, H], got " + Dims(gu0));
   s.ffn = static_cast<int>(gu0.dimensions()[0] / 2);
   if (s.ffn % 16 || s.q_dim() % 16) return Invalid(name + "F and the heads' width must be multiples of 16");
+  if (s.ffn % (16 * s.ranks))
+    return Invalid(name + "F=" + std::to_string(s.ffn) + " must split over " +
+                   std::to_string(s.ranks) + " ranks in multiples of 16");
   const int64_t ns[4] = {s.qkv_rows(), s.hidden, 2 * static_cast<int64_t>(s.ffn), s.hidden};
   const int64_t ks[4] = {s.hidden, s.q_dim(), s.hidden, s.ffn};
   c.layers.resize(layers);
@@ -160,6 +181,10 @@ ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuff
     return Invalid(name + "logits must be float32 [" + std::to_string(c.vocab) + "], got " +
                    Dims(logits));
   c.logits = static_cast<float*>(logits.untyped_data());
+  c.oneshot = static_cast<int>(attrs.oneshot);
+  c.timeout_ns = attrs.timeout_ns;
+  c.skew_ns = attrs.skew_ns;
+  c.absent_rank = static_cast<int>(attrs.absent_rank);
   c.ws = StepWorkspace(s);
   if (work.size_bytes() != c.ws.total)
     return Invalid(name + "the workspace must be " + std::to_string(c.ws.total) + " bytes, got " +
@@ -215,7 +240,7 @@ std::vector<float> Norm(const std::vector<float>& x, const uint16_t* scale, floa
 
 // One output row: fp8_matvec's lanes-32 order (chunks of 16, lane l takes chunks l + 32 i,
 // the lanes added by a butterfly), times the row's scale.
-float Row(const uint8_t* w, int k, const std::vector<float>& x, float scale) {
+float Row(const uint8_t* w, int k, const float* x, float scale) {
   float lane[32] = {};
   for (int ch = 0; ch < k / 16; ++ch) {
     float p = 0.0f;
@@ -231,8 +256,26 @@ std::vector<float> Gemv(const uint8_t* w, const float* s, bool per_channel, int 
                         const std::vector<float>& x) {
   std::vector<float> y(n);
   for (int r = 0; r < n; ++r)
-    y[r] = Rb(Row(w + static_cast<size_t>(r) * k, k, x, per_channel ? s[r] : s[0]));
+    y[r] = Rb(Row(w + static_cast<size_t>(r) * k, k, x.data(), per_channel ? s[r] : s[0]));
   return y;
+}
+
+// resid += w [H, K] x in, as TP=R ranks compute it: rank r's partial (columns [r K/R,
+// (r+1) K/R)) rounded to bf16, the partials added in rank order in float32 and rounded once
+// (sifar's rule), then the residual add. A rank that never publishes (absent) leaves NaN.
+// At R = 1 the TP=1 step's bf16(resid + bf16(w x)).
+void ReduceAdd(const step::StepCall& c, const uint8_t* w, const float* sc, bool per_channel,
+               int K, const std::vector<float>& in, std::vector<float>& resid) {
+  const int H = c.shape.hidden, R = c.shape.ranks, Kr = K / R;
+  std::vector<float> acc(H);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < H; ++j) {
+      const float p = r == c.absent_rank ? NAN
+                                         : Rb(Row(w + static_cast<size_t>(j) * K + r * Kr, Kr,
+                                                  in.data() + r * Kr, per_channel ? sc[j] : sc[0]));
+      acc[j] = r == 0 ? p : acc[j] + p;
+    }
+  for (int j = 0; j < H; ++j) resid[j] = Rb(resid[j] + Rb(acc[j]));
 }
 
 void RunLlamaStep(const step::StepCall& c) {
@@ -240,6 +283,13 @@ void RunLlamaStep(const step::StepCall& c) {
   const int H = s.hidden, D = kHeadDim, G = s.group, KV = s.kv_heads, F = s.ffn, S = s.capacity;
   const int pos = c.pos[0], start = c.pos[1];
   if (c.cache != c.cache_in) std::memcpy(c.cache, c.cache_in, c.cache_bytes);
+  uint32_t* status = reinterpret_cast<uint32_t*>(c.work + c.ws.status);
+  std::fill(status, status + step::kStatusWords, 0u);
+  if (c.absent_rank >= 0) {  // the kernel's first all-reduce (layer 0's o) fails, for every rank
+    status[step::kFailed] = 1;
+    status[step::kFailedPhase] = 1;
+    status[step::kMissingRank] = static_cast<uint32_t>(c.absent_rank);
+  }
   std::vector<float> resid(H);
   for (int j = 0; j < H; ++j) resid[j] = Bf16ToF32(c.x[j]);
   auto slot = [&](int l, int kv01, int h, int j) {
@@ -289,8 +339,7 @@ void RunLlamaStep(const step::StepCall& c) {
         for (int d = 0; d < D; ++d) att[(static_cast<size_t>(h) * G + g) * D + d] = Rb(num[d] / den);
       }
     }
-    const std::vector<float> o = Gemv(L.o, L.o_scale, L.scale_per_channel & 2, H, s.q_dim(), att);
-    for (int j = 0; j < H; ++j) resid[j] = Rb(resid[j] + o[j]);
+    ReduceAdd(c, L.o, L.o_scale, L.scale_per_channel & 2, s.q_dim(), att, resid);
     const std::vector<float> xm = Norm(resid, L.post_norm, s.eps);
     const std::vector<float> gu = Gemv(L.gate_up, L.gate_up_scale, L.scale_per_channel & 4,
                                        2 * F, H, xm);
@@ -299,23 +348,24 @@ void RunLlamaStep(const step::StepCall& c) {
       const float g = gu[j], u = gu[F + j];
       act[j] = Rb(g / (1.0f + std::exp(-g)) * u);
     }
-    const std::vector<float> dn = Gemv(L.down, L.down_scale, L.scale_per_channel & 8, H, F, act);
-    for (int j = 0; j < H; ++j) resid[j] = Rb(resid[j] + dn[j]);
+    ReduceAdd(c, L.down, L.down_scale, L.scale_per_channel & 8, F, act, resid);
   }
   const std::vector<float> out = Norm(resid, c.final_norm, s.eps);
   for (int j = 0; j < H; ++j) c.h[j] = F32ToBf16(out[j]);
   for (int r = 0; r < c.vocab; ++r)
-    c.logits[r] = Row(c.head + static_cast<size_t>(r) * H, H, out,
+    c.logits[r] = Row(c.head + static_cast<size_t>(r) * H, H, out.data(),
                       c.head_per_channel ? c.head_scale[r] : c.head_scale[0]);
 }
 
 ffi::Error CpuLlamaStepImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> h,
                             ffi::Result<ffi::AnyBuffer> cache, ffi::Result<ffi::AnyBuffer> work,
                             ffi::Result<ffi::AnyBuffer> logits, int64_t layers, int64_t kv_heads,
-                            int64_t group, float eps) {
+                            int64_t group, float eps, int64_t ranks, int64_t oneshot,
+                            int64_t timeout_ns, int64_t skew_ns, int64_t absent_rank) {
   step::StepCall call;
-  ffi::Error err = step::PlanLlamaStep(args, *h, *cache, *work, *logits, layers, kv_heads, group,
-                                       eps, &call);
+  const step::StepAttrs attrs{layers, kv_heads, group, eps, ranks, oneshot, timeout_ns, skew_ns,
+                              absent_rank};
+  ffi::Error err = step::PlanLlamaStep(args, *h, *cache, *work, *logits, attrs, &call);
   if (err.failure()) return err;
   const int pos = call.pos[0], start = call.pos[1];
   if (pos < 0 || pos >= call.shape.capacity || start < 0 || start > pos)

@@ -18,7 +18,17 @@
 // Results: h [H] bf16 = final_norm(residual stream after the last layer), the cache, a
 //   workspace (StepWorkspace) whose counters the op zeroes before each launch, and the logits
 //   [V] float32 = head x h (in fp8_matvec's order, times the scale, not rounded), [0] without
-//   a head.
+//   a head. The workspace starts with the status words (StepStatus).
+//
+// Virtual ranks (attribute ranks = R > 1): the step of a TP=R model whose R ranks are sets of
+// blocks of this one launch. Rank r holds KV heads [r kv/R, (r+1) kv/R) (their qkv rows, their
+// cache, their columns of o), FFN rows [r F/R, (r+1) F/R) (gate_up's rows, down's columns);
+// the operands are the TP=1 model's, each rank reading its slices. o's and down's outputs are
+// partial sums, rounded to bf16 as the XLA decoder's per-rank projections are, and all-reduced
+// by sifar's rule (rank order 0..R-1 in float32, rounded once: design.md, Reduction order)
+// before the residual add. The all-reduce is a phase of the kernel (allreduce_phase.cuh):
+// "sifar" (tagged words in dual buffers, read speculatively, no barrier) or "oneshot" (flag
+// barriers across the ranks before and after the reads). On the CPU the same sums in loops.
 //
 // Numerics: the GEMVs are fp8_matvec's (lanes 32, no K split: the same bits as
 // sifar_jax.fp8_matvec); activations are rounded to bf16 where the XLA decoder rounds them
@@ -67,19 +77,37 @@ struct LayerWeights {
   uint32_t scale_per_channel;
 };
 
+constexpr int kMaxRanks = 8;  // virtual ranks
+// An all-reduce wait's bound at most: half the kernel's trap bound (device_math.cuh, kWaitNs),
+// so that a failed all-reduce ends as NaN and status words, not as a trap elsewhere.
+constexpr long long kMaxTimeoutNs = 5ll * 1000 * 1000 * 1000;
+
 struct Shape {
-  int hidden = 0, kv_heads = 0, group = 0, ffn = 0, layers = 0, capacity = 0;
+  int hidden = 0, kv_heads = 0, group = 0, ffn = 0, layers = 0, capacity = 0, ranks = 1;
   float eps = 1e-5f;
   SIFAR_STEP_HD int qkv_rows() const { return kv_heads * (group + 2) * kHeadDim; }
   SIFAR_STEP_HD int q_dim() const { return kv_heads * group * kHeadDim; }
   int max_k() const;  // the widest projection input (shared memory per block)
 };
 
-// Byte offsets into the workspace (each 256-aligned): the barrier and per-head attention
-// counters (zeroed by the op), qkv's output, the attention output, the SwiGLU output, the
-// residual stream, the attention's per-split partials [kv][kMaxSplits][group][D + 2] f32.
+// The status words at the workspace's start (zeroed by the op): a virtual-rank all-reduce
+// that waited past the timeout sets kFailed (1) and where: the phase (k = 1, 2, ...: layer l's
+// o is 2l + 1, its down 2l + 2), the rank whose partials (sifar) or arrival (oneshot) it waited
+// for, the waiting block; kRetried counts (block, phase) pairs that read a stale word first
+// (sifar's mis-speculations, read again).
+enum StepStatus {
+  kFailed = 0, kFailedPhase, kMissingRank, kFailedBlock, kRetried, kStatusWords = 8
+};
+
+// Byte offsets into the workspace (each 256-aligned). Zeroed by the op (the first
+// counter_bytes): the status words, the barrier counters (one per rank; then one per rank
+// for the arrivals of oneshot's barriers across the ranks), the attention's per-head counts [layers][kv], the all-reduce's tagged words [2][R][H]
+// (ranks > 1). Then qkv's output, the attention output, the SwiGLU output, the residual
+// stream ([H]; [R][2][H] with ranks), the attention's per-split partials [kv][kMaxSplits][group]
+// [D + 2] f32.
 struct Workspace {
-  size_t counters = 0, qkv = 0, attn = 0, act = 0, resid = 0, part = 0, total = 0;
+  size_t status = 0, barriers = 0, heads = 0, ar = 0;
+  size_t qkv = 0, attn = 0, act = 0, resid = 0, part = 0, total = 0;
   size_t counter_bytes = 0;
 };
 Workspace StepWorkspace(const Shape& s);
@@ -100,15 +128,25 @@ struct StepCall {
   bool head_per_channel = false;
   int vocab = 0;
   float* logits = nullptr;
+  int oneshot = 0;                  // ranks > 1: the all-reduce phase is oneshot, else sifar
+  long long timeout_ns = 0;         // an all-reduce wait past it fails the step (NaN, status)
+  long long skew_ns = 0;            // tests: each rank sleeps up to this before its partials
+  int absent_rank = -1;             // tests: this rank never publishes its partials
   Workspace ws;
   std::vector<LayerWeights> layers;
+};
+
+// The op's attributes.
+struct StepAttrs {
+  int64_t layers, kv_heads, group;
+  float eps;
+  int64_t ranks, oneshot, timeout_ns, skew_ns, absent_rank;
 };
 
 // Checks every operand (dtype, shape, alignment) against the attributes; fills *call.
 xla::ffi::Error PlanLlamaStep(xla::ffi::RemainingArgs args, xla::ffi::AnyBuffer h,
                               xla::ffi::AnyBuffer cache, xla::ffi::AnyBuffer work,
-                              xla::ffi::AnyBuffer logits, int64_t layers, int64_t kv_heads,
-                              int64_t group, float eps, StepCall* call);
+                              xla::ffi::AnyBuffer logits, const StepAttrs& attrs, StepCall* call);
 
 }  // namespace step
 
@@ -123,7 +161,12 @@ auto WithLlamaStepOperands(Binding binding) {
       .template Attr<int64_t>("layers")
       .template Attr<int64_t>("kv_heads")
       .template Attr<int64_t>("group")
-      .template Attr<float>("eps");
+      .template Attr<float>("eps")
+      .template Attr<int64_t>("ranks")        // virtual ranks (1: TP=1)
+      .template Attr<int64_t>("oneshot")      // ranks > 1: 1 oneshot, 0 sifar
+      .template Attr<int64_t>("timeout_ns")   // an all-reduce wait's bound
+      .template Attr<int64_t>("skew_ns")      // tests: random delay per rank before publishing
+      .template Attr<int64_t>("absent_rank");  // tests: a rank that never publishes (-1 none)
 }
 
 }  // namespace sifar

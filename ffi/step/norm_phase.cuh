@@ -26,8 +26,20 @@ __device__ void StageX(float4* xs, const bf16* in, int k) {
   BlockSync();
 }
 
+// 1 / rms from each thread's partial sum of squares: each warp's butterfly, the warps in
+// order (the CPU handler's order).
+__device__ float FinishRms(float ss, int n, float eps, float* red) {
+  ss = WarpSum(ss);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
+  BlockSync();
+  float tot = 0.0f;
+  for (int w = 0; w < kWarps; ++w) tot = __fadd_rn(tot, red[w]);
+  BlockSync();  // red is reused by the next call
+  return __frcp_rn(__fsqrt_rn(__fadd_rn(__fdiv_rn(tot, static_cast<float>(n)), eps)));
+}
+
 // 1 / rms(r[0, n)): thread t's fma sum over the quads t, t + 256, ... (each quad's 4 in
-// order), each warp's butterfly, the warps in order (the CPU handler's order).
+// order), then FinishRms.
 __device__ float InvRms(const bf16* r, int n, float eps, float* red) {
   float ss = 0.0f;
 #pragma unroll 4
@@ -38,13 +50,7 @@ __device__ float InvRms(const bf16* r, int n, float eps, float* red) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) ss = __fmaf_rn(e[k], e[k], ss);
   }
-  ss = WarpSum(ss);
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
-  BlockSync();
-  float tot = 0.0f;
-  for (int w = 0; w < kWarps; ++w) tot = __fadd_rn(tot, red[w]);
-  BlockSync();  // red is reused by the next call
-  return __frcp_rn(__fsqrt_rn(__fadd_rn(__fdiv_rn(tot, static_cast<float>(n)), eps)));
+  return FinishRms(ss, n, eps, red);
 }
 
 // xs <- bf16(bf16(r * inv) * scale), models' RMSNorm.

@@ -9,7 +9,7 @@
 // rows in slots kWarpRows * w + i for a round of stages (K / kSlab of them), and lane l adds up the
 // chunks l, l + 32, ... of each row across the round, so a row's sum is fp8_matvec's lanes-32
 // order (the same bits as the row kernel; kSlab is a multiple of 32 chunks). A block takes the
-// items b, b + gridDim.x, ... of a projection; an item is one row (kWarpRows items per warp
+// items b, b + g, ... of a projection (b: the block among the g blocks of its rank); an item is one row (kWarpRows items per warp
 // and round) or, for gate_up, a (gate, up) pair of rows (in slots 2i, 2i + 1).
 #pragma once
 
@@ -68,13 +68,13 @@ __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
   }
 }
 
-// This block's part of projection m: items b, b + G, ...; `per_round` items per round of
-// stages, `slabs` stages per round.
+// This block's part of projection m: items m.b, m.b + m.g, ...; `per_round` items per round
+// of stages, `slabs` stages per round.
 struct Part {
   int n, per_round, rounds, slabs;
 };
 __device__ __forceinline__ Part PartOf(const Mat& m) {
-  const int g = static_cast<int>(gridDim.x), b = static_cast<int>(blockIdx.x);
+  const int g = m.g, b = m.b;
   Part p;
   p.n = b < m.items ? (m.items - b + g - 1) / g : 0;
   p.per_round = m.rows == 2 ? kRingRows / 2 : kRingRows;
@@ -85,7 +85,7 @@ __device__ __forceinline__ Part PartOf(const Mat& m) {
 // The item slot q of round r belongs to (-1: none), and the weight row it holds.
 __device__ __forceinline__ int SlotItem(const Mat& m, const Part& p, int r, int q) {
   const int t = r * p.per_round + (m.rows == 2 ? q / 2 : q);
-  return t < p.n ? static_cast<int>(blockIdx.x) + t * static_cast<int>(gridDim.x) : -1;
+  return t < p.n ? m.b + t * m.g : -1;
 }
 __device__ __forceinline__ int SlotRow(const Mat& m, int item, int q) {
   return m.rows == 2 ? item + (q & 1) * m.pair : item;
@@ -104,7 +104,7 @@ __device__ __forceinline__ void Produce(MatAt mat_at, int layers, Ring& ring) {
       const Part p = PartOf(m);
       for (int r = 0; r < p.rounds; ++r) {
         const int item = lane < kRingRows ? SlotItem(m, p, r, lane) : -1;
-        const uint8_t* src = item >= 0 ? m.w + static_cast<size_t>(SlotRow(m, item, lane)) * m.k
+        const uint8_t* src = item >= 0 ? m.w + static_cast<size_t>(SlotRow(m, item, lane)) * m.ld
                                        : nullptr;
         const unsigned rows = __popc(__ballot_sync(0xffffffffu, item >= 0));
         for (int s = 0; s < p.slabs; ++s, ++ring.n) {

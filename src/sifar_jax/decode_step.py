@@ -21,12 +21,18 @@ import numpy as np
 
 from . import _ext
 
-__all__ = ["LlamaLayer", "llama_step", "workspace_bytes", "HEAD_DIM", "MAX_GROUP", "MAX_LAYERS"]
+__all__ = ["LlamaLayer", "llama_step", "workspace_bytes", "StepStatus", "HEAD_DIM", "MAX_GROUP",
+           "MAX_LAYERS", "MAX_RANKS"]
 
 HEAD_DIM = 128  # the kernel's head width (ffi/step/llama_step.h)
 MAX_GROUP = 8  # query heads per KV head
 MAX_SPLITS = 64  # key ranges per KV head
 MAX_LAYERS = 128
+MAX_RANKS = 8  # virtual ranks
+ALLREDUCE_PHASES = ("sifar", "oneshot")  # the all-reduce inside the kernel, with virtual ranks
+DEFAULT_TIMEOUT_S = 1.0  # an all-reduce wait's bound (virtual ranks)
+MAX_TIMEOUT_S = 5.0  # half the kernel's trap bound (ffi/step/llama_step.h, kMaxTimeoutNs)
+STATUS_WORDS = 8  # uint32 words at the workspace's start (ffi/step/llama_step.h, StepStatus)
 CHUNK = 16  # weights per 16-byte load: every K a multiple of it
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 BF16 = jnp.dtype(jnp.bfloat16)
@@ -49,12 +55,34 @@ class LlamaLayer(NamedTuple):
     down_scale: jax.Array
 
 
-def workspace_bytes(hidden: int, kv_heads: int, group: int, ffn: int, layers: int) -> int:
-    """The op's workspace (ffi/step/llama_step.cc, StepWorkspace: the same layout)."""
+def workspace_bytes(hidden: int, kv_heads: int, group: int, ffn: int, layers: int,
+                    ranks: int = 1) -> int:
+    """The op's workspace (ffi/step/llama_step.cc, StepWorkspace: the same layout; the op
+    checks the size it is given)."""
     up = lambda v: (v + 255) // 256 * 256  # noqa: E731
-    return (up(4 * (1 + layers * kv_heads)) + up(2 * kv_heads * (group + 2) * HEAD_DIM)
-            + up(2 * kv_heads * group * HEAD_DIM) + up(2 * ffn) + up(2 * hidden)
+    zeroed = (up(4 * STATUS_WORDS) + up(4 * 2 * ranks) + up(4 * layers * kv_heads)
+              + (up(4 * 2 * ranks * hidden) if ranks > 1 else 0))
+    resid = 2 * ranks * hidden if ranks > 1 else hidden
+    return (zeroed + up(2 * kv_heads * (group + 2) * HEAD_DIM)
+            + up(2 * kv_heads * group * HEAD_DIM) + up(2 * ffn) + up(2 * resid)
             + up(4 * kv_heads * MAX_SPLITS * group * (HEAD_DIM + 2)))
+
+
+class StepStatus(NamedTuple):
+    """What a step with virtual ranks reports (the workspace's status words): `failed` when an
+    all-reduce wait passed the timeout (then h and the logits are NaN), with the phase (layer
+    l's o is 2l + 1, its down 2l + 2), the rank waited for and the waiting block; `retried`:
+    (block, phase) pairs that read a stale word and read it again (sifar's mis-speculations)."""
+    failed: bool
+    phase: int
+    missing_rank: int
+    block: int
+    retried: int
+
+    @classmethod
+    def from_words(cls, words) -> "StepStatus":
+        w = np.asarray(words, dtype=np.uint32)
+        return cls(bool(w[0]), int(w[1]), int(w[2]), int(w[3]), int(w[4]))
 
 
 def _check(x, rope, pos, final_norm, layers, cache, kv_heads, group):
@@ -124,9 +152,72 @@ def llama_step(x: jax.Array, rope: jax.Array, pos: jax.Array, final_norm: jax.Ar
     head's rows times h in fp8_matvec's order, times the scale (not rounded).
     A slot outside [0, S), or a first slot after it, gives NaN in h (and in the logits) on GPUs
     and an error on the CPU."""
+    h, cache, logits, _ = _step(x, rope, pos, final_norm, layers, cache, kv_heads=kv_heads,
+                                group=group, eps=eps, head=head)
+    return (h, cache) if head is None else (h, cache, logits)
+
+
+def llama_step_virtual_ranks(x: jax.Array, rope: jax.Array, pos: jax.Array,
+                             final_norm: jax.Array, layers: Sequence[LlamaLayer],
+                             cache: jax.Array, *, kv_heads: int, group: int, eps: float,
+                             ranks: int, allreduce: str = "sifar",
+                             head: Optional[tuple[jax.Array, jax.Array]] = None,
+                             timeout_s: float = DEFAULT_TIMEOUT_S, skew_ns: int = 0,
+                             absent_rank: int = -1) -> tuple:
+    """`llama_step` as a TP=`ranks` model whose ranks are sets of blocks of the one launch (on
+    the CPU: the same sums in loops), the all-reduce inside the kernel: returns (h, new cache,
+    logits ([0] without a head), status words uint32 [8] (StepStatus.from_words)).
+
+    Same operands as llama_step (the TP=1 model's; rank r reads KV heads [r kv/R, (r+1)
+    kv/R) and FFN rows [r F/R, (r+1) F/R)). o's and down's per-rank outputs are rounded to
+    bf16 and added in rank order in float32, rounded once (sifar_psum's rule), as a TP decoder
+    with sifar_psum computes them. allreduce: "sifar" (tagged words, speculative reads, dual
+    buffers, no barrier) or "oneshot" (barriers across the ranks). A wait longer than
+    timeout_s fails the step: NaN in h and the logits, status `failed` (raise with
+    `check_step_status`). Tests: skew_ns, a random delay of every block before it publishes;
+    absent_rank, a rank that never publishes."""
+    if not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
+        raise ValueError(f"sifar_jax.llama_step: ranks must be an int in [1, {MAX_RANKS}], got "
+                         f"{ranks!r}")
+    if allreduce not in ALLREDUCE_PHASES:
+        raise ValueError(f"sifar_jax.llama_step: allreduce must be one of {ALLREDUCE_PHASES}, "
+                         f"got {allreduce!r}")
+    if kv_heads % ranks:
+        raise ValueError(f"sifar_jax.llama_step: {kv_heads} KV heads do not split over {ranks} "
+                         f"ranks")
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError(f"sifar_jax.llama_step: timeout_s must be in (0, {MAX_TIMEOUT_S}] (the "
+                         f"kernel's other waits trap at twice that), got {timeout_s!r}")
+    if not -1 <= absent_rank < ranks or skew_ns < 0:
+        raise ValueError(f"sifar_jax.llama_step: absent_rank in [-1, {ranks}) and skew_ns >= 0, "
+                         f"got {absent_rank}, {skew_ns}")
+    return _step(x, rope, pos, final_norm, layers, cache, kv_heads=kv_heads, group=group,
+                 eps=eps, head=head, ranks=ranks, oneshot=allreduce == "oneshot",
+                 timeout_ns=max(1, int(timeout_s * 1e9)), skew_ns=int(skew_ns),
+                 absent_rank=int(absent_rank))
+
+
+def check_step_status(words) -> StepStatus:
+    """The status of a step with virtual ranks; raises SifarError if it failed."""
+    from .errors import SifarError
+
+    st = StepStatus.from_words(words)
+    if st.failed:
+        raise SifarError(f"llama_step: the all-reduce of phase {st.phase} (layer "
+                         f"{(st.phase - 1) // 2}'s {'o' if st.phase % 2 else 'down'}) timed out "
+                         f"in block {st.block} waiting for rank {st.missing_rank}; h and the "
+                         f"logits are NaN")
+    return st
+
+
+def _step(x, rope, pos, final_norm, layers, cache, *, kv_heads, group, eps, head, ranks=1,
+          oneshot=False, timeout_ns=int(DEFAULT_TIMEOUT_S * 1e9), skew_ns=0, absent_rank=-1):
     ffn = _check(x, rope, pos, final_norm, layers, cache, kv_heads, group)
+    if ffn % (16 * ranks):
+        raise ValueError(f"sifar_jax.llama_step: F={ffn} must split over {ranks} ranks in "
+                         f"multiples of 16")
     vocab = _check_head(head, x.shape[0]) if head is not None else 0
-    ws = workspace_bytes(x.shape[0], kv_heads, group, ffn, len(layers))
+    ws = workspace_bytes(x.shape[0], kv_heads, group, ffn, len(layers), ranks)
     operands = [x, rope, pos, final_norm]
     for layer in layers:
         operands.extend(layer)
@@ -139,10 +230,14 @@ def llama_step(x: jax.Array, rope: jax.Array, pos: jax.Array, final_norm: jax.Ar
         (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(cache.shape, cache.dtype),
          jax.ShapeDtypeStruct((ws,), jnp.uint8), jax.ShapeDtypeStruct((vocab,), jnp.float32)),
         input_output_aliases={cache_at: 1})
-    h, new_cache, _, logits = call(*operands, layers=np.int64(len(layers)),
-                                   kv_heads=np.int64(kv_heads), group=np.int64(group),
-                                   eps=np.float32(eps))
-    return (h, new_cache) if head is None else (h, new_cache, logits)
+    h, new_cache, work, logits = call(
+        *operands, layers=np.int64(len(layers)), kv_heads=np.int64(kv_heads),
+        group=np.int64(group), eps=np.float32(eps), ranks=np.int64(ranks),
+        oneshot=np.int64(oneshot), timeout_ns=np.int64(timeout_ns), skew_ns=np.int64(skew_ns),
+        absent_rank=np.int64(absent_rank))
+    status = jax.lax.bitcast_convert_type(work[:4 * STATUS_WORDS].reshape(STATUS_WORDS, 4),
+                                          jnp.uint32)
+    return h, new_cache, logits, status
 
 
 def _check_head(head, hidden: int) -> int:
