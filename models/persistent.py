@@ -1,11 +1,12 @@
 """The persistent decode step (DecodeOptions(step="persistent")): a Llama model's batch-1 step
 of one token as ONE op, sifar_jax.llama_step (on CUDA GPUs one cooperative launch of a
-persistent kernel, no kernel boundary between the layers), then the LM head in XLA (or
-fp8_matvec for an FP8 head).
+persistent kernel, no kernel boundary between the layers), with an untied FP8 LM head inside
+it (a bf16 or tied head runs in XLA on the op's output).
 
-It serves what its kernel serves: the Llama family, TP=1, batch 1, the "bhsd" cache in bf16,
-FP8 projections with per-channel or per-tensor scales, head_dim 128, 1-4 or 8 query heads per
-KV head. Anything else (and any GPU-less platform, where the op's CPU handler is a reference,
+It serves what its kernel serves: the Llama family, TP=1 (the all-reduce phase of a TP model
+runs only between virtual ranks on one GPU: make_step_forward's virtual_ranks), batch 1, the
+"bhsd" cache in bf16, FP8 projections with per-channel or per-tensor scales, head_dim 128, 1-4
+or 8 query heads per KV head. Anything else (and any GPU-less platform, where the op's CPU handler is a reference,
 not a speed-up) runs the XLA step; `reason` says why, and the decoder logs it once.
 Prefills and chunks of several tokens always run the XLA forward. The two steps write the same
 cache: a decoder may switch between them at any token.
@@ -55,8 +56,9 @@ def reason(family, layout, mesh: Mesh, options, params: Any) -> Optional[str]:
     if family.name != "llama":
         return f"the persistent step is the Llama family's; this model is {family.name!r}"
     if layout.tp != 1:
-        return (f"tp={layout.tp}: the persistent step with the all-reduce inside it (SiFAR as a "
-                f"phase of the kernel) is not built yet; it runs at tp=1")
+        return (f"tp={layout.tp}: the persistent step's all-reduce phase runs between virtual "
+                f"ranks on one GPU (sifar_jax.llama_step_virtual_ranks); ranks on separate GPUs "
+                f"are not built, so it runs at tp=1")
     if options.batch_size != 1:
         return f"batch_size={options.batch_size}: the persistent step decodes one sequence"
     if options.kv_layout != "bhsd":

@@ -121,6 +121,7 @@ def test_nothing_compiles_after_warmup(fp8_model, cpu_reference, monkeypatch):
     (dict(head_dim=64, num_heads=8), "head_dim=64"),
 ])
 def test_reasons(change, words, monkeypatch):
+    """Each condition the kernel does not serve gives the XLA step and says why."""
     monkeypatch.setattr(persistent, "backend_reason", lambda mesh: None)
     change = dict(change)
     weights = change.pop("weights", "fp8")
@@ -131,6 +132,15 @@ def test_reasons(change, words, monkeypatch):
     opts = DecodeOptions(step="persistent", **options).resolve(mesh)
     why = persistent.reason(LLAMA, LLAMA.layout(cfg, 1), mesh, opts, params)
     assert why and words in why, why
+
+
+def test_tp2_says_where_the_allreduce_phase_runs(fp8_model, monkeypatch):
+    monkeypatch.setattr(persistent, "backend_reason", lambda mesh: None)
+    cfg, _, params = fp8_model
+    mesh = make_mesh(2)
+    opts = DecodeOptions(step="persistent", kv_layout="bhsd").resolve(mesh)
+    why = persistent.reason(LLAMA, LLAMA.layout(cfg, 2), mesh, opts, params)
+    assert why and "tp=2" in why and "virtual ranks" in why, why
 
 
 def test_cpu_mesh_runs_the_xla_step_and_says_why(fp8_model, caplog, monkeypatch):
