@@ -85,7 +85,9 @@ __device__ __forceinline__ void Attention(const StepParams& P, int l, float* sm,
     }
     // kKeys keys per warp per round, their loads issued together (latency, not bandwidth,
     // bounds this loop: at 64 keys per range, one round); a key past the range scores -inf.
-    // A warp takes the keys j0 + warp, + kWarps, ... in order whatever kKeys is (same bits).
+    // A round's scores are computed first (kKeys x G independent dot products and butterflies,
+    // no chain between them), then its softmax update once per round: the online softmax's
+    // rescale is per round, not per key.
     constexpr int kKeys = G >= 8 ? 4 : 8;
     const bf16* kbase = Slot(P, l, 0, h, 0);
     const bf16* vbase = Slot(P, l, 1, h, 0);
@@ -97,13 +99,11 @@ __device__ __forceinline__ void Attention(const StepParams& P, int l, float* sm,
         kw[u] = __ldcg(reinterpret_cast<const uint2*>(kbase + static_cast<size_t>(jj) * D) + lane);
         vw[u] = __ldcg(reinterpret_cast<const uint2*>(vbase + static_cast<size_t>(jj) * D) + lane);
       }
+      float sc[kKeys][G];
 #pragma unroll
       for (int u = 0; u < kKeys; ++u) {
-        const bool live = j + u * kWarps < j1;
         const float kf[4] = {__uint_as_float(kw[u].x << 16), __uint_as_float(kw[u].x & 0xffff0000u),
                              __uint_as_float(kw[u].y << 16), __uint_as_float(kw[u].y & 0xffff0000u)};
-        const float vf[4] = {__uint_as_float(vw[u].x << 16), __uint_as_float(vw[u].x & 0xffff0000u),
-                             __uint_as_float(vw[u].y << 16), __uint_as_float(vw[u].y & 0xffff0000u)};
 #pragma unroll
         for (int g = 0; g < G; ++g) {
           const float4 q = reinterpret_cast<const float4*>(qf + g * D)[lane];
@@ -111,15 +111,42 @@ __device__ __forceinline__ void Attention(const StepParams& P, int l, float* sm,
           dot = __fmaf_rn(q.y, kf[1], dot);
           dot = __fmaf_rn(q.z, kf[2], dot);
           dot = __fmaf_rn(q.w, kf[3], dot);
-          const float sc = live ? __fmul_rn(WarpSum(dot), P.score_scale) : -INFINITY;
-          const float mn = fmaxf(m[g], sc);
-          if (mn == -INFINITY) continue;  // nothing live yet
-          const float corr = expf(m[g] - mn), e = expf(sc - mn);
-          ls[g] = __fmaf_rn(ls[g], corr, e);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[g][i] = __fmaf_rn(acc[g][i], corr, __fmul_rn(e, vf[i]));
-          m[g] = mn;
+          sc[u][g] = dot;
         }
+      }
+#pragma unroll
+      for (int u = 0; u < kKeys; ++u)
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const bool live = j + u * kWarps < j1;
+          sc[u][g] = live ? __fmul_rn(WarpSum(sc[u][g]), P.score_scale) : -INFINITY;
+        }
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float mn = m[g];
+#pragma unroll
+        for (int u = 0; u < kKeys; ++u) mn = fmaxf(mn, sc[u][g]);
+        if (mn == -INFINITY) continue;  // nothing live yet
+        const float corr = expf(m[g] - mn);
+        float e[kKeys], es = 0.0f;
+#pragma unroll
+        for (int u = 0; u < kKeys; ++u) {
+          e[u] = expf(sc[u][g] - mn);
+          es = __fadd_rn(es, e[u]);
+        }
+        ls[g] = __fmaf_rn(ls[g], corr, es);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float a = __fmul_rn(acc[g][i], corr);
+#pragma unroll
+          for (int u = 0; u < kKeys; ++u) {
+            const uint32_t word = i < 2 ? vw[u].x : vw[u].y;
+            const float v = __uint_as_float(i % 2 == 0 ? word << 16 : word & 0xffff0000u);
+            a = __fmaf_rn(e[u], v, a);
+          }
+          acc[g][i] = a;
+        }
+        m[g] = mn;
       }
     }
 #pragma unroll

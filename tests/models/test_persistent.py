@@ -136,8 +136,7 @@ def test_reasons(change, words, monkeypatch):
 
 def test_tp2_says_where_the_allreduce_phase_runs(fp8_model, monkeypatch):
     monkeypatch.setattr(persistent, "backend_reason", lambda mesh: None)
-    cfg, _, params = fp8_model
-    mesh = make_mesh(2)
+    cfg, mesh, params = fp8_model  # a one-device mesh: reason() reads the TP from the layout
     opts = DecodeOptions(step="persistent", kv_layout="bhsd").resolve(mesh)
     why = persistent.reason(LLAMA, LLAMA.layout(cfg, 2), mesh, opts, params)
     assert why and "tp=2" in why and "virtual ranks" in why, why
