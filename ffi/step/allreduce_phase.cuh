@@ -118,8 +118,9 @@ __device__ __forceinline__ bool BlockAny(bool v) {
 }
 
 // oneshot's barrier across the ranks: every block of every rank has arrived `round` times
-// (the block's writes before it visible after it). False: the step failed.
-__device__ bool CrossBarrier(const ArCtx& a, unsigned round, unsigned k) {
+// (the block's writes before it visible after it). False: the step failed. w: thread 0's wait
+// clock of this phase (both barriers of a phase share it).
+__device__ bool CrossBarrier(const ArCtx& a, unsigned round, unsigned k, ArWait& w) {
   bool ok = true;
   BlockSync();  // the block's writes (or reads) are done before it arrives
   if (threadIdx.x == 0) {
@@ -128,7 +129,6 @@ __device__ bool CrossBarrier(const ArCtx& a, unsigned round, unsigned k) {
       asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(a.arrive + a.rank) : "memory");
     }
     const unsigned target = round * static_cast<unsigned>(a.nb);
-    ArWait w;
     for (int p = 0; p < a.ranks && ok; ++p) {
       while (true) {
         unsigned v;
@@ -150,10 +150,10 @@ __device__ void ArReduce(const ArCtx& a, unsigned k, const bf16* old, bf16* out,
                          bf16* h) {
   const int H = a.hidden, R = a.ranks;
   bool dead = false, retried = false;
-  if (a.oneshot) dead = !CrossBarrier(a, 2 * k - 1, k);  // every rank's partials written
+  ArWait wt;  // this thread's waits in this phase, together
+  if (a.oneshot) dead = !CrossBarrier(a, 2 * k - 1, k, wt);  // every rank's partials written
   else BlockSync();  // the GEMV's reads of xs are done
   float ss = 0.0f;
-  ArWait wt;  // this thread's waits in this phase
   for (int i = threadIdx.x; i < H / 4; i += kThreads) {
     const uint2 ov = __ldcg(reinterpret_cast<const uint2*>(old) + i);
     uint4 w[step::kMaxRanks];
@@ -198,7 +198,9 @@ __device__ void ArReduce(const ArCtx& a, unsigned k, const bf16* old, bf16* out,
   }
   FenceAcqRel();  // the words read here before this rank's later writes (the header's argument)
   if (BlockAny(retried) && threadIdx.x == 0) atomicAdd(a.status + step::kRetried, 1u);
-  if (a.oneshot) CrossBarrier(a, 2 * k, k);  // every rank done reading: the buffer is free
+  // oneshot: every rank done reading before the buffer is written again; past the timeout a
+  // rank may still read it, so this block's values become NaN too (through the norm).
+  if (a.oneshot && !CrossBarrier(a, 2 * k, k, wt)) ss = NAN;
   const float inv = FinishRms(ss, H, eps, red);
   const bf16* sc = reinterpret_cast<const bf16*>(scale);
   for (int i = threadIdx.x; i < H / 4; i += kThreads) {

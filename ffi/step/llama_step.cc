@@ -74,10 +74,12 @@ ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuff
   if (kv_heads % ranks)
     return Invalid(name + std::to_string(kv_heads) + " KV heads do not split over " +
                    std::to_string(ranks) + " ranks");
-  if (attrs.timeout_ns < 1 || attrs.timeout_ns > kMaxTimeoutNs || attrs.skew_ns < 0 || attrs.absent_rank < -1 ||
+  if (attrs.timeout_ns < 1 || attrs.timeout_ns > kMaxTimeoutNs || attrs.skew_ns < 0 ||
+      attrs.skew_ns > kMaxTimeoutNs || attrs.absent_rank < -1 ||
       attrs.absent_rank >= ranks || (attrs.oneshot != 0 && attrs.oneshot != 1))
     return Invalid(name + "timeout_ns in [1, " + std::to_string(kMaxTimeoutNs) +
-                   "], skew_ns >= 0, absent_rank in [-1, ranks) and oneshot 0 or 1 needed");
+                   "], skew_ns in [0, the same], absent_rank in [-1, ranks) and oneshot 0 or 1 "
+                   "needed");
   if (layers < 1 || layers > kMaxLayers)
     return Invalid(name + "layers must be in [1, " + std::to_string(kMaxLayers) + "], got " +
                    std::to_string(layers));

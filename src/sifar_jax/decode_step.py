@@ -70,7 +70,8 @@ def workspace_bytes(hidden: int, kv_heads: int, group: int, ffn: int, layers: in
 
 class StepStatus(NamedTuple):
     """What a step with virtual ranks reports (the workspace's status words): `failed` when an
-    all-reduce wait passed the timeout (then h and the logits are NaN), with the phase (layer
+    all-reduce wait passed the timeout (then the step's outputs are not to be used: NaN spreads
+    to h and every logit from any phase but the last), with the phase (layer
     l's o is 2l + 1, its down 2l + 2), the rank waited for and the waiting block; `retried`:
     (block, phase) pairs that read a stale word and read it again (sifar's mis-speculations)."""
     failed: bool
@@ -173,9 +174,10 @@ def llama_step_virtual_ranks(x: jax.Array, rope: jax.Array, pos: jax.Array,
     bf16 and added in rank order in float32, rounded once (sifar_psum's rule), as a TP decoder
     with sifar_psum computes them. allreduce: "sifar" (tagged words, speculative reads, dual
     buffers, no barrier) or "oneshot" (barriers across the ranks). A wait longer than
-    timeout_s fails the step: NaN in h and the logits, status `failed` (raise with
-    `check_step_status`). Tests: skew_ns, a random delay of every block before it publishes;
-    absent_rank, a rank that never publishes."""
+    timeout_s fails the step: status `failed`, which is what says so (raise with
+    `check_step_status`); the missing values are NaN, which spreads to h and every logit from
+    any phase but the last. Tests: skew_ns (at most 5 s), a random delay of every block before
+    it publishes; absent_rank, a rank that never publishes."""
     if not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
         raise ValueError(f"sifar_jax.llama_step: ranks must be an int in [1, {MAX_RANKS}], got "
                          f"{ranks!r}")
@@ -188,9 +190,9 @@ def llama_step_virtual_ranks(x: jax.Array, rope: jax.Array, pos: jax.Array,
     if not 0 < timeout_s <= MAX_TIMEOUT_S:
         raise ValueError(f"sifar_jax.llama_step: timeout_s must be in (0, {MAX_TIMEOUT_S}] (the "
                          f"kernel's other waits trap at twice that), got {timeout_s!r}")
-    if not -1 <= absent_rank < ranks or skew_ns < 0:
-        raise ValueError(f"sifar_jax.llama_step: absent_rank in [-1, {ranks}) and skew_ns >= 0, "
-                         f"got {absent_rank}, {skew_ns}")
+    if not -1 <= absent_rank < ranks or not 0 <= skew_ns <= MAX_TIMEOUT_S * 1e9:
+        raise ValueError(f"sifar_jax.llama_step: absent_rank in [-1, {ranks}) and skew_ns in "
+                         f"[0, {int(MAX_TIMEOUT_S * 1e9)}], got {absent_rank}, {skew_ns}")
     return _step(x, rope, pos, final_norm, layers, cache, kv_heads=kv_heads, group=group,
                  eps=eps, head=head, ranks=ranks, oneshot=allreduce == "oneshot",
                  timeout_ns=max(1, int(timeout_s * 1e9)), skew_ns=int(skew_ns),
@@ -205,8 +207,8 @@ def check_step_status(words) -> StepStatus:
     if st.failed:
         raise SifarError(f"llama_step: the all-reduce of phase {st.phase} (layer "
                          f"{(st.phase - 1) // 2}'s {'o' if st.phase % 2 else 'down'}) timed out "
-                         f"in block {st.block} waiting for rank {st.missing_rank}; h and the "
-                         f"logits are NaN")
+                         f"in block {st.block} waiting for rank {st.missing_rank}; the step's "
+                         f"outputs are not valid (NaN from any phase but the last)")
     return st
 
 

@@ -141,6 +141,8 @@ def test_errors(model):
         call(ranks=2, allreduce="twoshot")
     with pytest.raises(ValueError, match="absent_rank"):
         call(ranks=2, absent_rank=2)
+    with pytest.raises(ValueError, match="skew_ns in"):
+        call(ranks=2, skew_ns=6 * 10**9)
     for bad in (0, 6.0):
         with pytest.raises(ValueError, match=r"timeout_s must be in \(0, 5.0\]"):
             call(ranks=2, timeout_s=bad)
