@@ -114,6 +114,35 @@ __device__ __forceinline__ void Head(const Params& P, Ring& ring, const float4* 
       [&](int n, float r0, float, float2 pre) { P.logits[n] = __fmul_rn(r0, pre.x); });
 }
 
+// qkv's GEMV of the rows from row0 on (a rank's first; 0 at TP=1), written to P.qkv from row0.
+__device__ __forceinline__ void QkvGemv(const Params& P, const step::LayerWeights& L, const Mat& m,
+                                        Ring& ring, const float4* xs, int row0) {
+  RingGemv(
+      m, ring, xs,
+      [&](int n) {
+        return make_float2(Scale(L.qkv_scale, L.scale_per_channel & 1, row0 + n), 0.0f);
+      },
+      [&](int n, float r0, float, float2 pre) {
+        P.qkv[row0 + n] = __float2bfloat16_rn(__fmul_rn(r0, pre.x));
+      });
+}
+
+// gate_up's GEMV and the SwiGLU of FFN rows from j0 on (a rank's first; 0 at TP=1), to P.act.
+__device__ __forceinline__ void GateUpGemv(const Params& P, const step::LayerWeights& L,
+                                           const Mat& m, Ring& ring, const float4* xs, int j0) {
+  RingGemv(
+      m, ring, xs,
+      [&](int j) {
+        const unsigned pc = L.scale_per_channel & 4;
+        return make_float2(Scale(L.gate_up_scale, pc, j0 + j),
+                           Scale(L.gate_up_scale, pc, P.s.ffn + j0 + j));
+      },
+      [&](int j, float r0, float r1, float2 pre) {
+        const float gt = Rb(__fmul_rn(r0, pre.x)), u = Rb(__fmul_rn(r1, pre.y));
+        P.act[j0 + j] = __float2bfloat16_rn(__fmul_rn(__fdiv_rn(gt, __fadd_rn(1.0f, expf(-gt))), u));
+      });
+}
+
 // TP=1: grid barriers after every projection and the attention, the residual adds in the
 // epilogues of o and down.
 template <int G>
@@ -129,12 +158,7 @@ __device__ __forceinline__ void Tp1Step(const Params& P, Ring& ring, unsigned ch
     const step::LayerWeights& L = P.layer[l];
     const bf16* rin = l == 0 ? P.x : P.resid;  // the residual stream before this layer
     StageNorm(xs, rin, L.input_norm, s.hidden, s.eps, red);
-    RingGemv(
-        mats(l, 0), ring, xs,
-        [&](int n) { return make_float2(Scale(L.qkv_scale, L.scale_per_channel & 1, n), 0.0f); },
-        [&](int n, float r0, float, float2 pre) {
-          P.qkv[n] = __float2bfloat16_rn(__fmul_rn(r0, pre.x));
-        });
+    QkvGemv(P, L, mats(l, 0), ring, xs, 0);
     sync();
     Attention<G>(P, l, reinterpret_cast<float*>(smem), flag, pos, start, 0, s.kv_heads, b, g);
     sync();
@@ -149,16 +173,7 @@ __device__ __forceinline__ void Tp1Step(const Params& P, Ring& ring, unsigned ch
         });
     sync();
     StageNorm(xs, P.resid, L.post_norm, s.hidden, s.eps, red);
-    RingGemv(
-        mats(l, 2), ring, xs,
-        [&](int j) {
-          const unsigned pc = L.scale_per_channel & 4;
-          return make_float2(Scale(L.gate_up_scale, pc, j), Scale(L.gate_up_scale, pc, s.ffn + j));
-        },
-        [&](int j, float r0, float r1, float2 pre) {
-          const float gt = Rb(__fmul_rn(r0, pre.x)), u = Rb(__fmul_rn(r1, pre.y));
-          P.act[j] = __float2bfloat16_rn(__fmul_rn(__fdiv_rn(gt, __fadd_rn(1.0f, expf(-gt))), u));
-        });
+    GateUpGemv(P, L, mats(l, 2), ring, xs, 0);
     sync();
     StageX(xs, P.act, s.ffn);
     RingGemv(
@@ -205,14 +220,7 @@ __device__ __forceinline__ void RanksStep(const Params& P, Ring& ring, unsigned 
   StageNorm(xs, P.x, P.layer[0].input_norm, H, s.eps, red);
   for (int l = 0; l < s.layers; ++l) {
     const step::LayerWeights& L = P.layer[l];
-    RingGemv(
-        mats(l, 0), ring, xs,
-        [&](int n) {
-          return make_float2(Scale(L.qkv_scale, L.scale_per_channel & 1, rank * qr + n), 0.0f);
-        },
-        [&](int n, float r0, float, float2 pre) {
-          P.qkv[rank * qr + n] = __float2bfloat16_rn(__fmul_rn(r0, pre.x));
-        });
+    QkvGemv(P, L, mats(l, 0), ring, xs, rank * qr);
     sync();
     Attention<G>(P, l, reinterpret_cast<float*>(smem), flag, pos, start,
                  rank * (s.kv_heads / R), s.kv_heads / R, b, nb);
@@ -226,18 +234,7 @@ __device__ __forceinline__ void RanksStep(const Params& P, Ring& ring, unsigned 
         [&](int n, float r0, float, float2 pre) { ArPut(a, k, n, __fmul_rn(r0, pre.x)); });
     ArReduce(a, k, k == 1 ? P.x : resid + ((k - 1) & 1) * H, resid + (k & 1) * H, qlo, qhi,
              L.post_norm, s.eps, xs, red, nullptr);
-    RingGemv(
-        mats(l, 2), ring, xs,
-        [&](int j) {
-          const unsigned pc = L.scale_per_channel & 4;
-          return make_float2(Scale(L.gate_up_scale, pc, rank * fr + j),
-                             Scale(L.gate_up_scale, pc, s.ffn + rank * fr + j));
-        },
-        [&](int j, float r0, float r1, float2 pre) {
-          const float gt = Rb(__fmul_rn(r0, pre.x)), u = Rb(__fmul_rn(r1, pre.y));
-          P.act[rank * fr + j] =
-              __float2bfloat16_rn(__fmul_rn(__fdiv_rn(gt, __fadd_rn(1.0f, expf(-gt))), u));
-        });
+    GateUpGemv(P, L, mats(l, 2), ring, xs, rank * fr);
     sync();
     StageX(xs, P.act + rank * fr, fr);
     Skew(a, ++k);
