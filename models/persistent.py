@@ -6,8 +6,9 @@ it (a bf16 or tied head runs in XLA on the op's output).
 It serves what its kernel serves: the Llama family, TP=1 (the all-reduce phase of a TP model
 runs only between virtual ranks on one GPU: make_step_forward's virtual_ranks), batch 1, the
 "bhsd" cache in bf16, FP8 projections with per-channel or per-tensor scales, head_dim 128, 1-4
-or 8 query heads per KV head. Anything else (and any GPU-less platform, where the op's CPU handler is a reference,
-not a speed-up) runs the XLA step; `reason` says why, and the decoder logs it once.
+or 8 query heads per KV head. Anything else (and any GPU-less platform, where the op's CPU
+handler is a reference, not a speed-up) runs the XLA step; `reason` says why, and the decoder
+logs it once.
 Prefills and chunks of several tokens always run the XLA forward. The two steps write the same
 cache: a decoder may switch between them at any token.
 """
@@ -141,13 +142,11 @@ def make_step_forward(family, layout, options, virtual_ranks: int = 1, allreduce
         if virtual_ranks > 1:
             h, cache, logits, _ = sifar_jax.llama_step_virtual_ranks(
                 *args, ranks=virtual_ranks, allreduce=allreduce, **kw)
-            out = (h, cache) if head is None else (h, cache, logits)
         else:
-            out = sifar_jax.llama_step(*args, **kw)
+            h, cache, *logits = sifar_jax.llama_step(*args, **kw)
+            logits = logits[0] if logits else None
         if head is not None:  # the kernel streamed the head too
-            _, cache, logits = out
             return logits[None, None], cache, ar
-        h, cache = out
         h = h[None, None]
         if c.tie_word_embeddings:
             logits = project("bth,vh->btv", h, model.embed[...], options.gemm_rows,

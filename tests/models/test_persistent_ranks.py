@@ -101,7 +101,8 @@ def test_layer0_cache_equals_tp1(model):
     h2, c2, lg2, st = sifar_jax.llama_step_virtual_ranks(x, rope, pos, fnorm, layers, cache,
                                                          head=head, ranks=2, **_kw(cfg))
     assert not sifar_jax.check_step_status(st).failed
-    np.testing.assert_array_equal(np.asarray(c1[0]).view(np.uint16), np.asarray(c2[0]).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(c1[0]).view(np.uint16),
+                                  np.asarray(c2[0]).view(np.uint16))
     h1, h2 = np.asarray(h1, np.float32), np.asarray(h2, np.float32)
     assert np.isfinite(h2).all() and np.abs(h2 - h1).max() <= 5e-2 * np.abs(h1).max()
 
