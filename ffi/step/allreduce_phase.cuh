@@ -124,10 +124,8 @@ __device__ bool CrossBarrier(const ArCtx& a, unsigned round, unsigned k, ArWait&
   bool ok = true;
   BlockSync();  // the block's writes (or reads) are done before it arrives
   if (threadIdx.x == 0) {
-    if (a.rank != a.absent) {
-      __threadfence();
+    if (a.rank != a.absent)  // a release, cumulative over the block's writes through the barrier
       asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(a.arrive + a.rank) : "memory");
-    }
     const unsigned target = round * static_cast<unsigned>(a.nb);
     for (int p = 0; p < a.ranks && ok; ++p) {
       while (true) {

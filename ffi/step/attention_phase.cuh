@@ -176,10 +176,10 @@ __device__ __forceinline__ void Attention(const StepParams& P, int l, float* sm,
     }
     BlockSync();
     if (threadIdx.x == 0) {  // release this range's partial, and (the last) acquire the others'
-      __threadfence();
-      const unsigned old = atomicAdd(P.heads + l * KV + h, 1u);
+      unsigned old;  // acq_rel: cumulative over the block's writes and to it, through the barriers
+      asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                   : "=r"(old) : "l"(P.heads + l * KV + h) : "memory");
       *flag = old == static_cast<unsigned>(nsplit - 1);
-      if (*flag) __threadfence();  // cumulative to the block through the barrier below
     }
     BlockSync();
     if (*flag) {  // the head's last range: merge the ranges in order

@@ -21,7 +21,6 @@ namespace phase {
 __device__ __forceinline__ void GridSync(unsigned* counter, unsigned target) {
   BlockSync();
   if (threadIdx.x == 0) {
-    __threadfence();
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
     unsigned v;
     Deadline d;
