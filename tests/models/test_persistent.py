@@ -305,7 +305,7 @@ def test_gpu_8b_shapes_against_the_xla_step():
     params = LLAMA.random_params(cfg, mesh, seed=11, quantize="fp8")
     decs = {s: _decoder(cfg, mesh, params, s) for s in ("xla", "persistent")}
     rng = np.random.default_rng(0)
-    worst = 0.0
+    worst = {}  # by start position: which one sets the worst says whether the attention's length matters
     for start in (0, 1000, 8191, 16370):
         seq = rng.integers(0, cfg.vocab_size, 8, dtype=np.int32)
         out = {}
@@ -315,8 +315,7 @@ def test_gpu_8b_shapes_against_the_xla_step():
             dec.seek(start, seq[:1])
             out[s] = np.stack([np.asarray(dec.step(np.array([t])), np.float32)[0] for t in seq[1:]])
         assert np.isfinite(out["persistent"]).all(), start
-        worst = max(worst, float(np.abs(out["persistent"] - out["xla"]).max()
-                                 / np.abs(out["xla"]).max()))
+        worst[start] = float(np.abs(out["persistent"] - out["xla"]).max() / np.abs(out["xla"]).max())
     tok, equal, tie = int(rng.integers(0, cfg.vocab_size)), 0, None
     for dec in decs.values():
         dec.reset(512)
@@ -328,7 +327,8 @@ def test_gpu_8b_shapes_against_the_xla_step():
             break
         equal += 1
         tok = int(lx.argmax())
-    print(f"8b: teacher-forced worst {worst:.3e} of the largest logit; greedy {equal} of 256 equal"
+    print(f"8b: teacher-forced worst {max(worst.values()):.3e} of the largest logit ("
+          + ", ".join(f"{p}: {w:.3e}" for p, w in worst.items()) + f"); greedy {equal} of 256 equal"
           + (f", then a near-tie at step {tie[0]} (top-2 margin {tie[1]:.2e})" if tie else ""))
-    assert worst <= BOUND_8B, worst
+    assert max(worst.values()) <= BOUND_8B, worst
     assert tie is None or tie[1] <= BOUND_8B, tie
