@@ -242,11 +242,14 @@ def test_gpu_slot_outside_the_cache_is_nan(fp8_model):
 
 
 @pytest.mark.skipif(not any(d.platform == "gpu" for d in jax.devices()), reason="needs a GPU")
-@pytest.mark.parametrize("start", [0, 60, 1000])
-def test_gpu_long_positions(start):
+@pytest.mark.parametrize("start, kv_heads", [(0, 2), (60, 2), (1000, 2), (1000, 64), (2030, 64)])
+def test_gpu_long_positions(start, kv_heads):
     """Positions past 64 keys per split and a cache of 2048: the kernel against the XLA step,
-    teacher-forced from a random cache (every split count from 1 to the grid's)."""
-    cfg = _config(num_layers=3, max_seq_len=2048)
+    teacher-forced from a random cache (every split count from 1 to the grid's). With 64 KV
+    heads a head's keys split in 2 ranges only, so a block takes 500-1,000 keys: several of the
+    attention's rounds (a block's 64 or 256 keys each), as at 16K on Llama-8B's 8 heads."""
+    cfg = _config(num_layers=3, max_seq_len=2048, num_kv_heads=kv_heads,
+                  num_heads=max(4, 2 * kv_heads))
     mesh = make_mesh(1)
     params = LLAMA.random_params(cfg, mesh, seed=2, quantize="fp8")
     seq = np.random.default_rng(start).integers(0, cfg.vocab_size, 8, dtype=np.int32)
