@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from bench import common
@@ -63,3 +64,24 @@ def test_bench_holds_what_a_user_runs_within_its_line_budget():
     """bench/ outside results/: at most 3,500 lines in all tracked files."""
     lines = sum(len((common.REPO_ROOT / f).read_text().splitlines()) for f in _bench_files())
     assert lines <= 3500, lines
+
+
+def test_ab_llama_step_cases_run_on_the_cpu(tmp_path):
+    """tools/ab_llama_step.sh's timing process (its first here-document) runs every case at the
+    small config on the CPU handlers, with the weights as jit arguments, and saves the outputs
+    the A/B compares bit for bit."""
+    text = (TOOLS / "ab_llama_step.sh").read_text()
+    code = re.findall(r"<<'PY' 2>&1 \|\n(.*?)\nPY\n", text, re.S)[0]
+    assert "closed over" in text and "--line-buffered" in text
+    env = dict(os.environ, JAX_PLATFORMS="cpu", AB_SHAPES="tiny", AB_TAG="cpu",
+               AB_OUT=str(tmp_path), PYTHONPATH=os.pathsep.join(
+                   filter(None, [os.environ.get("PYTHONPATH"), str(common.REPO_ROOT / "src"),
+                                 str(common.REPO_ROOT)])))
+    r = subprocess.run([sys.executable, "-c", code], cwd=common.REPO_ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "ab_llama_step: all calls ran (cpu)" in r.stdout
+    for case in ("tp1", "tp1-long", "ranks2", "ranks4"):
+        assert re.search(rf"^ab cpu {case}: [0-9.]+ ms min", r.stdout, re.M), case
+    saved = np.load(tmp_path / "ab-cpu.npz")
+    assert set(saved.files) == {"h", "slot", "logits"} and np.isfinite(saved["logits"]).all()
