@@ -21,16 +21,9 @@ mkdir -p "$OUT" "$W"; LOG=$OUT/ab.log; T0=$(date +%s)
 log() { echo "=== +$(( $(date +%s) - T0 ))s $*" | tee -a "$LOG"; }
 [[ $# -ge 1 ]] || { echo "usage: OUT=... bash tools/ab_llama_step.sh VARIANT..."; exit 2; }
 variants=("$@" this)
-jobs=$(( $(nproc) / ${#variants[@]} )); (( jobs > 0 )) || jobs=1
+JOBS=$(( $(nproc) / ${#variants[@]} )); (( JOBS > 0 )) || JOBS=1
 
-build() {  # NAME SRC: the CUDA build, its module copied into SRC/src/sifar_jax
-  local gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
-  cmake -S "$2" -B "$W/ab-build-$1" "${gen[@]}" -DPython_EXECUTABLE="$(command -v "$PY")" \
-    -DSIFAR_ENABLE_CUDA=ON -DSIFAR_CUDA_ARCHITECTURES=90-real -DCMAKE_BUILD_TYPE=Release \
-    >"$OUT/build-$1.log" 2>&1 && cmake --build "$W/ab-build-$1" -j "$jobs" >>"$OUT/build-$1.log" 2>&1 &&
-    cp "$W"/ab-build-"$1"/_sifar*.so "$2/src/sifar_jax/" && log "built $1" ||
-    { tail -20 "$OUT/build-$1.log"; log "BUILD FAILED: $1"; }
-}
+source tools/build_tree.sh  # build_tree SRC BUILD_DIR
 src_of() { [[ $1 == this ]] && echo "$PWD" || echo "$W/ab-$1"; }
 log "building ${variants[*]}"
 for v in "${variants[@]}"; do
@@ -38,7 +31,7 @@ for v in "${variants[@]}"; do
     rm -rf "$W/ab-$v" && mkdir -p "$W/ab-$v" && tar -xzf ".before/$v.tar.gz" -C "$W/ab-$v" ||
       { log "no .before/$v.tar.gz"; exit 1; }
   fi
-  build "$v" "$(src_of "$v")" &
+  build_tree "$(src_of "$v")" "$W/ab-build-$v" | tee -a "$LOG" &
 done
 wait
 for rnd in $(seq "${AB_ROUNDS:-2}"); do

@@ -31,13 +31,7 @@ log() { echo "=== +$(( $(date +%s) - T0 ))s $*" | tee -a "$LOG"; }
 quiet() { grep -v "^[WI][0-9]\{4\}\|^\[[0-9]\] [WI][0-9]\{4\}" | tee -a "$LOG"; }
 steps=("$@"); [[ ${#steps[@]} -eq 0 ]] && steps=(build tests stress sanitize ab)
 
-build_tree() {  # SRC BUILD_DIR: the CUDA build, its module copied into SRC/src/sifar_jax
-  local gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
-  cmake -S "$1" -B "$2" "${gen[@]}" -DPython_EXECUTABLE="$(command -v "$PY")" -DSIFAR_ENABLE_CUDA=ON \
-    -DSIFAR_CUDA_ARCHITECTURES=90-real -DCMAKE_BUILD_TYPE=Release >"$2.log" 2>&1 &&
-    cmake --build "$2" -j "$JOBS" >>"$2.log" 2>&1 && cp "$2"/_sifar*.so "$1/src/sifar_jax/" &&
-    echo "built $1" || { tail -20 "$2.log"; echo "BUILD FAILED: $1"; return 1; }
-}
+source tools/build_tree.sh  # build_tree SRC BUILD_DIR
 pytest_() { timeout --kill-after=10 "${TESTS_TIMEOUT:-300}" env PYTHONPATH="$PWD/src:$PWD" \
   "$PY" -m pytest -q -rs -p no:cacheprovider "$@" 2>&1 | quiet | tail -25; }
 

@@ -308,7 +308,7 @@ def test_gpu_8b_shapes_against_the_xla_step():
     params = LLAMA.random_params(cfg, mesh, seed=11, quantize="fp8")
     decs = {s: _decoder(cfg, mesh, params, s) for s in ("xla", "persistent")}
     rng = np.random.default_rng(0)
-    worst = {}  # by start position: which one sets the worst says whether the attention's length matters
+    worst = {}  # by start: which position sets the worst says whether the attention's length does
     for start in (0, 1000, 8191, 16370):
         seq = rng.integers(0, cfg.vocab_size, 8, dtype=np.int32)
         out = {}
@@ -318,7 +318,8 @@ def test_gpu_8b_shapes_against_the_xla_step():
             dec.seek(start, seq[:1])
             out[s] = np.stack([np.asarray(dec.step(np.array([t])), np.float32)[0] for t in seq[1:]])
         assert np.isfinite(out["persistent"]).all(), start
-        worst[start] = float(np.abs(out["persistent"] - out["xla"]).max() / np.abs(out["xla"]).max())
+        err = np.abs(out["persistent"] - out["xla"]).max() / np.abs(out["xla"]).max()
+        worst[start] = float(err)
     tok, equal, tie = int(rng.integers(0, cfg.vocab_size)), 0, None
     for dec in decs.values():
         dec.reset(512)
