@@ -83,72 +83,96 @@ __device__ __forceinline__ void Attention(const StepParams& P, int l, float* sm,
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[g][i] = 0.0f;
     }
-    // kKeys keys per warp per round, their loads issued together (latency, not bandwidth,
-    // bounds this loop: at 64 keys per range, one round); a key past the range scores -inf.
-    // A round's scores are computed first (kKeys x G independent dot products and butterflies,
-    // no chain between them), then its softmax update once per round: the online softmax's
-    // rescale is per round, not per key.
-    constexpr int kKeys = G >= 8 ? 4 : 8;
+    // A lane per key: its G scores are whole 128-wide dot products in the lane (no butterfly),
+    // the key's row loaded at once (16 x 16 bytes). A round gives each warp kpw <= 32
+    // consecutive keys (a short range spreads over all warps: 64 keys, 8 a warp), so a block
+    // takes 256 keys a round (at 16K on Llama-8B, a block's 1,000 keys in 4 rounds).
+    // Its online softmax keeps one max per head for the warp and a partial sum per lane; the
+    // values are then summed lane-per-dimension, each key's weight broadcast from its lane, 8
+    // value rows in flight while the 8 before them are summed. A key past the range scores
+    // -inf (weight 0; its loads read the range's last row).
     const bf16* kbase = Slot(P, l, 0, h, 0);
     const bf16* vbase = Slot(P, l, 1, h, 0);
-    for (int j = j0 + warp; j < j1; j += kWarps * kKeys) {
-      uint2 kw[kKeys], vw[kKeys];
+    const int kpw = min(32, (j1 - j0 + kWarps - 1) / kWarps);  // keys per warp and round
+    for (int jr = j0; jr < j1; jr += kWarps * kpw) {
+      const int jb = jr + warp * kpw;  // this warp's first key this round
+      if (jb >= j1) break;             // warp-uniform: the range's end
+      const int nk = min(kpw, j1 - jb);
+      const auto vrow = [&](int u) {  // lane's 4 values of this warp's key u (clamped)
+        return __ldcg(reinterpret_cast<const uint2*>(vbase + static_cast<size_t>(min(jb + u, j1 - 1)) * D) + lane);
+      };
+      uint2 vcur[8];
 #pragma unroll
-      for (int u = 0; u < kKeys; ++u) {
-        const int jj = min(j + u * kWarps, j1 - 1);
-        kw[u] = __ldcg(reinterpret_cast<const uint2*>(kbase + static_cast<size_t>(jj) * D) + lane);
-        vw[u] = __ldcg(reinterpret_cast<const uint2*>(vbase + static_cast<size_t>(jj) * D) + lane);
-      }
-      float sc[kKeys][G];
+      for (int u = 0; u < 8; ++u) vcur[u] = vrow(u);
+      const bool live = lane < nk;
+      const uint4* krow =
+          reinterpret_cast<const uint4*>(kbase + static_cast<size_t>(jb + (live ? lane : nk - 1)) * D);
+      uint4 kc[D / 8];
 #pragma unroll
-      for (int u = 0; u < kKeys; ++u) {
-        const float kf[4] = {__uint_as_float(kw[u].x << 16), __uint_as_float(kw[u].x & 0xffff0000u),
-                             __uint_as_float(kw[u].y << 16), __uint_as_float(kw[u].y & 0xffff0000u)};
+      for (int c = 0; c < D / 8; ++c) kc[c] = __ldcg(krow + c);
+      float sc[G];
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float4 q = reinterpret_cast<const float4*>(qf + g * D)[lane];
-          float dot = __fmul_rn(q.x, kf[0]);
-          dot = __fmaf_rn(q.y, kf[1], dot);
-          dot = __fmaf_rn(q.z, kf[2], dot);
-          dot = __fmaf_rn(q.w, kf[3], dot);
-          sc[u][g] = dot;
-        }
-      }
+      for (int g = 0; g < G; ++g) sc[g] = 0.0f;
 #pragma unroll
-      for (int u = 0; u < kKeys; ++u)
+      for (int c = 0; c < D / 8; ++c) {
+        const uint32_t w4[4] = {kc[c].x, kc[c].y, kc[c].z, kc[c].w};
 #pragma unroll
         for (int g = 0; g < G; ++g) {
-          const bool live = j + u * kWarps < j1;
-          sc[u][g] = live ? __fmul_rn(WarpSum(sc[u][g]), P.score_scale) : -INFINITY;
+          const float4 qa = reinterpret_cast<const float4*>(qf + g * D + 8 * c)[0];
+          const float4 qb = reinterpret_cast<const float4*>(qf + g * D + 8 * c)[1];
+          const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+          float dot = sc[g];
+#pragma unroll
+          for (int t = 0; t < 8; ++t) {
+            const uint32_t wd = w4[t / 2];
+            dot = __fmaf_rn(qv[t], __uint_as_float(t % 2 == 0 ? wd << 16 : wd & 0xffff0000u), dot);
+          }
+          sc[g] = dot;
         }
+      }
+      float e[G];
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        float mn = m[g];
+        const float sg = live ? __fmul_rn(sc[g], P.score_scale) : -INFINITY;
+        float mx = sg;  // lane 0's key is live: mx is finite
 #pragma unroll
-        for (int u = 0; u < kKeys; ++u) mn = fmaxf(mn, sc[u][g]);
-        if (mn == -INFINITY) continue;  // nothing live yet
-        const float corr = expf(m[g] - mn);
-        float e[kKeys], es = 0.0f;
+        for (int off = 16; off >= 1; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        const float mn = fmaxf(m[g], mx), corr = expf(m[g] - mn);
+        e[g] = expf(sg - mn);
+        ls[g] = __fmaf_rn(ls[g], corr, e[g]);
 #pragma unroll
-        for (int u = 0; u < kKeys; ++u) {
-          e[u] = expf(sc[u][g] - mn);
-          es = __fadd_rn(es, e[u]);
-        }
-        ls[g] = __fmaf_rn(ls[g], corr, es);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float a = __fmul_rn(acc[g][i], corr);
-#pragma unroll
-          for (int u = 0; u < kKeys; ++u) {
-            const uint32_t word = i < 2 ? vw[u].x : vw[u].y;
-            const float v = __uint_as_float(i % 2 == 0 ? word << 16 : word & 0xffff0000u);
-            a = __fmaf_rn(e[u], v, a);
-          }
-          acc[g][i] = a;
-        }
+        for (int i = 0; i < 4; ++i) acc[g][i] = __fmul_rn(acc[g][i], corr);
         m[g] = mn;
       }
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {  // the values, 8 keys at a time
+        if (8 * b >= nk) break;      // warp-uniform
+        uint2 vnext[8];
+        if (8 * b + 8 < nk) {
+#pragma unroll
+          for (int u = 0; u < 8; ++u) vnext[u] = vrow(8 * b + 8 + u);
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+#pragma unroll
+          for (int g = 0; g < G; ++g) {
+            const float wgt = __shfl_sync(0xffffffffu, e[g], 8 * b + u);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const uint32_t word = i < 2 ? vcur[u].x : vcur[u].y;
+              acc[g][i] = __fmaf_rn(wgt, __uint_as_float(i % 2 == 0 ? word << 16 : word & 0xffff0000u),
+                                    acc[g][i]);
+            }
+          }
+        }
+        if (8 * b + 8 < nk) {
+#pragma unroll
+          for (int u = 0; u < 8; ++u) vcur[u] = vnext[u];
+        }
+      }
     }
+#pragma unroll
+    for (int g = 0; g < G; ++g) ls[g] = WarpSum(ls[g]);  // the lanes' partial sums
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       float* o = wp + (warp * G + g) * DP;

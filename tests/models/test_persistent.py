@@ -23,12 +23,17 @@ import sifar_jax
 from models import Decoder, make_mesh, persistent
 from models.families import FAMILIES
 from models.options import DecodeOptions
+from models.quant import is_fp8
 
 BOUND = 2e-2  # of the largest logit
-# At 32 layers the two steps' different bf16 roundings add up further: measured 2.53e-2 at slot
-# 0, 2.84e-2 at 1000, 2.86e-2 at 8191, 2.53e-2 at 16370 (one H100, 2026-12-06, random weights:
-# the largest logit ~5), the same at every position, so not the attention's length.
-BOUND_8B = 3e-2
+# At 32 layers (Llama-8B shapes) each bf16 step drifts from float32 by up to ~3e-2 of the
+# largest logit and the two drift apart, so the slow test holds both to a float32 reference
+# (the XLA step with float32 activations on the same FP8 weights and bf16 cache values): the
+# persistent step's distance from it within RATIO_8B of the XLA step's, at every position.
+# Measured on one H100, 2026-12-06 (random weights, seed 11; largest logit ~5): the XLA step
+# 1.85 / 2.87 / 2.75 / 2.45e-2 at slots 0 / 1000 / 8191 / 16370, the persistent step 1.81 /
+# 2.72 / 2.54 / 2.35e-2 (a 4-accumulator variant of its scores: up to 1.10x the XLA step's).
+RATIO_8B = 1.25
 LLAMA = FAMILIES["llama"]
 
 
@@ -298,28 +303,44 @@ def test_gpu_bits_equal_cpu_at_the_first_slot():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not any(d.platform == "gpu" for d in jax.devices()), reason="needs a GPU")
-def test_gpu_8b_shapes_against_the_xla_step():
-    """Llama-3.1-8B shapes (random FP8 weights): teacher-forced logits within BOUND_8B of the
-    XLA step's from random caches at positions up to 16K, and 256 greedy steps (both steps fed
-    the XLA step's token) with equal tokens up to the first step whose top-2 margin is within
-    BOUND_8B (a near-tie, which bf16 roundings may break either way)."""
+def test_gpu_8b_shapes_against_a_float32_reference():
+    """Llama-3.1-8B shapes (random FP8 weights): teacher-forced logits from random caches at
+    positions up to 16K, each bf16 step against the float32 reference (RATIO_8B: the largest
+    error over all positions, the rms error at each); then 256
+    greedy steps (both steps fed the XLA step's token) with equal tokens up to the first step
+    whose top-2 margin is within the two steps' worst distances from the reference added (a
+    near-tie, which bf16 roundings may break either way)."""
     cfg = LLAMA.preset("llama3_8b", max_seq_len=16384)
     mesh = make_mesh(1)
     params = LLAMA.random_params(cfg, mesh, seed=11, quantize="fp8")
     decs = {s: _decoder(cfg, mesh, params, s) for s in ("xla", "persistent")}
     rng = np.random.default_rng(0)
-    worst = {}  # by start: which position sets the worst says whether the attention's length does
-    for start in (0, 1000, 8191, 16370):
-        seq = rng.integers(0, cfg.vocab_size, 8, dtype=np.int32)
-        out = {}
-        for s, dec in decs.items():
-            dec.reset(16384)
-            dec.randomize_cache(start)
-            dec.seek(start, seq[:1])
-            out[s] = np.stack([np.asarray(dec.step(np.array([t])), np.float32)[0] for t in seq[1:]])
-        assert np.isfinite(out["persistent"]).all(), start
-        err = np.abs(out["persistent"] - out["xla"]).max() / np.abs(out["xla"]).max()
-        worst[start] = float(err)
+    seqs = {start: rng.integers(0, cfg.vocab_size, 8, dtype=np.int32) for start in (0, 1000, 8191, 16370)}
+
+    def teacher_forced(dec, start, f32=False):
+        dec.reset(16384)
+        dec.randomize_cache(start)
+        if f32:  # the bf16 steps' cache values, exactly
+            a = dec.seq.arrays["cache"]
+            dec.seq.arrays["cache"] = jax.device_put(a.astype(jnp.bfloat16).astype(jnp.float32),
+                                                     a.sharding)
+        dec.seek(start, seqs[start][:1])
+        return np.stack([np.asarray(dec.step(np.array([t])), np.float32)[0] for t in seqs[start][1:]])
+
+    out = {start: {s: teacher_forced(dec, start) for s, dec in decs.items()} for start in seqs}
+    p32 = jax.tree_util.tree_map(lambda a: a if is_fp8(a) else a.astype(jnp.float32), params,
+                                 is_leaf=is_fp8)
+    ref = _decoder(LLAMA.preset("llama3_8b", max_seq_len=16384, dtype="float32"), mesh, p32, "xla")
+    dist, rms = {s: {} for s in decs}, {s: {} for s in decs}  # by step and start, of the reference
+    for start in seqs:
+        r = teacher_forced(ref, start, f32=True)
+        assert np.isfinite(out[start]["persistent"]).all(), start
+        for s in decs:
+            e = out[start][s] - r
+            dist[s][start] = float(np.abs(e).max() / np.abs(r).max())
+            rms[s][start] = float(np.sqrt((e ** 2).mean() / (r ** 2).mean()))
+    del ref, p32
+    worst = {s: max(d.values()) for s, d in dist.items()}
     tok, equal, tie = int(rng.integers(0, cfg.vocab_size)), 0, None
     for dec in decs.values():
         dec.reset(512)
@@ -331,8 +352,12 @@ def test_gpu_8b_shapes_against_the_xla_step():
             break
         equal += 1
         tok = int(lx.argmax())
-    print(f"8b: teacher-forced worst {max(worst.values()):.3e} of the largest logit ("
-          + ", ".join(f"{p}: {w:.3e}" for p, w in worst.items()) + f"); greedy {equal} of 256 equal"
+    for name, d in (("largest error, of the largest logit", dist), ("rms error, of the rms logit", rms)):
+        print(f"8b: distance from the float32 reference by start position ({name}): "
+              + "; ".join(f"{s} " + ", ".join(f"{p}: {v:.3e}" for p, v in d[s].items()) for s in decs))
+    print(f"8b: greedy {equal} of 256 equal"
           + (f", then a near-tie at step {tie[0]} (top-2 margin {tie[1]:.2e})" if tie else ""))
-    assert max(worst.values()) <= BOUND_8B, worst
-    assert tie is None or tie[1] <= BOUND_8B, tie
+    assert worst["persistent"] <= RATIO_8B * worst["xla"], dist
+    for start in seqs:
+        assert rms["persistent"][start] <= RATIO_8B * rms["xla"][start], (start, rms)
+    assert tie is None or tie[1] <= worst["xla"] + worst["persistent"], (tie, worst)
