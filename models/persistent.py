@@ -6,7 +6,9 @@ it (a bf16 or tied head runs in XLA on the op's output).
 It serves what its kernel serves: the Llama family, TP=1 (the all-reduce phase of a TP model
 runs only between virtual ranks on one GPU: make_step_forward's virtual_ranks), batch 1, the
 "bhsd" cache in bf16, FP8 projections with per-channel or per-tensor scales, head_dim 128, 1-4
-or 8 query heads per KV head. Anything else (and any GPU-less platform, where the op's CPU
+or 8 query heads per KV head. (The op also takes bf16 weights, as [N, K] rows; a bf16
+decoder's projections are [K, N], the layout its XLA step reads, so it runs the XLA step rather
+than hold the weights twice.) Anything else (and any GPU-less platform, where the op's CPU
 handler is a reference, not a speed-up) runs the XLA step; `reason` says why, and the decoder
 logs it once.
 Prefills and chunks of several tokens always run the XLA forward. The two steps write the same
@@ -79,9 +81,11 @@ def reason(family, layout, mesh: Mesh, options, params: Any) -> Optional[str]:
         for group, name in _PROJECTIONS:
             w = layers[i][group][name]
             if not isinstance(w, Fp8Weight):
-                return (f"layer {i} {group}.{name} is {jnp.dtype(w.dtype).name}: the persistent "
-                        f"step streams FP8 weights (load with quantize='fp8' or an FP8 "
-                        f"checkpoint); bf16 weights run the XLA step")
+                return (f"layer {i} {group}.{name} is {jnp.dtype(w.dtype).name}: the decoder's "
+                        f"persistent step streams FP8 weights (load with quantize='fp8' or an "
+                        f"FP8 checkpoint); its bf16 projections are [K, N], XLA's layout, and the "
+                        f"op (sifar_jax.llama_step) reads [N, K] rows, which would be a second "
+                        f"copy of the weights, so bf16 weights run the XLA step")
             if not _row_scales(w):
                 return (f"layer {i} {group}.{name} has block scales {w.block}: the persistent "
                         f"step takes per-channel or per-tensor scales")

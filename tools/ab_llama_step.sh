@@ -3,12 +3,14 @@
 # repository root, everything written under $OUT:
 #   git archive <commit> | gzip > .before/A.tar.gz     (one tarball per variant: A, B, ...)
 #   OUT=/tmp/ab bash tools/ab_llama_step.sh A [B ...]  (on the device: carry .before)
+#   OUT=/tmp/ab bash tools/ab_llama_step.sh            (this tree alone)
 # Each .before/<V>.tar.gz and this tree (variant "this") are built for sm_90 in .validate/
 # (in parallel, always: a warm device keeps the last call's module in src/sifar_jax), then
 # timed in AB_ROUNDS rounds of alternating processes: the op alone at Llama-8B FP8 shapes with
 # the head (AB_SHAPES=tiny: a small config, which is how the CPU test runs the Python below),
 # TP=1 at slot 1000 of a 2K cache and slot 16000 of a 16K cache, 2 and 4 virtual ranks (sifar),
-# each the min and median of 5 jitted loops of 64 steps. The weights are jit arguments, never
+# each the min and median of 5 jitted loops of 64 steps; AB_WEIGHTS=bf16: bf16 weights (the
+# FP8 weights' bytes twice over), else FP8 per channel. The weights are jit arguments, never
 # closed over (JAX embeds a closed-over array in the HLO as a constant: 8 GB of them compile
 # for minutes). One step's outputs at slot 1000 are saved per variant and compared with the
 # first variant's, bit for bit. Logged line by line to $OUT/ab.log, so a cut call keeps its
@@ -19,7 +21,6 @@ export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/ab-llama-step}; PY=${PYTHON:-python3}; W=$PWD/.validate
 mkdir -p "$OUT" "$W"; LOG=$OUT/ab.log; T0=$(date +%s)
 log() { echo "=== +$(( $(date +%s) - T0 ))s $*" | tee -a "$LOG"; }
-[[ $# -ge 1 ]] || { echo "usage: OUT=... bash tools/ab_llama_step.sh VARIANT..."; exit 2; }
 variants=("$@" this)
 JOBS=$(( $(nproc) / ${#variants[@]} )); (( JOBS > 0 )) || JOBS=1
 
@@ -50,7 +51,10 @@ else:  # Llama-3.1-8B
 keys = jax.random.split(jax.random.key(0), 8)
 
 
-def fp8(key, n, k):  # random e4m3 weights and per-channel scales of a unit-variance output
+def fp8(key, n, k):  # random weights of a unit-variance output: e4m3 and per-channel scales,
+    if os.environ.get("AB_WEIGHTS") == "bf16":  # or bf16 and a scale of one
+        w = jax.random.normal(key, (n, k), jnp.float32) / k ** 0.5
+        return w.astype(jnp.bfloat16), jnp.ones((1,), jnp.float32)
     w = (jax.random.normal(key, (n, k), jnp.float32) * 100).clip(-448, 448).astype(jnp.float8_e4m3fn)
     return w, jnp.full((n,), 1 / (100 * k ** 0.5), jnp.float32)
 

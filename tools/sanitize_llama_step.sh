@@ -6,7 +6,7 @@
 # slots, at slots 0, 63, 64, 1023 and 16383 (one key range per head up to every range the grid
 # holds), and one left-padded (first slot 40); an FP8 LM head of 1000 rows after the last
 # layer; then as 2 virtual ranks with the all-reduce inside (sifar and oneshot) at slots 0 and
-# 1023 (the all-reduce's waits get 5 s: the sanitizer slows the kernel). Every buffer is its own allocation
+# 1023; then the same weights as bf16 (TP=1 and 2 ranks, slots 0 and 1023) (the all-reduce's waits get 5 s: the sanitizer slows the kernel). Every buffer is its own allocation
 # (XLA_PYTHON_CLIENT_ALLOCATOR=platform), so memcheck sees an access past any of them.
 #   bash tools/sanitize_llama_step.sh    (from any directory; sifar-jax installed, or built into src/)
 set -uo pipefail
@@ -42,7 +42,21 @@ for ar in ("sifar", "oneshot"):
         h, cache, logits, st = g(jnp.array([p, 0], jnp.int32), cache)
         sifar_jax.check_step_status(st)
         assert np.isfinite(np.asarray(h, np.float32)).all() and np.isfinite(np.asarray(logits)).all(), (ar, p)
-print("sanitize_llama_step: all calls ran (6 slots, 2 virtual ranks x 2 all-reduces x 2 slots; outputs finite)")
+# bf16 weights (the kernels with 8-weight chunks): the same values as bf16, TP=1 and 2 ranks
+bf = lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float8_e4m3fn else a
+layers16 = [sifar_jax.LlamaLayer(*(bf(a) for a in layer)) for layer in layers]
+head16 = (bf(head[0]), head[1])
+for p in (0, 1023):
+    h, cache, logits = sifar_jax.llama_step(x, rope, jnp.array([p, 0], jnp.int32), norm(), layers16,
+                                            cache, kv_heads=KV, group=G, eps=1e-5, head=head16)
+    assert np.isfinite(np.asarray(h, np.float32)).all() and np.isfinite(np.asarray(logits)).all(), ("bf16", p)
+    h, cache, logits, st = sifar_jax.llama_step_virtual_ranks(
+        x, rope, jnp.array([p, 0], jnp.int32), norm(), layers16, cache, kv_heads=KV, group=G,
+        eps=1e-5, head=head16, ranks=2, allreduce="sifar", timeout_s=5.0)
+    sifar_jax.check_step_status(st)
+    assert np.isfinite(np.asarray(h, np.float32)).all() and np.isfinite(np.asarray(logits)).all(), ("bf16 ranks", p)
+print("sanitize_llama_step: all calls ran (6 slots, 2 virtual ranks x 2 all-reduces x 2 slots; "
+      "bf16 weights at TP=1 and 2 ranks x 2 slots; outputs finite)")
 PY
 source tools/sanitize_run.sh
 sanitize_python "$CODE"

@@ -6,7 +6,7 @@
 // after layer, into a ring of shared-memory stages (ring_gemv.cuh: bulk copies, mbarriers); it
 // runs ahead of the consumers across the barriers, the attention and the norms, bounded only by
 // the ring (the weights never depend on the activations). A GEMV phase's rows are fp8_matvec's
-// lanes-32 sums (the same bits). The attention splits each KV head's keys into up to kMaxSplits
+// lanes-32 sums (the same bits; bf16 weights, kBf16, in the same order of 16-byte chunks). The attention splits each KV head's keys into up to kMaxSplits
 // ranges, one block each; a range's partial softmax goes to the workspace and the head's last
 // block (an atomic count per layer and head) merges them in split order. Every wait is bounded
 // (device_math.cuh, Deadline) and traps past it: a lost block is a failed launch (an error
@@ -67,7 +67,7 @@ struct Params {
   bf16* act;
   bf16* resid;  // [H]; [ranks][2][H] with ranks
   float* part;
-  const uint8_t* head;  // the LM head [vocab, H] e4m3 (vocab 0: none)
+  const uint8_t* head;  // the LM head [vocab, H], the layers' weight type (vocab 0: none)
   const float* head_scale;
   int head_per_channel, vocab;
   float* logits;
@@ -78,21 +78,23 @@ struct Params {
 
 // Projection p of layer l as rank `rank` takes it on its blocks (b of g): qkv's and
 // gate_up's rows of its heads and FFN rows, o's and down's columns; "layer" s.layers is the
-// head (p 0; nothing for p > 0), on every block of the grid.
+// head (p 0; nothing for p > 0), on every block of the grid. Widths and offsets in bytes
+// (s.wbytes a weight).
 __device__ __forceinline__ Mat LayerMat(const Params& P, int l, int p, int rank, int b, int g) {
   const step::Shape& s = P.s;
-  const int H = s.hidden, R = s.ranks;
+  const int H = s.hidden, R = s.ranks, wb = s.wbytes;
   if (l == s.layers) {
-    return {P.head, p == 0 ? P.vocab : 0, H, 1, 0, H, static_cast<int>(blockIdx.x),
+    return {P.head, p == 0 ? P.vocab : 0, H * wb, 1, 0, H * wb, static_cast<int>(blockIdx.x),
             static_cast<int>(gridDim.x)};
   }
   const step::LayerWeights& L = P.layer[l];
   const int qr = s.qkv_rows() / R, kr = s.q_dim() / R, fr = s.ffn / R;
   switch (p) {
-    case 0: return {L.qkv + static_cast<size_t>(rank) * qr * H, qr, H, 1, 0, H, b, g};
-    case 1: return {L.o + rank * kr, H, kr, 1, 0, s.q_dim(), b, g};
-    case 2: return {L.gate_up + static_cast<size_t>(rank) * fr * H, fr, H, 2, s.ffn, H, b, g};
-    default: return {L.down + rank * fr, H, fr, 1, 0, s.ffn, b, g};
+    case 0: return {L.qkv + static_cast<size_t>(rank) * qr * H * wb, qr, H * wb, 1, 0, H * wb, b, g};
+    case 1: return {L.o + rank * kr * wb, H, kr * wb, 1, 0, s.q_dim() * wb, b, g};
+    case 2:
+      return {L.gate_up + static_cast<size_t>(rank) * fr * H * wb, fr, H * wb, 2, s.ffn, H * wb, b, g};
+    default: return {L.down + rank * fr * wb, H, fr * wb, 1, 0, s.ffn * wb, b, g};
   }
 }
 
@@ -106,18 +108,20 @@ __device__ void NanOut(const Params& P) {
 }
 
 // The head after the last layer: xs holds the final norm of the stream (every block).
+template <bool kB>
 __device__ __forceinline__ void Head(const Params& P, Ring& ring, const float4* xs, int rank,
                                      int b, int g) {
-  RingGemv(
+  RingGemv<kB>(
       LayerMat(P, P.s.layers, 0, rank, b, g), ring, xs,
       [&](int n) { return make_float2(Scale(P.head_scale, P.head_per_channel, n), 0.0f); },
       [&](int n, float r0, float, float2 pre) { P.logits[n] = __fmul_rn(r0, pre.x); });
 }
 
 // qkv's GEMV of the rows from row0 on (a rank's first; 0 at TP=1), written to P.qkv from row0.
+template <bool kB>
 __device__ __forceinline__ void QkvGemv(const Params& P, const step::LayerWeights& L, const Mat& m,
                                         Ring& ring, const float4* xs, int row0) {
-  RingGemv(
+  RingGemv<kB>(
       m, ring, xs,
       [&](int n) {
         return make_float2(Scale(L.qkv_scale, L.scale_per_channel & 1, row0 + n), 0.0f);
@@ -128,9 +132,10 @@ __device__ __forceinline__ void QkvGemv(const Params& P, const step::LayerWeight
 }
 
 // gate_up's GEMV and the SwiGLU of FFN rows from j0 on (a rank's first; 0 at TP=1), to P.act.
+template <bool kB>
 __device__ __forceinline__ void GateUpGemv(const Params& P, const step::LayerWeights& L,
                                            const Mat& m, Ring& ring, const float4* xs, int j0) {
-  RingGemv(
+  RingGemv<kB>(
       m, ring, xs,
       [&](int j) {
         const unsigned pc = L.scale_per_channel & 4;
@@ -144,8 +149,8 @@ __device__ __forceinline__ void GateUpGemv(const Params& P, const step::LayerWei
 }
 
 // TP=1: grid barriers after every projection and the attention, the residual adds in the
-// epilogues of o and down.
-template <int G>
+// epilogues of o and down. kB: bf16 weights (else e4m3).
+template <int G, bool kB>
 __device__ __forceinline__ void Tp1Step(const Params& P, Ring& ring, unsigned char* smem,
                                         float* red, int* flag, int pos, int start) {
   float4* xs = reinterpret_cast<float4*>(smem);
@@ -158,12 +163,12 @@ __device__ __forceinline__ void Tp1Step(const Params& P, Ring& ring, unsigned ch
     const step::LayerWeights& L = P.layer[l];
     const bf16* rin = l == 0 ? P.x : P.resid;  // the residual stream before this layer
     StageNorm(xs, rin, L.input_norm, s.hidden, s.eps, red);
-    QkvGemv(P, L, mats(l, 0), ring, xs, 0);
+    QkvGemv<kB>(P, L, mats(l, 0), ring, xs, 0);
     sync();
     Attention<G>(P, l, reinterpret_cast<float*>(smem), flag, pos, start, 0, s.kv_heads, b, g);
     sync();
     StageX(xs, P.attn, s.q_dim());
-    RingGemv(
+    RingGemv<kB>(
         mats(l, 1), ring, xs,
         [&](int n) {
           return make_float2(Scale(L.o_scale, L.scale_per_channel & 2, n), LoadBf(rin + n));
@@ -173,10 +178,10 @@ __device__ __forceinline__ void Tp1Step(const Params& P, Ring& ring, unsigned ch
         });
     sync();
     StageNorm(xs, P.resid, L.post_norm, s.hidden, s.eps, red);
-    GateUpGemv(P, L, mats(l, 2), ring, xs, 0);
+    GateUpGemv<kB>(P, L, mats(l, 2), ring, xs, 0);
     sync();
     StageX(xs, P.act, s.ffn);
-    RingGemv(
+    RingGemv<kB>(
         mats(l, 3), ring, xs,
         [&](int n) {
           return make_float2(Scale(L.down_scale, L.scale_per_channel & 8, n), LoadBf(P.resid + n));
@@ -194,14 +199,14 @@ __device__ __forceinline__ void Tp1Step(const Params& P, Ring& ring, unsigned ch
   }
   if (P.vocab > 0) {  // the head: every block norms the residual stream itself (no barrier)
     StageNorm(xs, P.resid, reinterpret_cast<const uint16_t*>(P.final_norm), s.hidden, s.eps, red);
-    Head(P, ring, xs, 0, b, g);
+    Head<kB>(P, ring, xs, 0, b, g);
   }
 }
 
 // Virtual ranks: this block is block b of rank `rank`'s nb. Barriers of the rank's blocks after
 // qkv, the attention and gate_up; after o and down the all-reduce phase, which also adds the
 // residual and stages the next norm (the last one the final norm, for h and the head).
-template <int G>
+template <int G, bool kB>
 __device__ __forceinline__ void RanksStep(const Params& P, Ring& ring, unsigned char* smem,
                                           float* red, int* flag, int pos, int start, int rank,
                                           int b, int nb) {
@@ -220,7 +225,7 @@ __device__ __forceinline__ void RanksStep(const Params& P, Ring& ring, unsigned 
   StageNorm(xs, P.x, P.layer[0].input_norm, H, s.eps, red);
   for (int l = 0; l < s.layers; ++l) {
     const step::LayerWeights& L = P.layer[l];
-    QkvGemv(P, L, mats(l, 0), ring, xs, rank * qr);
+    QkvGemv<kB>(P, L, mats(l, 0), ring, xs, rank * qr);
     sync();
     Attention<G>(P, l, reinterpret_cast<float*>(smem), flag, pos, start,
                  rank * (s.kv_heads / R), s.kv_heads / R, b, nb);
@@ -228,18 +233,18 @@ __device__ __forceinline__ void RanksStep(const Params& P, Ring& ring, unsigned 
     StageX(xs, P.attn + rank * kr, kr);
     Skew(a, ++k);
     FenceAcqRel();  // the words read before (the previous phases) ordered before these
-    RingGemv(
+    RingGemv<kB>(
         mats(l, 1), ring, xs,
         [&](int n) { return make_float2(Scale(L.o_scale, L.scale_per_channel & 2, n), 0.0f); },
         [&](int n, float r0, float, float2 pre) { ArPut(a, k, n, __fmul_rn(r0, pre.x)); });
     ArReduce(a, k, k == 1 ? P.x : resid + ((k - 1) & 1) * H, resid + (k & 1) * H, qlo, qhi,
              L.post_norm, s.eps, xs, red, nullptr);
-    GateUpGemv(P, L, mats(l, 2), ring, xs, rank * fr);
+    GateUpGemv<kB>(P, L, mats(l, 2), ring, xs, rank * fr);
     sync();
     StageX(xs, P.act + rank * fr, fr);
     Skew(a, ++k);
     FenceAcqRel();
-    RingGemv(
+    RingGemv<kB>(
         mats(l, 3), ring, xs,
         [&](int n) { return make_float2(Scale(L.down_scale, L.scale_per_channel & 8, n), 0.0f); },
         [&](int n, float r0, float, float2 pre) { ArPut(a, k, n, __fmul_rn(r0, pre.x)); });
@@ -248,10 +253,10 @@ __device__ __forceinline__ void RanksStep(const Params& P, Ring& ring, unsigned 
              last ? reinterpret_cast<const uint16_t*>(P.final_norm) : P.layer[l + 1].input_norm,
              s.eps, xs, red, last && blockIdx.x == 0 ? P.h : nullptr);
   }
-  if (P.vocab > 0) Head(P, ring, xs, rank, b, nb);
+  if (P.vocab > 0) Head<kB>(P, ring, xs, rank, b, nb);
 }
 
-template <int G, bool kTP>
+template <int G, bool kTP, bool kB>
 __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid_constant__ Params P) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float red[kWarps];
@@ -272,8 +277,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
             s.layers + (P.vocab > 0), ring);
     return;
   }
-  if constexpr (kTP) RanksStep<G>(P, ring, smem, red, &flag, pos, start, rank, b, nb);
-  else Tp1Step<G>(P, ring, smem, red, &flag, pos, start);
+  if constexpr (kTP) RanksStep<G, kB>(P, ring, smem, red, &flag, pos, start, rank, b, nb);
+  else Tp1Step<G, kB>(P, ring, smem, red, &flag, pos, start);
 }
 
 size_t AttentionSmem(const step::Shape& s) {
@@ -281,22 +286,23 @@ size_t AttentionSmem(const step::Shape& s) {
                           static_cast<size_t>(kWarps) * s.group * (kHeadDim + 2));
 }
 
-// The kernels by query heads per KV head (Llama 3.x: 3 for 3B, 4 for 1B and 8B, 8 for 70B)
-// and TP=1 or virtual ranks.
+// The kernels by query heads per KV head (Llama 3.x: 3 for 3B, 4 for 1B and 8B, 8 for 70B),
+// TP=1 or virtual ranks, and the weight type (bytes per weight: 1 e4m3, 2 bf16).
 using KernelFn = void (*)(Params);
-template <bool kTP>
+template <bool kTP, bool kB>
 KernelFn KernelOf(int group) {
   switch (group) {
-    case 1: return LlamaStepKernel<1, kTP>;
-    case 2: return LlamaStepKernel<2, kTP>;
-    case 3: return LlamaStepKernel<3, kTP>;
-    case 4: return LlamaStepKernel<4, kTP>;
-    case 8: return LlamaStepKernel<8, kTP>;
+    case 1: return LlamaStepKernel<1, kTP, kB>;
+    case 2: return LlamaStepKernel<2, kTP, kB>;
+    case 3: return LlamaStepKernel<3, kTP, kB>;
+    case 4: return LlamaStepKernel<4, kTP, kB>;
+    case 8: return LlamaStepKernel<8, kTP, kB>;
     default: return nullptr;
   }
 }
-KernelFn KernelFor(int group, int ranks) {
-  return ranks > 1 ? KernelOf<true>(group) : KernelOf<false>(group);
+KernelFn KernelFor(int group, int ranks, int wbytes) {
+  if (wbytes == 2) return ranks > 1 ? KernelOf<true, true>(group) : KernelOf<false, true>(group);
+  return ranks > 1 ? KernelOf<true, false>(group) : KernelOf<false, false>(group);
 }
 
 // The block's shared memory: the GEMV input (or the attention's scratch), then the ring's
@@ -349,7 +355,7 @@ ffi::Error CudaLlamaStepImpl(cudaStream_t stream, int32_t ordinal, ffi::Remainin
   err = UseDevice(ordinal);
   if (err.failure()) return err;
   const step::Shape& s = call.shape;
-  const KernelFn kernel = KernelFor(s.group, s.ranks);
+  const KernelFn kernel = KernelFor(s.group, s.ranks, s.wbytes);
   if (!kernel)
     return Invalid("llama_step: " + std::to_string(s.group) + " query heads per KV head; the "
                    "kernel is built for 1, 2, 3, 4 and 8");
@@ -412,7 +418,8 @@ void PreloadLlamaStepKernels() {
   cudaFuncAttributes attr;
   for (int g : {1, 2, 3, 4, 8})
     for (int ranks : {1, 2})
-      SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::KernelFor(g, ranks)));
+      for (int wbytes : {1, 2})
+        SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::KernelFor(g, ranks, wbytes)));
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaLlamaStep, cuda::CudaLlamaStepImpl,

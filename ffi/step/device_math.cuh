@@ -1,5 +1,5 @@
 // What every phase of the persistent step shares: block geometry, a GEMV's descriptor and
-// scale, bf16 rounding, the FP8 chunk product (fp8_matvec's order), the input's shared-memory
+// scale, bf16 rounding, the FP8 and bf16 chunk products (fp8_matvec's order), the input's shared-memory
 // swizzle, bounded waits, the consumers' block barrier,
 // the warp butterfly. (Device functions only; the kernel is ffi/step/cuda_llama_step.cu.)
 #pragma once
@@ -62,6 +62,21 @@ __device__ __forceinline__ float Chunk(const uint4& v, const float4* q) {
   float p = 0.0f;
 #pragma unroll
   for (int j = 0; j < 16; ++j) p = __fmaf_rn(x[j], w[j], p);
+  return p;
+}
+
+// 8 bf16 weights times 8 inputs, one fma chain from 0 (the same order as Chunk, a 16-byte
+// chunk holding 8 weights instead of 16).
+__device__ __forceinline__ float ChunkBf16(const uint4& v, const float4* q) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+  const float4 a = q[0], b = q[1];
+  const float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  float p = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t w = words[j / 2];
+    p = __fmaf_rn(x[j], __uint_as_float(j % 2 == 0 ? w << 16 : w & 0xffff0000u), p);
+  }
   return p;
 }
 

@@ -1,6 +1,6 @@
 // The Llama step's checks (PlanLlamaStep: both backends run them), its workspace layout and
 // its CPU backend: the phases of llama_step.h in plain loops, each GEMV in fp8_matvec's
-// summation order (the CUDA kernel's bits), each norm's sum of squares in the kernel's block
+// summation order (the CUDA kernel's bits, e4m3 or bf16 weights), each norm's sum of squares in the kernel's block
 // order; the attention in one pass per head (the kernel splits it: not the same bits).
 #include "step/llama_step.h"
 
@@ -58,6 +58,12 @@ bool HasDims(ffi::AnyBuffer b, std::initializer_list<int64_t> want) {
 }
 
 const char* kProjNames[4] = {"qkv", "o", "gate_up", "down"};
+
+// The step's weight type, from layer 0's qkv: bytes per weight (1 e4m3, 2 bf16), 0 neither.
+int WeightBytes(ffi::DataType t) {
+  return t == ffi::DataType::F8E4M3FN ? 1 : t == ffi::DataType::BF16 ? 2 : 0;
+}
+const char* WeightName(int wbytes) { return wbytes == 2 ? "bfloat16" : "float8_e4m3fn"; }
 
 }  // namespace
 
@@ -121,6 +127,11 @@ ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuff
   if (s.ffn % (16 * s.ranks))
     return Invalid(name + "F=" + std::to_string(s.ffn) + " must split over " +
                    std::to_string(s.ranks) + " ranks in multiples of 16");
+  s.wbytes = WeightBytes(arg(kLeadOperands + 1).element_type());
+  if (s.wbytes == 0)
+    return Invalid(name + "layer 0 qkv must be float8_e4m3fn or bfloat16 (the step's weight "
+                   "type), got another dtype");
+  const std::string wname = WeightName(s.wbytes);
   const int64_t ns[4] = {s.qkv_rows(), s.hidden, 2 * static_cast<int64_t>(s.ffn), s.hidden};
   const int64_t ks[4] = {s.hidden, s.q_dim(), s.hidden, s.ffn};
   c.layers.resize(layers);
@@ -140,9 +151,10 @@ ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuff
     L.scale_per_channel = 0;
     for (int p = 0; p < 4; ++p) {
       ffi::AnyBuffer w = arg(wi[p]), sc = arg(wi[p] + 1);
-      if (w.element_type() != ffi::DataType::F8E4M3FN || !HasDims(w, {ns[p], ks[p]}))
-        return Invalid(at + kProjNames[p] + " must be float8_e4m3fn [" + std::to_string(ns[p]) +
-                       ", " + std::to_string(ks[p]) + "], got " + Dims(w));
+      if (WeightBytes(w.element_type()) != s.wbytes || !HasDims(w, {ns[p], ks[p]}))
+        return Invalid(at + kProjNames[p] + " must be " + wname + " [" + std::to_string(ns[p]) +
+                       ", " + std::to_string(ks[p]) + "] (layer 0 qkv's weight type), got " +
+                       Dims(w) + (WeightBytes(w.element_type()) != s.wbytes ? " of another dtype" : ""));
       if (sc.element_type() != ffi::DataType::F32 ||
           (sc.element_count() != 1 && sc.element_count() != ns[p]))
         return Invalid(at + kProjNames[p] + "'s scale must be float32 with 1 (per tensor) or " +
@@ -165,9 +177,10 @@ ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuff
     return Invalid(name + "h must be bf16 [H], got " + Dims(h));
   if (args.size() == want + 2) {
     ffi::AnyBuffer hw = arg(want), hs = arg(want + 1);
-    if (hw.element_type() != ffi::DataType::F8E4M3FN || hw.dimensions().size() != 2 ||
+    if (WeightBytes(hw.element_type()) != s.wbytes || hw.dimensions().size() != 2 ||
         hw.dimensions()[1] != s.hidden || hw.dimensions()[0] < 1)
-      return Invalid(name + "head must be float8_e4m3fn [V, H], got " + Dims(hw));
+      return Invalid(name + "head must be " + wname + " [V, H] (the layers' weight type), got " +
+                     Dims(hw));
     c.vocab = static_cast<int>(hw.dimensions()[0]);
     if (hs.element_type() != ffi::DataType::F32 ||
         (hs.element_count() != 1 && hs.element_count() != c.vocab))
@@ -240,13 +253,23 @@ std::vector<float> Norm(const std::vector<float>& x, const uint16_t* scale, floa
   return y;
 }
 
-// One output row: fp8_matvec's lanes-32 order (chunks of 16, lane l takes chunks l + 32 i,
-// the lanes added by a butterfly), times the row's scale.
-float Row(const uint8_t* w, int k, const float* x, float scale) {
+// Weight j of a row of wb-byte weights (1 e4m3, 2 bf16) as a float.
+float Weight(const uint8_t* w, int j, int wb) {
+  if (wb == 1) return cpu::E4m3ToF32(w[j]);
+  uint16_t v;
+  std::memcpy(&v, w + 2 * static_cast<size_t>(j), 2);
+  return Bf16ToF32(v);
+}
+
+// One output row of k weights: fp8_matvec's lanes-32 order (16-byte chunks: 16 e4m3 or 8
+// bf16 weights, one fma chain each; lane l takes chunks l + 32 i, the lanes added by a
+// butterfly), times the row's scale.
+float Row(const uint8_t* w, int k, const float* x, float scale, int wb) {
+  const int per = 16 / wb;  // weights per chunk
   float lane[32] = {};
-  for (int ch = 0; ch < k / 16; ++ch) {
+  for (int ch = 0; ch < k / per; ++ch) {
     float p = 0.0f;
-    for (int j = 0; j < 16; ++j) p = std::fma(x[16 * ch + j], cpu::E4m3ToF32(w[16 * ch + j]), p);
+    for (int j = 0; j < per; ++j) p = std::fma(x[per * ch + j], Weight(w, per * ch + j, wb), p);
     lane[ch % 32] = lane[ch % 32] + p;
   }
   for (int off = 16; off >= 1; off /= 2)
@@ -255,10 +278,10 @@ float Row(const uint8_t* w, int k, const float* x, float scale) {
 }
 
 std::vector<float> Gemv(const uint8_t* w, const float* s, bool per_channel, int n, int k,
-                        const std::vector<float>& x) {
+                        const std::vector<float>& x, int wb) {
   std::vector<float> y(n);
   for (int r = 0; r < n; ++r)
-    y[r] = Rb(Row(w + static_cast<size_t>(r) * k, k, x.data(), per_channel ? s[r] : s[0]));
+    y[r] = Rb(Row(w + static_cast<size_t>(r) * k * wb, k, x.data(), per_channel ? s[r] : s[0], wb));
   return y;
 }
 
@@ -268,13 +291,14 @@ std::vector<float> Gemv(const uint8_t* w, const float* s, bool per_channel, int 
 // At R = 1 the TP=1 step's bf16(resid + bf16(w x)).
 void ReduceAdd(const step::StepCall& c, const uint8_t* w, const float* sc, bool per_channel,
                int K, const std::vector<float>& in, std::vector<float>& resid) {
-  const int H = c.shape.hidden, R = c.shape.ranks, Kr = K / R;
+  const int H = c.shape.hidden, R = c.shape.ranks, Kr = K / R, wb = c.shape.wbytes;
   std::vector<float> acc(H);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < H; ++j) {
-      const float p = r == c.absent_rank ? NAN
-                                         : Rb(Row(w + static_cast<size_t>(j) * K + r * Kr, Kr,
-                                                  in.data() + r * Kr, per_channel ? sc[j] : sc[0]));
+      const float p = r == c.absent_rank
+                          ? NAN
+                          : Rb(Row(w + (static_cast<size_t>(j) * K + r * Kr) * wb, Kr,
+                                   in.data() + r * Kr, per_channel ? sc[j] : sc[0], wb));
       acc[j] = r == 0 ? p : acc[j] + p;
     }
   for (int j = 0; j < H; ++j) resid[j] = Rb(resid[j] + Rb(acc[j]));
@@ -308,7 +332,7 @@ void RunLlamaStep(const step::StepCall& c) {
     const step::LayerWeights& L = c.layers[l];
     const std::vector<float> xn = Norm(resid, L.input_norm, s.eps);
     const std::vector<float> qkv = Gemv(L.qkv, L.qkv_scale, L.scale_per_channel & 1,
-                                        s.qkv_rows(), H, xn);
+                                        s.qkv_rows(), H, xn, s.wbytes);
     std::vector<float> att(s.q_dim());
     for (int h = 0; h < KV; ++h) {
       const float* base = qkv.data() + static_cast<size_t>(h) * (G + 2) * D;
@@ -344,7 +368,7 @@ void RunLlamaStep(const step::StepCall& c) {
     ReduceAdd(c, L.o, L.o_scale, L.scale_per_channel & 2, s.q_dim(), att, resid);
     const std::vector<float> xm = Norm(resid, L.post_norm, s.eps);
     const std::vector<float> gu = Gemv(L.gate_up, L.gate_up_scale, L.scale_per_channel & 4,
-                                       2 * F, H, xm);
+                                       2 * F, H, xm, s.wbytes);
     std::vector<float> act(F);
     for (int j = 0; j < F; ++j) {
       const float g = gu[j], u = gu[F + j];
@@ -355,8 +379,8 @@ void RunLlamaStep(const step::StepCall& c) {
   const std::vector<float> out = Norm(resid, c.final_norm, s.eps);
   for (int j = 0; j < H; ++j) c.h[j] = F32ToBf16(out[j]);
   for (int r = 0; r < c.vocab; ++r)
-    c.logits[r] = Row(c.head + static_cast<size_t>(r) * H, H, out.data(),
-                      c.head_per_channel ? c.head_scale[r] : c.head_scale[0]);
+    c.logits[r] = Row(c.head + static_cast<size_t>(r) * H * s.wbytes, H, out.data(),
+                      c.head_per_channel ? c.head_scale[r] : c.head_scale[0], s.wbytes);
 }
 
 ffi::Error CpuLlamaStepImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> h,

@@ -1,4 +1,4 @@
-// The batch-1 decode step of a Llama-family model with FP8 weights as ONE op: every layer's
+// The batch-1 decode step of a Llama-family model with FP8 or bf16 weights as ONE op: every layer's
 // RMSNorm, qkv, RoPE, KV-cache write, attention, o, residual add, RMSNorm, gate_up, SwiGLU,
 // down, residual add, then the final norm. On CUDA it is one cooperative launch (a
 // persistent kernel: one grid, grid barriers between the phases, no kernel boundary inside
@@ -8,11 +8,12 @@
 // Operands (dtypes checked by PlanLlamaStep):
 //   x [H] bf16 (the token's embedding), rope [2, D] f32 (cos, sin at the token's rotary
 //   position), pos [2] int32 (the cache slot written, the first slot attended), final_norm
-//   [H] bf16, then per layer 10 arrays: input_norm [H], qkv [Nqkv, H] e4m3 + scale, o [H, Q]
-//   e4m3 + scale, post_norm [H], gate_up [2F, H] e4m3 (gate rows, then up rows) + scale, down
-//   [H, F] e4m3 + scale, each scale float32 per output channel [N] or per tensor [1]; last the
-//   cache [L, 2, 1, kv, S, D] bf16 ("bhsd"), updated in place (result 1 aliases it); then,
-//   optionally, the LM head [V, H] e4m3 + its scale (per row [V] or per tensor [1]).
+//   [H] bf16, then per layer 10 arrays: input_norm [H], qkv [Nqkv, H] + scale, o [H, Q] +
+//   scale, post_norm [H], gate_up [2F, H] (gate rows, then up rows) + scale, down [H, F] +
+//   scale, each scale float32 per output channel [N] or per tensor [1]; last the cache [L, 2,
+//   1, kv, S, D] bf16 ("bhsd"), updated in place (result 1 aliases it); then, optionally, the
+//   LM head [V, H] + its scale (per row [V] or per tensor [1]). Every projection and the head
+//   are one weight type, the step's: e4m3 or bf16 (Shape::wbytes).
 //   qkv's rows per KV head h: its `group` query heads, then its key, then its value (D rows
 //   each, models/attention.py's layout); o's K follows the heads in (kv head, group) order.
 // Results: h [H] bf16 = final_norm(residual stream after the last layer), the cache, a
@@ -31,7 +32,8 @@
 // barriers across the ranks before and after the reads). On the CPU the same sums in loops.
 //
 // Numerics: the GEMVs are fp8_matvec's (lanes 32, no K split: the same bits as
-// sifar_jax.fp8_matvec); activations are rounded to bf16 where the XLA decoder rounds them
+// sifar_jax.fp8_matvec; bf16 weights in the same order, a 16-byte chunk being 8 weights, not
+// 16); activations are rounded to bf16 where the XLA decoder rounds them
 // (each projection's output, the residual stream, the norms' scaled values, the roped q and k,
 // the attention output, the SwiGLU product); the attention's softmax is a float32 split-K
 // (flash-decoding) merge, whose probabilities are not rounded to bf16 (the XLA decoder rounds
@@ -84,6 +86,7 @@ constexpr long long kMaxTimeoutNs = 5ll * 1000 * 1000 * 1000;
 
 struct Shape {
   int hidden = 0, kv_heads = 0, group = 0, ffn = 0, layers = 0, capacity = 0, ranks = 1;
+  int wbytes = 1;  // bytes per weight: 1 e4m3, 2 bf16 (every projection and the head)
   float eps = 1e-5f;
   SIFAR_STEP_HD int qkv_rows() const { return kv_heads * (group + 2) * kHeadDim; }
   SIFAR_STEP_HD int q_dim() const { return kv_heads * group * kHeadDim; }
@@ -123,7 +126,7 @@ struct StepCall {
   size_t cache_bytes = 0;
   uint16_t* h = nullptr;
   uint8_t* work = nullptr;
-  const uint8_t* head = nullptr;  // the LM head [vocab, H] e4m3, or none (vocab 0)
+  const uint8_t* head = nullptr;  // the LM head [vocab, H] (e4m3 or bf16), or none (vocab 0)
   const float* head_scale = nullptr;
   bool head_per_channel = false;
   int vocab = 0;

@@ -127,8 +127,11 @@ __device__ __forceinline__ void Produce(MatAt mat_at, int layers, Ring& ring) {
   }
 }
 
-// A consumer GEMV phase: projection m times xs (swizzled floats, XQuad) from the ring. m.k is
-// a multiple of 16 (PlanLlamaStep checks it): a slab is whole chunks. Warp w owns the slots
+// A consumer GEMV phase: projection m times xs (swizzled floats, XQuad) from the ring, its
+// weights e4m3 or (kBf16) bf16: a 16-byte chunk is 16 or 8 weights, 4 or 2 of xs's quads (a
+// bf16 chunk c is half h = c & 1 of the 16-input group c >> 1: its quads XQuad(c >> 1, 2h),
+// XQuad(c >> 1, 2h + 1), which a warp's 8-lane phases also read from distinct banks). m.k (in
+// bytes) is a multiple of 16 (PlanLlamaStep checks it): a slab is whole chunks. Warp w owns the slots
 // kWarpRows * w + i of each round. Per item, lane 0 calls pre(item) -> float2 when the item's
 // round starts (what its epilogue reads from global memory: a scale, the residual; the loads'
 // latency hides under the round) and epi(item, sum of its row, sum of its second row (gate_up's
@@ -136,10 +139,11 @@ __device__ __forceinline__ void Produce(MatAt mat_at, int layers, Ring& ring) {
 // with every shared load issued first; a slot past the block's items sums stale bytes that are
 // never stored. The e4m3 decode is Chunk's conversions (integer decodes measured slower:
 // docs/performance.md, Ideas tried, 2026-12-06).
-template <class Pre, class Epi>
+template <bool kBf16, class Pre, class Epi>
 __device__ __forceinline__ void RingGemv(const Mat& m, Ring& ring, const float4* xs, Pre pre,
                                          Epi epi) {
   constexpr int R = kWarpRows, kU = kSlabChunks / 32;  // rows per warp, chunks per lane and row
+  constexpr int kQ = kBf16 ? 2 : 4;                     // input quads per chunk
   const Part p = PartOf(m);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sw = (lane >> 1) & 3;
   for (int r = 0; r < p.rounds; ++r) {
@@ -159,32 +163,41 @@ __device__ __forceinline__ void RingGemv(const Mat& m, Ring& ring, const float4*
       MbarWait(ring.full + st, (ring.n / ring.stages) & 1);
       const int chunks = min(kSlab, m.k - s * kSlab) / 16;
       const uint4* w = reinterpret_cast<const uint4*>(ring.buf + st * kStageBytes + R * warp * kSlab);
-      const float4* x = xs + 4 * s * kSlabChunks;
+      const float4* x = xs + kQ * s * kSlabChunks;  // the slab's inputs (kSlabChunks % 32 == 0:
+                                                     // the swizzle's phase is the local chunk's)
+      // Chunk c's input quad j (the kernel's bf16 rows read a half group each).
+      const auto quad = [&](int c, int j) {
+        return kBf16 ? x[XQuad(c >> 1, 2 * (c & 1) + j)] : x[4 * c + (j ^ sw)];
+      };
+      const auto dot = [](const uint4& v, const float4* q) {
+        if constexpr (kBf16) return ChunkBf16(v, q);
+        else return Chunk(v, q);
+      };
       if (chunks == kSlabChunks) {
-        float4 q[kU][4];
+        float4 q[kU][kQ];
         uint4 a[kU][R];
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
           const int c = lane + 32 * u;
 #pragma unroll
-          for (int j = 0; j < 4; ++j) q[u][j] = x[4 * c + (j ^ sw)];
+          for (int j = 0; j < kQ; ++j) q[u][j] = quad(c, j);
 #pragma unroll
           for (int i = 0; i < R; ++i) a[u][i] = w[i * kSlabChunks + c];
         }
 #pragma unroll
         for (int u = 0; u < kU; ++u)
 #pragma unroll
-          for (int i = 0; i < R; ++i) acc[i] = __fadd_rn(acc[i], Chunk(a[u][i], q[u]));
+          for (int i = 0; i < R; ++i) acc[i] = __fadd_rn(acc[i], dot(a[u][i], q[u]));
       } else {
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
           const int c = lane + 32 * u;
           if (c >= chunks) break;
-          float4 q[4];
+          float4 q[kQ];
 #pragma unroll
-          for (int j = 0; j < 4; ++j) q[j] = x[4 * c + (j ^ sw)];
+          for (int j = 0; j < kQ; ++j) q[j] = quad(c, j);
 #pragma unroll
-          for (int i = 0; i < R; ++i) acc[i] = __fadd_rn(acc[i], Chunk(w[i * kSlabChunks + c], q));
+          for (int i = 0; i < R; ++i) acc[i] = __fadd_rn(acc[i], dot(w[i * kSlabChunks + c], q));
         }
       }
       asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(ring.empty + st))

@@ -1,11 +1,13 @@
-"""`llama_step`: the batch-1 decode step of a Llama-family model with FP8 weights as ONE op.
+"""`llama_step`: the batch-1 decode step of a Llama-family model with FP8 or bf16 weights as
+ONE op.
 
 Every layer's RMSNorm, qkv, RoPE, KV-cache write, attention, o, residual add, RMSNorm,
 gate_up, SwiGLU, down and residual add, then the final norm, in one call: on CUDA GPUs one
 cooperative launch of a persistent kernel (ffi/step/cuda_llama_step.cu: grid barriers between
 the phases, the weights streamed into shared memory by a producer warp per block that runs
-ahead of them), on the CPU a reference of the same phases (ffi/step/llama_step.cc). With an
-FP8 LM head (`head=`) the op also returns the logits, the head streamed by the same kernel;
+ahead of them), on the CPU a reference of the same phases (ffi/step/llama_step.cc). Every
+projection and the LM head are one weight type, float8_e4m3fn or bfloat16. With an LM head
+(`head=`) the op also returns the logits, the head streamed by the same kernel;
 without one it returns the final norm's output for a head outside. What is rounded where, and
 why the attention is not bit-equal to XLA's: ffi/step/llama_step.h. models/persistent.py builds
 a decoder step on it.
@@ -33,16 +35,18 @@ ALLREDUCE_PHASES = ("sifar", "oneshot")  # the all-reduce inside the kernel, wit
 DEFAULT_TIMEOUT_S = 1.0  # an all-reduce wait's bound (virtual ranks)
 MAX_TIMEOUT_S = 5.0  # half the kernel's trap bound (ffi/step/llama_step.h, kMaxTimeoutNs)
 STATUS_WORDS = 8  # uint32 words at the workspace's start (ffi/step/llama_step.h, StepStatus)
-CHUNK = 16  # weights per 16-byte load: every K a multiple of it
+CHUNK = 16  # every K a multiple of it (a 16-byte load holds 16 e4m3 or 8 bf16 weights)
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 BF16 = jnp.dtype(jnp.bfloat16)
+WEIGHT_DTYPES = (E4M3, BF16)  # the step's weight type: every projection's and the head's
 
 
 class LlamaLayer(NamedTuple):
-    """One layer's operands: the norm scales bf16 [H]; each projection's e4m3 weight in the
-    checkpoint's layout [N, K] (qkv [kv * (group + 2) * 128, H]: per KV head its query heads,
-    key, value; o [H, heads * 128]; gate_up [2F, H], gate rows then up rows; down [H, F]) and
-    its float32 scale, per output channel [N] or per tensor [1]."""
+    """One layer's operands: the norm scales bf16 [H]; each projection's weight (e4m3 or bf16,
+    the step's weight type) in the checkpoint's layout [N, K] (qkv [kv * (group + 2) * 128, H]:
+    per KV head its query heads, key, value; o [H, heads * 128]; gate_up [2F, H], gate rows
+    then up rows; down [H, F]) and its float32 scale, per output channel [N] or per tensor [1]
+    (bf16 weights: ones([1]), or any scale the output is to be multiplied by)."""
     input_norm: jax.Array
     qkv: jax.Array
     qkv_scale: jax.Array
@@ -111,6 +115,10 @@ def _check(x, rope, pos, final_norm, layers, cache, kv_heads, group):
     q_dim = kv_heads * group * HEAD_DIM
     want = {"qkv": (kv_heads * (group + 2) * HEAD_DIM, h), "o": (h, q_dim),
             "gate_up": (2 * ffn, h), "down": (h, ffn)}
+    wdt = jnp.dtype(layers[0].qkv.dtype)
+    if wdt not in WEIGHT_DTYPES:
+        raise ValueError(f"{name}: the weights must be float8_e4m3fn or bfloat16 (layer 0 qkv "
+                         f"is {wdt})")
     for i, layer in enumerate(layers):
         for norm in ("input_norm", "post_norm"):
             v = getattr(layer, norm)
@@ -119,9 +127,10 @@ def _check(x, rope, pos, final_norm, layers, cache, kv_heads, group):
                                  f"{v.dtype} {v.shape}")
         for proj, shape in want.items():
             w, s = getattr(layer, proj), getattr(layer, proj + "_scale")
-            if jnp.dtype(w.dtype) != E4M3 or tuple(w.shape) != shape:
-                raise ValueError(f"{name}: layer {i} {proj} must be float8_e4m3fn {list(shape)}"
-                                 f" ([N, K]), got {w.dtype} {list(w.shape)}")
+            if jnp.dtype(w.dtype) != wdt or tuple(w.shape) != shape:
+                raise ValueError(f"{name}: layer {i} {proj} must be {wdt} {list(shape)} ([N, "
+                                 f"K]; every projection of the step's weight type, layer 0 "
+                                 f"qkv's), got {w.dtype} {list(w.shape)}")
             if shape[1] % CHUNK:
                 raise ValueError(f"{name}: layer {i} {proj}: K={shape[1]} must be a multiple "
                                  f"of {CHUNK}")
@@ -134,14 +143,14 @@ def _check(x, rope, pos, final_norm, layers, cache, kv_heads, group):
             or cache.shape[5] != HEAD_DIM):
         raise ValueError(f"{name}: cache must be bfloat16 [{n}, 2, 1, {kv_heads}, S, {HEAD_DIM}] "
                          f"(bhsd, batch 1), got {cache.dtype} {list(cache.shape)}")
-    return ffn
+    return ffn, wdt
 
 
 def llama_step(x: jax.Array, rope: jax.Array, pos: jax.Array, final_norm: jax.Array,
                layers: Sequence[LlamaLayer], cache: jax.Array, *, kv_heads: int, group: int,
                eps: float, head: Optional[tuple[jax.Array, jax.Array]] = None) -> tuple:
-    """One decode step of a Llama model with FP8 projections: returns (h, new cache), or with
-    `head` (h, new cache, logits).
+    """One decode step of a Llama model with FP8 or bf16 projections: returns (h, new cache),
+    or with `head` (h, new cache, logits).
 
     x [H] bfloat16: the token's embedding. rope float32 [2, 128]: cos and sin at the token's
     rotary position (models.attention.rope_cos_sin). pos int32 [2]: the cache slot this
@@ -149,8 +158,8 @@ def llama_step(x: jax.Array, rope: jax.Array, pos: jax.Array, final_norm: jax.Ar
     final_norm [H]: the final RMSNorm's scale. layers: one LlamaLayer per layer. cache
     bfloat16 [layers, 2, 1, kv_heads, S, 128] (bhsd), updated in place (donate it). eps: the
     RMSNorms' epsilon. h [H] bfloat16 = final_norm(the residual stream after the last layer).
-    head: (weight float8_e4m3fn [V, H], scale float32 [V] or [1]): logits [V] float32 = the
-    head's rows times h in fp8_matvec's order, times the scale (not rounded).
+    head: (weight [V, H] of the layers' weight type, scale float32 [V] or [1]): logits [V]
+    float32 = the head's rows times h in fp8_matvec's order, times the scale (not rounded).
     A slot outside [0, S), or a first slot after it, gives NaN in h (and in the logits) on GPUs
     and an error on the CPU."""
     h, cache, logits, _ = _step(x, rope, pos, final_norm, layers, cache, kv_heads=kv_heads,
@@ -214,11 +223,11 @@ def check_step_status(words) -> StepStatus:
 
 def _step(x, rope, pos, final_norm, layers, cache, *, kv_heads, group, eps, head, ranks=1,
           oneshot=False, timeout_ns=int(DEFAULT_TIMEOUT_S * 1e9), skew_ns=0, absent_rank=-1):
-    ffn = _check(x, rope, pos, final_norm, layers, cache, kv_heads, group)
+    ffn, wdt = _check(x, rope, pos, final_norm, layers, cache, kv_heads, group)
     if ffn % (16 * ranks):
         raise ValueError(f"sifar_jax.llama_step: F={ffn} must split over {ranks} ranks in "
                          f"multiples of 16")
-    vocab = _check_head(head, x.shape[0]) if head is not None else 0
+    vocab = _check_head(head, x.shape[0], wdt) if head is not None else 0
     ws = workspace_bytes(x.shape[0], kv_heads, group, ffn, len(layers), ranks)
     operands = [x, rope, pos, final_norm]
     for layer in layers:
@@ -242,14 +251,14 @@ def _step(x, rope, pos, final_norm, layers, cache, *, kv_heads, group, eps, head
     return h, new_cache, logits, status
 
 
-def _check_head(head, hidden: int) -> int:
+def _check_head(head, hidden: int, wdt) -> int:
     name = "sifar_jax.llama_step"
     if not isinstance(head, (tuple, list)) or len(head) != 2:
         raise TypeError(f"{name}: head must be (weight, scale), got {type(head).__name__}")
     w, s = head
-    if jnp.dtype(w.dtype) != E4M3 or w.ndim != 2 or w.shape[1] != hidden or w.shape[0] < 1:
-        raise ValueError(f"{name}: head must be float8_e4m3fn [V, {hidden}], got {w.dtype} "
-                         f"{list(w.shape)}")
+    if jnp.dtype(w.dtype) != wdt or w.ndim != 2 or w.shape[1] != hidden or w.shape[0] < 1:
+        raise ValueError(f"{name}: head must be {wdt} [V, {hidden}] (the layers' weight type), "
+                         f"got {w.dtype} {list(w.shape)}")
     if jnp.dtype(s.dtype) != jnp.float32 or s.ndim != 1 or s.shape[0] not in (1, w.shape[0]):
         raise ValueError(f"{name}: head's scale must be float32 [1] (per tensor) or "
                          f"[{w.shape[0]}] (per row), got {s.dtype} {list(s.shape)}")

@@ -66,14 +66,15 @@ def test_bench_holds_what_a_user_runs_within_its_line_budget():
     assert lines <= 3500, lines
 
 
-def test_ab_llama_step_cases_run_on_the_cpu(tmp_path):
+@pytest.mark.parametrize("weights", ["fp8", "bf16"])
+def test_ab_llama_step_cases_run_on_the_cpu(tmp_path, weights):
     """tools/ab_llama_step.sh's timing process (its first here-document) runs every case at the
-    small config on the CPU handlers, with the weights as jit arguments, and saves the outputs
-    the A/B compares bit for bit."""
+    small config on the CPU handlers, with the weights (FP8 or AB_WEIGHTS=bf16) as jit
+    arguments, and saves the outputs the A/B compares bit for bit."""
     text = (TOOLS / "ab_llama_step.sh").read_text()
     code = re.findall(r"<<'PY' 2>&1 \|\n(.*?)\nPY\n", text, re.S)[0]
     assert "closed over" in text and "--line-buffered" in text
-    env = dict(os.environ, JAX_PLATFORMS="cpu", AB_SHAPES="tiny", AB_TAG="cpu",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", AB_SHAPES="tiny", AB_TAG="cpu", AB_WEIGHTS=weights,
                AB_OUT=str(tmp_path), PYTHONPATH=os.pathsep.join(
                    filter(None, [os.environ.get("PYTHONPATH"), str(common.REPO_ROOT / "src"),
                                  str(common.REPO_ROOT)])))
