@@ -6,7 +6,8 @@
 # slots, at slots 0, 63, 64, 1023 and 16383 (one key range per head up to every range the grid
 # holds), and one left-padded (first slot 40); an FP8 LM head of 1000 rows after the last
 # layer; then as 2 virtual ranks with the all-reduce inside (sifar and oneshot) at slots 0 and
-# 1023; then the same weights as bf16 (TP=1 and 2 ranks, slots 0 and 1023) (the all-reduce's waits get 5 s: the sanitizer slows the kernel). Every buffer is its own allocation
+# 1023 (the all-reduce's waits get 5 s: the sanitizer slows the kernel); then the same weights
+# as bf16 (TP=1 and 2 ranks with sifar, slots 0 and 1023). Every buffer is its own allocation
 # (XLA_PYTHON_CLIENT_ALLOCATOR=platform), so memcheck sees an access past any of them.
 #   bash tools/sanitize_llama_step.sh    (from any directory; sifar-jax installed, or built into src/)
 set -uo pipefail

@@ -29,6 +29,7 @@ constexpr int kStageBytes = 32 * 1024;                 // bytes per stage
 constexpr int kSlab = kStageBytes / kRingRows;         // one row's bytes per stage
 constexpr int kSlabChunks = kSlab / 16;                // 16-byte chunks of a row per stage
 static_assert(kSlabChunks % 32 == 0, "lane l's chunks of a row must stay l + 32 i");
+static_assert(kSlabChunks % 16 == 0, "a bf16 slab must start at a group whose swizzle phase is 0");
 static_assert(kWarpRows % 2 == 0 && kRingRows <= 32, "gate_up's pairs in a warp; a lane per row");
 
 // The ring in this block's shared memory, and this thread's place in its stage sequence.
@@ -163,8 +164,9 @@ __device__ __forceinline__ void RingGemv(const Mat& m, Ring& ring, const float4*
       MbarWait(ring.full + st, (ring.n / ring.stages) & 1);
       const int chunks = min(kSlab, m.k - s * kSlab) / 16;
       const uint4* w = reinterpret_cast<const uint4*>(ring.buf + st * kStageBytes + R * warp * kSlab);
-      const float4* x = xs + kQ * s * kSlabChunks;  // the slab's inputs (kSlabChunks % 32 == 0:
-                                                     // the swizzle's phase is the local chunk's)
+      // The slab's inputs: its first group, kQ * s * kSlabChunks / 4, is a multiple of 8 (the
+      // static_assert below), so XQuad's swizzle of a local group is the global group's.
+      const float4* x = xs + kQ * s * kSlabChunks;
       // Chunk c's input quad j (the kernel's bf16 rows read a half group each).
       const auto quad = [&](int c, int j) {
         return kBf16 ? x[XQuad(c >> 1, 2 * (c & 1) + j)] : x[4 * c + (j ^ sw)];

@@ -30,8 +30,10 @@ def operands():
     """(config, FP8 op operands, the same as bf16): x, rope, final norm, layers, cache, head."""
     from flax import nnx
 
-    cfg = LLAMA.preset("tiny", dtype="bfloat16", hidden_size=512, num_heads=4, num_kv_heads=2,
-                       head_dim=128, intermediate_size=640, num_layers=2, vocab_size=384,
+    # bf16 rows of 2048 bytes (qkv, gate_up, the head: one whole 2 KiB slab of the ring), 3072
+    # (down: a whole slab, then a partial one) and 1024 (o: a partial slab only)
+    cfg = LLAMA.preset("tiny", dtype="bfloat16", hidden_size=1024, num_heads=4, num_kv_heads=2,
+                       head_dim=128, intermediate_size=1536, num_layers=2, vocab_size=384,
                        max_seq_len=64)
     params = LLAMA.random_params(cfg, make_mesh(1), seed=3, quantize="fp8")
     model = nnx.merge(LLAMA.abstract_model(LLAMA.layout(cfg, 1).shapes)[0], params)
@@ -91,9 +93,9 @@ def test_one_weight_type_per_step(operands):
     pos = jnp.array([0, 0], jnp.int32)
     kw = dict(kv_heads=2, group=2, eps=1e-5)
     mixed = [layers[0]._replace(down=fp8[3][0].down), layers[1]]
-    with pytest.raises(ValueError, match=r"layer 0 down must be bfloat16 \[512, 640\]"):
+    with pytest.raises(ValueError, match=r"layer 0 down must be bfloat16 \[1024, 1536\]"):
         sifar_jax.llama_step(x, rope, pos, fnorm, mixed, cache, **kw)
-    with pytest.raises(ValueError, match=r"head must be bfloat16 \[V, 512\] \(the layers' weight type\)"):
+    with pytest.raises(ValueError, match=r"head must be bfloat16 \[V, 1024\] \(the layers' weight type\)"):
         sifar_jax.llama_step(x, rope, pos, fnorm, layers, cache, head=fp8[5], **kw)
     f32 = [layer._replace(qkv=layer.qkv.astype(jnp.float32)) for layer in layers]
     with pytest.raises(ValueError, match="must be float8_e4m3fn or bfloat16"):
