@@ -223,7 +223,8 @@ def run_peers(args, n_gpus: int) -> dict:
 def run(args, kind: str, devices: list) -> tuple[list[dict], dict, list[str]]:
     cfg = settings(args, kind, len(devices))
     if kind == "cpu":
-        print(f"NOTE: {CPU_NOTE}", flush=True)
+        print("NOTE: no GPUs here: the protocol runs on XLA:CPU host devices (what ran: at the "
+              "end)", flush=True)
     sizes = payload_bytes(cfg)
     algs = cfg["algorithms"]
     # jit_device is traced always (timed_case), the mis-speculation trace unless --no-trace
@@ -552,7 +553,9 @@ def main(argv=None) -> int:
         print_tables(records, comparison(records), meta["sizes"], env["host"])
     else:
         print(f"\n[{env['host']}] What ran: {CPU_NOTE}")
-        print(common.plain_table(*protocol_rows(meta)) + "\n")
+        print(common.plain_table(*protocol_rows(meta)))
+        print("retries: speculative reads that found a stale word and read it again (SiFAR's "
+              "design, not a fault); timeouts are failures.\n")
     out_dir = args.out if args.out else common.default_out(kind)
     for path in write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
         print(f"wrote {path}")

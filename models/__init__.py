@@ -22,6 +22,10 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
+def __dir__():  # the lazily loaded names too (tab completion, dir(models))
+    return sorted(set(globals()) | set(__all__))
+
+
 def __getattr__(name):
     if name in _EXPORTS:
         import importlib

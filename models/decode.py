@@ -110,6 +110,22 @@ class Decoder:
     compiles_after_warmup = property(lambda self: self.exes.compiles_after_warmup)
 
     @property
+    def step_reason(self) -> Optional[str]:
+        """Why a one-token step runs on the XLA step though options.step is "persistent" (the
+        sentence also logged once per process), or None: the persistent step runs it, or
+        options.step is "xla"."""
+        if self.options.step != "persistent":
+            return None
+        from . import persistent
+
+        return persistent.reason(self.family, self.layout, self.mesh, self.options, self.params)
+
+    @property
+    def step_kind(self) -> str:
+        """Which step runs a one-token call: "persistent" or "xla" (step_reason says why)."""
+        return "persistent" if self.options.step == "persistent" and not self.step_reason else "xla"
+
+    @property
     def state(self) -> Optional[dict]:
         """The decode state (decode_state.py), donated to every call."""
         return self.seq.arrays

@@ -273,7 +273,7 @@ def _run(args, sifar_why, started: float) -> int:
     request = dict(eos_id=stops, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                    reserve=cache_reserve(args.tokens, args.loop))
     warmup, cache_use = _warmup(args, dec, prompt)
-    _print_setup(args, sifar_why, family, dec.config, cache_dir, warmup, cache_use, stops, prompt)
+    _print_setup(args, sifar_why, family, dec, cache_dir, warmup, cache_use, stops, prompt)
     ttft = _time_to_first_token(dec, prompt, request)
     print(f"process start to first token: {time.perf_counter() - started - weights_s:.1f} s "
           f"(+ {weights_s:.1f} s making or loading the weights)")
@@ -367,9 +367,11 @@ def _warmup(args, dec, prompt):
             raise UserError(str(e)) from None
 
 
-def _print_setup(args, sifar_why, family, config, cache_dir, warmup, cache_use, stops, prompt):
+def _print_setup(args, sifar_why, family, dec, cache_dir, warmup, cache_use, stops, prompt):
     import jax
 
+    config = dec.config
+    step = dec.step_kind + (f" (persistent asked: {dec.step_reason})" if dec.step_reason else "")
     fp8_checkpoint = getattr(config, "quantization", None) is not None  # an FP8 checkpoint's
     ar = args.allreduce + (f"/{args.algorithm}" if "sifar" in args.allreduce else "")
     if args.allreduce == "identity":
@@ -380,7 +382,7 @@ def _print_setup(args, sifar_why, family, config, cache_dir, warmup, cache_use, 
           f"{family.name}: layers={config.num_layers} hidden={config.hidden_size} "
           f"dtype={config.dtype}" + (" weights=fp8" if args.quantize or fp8_checkpoint else "")
           + f", allreduce={ar}" + (" fused" if args.fused else "")
-          + f", loop={args.loop}")
+          + f", loop={args.loop}, step={step}")
     print("compilation cache: " + (cache_dir or "off"))
     if warmup:
         print(f"warm-up: {warmup['seconds']:.1f} s, {cache_use.describe()} ({warmup['executables']}"

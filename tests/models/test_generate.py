@@ -187,6 +187,8 @@ def test_step_persistent_on_a_cpu_runs_the_xla_step_and_says_why(capsys, caplog,
     assert "step='persistent' runs the XLA step" in caplog.text
     out = capsys.readouterr().out
     assert len([ln for ln in out.splitlines() if ln.startswith("tokens:")][0].split()) == 1 + 4
+    device = [ln for ln in out.splitlines() if ln.startswith("device:")][0]
+    assert "step=xla (persistent asked: the persistent step is a CUDA kernel" in device, device
 
 
 @pytest.mark.parametrize("loop", LOOPS)

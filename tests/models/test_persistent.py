@@ -158,6 +158,16 @@ def test_cpu_mesh_runs_the_xla_step_and_says_why(fp8_model, caplog, monkeypatch)
         dec.generate(np.array([1, 2, 3], np.int32), 2)
     assert not calls
     assert "runs the XLA step" in caplog.text and "CUDA kernel" in caplog.text
+    assert dec.step_kind == "xla" and "CUDA kernel" in dec.step_reason  # asked after the log too
+    assert _decoder(cfg, mesh, params, "xla").step_reason is None
+
+
+def test_step_kind_says_what_runs(fp8_model, cpu_reference):
+    """Where the persistent step can run (on the CPU: through the op's reference handler),
+    step_kind says so and step_reason is None."""
+    cfg, mesh, params = fp8_model
+    dec = _decoder(cfg, mesh, params, "persistent")
+    assert (dec.step_kind, dec.step_reason) == ("persistent", None)
 
 
 def test_step_option_is_checked():
