@@ -371,7 +371,8 @@ def _print_setup(args, sifar_why, family, dec, cache_dir, warmup, cache_use, sto
     import jax
 
     config = dec.config
-    step = dec.step_kind + (f" (persistent asked: {dec.step_reason})" if dec.step_reason else "")
+    why = dec.step_reason
+    step = f"xla (persistent asked: {why})" if why else dec.step_kind
     fp8_checkpoint = getattr(config, "quantization", None) is not None  # an FP8 checkpoint's
     ar = args.allreduce + (f"/{args.algorithm}" if "sifar" in args.allreduce else "")
     if args.allreduce == "identity":

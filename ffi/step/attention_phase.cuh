@@ -109,7 +109,7 @@ __device__ __forceinline__ void Attention(const StepParams& P, int l, float* sm,
           reinterpret_cast<const uint4*>(kbase + static_cast<size_t>(jb + (live ? lane : nk - 1)) * D);
       uint4 kc[D / 8];
 #pragma unroll
-      for (int c = 0; c < D / 8; ++c) kc[c] = krow[c];  // L1: a lane's two 16-byte halves of a sector
+      for (int c = 0; c < D / 8; ++c) kc[c] = krow[c];  // through L1: both halves of a sector
       float sc[G];
 #pragma unroll
       for (int g = 0; g < G; ++g) sc[g] = 0.0f;

@@ -6,9 +6,10 @@
 // after layer, into a ring of shared-memory stages (ring_gemv.cuh: bulk copies, mbarriers); it
 // runs ahead of the consumers across the barriers, the attention and the norms, bounded only by
 // the ring (the weights never depend on the activations). A GEMV phase's rows are fp8_matvec's
-// lanes-32 sums (the same bits; bf16 weights, kBf16, in the same order of 16-byte chunks). The attention splits each KV head's keys into up to kMaxSplits
-// ranges, one block each; a range's partial softmax goes to the workspace and the head's last
-// block (an atomic count per layer and head) merges them in split order. Every wait is bounded
+// lanes-32 sums (the same bits; bf16 weights, kBf16, in the same order of 16-byte chunks).
+// The attention splits each KV head's keys into up to kMaxSplits ranges, one block each; a
+// range's partial softmax goes to the workspace and the head's last block (an atomic count per
+// layer and head) merges them in split order. Every wait is bounded
 // (device_math.cuh, Deadline) and traps past it: a lost block is a failed launch (an error
 // from XLA), never a hang.
 // Virtual ranks (kTP, ranks > 1: llama_step.h): the grid's blocks split into `ranks` equal

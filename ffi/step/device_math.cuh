@@ -1,7 +1,6 @@
 // What every phase of the persistent step shares: block geometry, a GEMV's descriptor and
-// scale, bf16 rounding, the FP8 and bf16 chunk products (fp8_matvec's order), the input's shared-memory
-// swizzle, bounded waits, the consumers' block barrier,
-// the warp butterfly. (Device functions only; the kernel is ffi/step/cuda_llama_step.cu.)
+// scale, bf16 rounding, the FP8 and bf16 chunk products (fp8_matvec's order), the input's
+// shared-memory swizzle, bounded waits, the consumers' block barrier, the warp butterfly. (Device functions only; the kernel is ffi/step/cuda_llama_step.cu.)
 #pragma once
 
 #include <cuda_bf16.h>

@@ -1,7 +1,8 @@
 // The Llama step's checks (PlanLlamaStep: both backends run them), its workspace layout and
 // its CPU backend: the phases of llama_step.h in plain loops, each GEMV in fp8_matvec's
-// summation order (the CUDA kernel's bits, e4m3 or bf16 weights), each norm's sum of squares in the kernel's block
-// order; the attention in one pass per head (the kernel splits it: not the same bits).
+// summation order (the CUDA kernel's bits, e4m3 or bf16 weights), each norm's sum of squares
+// in the kernel's block order; the attention in one pass per head (the kernel splits it: not
+// the same bits).
 #include "step/llama_step.h"
 
 #include <algorithm>

@@ -29,7 +29,6 @@ constexpr int kStageBytes = 32 * 1024;                 // bytes per stage
 constexpr int kSlab = kStageBytes / kRingRows;         // one row's bytes per stage
 constexpr int kSlabChunks = kSlab / 16;                // 16-byte chunks of a row per stage
 static_assert(kSlabChunks % 32 == 0, "lane l's chunks of a row must stay l + 32 i");
-static_assert(kSlabChunks % 16 == 0, "a bf16 slab must start at a group whose swizzle phase is 0");
 static_assert(kWarpRows % 2 == 0 && kRingRows <= 32, "gate_up's pairs in a warp; a lane per row");
 
 // The ring in this block's shared memory, and this thread's place in its stage sequence.
@@ -132,8 +131,8 @@ __device__ __forceinline__ void Produce(MatAt mat_at, int layers, Ring& ring) {
 // weights e4m3 or (kBf16) bf16: a 16-byte chunk is 16 or 8 weights, 4 or 2 of xs's quads (a
 // bf16 chunk c is half h = c & 1 of the 16-input group c >> 1: its quads XQuad(c >> 1, 2h),
 // XQuad(c >> 1, 2h + 1), which a warp's 8-lane phases also read from distinct banks). m.k (in
-// bytes) is a multiple of 16 (PlanLlamaStep checks it): a slab is whole chunks. Warp w owns the slots
-// kWarpRows * w + i of each round. Per item, lane 0 calls pre(item) -> float2 when the item's
+// bytes) is a multiple of 16 (PlanLlamaStep checks it): a slab is whole chunks. Warp w owns the
+// slots kWarpRows * w + i of each round. Per item, lane 0 calls pre(item) -> float2 when the item's
 // round starts (what its epilogue reads from global memory: a scale, the residual; the loads'
 // latency hides under the round) and epi(item, sum of its row, sum of its second row (gate_up's
 // up) or 0, pre's value) when the round ends. A full slab's chunks are one branch-free block
@@ -164,8 +163,8 @@ __device__ __forceinline__ void RingGemv(const Mat& m, Ring& ring, const float4*
       MbarWait(ring.full + st, (ring.n / ring.stages) & 1);
       const int chunks = min(kSlab, m.k - s * kSlab) / 16;
       const uint4* w = reinterpret_cast<const uint4*>(ring.buf + st * kStageBytes + R * warp * kSlab);
-      // The slab's inputs: its first group, kQ * s * kSlabChunks / 4, is a multiple of 8 (the
-      // static_assert below), so XQuad's swizzle of a local group is the global group's.
+      // The slab's inputs: its first group, kQ * s * kSlabChunks / 4, is a multiple of 8
+      // (kSlabChunks % 32 == 0, asserted above), so a local group's swizzle is the global one's.
       const float4* x = xs + kQ * s * kSlabChunks;
       // Chunk c's input quad j (the kernel's bf16 rows read a half group each).
       const auto quad = [&](int c, int j) {
