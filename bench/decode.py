@@ -34,6 +34,7 @@ from models.sharding import KV_LAYOUTS  # noqa: E402
 from models.tp import ALLREDUCE_KINDS, fused_add_norm_available  # noqa: E402
 from models.decode import LOOPS, SIFAR_KINDS, Decoder, make_mesh  # noqa: E402
 from models.options import DecodeOptions  # noqa: E402
+from models.quantize import to_rows  # noqa: E402
 from models.qwen3_moe import MOE_IMPLS  # noqa: E402
 
 
@@ -84,8 +85,10 @@ def parse_args(argv=None):
              "on one device, TP=1, no all-reduce")
     add("--moe-impl", choices=MOE_IMPLS, default=None, help="an MoE preset's expert computation")
     add("--dtype", default=None, help="default: bfloat16 on GPU, the preset's on CPU")
-    add("--weights", choices=("bf16", "fp8"), default="bf16",
-        help="fp8: the projections quantized to e4m3 per channel (bf16: dense, in --dtype)")
+    add("--weights", choices=("bf16", "rows", "fp8"), default="bf16",
+        help="fp8: the projections quantized to e4m3 per channel; rows: dense, held as [N, K] "
+             "rows (models.to_rows), the layout the persistent step streams, which the XLA "
+             "rows read too (bf16: dense, in --dtype, the einsum layout)")
     add("--allreduce", default="psum,sifar,identity",
         help="comma list of psum, sifar, identity, sifar:<algorithm>, sifar_buffers[:<algorithm>]")
     add("--baselines", default=",".join(BASELINE_ALGORITHMS),
@@ -200,6 +203,7 @@ def settings(args, platform: str, n_devices: int) -> dict:
         "shapes": args.shapes,
         "dtype": dtype,
         "weights": "fp8" if args.weights == "fp8" else dtype,  # each record's "weights"
+        "weight_layout": {"fp8": "rows", "rows": "rows"}.get(args.weights, "einsum"),
         "batch": _ints(" ".join(args.batch)) if args.batch else ([1, 2] if quick else [1, 2, 4, 8]),
         "context": (_ints(" ".join(args.context)) if args.context
                     else ([256, 512] if quick else [1024, 4096, 16384])),
@@ -223,8 +227,9 @@ def settings(args, platform: str, n_devices: int) -> dict:
     }
     wanted = {f"sifar:{a}" for a in _baseline_algorithms(args)}
     s["baselines"] = [v[0] for v in s["variants"] if v[0] in wanted]
-    if args.weights == "fp8" and (args.ttft or args.ttft_only):
-        raise SystemExit("--ttft runs dense weights only (bench/ttft.py): not with --weights fp8")
+    if args.weights != "bf16" and (args.ttft or args.ttft_only):
+        raise SystemExit(f"--ttft runs dense weights only (bench/ttft.py): not with --weights "
+                         f"{args.weights}")
     if args.shapes == "tp2_rank":
         config = tp2_rank_config(config)
     s["config"] = config.replace(dtype=dtype, max_seq_len=max(s["context"]))
@@ -454,6 +459,7 @@ def make_record(variant, loop: str, tp: int, batch: int, context: int, s, second
            "tpot_ms_median": round(med, 4), "tpot_ms_p99": round(common.percentile(ms, 99), 4),
            "tokens_per_s": round(batch * 1e3 / med, 2), "tpot_samples": len(ms), "kind": kind,
            "algorithm": alg, "preset": s["preset"], "dtype": s["dtype"], "weights": s["weights"],
+           "weight_layout": s["weight_layout"],
            "moe_impl": getattr(s["config"], "moe_impl", None),
            "start_position": context - steps_needed(loop, s) - 1, "steps": steps_needed(loop, s),
            "generated": [int(t[0]) for t in tokens]}  # sequence 0
@@ -592,6 +598,8 @@ def run(s, devices, on_record) -> list[dict]:
         try:
             params = common.block(families.family_of(config).random_params(
                 config, mesh, seed=s["seed"], quantize="fp8" if s["weights"] == "fp8" else None))
+            if s["weights"] != "fp8" and s["weight_layout"] == "rows":
+                params = to_rows(params, config, donate=True)
         except ValueError as e:  # a model this TP size cannot split or quantize: say so, no trace
             raise SystemExit(f"bench.decode: TP={tp}: {e}") from None
         used_sifar = any(case[3][1] in SIFAR_KINDS for case in mine)
@@ -887,7 +895,8 @@ def describe_run(s) -> str:
     c = s["config"]
     moe = (f", {c.num_experts} experts top-{c.num_experts_per_tok} ({c.moe_impl})"
            if hasattr(c, "moe_impl") else "")
-    fp8 = ", FP8 weights (e4m3, per-channel scales)" if s["weights"] == "fp8" else ""
+    fp8 = (", FP8 weights (e4m3, per-channel scales)" if s["weights"] == "fp8" else
+           ", the projections held as [N, K] rows" if s["weight_layout"] == "rows" else "")
     return (f"{s['preset']} ({c.num_layers} layers, hidden {c.hidden_size}{moe}, {s['dtype']}"
             f"{fp8}), random weights and KV cache; loops {','.join(s['loops'])} at batch 1, KV length "
             f"{s['context'][0]}; sweep ({','.join(s['sweep_loops']) or 'none'}) batch "
@@ -954,7 +963,7 @@ def write_outputs(args, s, env, records, platform, final: bool):
     gpu, host, order = platform == "gpu", env["host"], label_order(s)
     d = out_dir(args, platform)
     records = with_baseline(records, s)
-    stem = "decode-fp8" if args.weights == "fp8" else "decode"  # an FP8 run beside a bf16 one
+    stem = {"fp8": "decode-fp8", "rows": "decode-rows"}.get(args.weights, "decode")  # side by side
     json_path = common.write_json(common.results_path(d, stem, host, ".json"), records)
     notes = ([] if gpu else [CPU_NOTE]) + [describe_run(s) + ".", METHOD_NOTE]
     notes += [floor_note(s)] if gpu else []

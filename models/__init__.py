@@ -13,7 +13,7 @@ _EXPORTS = {
     "ModelFamily": "family", "FAMILIES": "families", "family_of": "families",
     "make_allreduce": "tp",
     "load_hf_checkpoint": "families", "save_hf_checkpoint": "families",
-    "random_params": "families",
+    "random_params": "families", "to_rows": "quantize", "from_rows": "quantize",
     "to_hf_tensors": "weights",
     "Decoder": "decode", "make_mesh": "decode", "LOOPS": "decode", "Sampling": "sampling",
     "DecodeOptions": "options", "Layout": "family",

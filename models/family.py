@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from . import checkpoint, random_weights, sharding
-from .quant import Fp8Weight, is_fp8
+from .quant import Fp8Weight, RowWeight, is_projection
 
 
 class ModelConfig(Protocol):
@@ -148,25 +148,26 @@ class _Sizes:
     its fields)."""
 
     def dense_shapes(self, params: dict) -> dict:
-        """Each parameter's shape, an Fp8Weight's as its einsum weight's (the dense layout)."""
+        """Each parameter's shape, an Fp8Weight's or RowWeight's as its einsum weight's (the
+        dense layout)."""
         def shape(path, a):
-            if isinstance(a, Fp8Weight):
+            if is_projection(a):
                 return self.projections[sharding.leaf_name(path)].einsum_shape(a)
             return tuple(a.shape)
 
-        return jax.tree_util.tree_map_with_path(shape, params, is_leaf=is_fp8)
+        return jax.tree_util.tree_map_with_path(shape, params, is_leaf=is_projection)
 
     def local_bytes(self, params: dict, tp: int, axis_name: str = "tp") -> dict:
         """Per parameter (arrays or ShapeDtypeStructs, global shapes; an Fp8Weight: its e4m3
         values plus its scales), the bytes one rank of a tp-way layout holds of it."""
         def one(path, a, spec):
-            parts = [(a.q, spec.q), (a.scale, spec.scale)] if isinstance(a, Fp8Weight) else [
-                (a, spec)]
+            parts = ([(a.q, spec.q), (a.scale, spec.scale)] if isinstance(a, Fp8Weight) else
+                     [(a.w, spec.w)] if isinstance(a, RowWeight) else [(a, spec)])
             return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
                        // (tp if axis_name in tuple(s) else 1) for x, s in parts)
 
         return jax.tree_util.tree_map_with_path(one, params, self.param_specs(params, axis_name, tp),
-                                                is_leaf=is_fp8)
+                                                is_leaf=is_projection)
 
     def step_weight_bytes(self, layout: Layout, params: Any = None) -> int:
         """Parameter bytes one rank reads in a batch-1 decode step (a step's memory floor, beside
@@ -237,8 +238,9 @@ class _HFCheckpoints:
         """Write config.json and model.safetensors (or num_shards files plus
         model.safetensors.index.json) in Hugging Face's layout."""
         from .fp8_load import fp8_to_hf  # Fp8Weight leaves: in the layout they came from
+        from .quantize import from_rows  # RowWeight leaves: as the dense weights they hold
 
-        tensors, qc = fp8_to_hf(self, params, config)
+        tensors, qc = fp8_to_hf(self, from_rows(params, self), config)
         hf = config.to_hf_config()
         if qc is not None:
             hf["quantization_config"] = qc

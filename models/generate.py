@@ -89,8 +89,9 @@ def _parser(algorithms: tuple, sifar_why: str | None) -> argparse.ArgumentParser
                         "(models/quantize.py); norms, embedding and router stay in --dtype")
     p.add_argument("--step", default="xla", choices=("xla", "persistent"),
                    help="persistent: each one-token step as one sifar_jax.llama_step call (a "
-                        "persistent kernel; Llama, TP=1, FP8 weights on a GPU; elsewhere the "
-                        "XLA step runs and says why)")
+                        "persistent kernel; Llama, TP=1, on a GPU, FP8 weights or bf16 ones "
+                        "held as rows, which both steps read; elsewhere the XLA step runs and "
+                        "says why)")
     p.add_argument("--max-seq-len", type=int, help="KV cache length (default: the request, "
                                                    "rounded up to a power of two)")
     p.add_argument("--seed", type=int, default=0, help="random weights, prompt and sampling")
@@ -319,7 +320,7 @@ def _decoder(args, family, config):
     """(the Decoder, seconds making or loading the weights, the compilation cache's dir)."""
     import jax
 
-    from . import compile_cache
+    from . import compile_cache, persistent
     from .decode import Decoder, make_mesh
     from .options import DecodeOptions
 
@@ -347,6 +348,8 @@ def _decoder(args, family, config):
         options = DecodeOptions(allreduce=args.allreduce, algorithm=args.algorithm,
                                 fused=args.fused, slot_bytes=args.slot_bytes,
                                 max_seq_len=args.max_seq_len, step=args.step)
+        # --step persistent on dense bf16 weights: the projections as rows, read by both steps
+        params = persistent.rows_for_step(family, config, mesh, options, params)
         return Decoder(config, mesh, params, options), weights_s, cache_dir
     except (ValueError, NotImplementedError) as e:
         raise UserError(str(e)) from None

@@ -1,16 +1,17 @@
 """The persistent decode step (DecodeOptions(step="persistent")): a Llama model's batch-1 step
 of one token as ONE op, sifar_jax.llama_step (on CUDA GPUs one cooperative launch of a
-persistent kernel, no kernel boundary between the layers), with an untied FP8 LM head inside
-it (a bf16 or tied head runs in XLA on the op's output).
+persistent kernel, no kernel boundary between the layers), with an untied LM head of the
+layers' weight type inside it (a tied head, or one of another type, runs in XLA on the op's
+output).
 
 It serves what its kernel serves: the Llama family, TP=1 (the all-reduce phase of a TP model
 runs only between virtual ranks on one GPU: make_step_forward's virtual_ranks), batch 1, the
-"bhsd" cache in bf16, FP8 projections with per-channel or per-tensor scales, head_dim 128, 1-4
-or 8 query heads per KV head. (The op also takes bf16 weights, as [N, K] rows; a bf16
-decoder's projections are [K, N], the layout its XLA step reads, so it runs the XLA step rather
-than hold the weights twice.) Anything else (and any GPU-less platform, where the op's CPU
-handler is a reference, not a speed-up) runs the XLA step; `reason` says why, and the decoder
-logs it once.
+"bhsd" cache in bf16, head_dim 128, 1-4 or 8 query heads per KV head, and projections that are
+all FP8 (Fp8Weight, per-channel or per-tensor scales) or all bf16 rows (RowWeight:
+models.to_rows; a dense model's [K, N] einsum weights are the XLA step's layout, and the op
+reads [N, K] rows, so the decoder does not hold both: both steps read the rows). Anything else
+(and any GPU-less platform, where the op's CPU handler is a reference, not a speed-up) runs the
+XLA step; `reason` says why, and the decoder logs it once.
 Prefills and chunks of several tokens always run the XLA forward. The two steps write the same
 cache: a decoder may switch between them at any token.
 """
@@ -25,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from .attention import rope_cos_sin, rope_inv_freq
-from .quant import Fp8Weight
+from .quant import Fp8Weight, RowWeight
 from .tp import project
 
 log = logging.getLogger(__name__)
@@ -77,18 +78,26 @@ def reason(family, layout, mesh: Mesh, options, params: Any) -> Optional[str]:
     if c.hidden_size % 16 or c.intermediate_size % 16:
         return "hidden_size and intermediate_size must be multiples of 16 (the FP8 GEMV's unit)"
     layers = params.get("layers", {})
+    kinds = set()
     for i in range(c.num_layers):
         for group, name in _PROJECTIONS:
             w = layers[i][group][name]
-            if not isinstance(w, Fp8Weight):
-                return (f"layer {i} {group}.{name} is {jnp.dtype(w.dtype).name}: the decoder's "
-                        f"persistent step streams FP8 weights (load with quantize='fp8' or an "
-                        f"FP8 checkpoint); its bf16 projections are [K, N], XLA's layout, and the "
-                        f"op (sifar_jax.llama_step) reads [N, K] rows, which would be a second "
-                        f"copy of the weights, so bf16 weights run the XLA step")
-            if not _row_scales(w):
+            if isinstance(w, RowWeight):
+                if jnp.dtype(w.dtype) != jnp.bfloat16:
+                    return (f"layer {i} {group}.{name} is {jnp.dtype(w.dtype).name} rows: the "
+                            f"persistent step streams bf16 or FP8 weights")
+            elif not isinstance(w, Fp8Weight):
+                return (f"layer {i} {group}.{name} is {jnp.dtype(w.dtype).name} [K, N], the "
+                        f"einsum layout; the persistent step streams [N, K] rows: hold the "
+                        f"projections as rows (models.to_rows(params, config, donate=True): "
+                        f"both steps read them) or as FP8 (load with quantize='fp8')")
+            elif not _row_scales(w):
                 return (f"layer {i} {group}.{name} has block scales {w.block}: the persistent "
                         f"step takes per-channel or per-tensor scales")
+            kinds.add(type(w))
+    if len(kinds) > 1:
+        return ("the projections mix FP8 and bf16 rows: the persistent step streams one weight "
+                "type")
     return None
 
 
@@ -97,8 +106,11 @@ def _row_scales(w: Fp8Weight) -> bool:
     return w.scale.size == 1 or (w.block[0] == 1 and w.scale.shape[-1] == 1)
 
 
-def _fp8_operands(w: Fp8Weight):
-    """(e4m3 [N, K], float32 scale [N] or [1]): a projection as the op takes it."""
+def _operands(w):
+    """(weight [N, K], float32 scale [N] or [1]): a projection as the op takes it (an
+    Fp8Weight's e4m3 values and scales; a RowWeight's bf16 rows and a scale of one)."""
+    if isinstance(w, RowWeight):
+        return w.rows(), jnp.ones((1,), jnp.float32)
     q2, s2, _ = w.kernel_operands()
     return q2, s2.reshape(-1).astype(jnp.float32)
 
@@ -106,19 +118,24 @@ def _fp8_operands(w: Fp8Weight):
 def _layer_operands(block) -> "sifar_jax.LlamaLayer":
     import sifar_jax
 
-    qkv, qkv_s = _fp8_operands(block.attn.qkv[...])
-    o, o_s = _fp8_operands(block.attn.o[...])
-    gu, gu_s = _fp8_operands(block.mlp.gate_up[...])
-    dn, dn_s = _fp8_operands(block.mlp.down[...])
+    qkv, qkv_s = _operands(block.attn.qkv[...])
+    o, o_s = _operands(block.attn.o[...])
+    gu, gu_s = _operands(block.mlp.gate_up[...])
+    dn, dn_s = _operands(block.mlp.down[...])
     return sifar_jax.LlamaLayer(block.input_norm.weight[...], qkv, qkv_s, o, o_s,
                                 block.post_norm.weight[...], gu, gu_s, dn, dn_s)
 
 
 def _head_operands(model, c):
-    """The op's head operands when the LM head is untied FP8 with per-row or per-tensor
-    scales (the kernel streams it); else None (the head runs in XLA on the op's h)."""
+    """The op's head operands when the LM head is untied and of the layers' weight type (FP8
+    with per-row or per-tensor scales, or bf16 rows): the kernel streams it; else None (the
+    head runs in XLA on the op's h)."""
     w = None if c.tie_word_embeddings else model.lm_head[...]
-    return _fp8_operands(w) if isinstance(w, Fp8Weight) and _row_scales(w) else None
+    kind = type(model.layers[0].attn.qkv[...])
+    if isinstance(w, kind) and (isinstance(w, RowWeight) and jnp.dtype(w.dtype) == jnp.bfloat16
+                                or isinstance(w, Fp8Weight) and _row_scales(w)):
+        return _operands(w)
+    return None
 
 
 def make_step_forward(family, layout, options, virtual_ranks: int = 1, allreduce: str = "sifar"):
@@ -176,3 +193,28 @@ def step_forward_or_none(family, layout, mesh: Mesh, options, params: Any):
             log.warning("step='persistent' runs the XLA step: %s", why)
         return None
     return make_step_forward(family, layout, options)
+
+
+def rows_for_step(family, config, mesh: Mesh, options, params: Any) -> Any:
+    """params as the persistent step wants them: where options.step is "persistent" and the
+    step would run on the projections as rows but not as they are (dense bf16 [K, N]), the
+    projections moved to rows in place (quantize.to_rows, donate=True: the einsum-layout
+    weights are deleted); else params as they are. For callers that own the params (the CLI,
+    the benchmarks); a Decoder never changes the params it is given."""
+    import jax
+
+    from .quantize import to_rows
+
+    if getattr(options, "step", "xla") != "persistent":
+        return params
+    layout = family.layout(config, mesh.shape[options.axis_name])
+    opts = options.resolve(mesh)
+    if reason(family, layout, mesh, opts, params) is None:
+        return params
+    try:
+        rows = jax.eval_shape(lambda p: to_rows(p, family), params)
+    except ValueError:  # FP8 weights, an MoE's stacks: not for rows
+        return params
+    if reason(family, layout, mesh, opts, rows) is not None:
+        return params
+    return to_rows(params, family, axis_name=options.axis_name, donate=True)

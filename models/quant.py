@@ -10,6 +10,11 @@ block and the dims' split are static.
 
 On CUDA GPUs `project` runs sifar_jax.fp8_matvec (the weight read once, in FP8); elsewhere
 XLA's dequantize-and-dot (the same product, float32 sums).
+
+`RowWeight` is a dense projection in the same output-major layout, without scales: the [N, K]
+rows the persistent step (sifar_jax.llama_step) streams, held once for both steps. `project`
+reads it as an einsum over its dims in their stored order (XLA's dot takes the contracted dims
+last; nothing is transposed or copied).
 """
 
 from __future__ import annotations
@@ -88,12 +93,79 @@ class Projection:
         """The dim of q that is the einsum weight's `dim`."""
         return self.q_perm(ndim).index(dim)
 
-    def einsum_shape(self, w: "Fp8Weight") -> tuple[int, ...]:
-        """The einsum weight's shape of an Fp8Weight."""
-        perm, shape = self.q_perm(w.q.ndim), [0] * w.q.ndim
+    def einsum_shape(self, w) -> tuple[int, ...]:
+        """The einsum weight's shape of an Fp8Weight or a RowWeight."""
+        q = w.q if isinstance(w, Fp8Weight) else w.w
+        perm, shape = self.q_perm(q.ndim), [0] * q.ndim
         for j, d in enumerate(perm):
-            shape[d] = w.q.shape[j]
+            shape[d] = q.shape[j]
         return tuple(shape)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclass(frozen=True)
+class RowWeight:
+    """A dense projection stored output-major: w [*out, *in] in the model's dtype (quantize.py,
+    to_rows), the layout of an Fp8Weight's q."""
+    w: jax.Array  # [*out, *in]
+    n_in: int  # how many trailing dims of w are contracted
+
+    def tree_flatten(self):
+        return (self.w,), (self.n_in,)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    def __getitem__(self, idx):  # nnx.Param(...)[...] returns the weight itself
+        if idx is not Ellipsis:
+            raise TypeError("RowWeight supports only [...]")
+        return self
+
+    @property
+    def dtype(self):
+        return self.w.dtype
+
+    @property
+    def out_dims(self) -> tuple[int, ...]:
+        return tuple(self.w.shape[: self.w.ndim - self.n_in])
+
+    @property
+    def in_dims(self) -> tuple[int, ...]:
+        return tuple(self.w.shape[self.w.ndim - self.n_in:])
+
+    def rows(self) -> jax.Array:
+        """The weight as [N, K] rows (local shapes)."""
+        return self.w.reshape(math.prod(self.out_dims), math.prod(self.in_dims))
+
+
+def to_row_weight(w, n_in: int) -> RowWeight:
+    """An einsum-layout weight [*in, *out] (n_in leading contracted dims) -> RowWeight."""
+    xp = np if isinstance(w, np.ndarray) else jnp
+    return RowWeight(xp.transpose(w, tuple(range(n_in, w.ndim)) + tuple(range(n_in))), n_in)
+
+
+def from_row_weight(w: RowWeight) -> jax.Array:
+    """The einsum-layout weight [*in, *out] of a RowWeight."""
+    n_out = w.w.ndim - w.n_in
+    return jnp.transpose(w.w, tuple(range(n_out, w.w.ndim)) + tuple(range(n_out)))
+
+
+def project_rows(equation: str, x: jax.Array, w: RowWeight, rows: int = 1, **kw) -> jax.Array:
+    """jnp.einsum(equation, x, from_row_weight(w)), as an einsum over w as it is stored: the
+    equation's weight subscripts reordered to out then in. rows: as tp.project's (a single
+    row multiplied as `rows` copies, the first result kept)."""
+    xs, ws, out = _parse(equation, w, "a RowWeight")
+    eq = f"{xs},{ws[w.n_in:]}{ws[:w.n_in]}->{out}"
+    if rows > 1 and x.shape[0] * x.shape[1] == 1:
+        return jnp.einsum(eq, jnp.broadcast_to(x, (rows,) + x.shape[1:]), w.w, **kw)[:1]
+    return jnp.einsum(eq, x, w.w, **kw)
+
+
+def is_projection(x) -> bool:
+    """Whether a pytree node is a projection in the kernels' layout (Fp8Weight or RowWeight):
+    the `is_leaf` of trees that hold them."""
+    return isinstance(x, (Fp8Weight, RowWeight))
 
 
 def is_fp8(x) -> bool:
@@ -134,13 +206,13 @@ def dequantize(w: Fp8Weight, dtype=jnp.bfloat16) -> jax.Array:
     return jnp.transpose(full, perm).astype(dtype)
 
 
-def _parse(equation: str, w: Fp8Weight) -> tuple[str, str, str]:
+def _parse(equation: str, w, what: str = "an Fp8Weight") -> tuple[str, str, str]:
     lhs, out = equation.replace(" ", "").split("->")
     xs, ws = lhs.split(",")
     contracted = ws[: w.n_in]
     if (ws[w.n_in:] != out[len(out) - (len(ws) - w.n_in):] or not xs.endswith(contracted)
             or any(c in out for c in contracted)):
-        raise ValueError(f"project: an Fp8Weight needs '...<in>,<in><out>->...<out>' "
+        raise ValueError(f"project: {what} needs '...<in>,<in><out>->...<out>' "
                          f"(the weight's {w.n_in} contracted dims first), got {equation!r}")
     return xs, ws, out
 

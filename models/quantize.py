@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from . import sharding
-from .quant import Fp8Weight, Projection, dequantize, is_fp8, quantize_fp8
+from .quant import (Fp8Weight, Projection, RowWeight, dequantize, from_row_weight, is_fp8,
+                    is_projection, quantize_fp8, to_row_weight)
 from .quant import is_quantized  # noqa: F401 - part of this module's API (docs/reference.md)
 
 QUANTIZE = ("fp8",)  # the --quantize / quantize= choices (None: the model's dtype)
@@ -60,7 +61,8 @@ def dequantize_weight(w: Fp8Weight, proj: Projection, dtype) -> jax.Array:
 def _where_they_lie(fn, ws: list, out_specs):
     """fn(ws) under one jit, its results placed as out_specs(abstract results, mesh) says on the
     mesh of ws' sharded jax.Arrays, or fn(ws) as it is (numpy, abstract values, unsharded)."""
-    leaves = [w.q if isinstance(w, Fp8Weight) else w for w in ws]
+    leaves = [w.q if isinstance(w, Fp8Weight) else w.w if isinstance(w, RowWeight) else w
+              for w in ws]
     sh = leaves[0].sharding if leaves and isinstance(leaves[0], jax.Array) and not isinstance(
         leaves[0], jax.core.Tracer) else None
     if not isinstance(sh, NamedSharding):
@@ -72,7 +74,7 @@ def _where_they_lie(fn, ws: list, out_specs):
 def _map_projections(params: dict, family, pick, fn, out_specs) -> dict:
     """params with fn(leaves, names) in place of the leaves `pick(name, leaf)` selects, all in
     one jit where they lie (_where_they_lie)."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_fp8)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_projection)
     names = [sharding.leaf_name(path) for path, _ in flat]
     todo = [i for i, (_, w) in enumerate(flat) if pick(names[i], w)]
     picked = [names[i] for i in todo]
@@ -114,6 +116,8 @@ def quantize_params(params: dict, family_or_config, *, lm_head: bool = True,
     def pick(name, w):
         if name not in proj or is_fp8(w):
             return False
+        if isinstance(w, RowWeight):
+            raise ValueError(f"quantize_params: {name!r} is a RowWeight: from_rows first")
         if w.ndim <= proj[name].lead + proj[name].n_in:
             raise ValueError(f"quantize_params: {name!r} has shape {tuple(w.shape)}, not a "
                              f"{family.name} projection's: are these params of another family?")
@@ -130,11 +134,65 @@ def quantize_params(params: dict, family_or_config, *, lm_head: bool = True,
                            lambda ws, names: [quantize_weight(w, proj[n]) for w, n in
                                               zip(ws, names)], specs)
     if donate:
-        for a, b in zip(jax.tree.leaves(params, is_leaf=is_fp8),
-                        jax.tree.leaves(out, is_leaf=is_fp8)):
-            if a is not b and isinstance(a, jax.Array):
-                a.delete()
+        _delete_replaced(params, out)
     return out
+
+
+def _delete_replaced(before: dict, after: dict) -> None:
+    """Delete the arrays of `before` that `after` no longer holds (donate=True)."""
+    for a, b in zip(jax.tree.leaves(before, is_leaf=is_projection),
+                    jax.tree.leaves(after, is_leaf=is_projection)):
+        if a is not b and isinstance(a, jax.Array):
+            a.delete()
+
+
+def to_rows(params: dict, family_or_config, *, axis_name: str = "tp",
+            donate: bool = False) -> dict:
+    """`params` (dense, sharded or not) with every projection of the family's table, the LM
+    head included, a RowWeight: the same values stored output-major, the [N, K] rows the
+    persistent step (DecodeOptions(step="persistent")) streams; the XLA step and prefill read
+    the same arrays (tp.project). Weights already RowWeight stay as they are; an Fp8Weight
+    raises. donate: delete the einsum-layout weights once moved (the peak: one weight twice)."""
+    family = _family(family_or_config)
+    proj = family.projections
+
+    def pick(name, w):
+        if name not in proj or isinstance(w, RowWeight):
+            return False
+        if is_fp8(w):
+            raise ValueError(f"to_rows: {name!r} is an Fp8Weight, already in the kernels' "
+                             f"output-major layout")
+        if proj[name].lead:
+            raise ValueError(f"to_rows: {name!r} is a stack of {proj[name].lead} leading dims "
+                             f"(experts); RowWeight is for the dense families' projections")
+        if w.ndim <= proj[name].n_in:
+            raise ValueError(f"to_rows: {name!r} has shape {tuple(w.shape)}, not a "
+                             f"{family.name} projection's: are these params of another family?")
+        return True
+
+    def specs(res, names, mesh):
+        return [sharding.row_spec(w, family.tp_dims.get(n), proj[n], axis_name)
+                for w, n in zip(res, names)]
+
+    out = _map_projections(params, family, pick,
+                           lambda ws, names: [to_row_weight(w, proj[n].n_in) for w, n in
+                                              zip(ws, names)], specs)
+    if donate:
+        _delete_replaced(params, out)
+    return out
+
+
+def from_rows(params: dict, family_or_config, axis_name: str = "tp") -> dict:
+    """Every RowWeight of `params` back to its einsum-layout weight, sharded as the family's
+    dense parameters are (to_rows' inverse, bit for bit)."""
+    family = _family(family_or_config)
+
+    def specs(res, names, mesh):
+        return [sharding.spec_for(n, len(w.shape), family.tp_dims, axis_name)
+                for w, n in zip(res, names)]
+
+    return _map_projections(params, family, lambda name, w: isinstance(w, RowWeight),
+                            lambda ws, names: [from_row_weight(w) for w in ws], specs)
 
 
 def dequantize_params(params: dict, family_or_config, dtype: Any = None,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .quant import Fp8Weight, is_fp8
+from .quant import Fp8Weight, RowWeight, is_fp8, is_projection
 
 # KV cache layouts, by the einsum letters of one layer's keys (or values): b batch, s positions,
 # k kv heads, d head dim. Which one a platform reads in place: default_kv_layout.
@@ -132,21 +132,34 @@ def fp8_spec(w, dim: Optional[int], proj, axis_name: str, tp: int):
     return Fp8Weight(one(w.q.ndim, qdim), one(w.scale.ndim, sdim), w.n_in, w.block)
 
 
+def row_spec(w: RowWeight, dim: Optional[int], proj, axis_name: str) -> RowWeight:
+    """The RowWeight of a PartitionSpec of a RowWeight whose einsum weight is split along `dim`
+    (None: replicated): the einsum weight's spec, permuted as w is (proj: quant.Projection)."""
+    if dim is None:
+        return RowWeight(P(), w.n_in)
+    qdim = proj.q_dim(w.w.ndim, dim)
+    return RowWeight(P(*[axis_name if i == qdim else None for i in range(w.w.ndim)]), w.n_in)
+
+
 def param_specs(params: dict, tp_dims: Mapping[str, int], axis_name: str = "tp",
                 projections: Optional[Mapping[str, Any]] = None, tp: int = 1) -> dict:
     """PartitionSpec pytree for a parameter pytree (arrays or ShapeDtypeStructs); an Fp8Weight
     leaf gets an Fp8Weight of specs (fp8_spec: its family's `projections` entry, and the tp
-    size, which decides whether a block grid lines up with the shards)."""
+    size, which decides whether a block grid lines up with the shards), a RowWeight a RowWeight
+    of one (row_spec)."""
     def spec(path, leaf):
         name = leaf_name(path)
-        if is_fp8(leaf):
+        if is_projection(leaf):
             if not projections or name not in projections:
-                raise ValueError(f"an Fp8Weight at {jax.tree_util.keystr(path)}: {name!r} is "
-                                 f"not a projection of this family (its `projections` table)")
+                raise ValueError(f"a {type(leaf).__name__} at {jax.tree_util.keystr(path)}: "
+                                 f"{name!r} is not a projection of this family (its "
+                                 f"`projections` table)")
+            if isinstance(leaf, RowWeight):
+                return row_spec(leaf, tp_dims.get(name), projections[name], axis_name)
             return fp8_spec(leaf, tp_dims.get(name), projections[name], axis_name, tp)
         return spec_for(name, len(leaf.shape), tp_dims, axis_name)
 
-    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=is_fp8)
+    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=is_projection)
 
 
 def param_shardings(abstract: dict, mesh: Mesh, tp_dims: Mapping[str, int],

@@ -69,11 +69,14 @@ def project(equation: str, x: jax.Array, w: jax.Array, rows: int = 1, **kw) -> j
     slow multiply + reduce or a narrow GEMM that streams the weights more slowly than a two-row
     one (docs/performance.md). The copies change no value of the kept row's inputs.
 
-    An FP8 weight (models/quant.py, Fp8Weight) runs as one FP8 GEMV (rows ignored)."""
-    from .quant import Fp8Weight, project_fp8
+    An FP8 weight (models/quant.py, Fp8Weight) runs as one FP8 GEMV (rows ignored); a RowWeight
+    as an einsum over its stored (output-major) dims."""
+    from .quant import Fp8Weight, RowWeight, project_fp8, project_rows
 
     if isinstance(w, Fp8Weight):
         return project_fp8(equation, x, w, **kw)
+    if isinstance(w, RowWeight):
+        return project_rows(equation, x, w, rows, **kw)
     if rows > 1 and x.shape[0] * x.shape[1] == 1:
         y = jnp.einsum(equation, jnp.broadcast_to(x, (rows,) + x.shape[1:]), w, **kw)
         return y[:1]
@@ -182,6 +185,8 @@ class TPContext:
         weight = norm.weight[...]
         if hasattr(next_weight, "q"):  # an Fp8Weight: its e4m3 values are what is read next
             next_weight = next_weight.q
+        elif hasattr(next_weight, "rows"):  # a RowWeight: its stored array
+            next_weight = next_weight.w
         if self._fused_add_norm is not None:
             self.count += 1
             return self._fused_add_norm(x, residual, weight, self.axis_name, eps=norm.eps,

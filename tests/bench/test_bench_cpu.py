@@ -622,3 +622,20 @@ def test_decode_step_both_labels_the_step_that_ran(tmp_path):
     assert set(by) == {"psum", "persistent"}
     assert by["psum"]["step"] == "xla" and by["persistent"]["step"] == "xla"
     assert by["persistent"]["generated"] == by["psum"]["generated"]
+
+
+def test_decode_rows_weights_are_labelled_and_read_like_dense(tmp_path):
+    """--weights rows: the projections held as [N, K] rows (models.to_rows) for every row of
+    the run; the records say so, and a step reads the dense model's bytes."""
+    from bench import decode as bd
+
+    args = ["--quick", "--tp", "1", "--batch", "1", "--context", "256", "--loops", "pipelined",
+            "--no-sweep", "--allreduce", "psum", "--fused", "off", "--baselines", "none",
+            "--no-trace"]
+    assert bd.main(args + ["--weights", "rows", "--out", str(tmp_path / "rows")]) == 0
+    assert bd.main(args + ["--out", str(tmp_path / "dense")]) == 0
+    (rows,) = json.loads(next((tmp_path / "rows").glob("decode-rows-*.json")).read_text())
+    (dense,) = json.loads(next((tmp_path / "dense").glob("decode-*.json")).read_text())
+    assert (rows["weight_layout"], dense["weight_layout"]) == ("rows", "einsum")
+    assert rows["weights"] == dense["weights"] == rows["dtype"]
+    assert rows["weights_bytes_per_rank"] == dense["weights_bytes_per_rank"]

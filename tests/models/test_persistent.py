@@ -120,7 +120,7 @@ def test_nothing_compiles_after_warmup(fp8_model, cpu_reference, monkeypatch):
 
 
 @pytest.mark.parametrize("change, words", [
-    (dict(weights="bf16"), "bf16 weights run the XLA step"),
+    (dict(weights="bf16"), "models.to_rows"),
     (dict(kv_layout="bshd"), "'bhsd' cache"),
     (dict(batch_size=2), "one sequence"),
     (dict(head_dim=64, num_heads=8), "head_dim=64"),
