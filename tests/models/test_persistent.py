@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import sifar_jax
-from models import Decoder, make_mesh, persistent
+from models import Decoder, make_mesh, persistent, to_rows
 from models.families import FAMILIES
 from models.options import DecodeOptions
 from models.quant import is_fp8
@@ -313,8 +313,10 @@ def test_gpu_bits_equal_cpu_at_the_first_slot():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not any(d.platform == "gpu" for d in jax.devices()), reason="needs a GPU")
-def test_gpu_8b_shapes_against_a_float32_reference():
-    """Llama-3.1-8B shapes (random FP8 weights): teacher-forced logits from random caches at
+@pytest.mark.parametrize("weights", ["fp8", "rows"])
+def test_gpu_8b_shapes_against_a_float32_reference(weights):
+    """Llama-3.1-8B shapes (random FP8 weights, or bf16 ones held as rows: models.to_rows):
+    teacher-forced logits from random caches at
     positions up to 16K, each bf16 step against the float32 reference (RATIO_8B: the largest
     error over all positions, the rms error at each); then 256
     greedy steps (both steps fed the XLA step's token) with equal tokens up to the first step
@@ -322,8 +324,12 @@ def test_gpu_8b_shapes_against_a_float32_reference():
     near-tie, which bf16 roundings may break either way)."""
     cfg = LLAMA.preset("llama3_8b", max_seq_len=16384)
     mesh = make_mesh(1)
-    params = LLAMA.random_params(cfg, mesh, seed=11, quantize="fp8")
+    if weights == "fp8":
+        params = LLAMA.random_params(cfg, mesh, seed=11, quantize="fp8")
+    else:
+        params = to_rows(LLAMA.random_params(cfg, mesh, seed=11), cfg, donate=True)
     decs = {s: _decoder(cfg, mesh, params, s) for s in ("xla", "persistent")}
+    assert decs["persistent"].step_kind == "persistent", decs["persistent"].step_reason
     rng = np.random.default_rng(0)
     seqs = {start: rng.integers(0, cfg.vocab_size, 8, dtype=np.int32) for start in (0, 1000, 8191, 16370)}
 
@@ -339,7 +345,7 @@ def test_gpu_8b_shapes_against_a_float32_reference():
 
     out = {start: {s: teacher_forced(dec, start) for s, dec in decs.items()} for start in seqs}
     p32 = jax.tree_util.tree_map(lambda a: a if is_fp8(a) else a.astype(jnp.float32), params,
-                                 is_leaf=is_fp8)
+                                 is_leaf=is_fp8)  # a RowWeight's rows too
     ref = _decoder(LLAMA.preset("llama3_8b", max_seq_len=16384, dtype="float32"), mesh, p32, "xla")
     dist, rms = {s: {} for s in decs}, {s: {} for s in decs}  # by step and start, of the reference
     for start in seqs:
@@ -363,9 +369,9 @@ def test_gpu_8b_shapes_against_a_float32_reference():
         equal += 1
         tok = int(lx.argmax())
     for name, d in (("largest error, of the largest logit", dist), ("rms error, of the rms logit", rms)):
-        print(f"8b: distance from the float32 reference by start position ({name}): "
+        print(f"8b {weights}: distance from the float32 reference by start position ({name}): "
               + "; ".join(f"{s} " + ", ".join(f"{p}: {v:.3e}" for p, v in d[s].items()) for s in decs))
-    print(f"8b: greedy {equal} of 256 equal"
+    print(f"8b {weights}: greedy {equal} of 256 equal"
           + (f", then a near-tie at step {tie[0]} (top-2 margin {tie[1]:.2e})" if tie else ""))
     assert worst["persistent"] <= RATIO_8B * worst["xla"], dist
     for start in seqs:
