@@ -34,6 +34,7 @@ from models.sharding import KV_LAYOUTS  # noqa: E402
 from models.tp import ALLREDUCE_KINDS, fused_add_norm_available  # noqa: E402
 from models.decode import LOOPS, SIFAR_KINDS, Decoder, make_mesh  # noqa: E402
 from models.options import DecodeOptions  # noqa: E402
+from models.quant import is_projection  # noqa: E402
 from models.quantize import to_rows  # noqa: E402
 from models.qwen3_moe import MOE_IMPLS  # noqa: E402
 
@@ -459,7 +460,6 @@ def make_record(variant, loop: str, tp: int, batch: int, context: int, s, second
            "tpot_ms_median": round(med, 4), "tpot_ms_p99": round(common.percentile(ms, 99), 4),
            "tokens_per_s": round(batch * 1e3 / med, 2), "tpot_samples": len(ms), "kind": kind,
            "algorithm": alg, "preset": s["preset"], "dtype": s["dtype"], "weights": s["weights"],
-           "weight_layout": s["weight_layout"],
            "moe_impl": getattr(s["config"], "moe_impl", None),
            "start_position": context - steps_needed(loop, s) - 1, "steps": steps_needed(loop, s),
            "generated": [int(t[0]) for t in tokens]}  # sequence 0
@@ -491,6 +491,13 @@ def sifar_fields(before) -> dict:
     except Exception as e:  # noqa: BLE001 - recorded and reported, the run goes on
         out["sifar_check"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def weight_layout(params) -> str:
+    """How the params the decoder holds store their projections: "rows" (output-major:
+    Fp8Weight or RowWeight leaves) or "einsum"."""
+    return "rows" if any(is_projection(x) for x in jax.tree.leaves(
+        params, is_leaf=is_projection)) else "einsum"
 
 
 def run_variant(config, mesh, params, case, s, bar) -> list[dict]:
@@ -526,7 +533,7 @@ def run_variant(config, mesh, params, case, s, bar) -> list[dict]:
     weights = dec.family.step_weight_bytes(dec.layout, dec.params)
     kv = kv_cache_bytes_per_rank(config, context, tp, batch)
     common_fields = {"setup_s": round(setup_s, 2), "shapes": s["shapes"], "kv_layout": dec.kv_layout,
-                     "step": step_ran(dec),
+                     "step": step_ran(dec), "weight_layout": weight_layout(dec.params),
                      "rows": dec.rows,
                      "gemm_rows": dec.gemm_rows, "attn_impl": dec.attn_impl,
                      "pack_params": dec.pack_params, "arrays_per_call": len(dec.weights.leaves),

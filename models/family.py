@@ -229,9 +229,11 @@ class _HFCheckpoints:
         return config, params
 
     def to_hf_tensors(self, params: dict, config: Any) -> dict:
-        """Our (global) parameters -> HF-named numpy tensors. Gathers to the host: for tests and
-        small models."""
-        return self.hf_loader().to_hf_tensors(params, config)
+        """Our (global) parameters -> HF-named numpy tensors (RowWeight leaves as the dense
+        weights they hold). Gathers to the host: for tests and small models."""
+        from .quantize import from_rows
+
+        return self.hf_loader().to_hf_tensors(from_rows(params, self), config)
 
     def save_hf_checkpoint(self, params: dict, config: Any, path: str, *,
                            num_shards: int = 1) -> None:

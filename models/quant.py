@@ -13,8 +13,9 @@ XLA's dequantize-and-dot (the same product, float32 sums).
 
 `RowWeight` is a dense projection in the same output-major layout, without scales: the [N, K]
 rows the persistent step (sifar_jax.llama_step) streams, held once for both steps. `project`
-reads it as an einsum over its dims in their stored order (XLA's dot takes the contracted dims
-last; nothing is transposed or copied).
+reads it as an einsum over its dims in their stored order: XLA's dot takes the contracted dims
+last. (XLA:CPU transposes some of them back inside its fused dots on every step;
+tests/models/test_row_weights.py checks that XLA:GPU writes no copy of them.)
 """
 
 from __future__ import annotations

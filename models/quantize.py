@@ -71,18 +71,24 @@ def _where_they_lie(fn, ws: list, out_specs):
     return jax.jit(fn, out_shardings=jax.tree.map(lambda s: NamedSharding(sh.mesh, s), specs))(ws)
 
 
-def _map_projections(params: dict, family, pick, fn, out_specs) -> dict:
+def _map_projections(params: dict, family, pick, fn, out_specs, *,
+                     each: Optional[Any] = None) -> dict:
     """params with fn(leaves, names) in place of the leaves `pick(name, leaf)` selects, all in
-    one jit where they lie (_where_they_lie)."""
+    one jit where they lie (_where_they_lie); each(old, new): one jit per leaf instead, each(old,
+    new) called after each (e.g. deleting old: the peak is then one leaf twice)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_projection)
     names = [sharding.leaf_name(path) for path, _ in flat]
     todo = [i for i, (_, w) in enumerate(flat) if pick(names[i], w)]
-    picked = [names[i] for i in todo]
-    out = _where_they_lie(lambda ws: fn(ws, picked), [flat[i][1] for i in todo],
-                          lambda res, mesh: out_specs(res, picked, mesh))
+    groups = [[i] for i in todo] if each is not None else [todo]
     leaves = [w for _, w in flat]
-    for i, w in zip(todo, out):
-        leaves[i] = w
+    for group in groups:
+        picked = [names[i] for i in group]
+        out = _where_they_lie(lambda ws: fn(ws, picked), [flat[i][1] for i in group],
+                              lambda res, mesh: out_specs(res, picked, mesh))
+        for i, w in zip(group, out):
+            leaves[i] = w
+            if each is not None:
+                each(flat[i][1], w)
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
@@ -152,7 +158,8 @@ def to_rows(params: dict, family_or_config, *, axis_name: str = "tp",
     head included, a RowWeight: the same values stored output-major, the [N, K] rows the
     persistent step (DecodeOptions(step="persistent")) streams; the XLA step and prefill read
     the same arrays (tp.project). Weights already RowWeight stay as they are; an Fp8Weight
-    raises. donate: delete the einsum-layout weights once moved (the peak: one weight twice)."""
+    raises. donate: one jit per weight, each einsum-layout weight deleted once its rows exist
+    (the peak: the params and one weight more)."""
     family = _family(family_or_config)
     proj = family.projections
 
@@ -174,12 +181,15 @@ def to_rows(params: dict, family_or_config, *, axis_name: str = "tp",
         return [sharding.row_spec(w, family.tp_dims.get(n), proj[n], axis_name)
                 for w, n in zip(res, names)]
 
-    out = _map_projections(params, family, pick,
-                           lambda ws, names: [to_row_weight(w, proj[n].n_in) for w, n in
-                                              zip(ws, names)], specs)
-    if donate:
-        _delete_replaced(params, out)
-    return out
+    def delete(old, new):  # donate: each einsum-layout weight goes once its rows exist
+        if isinstance(old, jax.Array) and not isinstance(old, jax.core.Tracer):
+            jax.block_until_ready(new)
+            old.delete()
+
+    return _map_projections(params, family, pick,
+                            lambda ws, names: [to_row_weight(w, proj[n].n_in) for w, n in
+                                               zip(ws, names)], specs,
+                            each=delete if donate else None)
 
 
 def from_rows(params: dict, family_or_config, axis_name: str = "tp") -> dict:

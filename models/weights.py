@@ -147,7 +147,11 @@ def stack_to_hf(params: dict, config) -> dict[str, np.ndarray]:
 
 def to_hf_tensors(params: dict, config: LlamaConfig) -> dict[str, np.ndarray]:
     """Our (global) parameters -> HF-named numpy tensors. Gathers to the host: for tests and small
-    models. Parameters laid out with replicated KV heads (LLAMA.layout) give each head once."""
+    models. Parameters laid out with replicated KV heads (LLAMA.layout) give each head once;
+    RowWeight leaves (models.to_rows) as the dense weights they hold."""
+    from .quantize import from_rows
+
+    params = from_rows(params, config)
     out = stack_to_hf(params, config)
     for i in range(config.num_layers):
         mlp = params["layers"][i]["mlp"]
