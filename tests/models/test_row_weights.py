@@ -147,6 +147,22 @@ def test_persistent_step_on_bf16_rows(dense, cpu_reference, monkeypatch):
     np.testing.assert_array_equal(dec.generate(seq[:4], 10), ref.generate(seq[:4], 10))
 
 
+def test_nothing_compiles_after_warmup_on_rows(dense, cpu_reference, monkeypatch):
+    """Decoder.warmup compiles the persistent step on rows with the prefills: streams within
+    its limits compile nothing more and trace no further step."""
+    cfg, mesh, params = dense
+    calls, real = [], sifar_jax.llama_step
+    monkeypatch.setattr(sifar_jax, "llama_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    dec = _decoder(cfg, mesh, to_rows(params, cfg), "persistent")
+    dec.warmup(8, 24, loops=("stream",))
+    traced = len(calls)
+    assert traced
+    rng = np.random.default_rng(2)
+    for n in (3, 8):
+        assert len(list(dec.stream(rng.integers(0, cfg.vocab_size, n, dtype=np.int32), 24))) == 24
+    assert dec.compiles_after_warmup == 0 and len(calls) == traced
+
+
 def test_dense_weights_say_how_to_hold_rows(dense, monkeypatch):
     monkeypatch.setattr(persistent, "backend_reason", lambda mesh: None)
     cfg, mesh, params = dense
