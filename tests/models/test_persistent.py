@@ -23,7 +23,7 @@ import sifar_jax
 from models import Decoder, make_mesh, persistent, to_rows
 from models.families import FAMILIES
 from models.options import DecodeOptions
-from models.quant import is_fp8
+from models.quant import is_projection
 
 BOUND = 2e-2  # of the largest logit
 # At 32 layers (Llama-8B shapes) each bf16 step drifts from float32 by up to ~3e-2 of the
@@ -344,8 +344,10 @@ def test_gpu_8b_shapes_against_a_float32_reference(weights):
         return np.stack([np.asarray(dec.step(np.array([t])), np.float32)[0] for t in seqs[start][1:]])
 
     out = {start: {s: teacher_forced(dec, start) for s, dec in decs.items()} for start in seqs}
-    p32 = jax.tree_util.tree_map(lambda a: a if is_fp8(a) else a.astype(jnp.float32), params,
-                                 is_leaf=is_fp8)  # a RowWeight's rows too
+    # float32 activations on the same weights: the projections stay as they are (FP8, or bf16
+    # rows, which XLA widens inside each dot: 8B of float32 weights would not fit beside them)
+    p32 = jax.tree_util.tree_map(lambda a: a if is_projection(a) else a.astype(jnp.float32),
+                                 params, is_leaf=is_projection)
     ref = _decoder(LLAMA.preset("llama3_8b", max_seq_len=16384, dtype="float32"), mesh, p32, "xla")
     dist, rms = {s: {} for s in decs}, {s: {} for s in decs}  # by step and start, of the reference
     for start in seqs:

@@ -144,7 +144,15 @@ def test_persistent_step_on_bf16_rows(dense, cpu_reference, monkeypatch):
     assert np.isfinite(got).all()
     err = np.abs(got - want).max() / np.abs(want).max()
     assert 0 < err <= BOUND, err
-    np.testing.assert_array_equal(dec.generate(seq[:4], 10), ref.generate(seq[:4], 10))
+    # greedy tokens equal up to the first near-tie: a step whose top-2 margin (the XLA step's
+    # logits on the same tokens) is within BOUND, which bf16 roundings may break either way
+    # (on one H100, 2026-12-06: the 10th token differed)
+    got, want = dec.generate(seq[:4], 10)[0], ref.generate(seq[:4], 10)[0]
+    diff = np.flatnonzero(got != want)
+    if diff.size:
+        lx = ref.teacher_forced_logits(np.concatenate([seq[:4], want[:diff[0]]])[None])[0][-1]
+        top = np.sort(lx)[-2:]
+        assert top[1] - top[0] <= BOUND * np.abs(lx).max(), (diff[0], top, np.abs(lx).max())
 
 
 def test_nothing_compiles_after_warmup_on_rows(dense, cpu_reference, monkeypatch):
