@@ -204,7 +204,7 @@ def settings(args, platform: str, n_devices: int) -> dict:
         "shapes": args.shapes,
         "dtype": dtype,
         "weights": "fp8" if args.weights == "fp8" else dtype,  # each record's "weights"
-        "weight_layout": {"fp8": "rows", "rows": "rows"}.get(args.weights, "einsum"),
+        "to_rows": args.weights == "rows",  # dense weights held as rows (models.to_rows)
         "batch": _ints(" ".join(args.batch)) if args.batch else ([1, 2] if quick else [1, 2, 4, 8]),
         "context": (_ints(" ".join(args.context)) if args.context
                     else ([256, 512] if quick else [1024, 4096, 16384])),
@@ -605,7 +605,7 @@ def run(s, devices, on_record) -> list[dict]:
         try:
             params = common.block(families.family_of(config).random_params(
                 config, mesh, seed=s["seed"], quantize="fp8" if s["weights"] == "fp8" else None))
-            if s["weights"] != "fp8" and s["weight_layout"] == "rows":
+            if s["to_rows"]:
                 params = to_rows(params, config, donate=True)
         except ValueError as e:  # a model this TP size cannot split or quantize: say so, no trace
             raise SystemExit(f"bench.decode: TP={tp}: {e}") from None
@@ -903,7 +903,7 @@ def describe_run(s) -> str:
     moe = (f", {c.num_experts} experts top-{c.num_experts_per_tok} ({c.moe_impl})"
            if hasattr(c, "moe_impl") else "")
     fp8 = (", FP8 weights (e4m3, per-channel scales)" if s["weights"] == "fp8" else
-           ", the projections held as [N, K] rows" if s["weight_layout"] == "rows" else "")
+           ", the projections held as [N, K] rows" if s["to_rows"] else "")
     return (f"{s['preset']} ({c.num_layers} layers, hidden {c.hidden_size}{moe}, {s['dtype']}"
             f"{fp8}), random weights and KV cache; loops {','.join(s['loops'])} at batch 1, KV length "
             f"{s['context'][0]}; sweep ({','.join(s['sweep_loops']) or 'none'}) batch "

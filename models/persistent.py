@@ -82,17 +82,16 @@ def reason(family, layout, mesh: Mesh, options, params: Any) -> Optional[str]:
     for i in range(c.num_layers):
         for group, name in _PROJECTIONS:
             w = layers[i][group][name]
-            if isinstance(w, RowWeight):
-                if jnp.dtype(w.dtype) != jnp.bfloat16:
-                    return (f"layer {i} {group}.{name} is {jnp.dtype(w.dtype).name} rows: the "
-                            f"persistent step streams bf16 or FP8 weights")
-            elif not isinstance(w, Fp8Weight):
+            if not isinstance(w, (RowWeight, Fp8Weight)):
                 return (f"layer {i} {group}.{name} is {jnp.dtype(w.dtype).name} [K, N], the "
                         f"einsum layout; the persistent step streams [N, K] rows: hold the "
                         f"projections as rows (models.to_rows(params, config, donate=True): "
                         f"both steps read them) or as FP8 (load with quantize='fp8')")
-            elif not _row_scales(w):
-                return (f"layer {i} {group}.{name} has block scales {w.block}: the persistent "
+            if not _streamable(w):
+                return (f"layer {i} {group}.{name} is {jnp.dtype(w.dtype).name} rows: the "
+                        f"persistent step streams bf16 or FP8 weights"
+                        if isinstance(w, RowWeight) else
+                        f"layer {i} {group}.{name} has block scales {w.block}: the persistent "
                         f"step takes per-channel or per-tensor scales")
             kinds.add(type(w))
     if len(kinds) > 1:
@@ -101,9 +100,13 @@ def reason(family, layout, mesh: Mesh, options, params: Any) -> Optional[str]:
     return None
 
 
-def _row_scales(w: Fp8Weight) -> bool:
-    """Whether w's scales are per output row or per tensor (the kernel's two kinds)."""
-    return w.scale.size == 1 or (w.block[0] == 1 and w.scale.shape[-1] == 1)
+def _streamable(w) -> bool:
+    """Whether the kernel streams projection w: bf16 rows, or FP8 whose scales are per output
+    row or per tensor (its two kinds of scale)."""
+    if isinstance(w, RowWeight):
+        return jnp.dtype(w.dtype) == jnp.bfloat16
+    return isinstance(w, Fp8Weight) and (
+        w.scale.size == 1 or (w.block[0] == 1 and w.scale.shape[-1] == 1))
 
 
 def _operands(w):
@@ -132,8 +135,7 @@ def _head_operands(model, c):
     head runs in XLA on the op's h)."""
     w = None if c.tie_word_embeddings else model.lm_head[...]
     kind = type(model.layers[0].attn.qkv[...])
-    if isinstance(w, kind) and (isinstance(w, RowWeight) and jnp.dtype(w.dtype) == jnp.bfloat16
-                                or isinstance(w, Fp8Weight) and _row_scales(w)):
+    if isinstance(w, kind) and _streamable(w):
         return _operands(w)
     return None
 
@@ -199,8 +201,8 @@ def rows_for_step(family, config, mesh: Mesh, options, params: Any) -> Any:
     """params as the persistent step wants them: where options.step is "persistent" and the
     step would run on the projections as rows but not as they are (dense bf16 [K, N]), the
     projections moved to rows in place (quantize.to_rows, donate=True: the einsum-layout
-    weights are deleted); else params as they are. For callers that own the params (the CLI,
-    the benchmarks); a Decoder never changes the params it is given."""
+    weights are deleted); else params as they are. For callers that own the params (the CLI);
+    a Decoder never changes the params it is given."""
     import jax
 
     from .quantize import to_rows

@@ -152,15 +152,11 @@ def from_row_weight(w: RowWeight) -> jax.Array:
     return jnp.transpose(w.w, tuple(range(n_out, w.w.ndim)) + tuple(range(n_out)))
 
 
-def project_rows(equation: str, x: jax.Array, w: RowWeight, rows: int = 1, **kw) -> jax.Array:
-    """jnp.einsum(equation, x, from_row_weight(w)), as an einsum over w as it is stored: the
-    equation's weight subscripts reordered to out then in. rows: as tp.project's (a single
-    row multiplied as `rows` copies, the first result kept)."""
+def stored_equation(equation: str, w: RowWeight) -> str:
+    """An einsum equation written for the einsum-layout weight ('...<in>,<in><out>->...<out>'),
+    rewritten for w as it is stored: the weight's subscripts reordered to out then in."""
     xs, ws, out = _parse(equation, w, "a RowWeight")
-    eq = f"{xs},{ws[w.n_in:]}{ws[:w.n_in]}->{out}"
-    if rows > 1 and x.shape[0] * x.shape[1] == 1:
-        return jnp.einsum(eq, jnp.broadcast_to(x, (rows,) + x.shape[1:]), w.w, **kw)[:1]
-    return jnp.einsum(eq, x, w.w, **kw)
+    return f"{xs},{ws[w.n_in:]}{ws[:w.n_in]}->{out}"
 
 
 def is_projection(x) -> bool:

@@ -140,16 +140,11 @@ def quantize_params(params: dict, family_or_config, *, lm_head: bool = True,
                            lambda ws, names: [quantize_weight(w, proj[n]) for w, n in
                                               zip(ws, names)], specs)
     if donate:
-        _delete_replaced(params, out)
+        for a, b in zip(jax.tree.leaves(params, is_leaf=is_projection),
+                        jax.tree.leaves(out, is_leaf=is_projection)):
+            if a is not b and isinstance(a, jax.Array):
+                a.delete()
     return out
-
-
-def _delete_replaced(before: dict, after: dict) -> None:
-    """Delete the arrays of `before` that `after` no longer holds (donate=True)."""
-    for a, b in zip(jax.tree.leaves(before, is_leaf=is_projection),
-                    jax.tree.leaves(after, is_leaf=is_projection)):
-        if a is not b and isinstance(a, jax.Array):
-            a.delete()
 
 
 def to_rows(params: dict, family_or_config, *, axis_name: str = "tp",

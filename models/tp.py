@@ -71,12 +71,12 @@ def project(equation: str, x: jax.Array, w: jax.Array, rows: int = 1, **kw) -> j
 
     An FP8 weight (models/quant.py, Fp8Weight) runs as one FP8 GEMV (rows ignored); a RowWeight
     as an einsum over its stored (output-major) dims."""
-    from .quant import Fp8Weight, RowWeight, project_fp8, project_rows
+    from .quant import Fp8Weight, RowWeight, project_fp8, stored_equation
 
     if isinstance(w, Fp8Weight):
         return project_fp8(equation, x, w, **kw)
     if isinstance(w, RowWeight):
-        return project_rows(equation, x, w, rows, **kw)
+        equation, w = stored_equation(equation, w), w.w
     if rows > 1 and x.shape[0] * x.shape[1] == 1:
         y = jnp.einsum(equation, jnp.broadcast_to(x, (rows,) + x.shape[1:]), w, **kw)
         return y[:1]
