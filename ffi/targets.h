@@ -26,8 +26,9 @@
   X(matvec, "sifar_matvec", CpuMatVec, CudaMatVec, PreloadMatVecKernels)                    \
   /* (x [M, K], w [E, N, K] e4m3, scale, ids [M]) -> y [M, N]: FP8 weights, batch 1..8 */    \
   X(fp8_matvec, "sifar_fp8_matvec", CpuFp8MatVec, CudaFp8MatVec, PreloadFp8MatVecKernels)    \
-  /* (x, rope, pos, final_norm, 10 per layer, cache) -> (h, cache, workspace): a Llama */    \
-  /* decode step with FP8 weights, one persistent kernel on CUDA (step/llama_step.h) */       \
+  /* (x, rope, pos, final_norm, 10 per layer, cache[, head, head scale]) -> (h, cache, */     \
+  /* workspace, logits): a Llama decode step with e4m3 or bf16 weights, one persistent */     \
+  /* kernel on CUDA (step/llama_step.h) */                                                    \
   X(llama_step, "sifar_llama_step", CpuLlamaStep, CudaLlamaStep, PreloadLlamaStepKernels)
 
 namespace sifar {

@@ -2,8 +2,9 @@
 // RMSNorm, qkv, RoPE, KV-cache write, attention, o, residual add, RMSNorm, gate_up, SwiGLU,
 // down, residual add, then the final norm. On CUDA it is one cooperative launch (a
 // persistent kernel: one grid, grid barriers between the phases, no kernel boundary inside
-// the step); on the CPU a reference that runs the same phases in order. The LM head stays
-// outside (XLA's dot or fp8_matvec on the returned hidden state).
+// the step); on the CPU a reference that runs the same phases in order. The LM head is
+// optional: given as the last two operands, the same launch streams it and returns the logits;
+// without it the head stays outside (XLA's dot or fp8_matvec on the returned hidden state).
 //
 // Operands (dtypes checked by PlanLlamaStep):
 //   x [H] bf16 (the token's embedding), rope [2, D] f32 (cos, sin at the token's rotary
