@@ -111,7 +111,8 @@ ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuff
   s.layers = static_cast<int>(layers);
   s.ranks = static_cast<int>(ranks);
   s.eps = eps;
-  if (s.hidden % 16) return Invalid(name + "H must be a multiple of 16");
+  if (s.hidden % kChunk)
+    return Invalid(name + "H must be a multiple of " + std::to_string(kChunk));
   if (rope.element_type() != ffi::DataType::F32 || !HasDims(rope, {2, kHeadDim}))
     return Invalid(name + "rope must be float32 [2, " + std::to_string(kHeadDim) + "], got " +
                    Dims(rope));
@@ -124,10 +125,11 @@ ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuff
   if (gu0.dimensions().size() != 2)
     return Invalid(name + "gate_up must be [2F, H], got " + Dims(gu0));
   s.ffn = static_cast<int>(gu0.dimensions()[0] / 2);
-  if (s.ffn % 16 || s.q_dim() % 16) return Invalid(name + "F and the heads' width must be multiples of 16");
-  if (s.ffn % (16 * s.ranks))
+  if (s.ffn % kChunk || s.q_dim() % kChunk)
+    return Invalid(name + "F and the heads' width must be multiples of " + std::to_string(kChunk));
+  if (s.ffn % (kChunk * s.ranks))
     return Invalid(name + "F=" + std::to_string(s.ffn) + " must split over " +
-                   std::to_string(s.ranks) + " ranks in multiples of 16");
+                   std::to_string(s.ranks) + " ranks in multiples of " + std::to_string(kChunk));
   s.wbytes = WeightBytes(arg(kLeadOperands + 1).element_type());
   if (s.wbytes == 0)
     return Invalid(name + "layer 0 qkv must be float8_e4m3fn or bfloat16 (the step's weight "

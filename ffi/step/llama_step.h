@@ -63,6 +63,9 @@ constexpr int kMaxGroup = 8;         // query heads per KV head
 constexpr int kMaxSplits = 64;       // key ranges one KV head's attention is split into
 constexpr int kMaxLayers = 128;
 constexpr int kThreads = 256;
+// Every projection's K (and H, F, the heads' width) is a multiple of it: a 16-byte load holds
+// 16 e4m3 or 8 bf16 weights (PlanLlamaStep checks it).
+constexpr int kChunk = 16;
 
 // One layer's weights (device or host pointers). scale_per_channel bit p: projection p's
 // (0 qkv, 1 o, 2 gate_up, 3 down) scale has one value per output row, else one per tensor.
@@ -84,6 +87,8 @@ constexpr int kMaxRanks = 8;  // virtual ranks
 // An all-reduce wait's bound at most: half the kernel's trap bound (device_math.cuh, kWaitNs),
 // so that a failed all-reduce ends as NaN and status words, not as a trap elsewhere.
 constexpr long long kMaxTimeoutNs = 5ll * 1000 * 1000 * 1000;
+// The timeout_ns attribute sifar_jax passes unless told otherwise (llama_step_virtual_ranks).
+constexpr long long kDefaultTimeoutNs = 1ll * 1000 * 1000 * 1000;
 
 struct Shape {
   int hidden = 0, kv_heads = 0, group = 0, ffn = 0, layers = 0, capacity = 0, ranks = 1;

@@ -26,16 +26,18 @@ from . import _ext
 __all__ = ["LlamaLayer", "llama_step", "workspace_bytes", "StepStatus", "HEAD_DIM", "MAX_GROUP",
            "MAX_LAYERS", "MAX_RANKS"]
 
-HEAD_DIM = 128  # the kernel's head width (ffi/step/llama_step.h)
-MAX_GROUP = 8  # query heads per KV head
-MAX_SPLITS = 64  # key ranges per KV head
-MAX_LAYERS = 128
-MAX_RANKS = 8  # virtual ranks
+# The op's limits, as the extension reports them (ffi/step/llama_step.h): written once, in C++.
+_limits = _ext.lib.llama_step_limits()
+HEAD_DIM = _limits["head_dim"]  # the kernel's head width
+MAX_GROUP = _limits["max_group"]  # query heads per KV head
+MAX_SPLITS = _limits["max_splits"]  # key ranges per KV head
+MAX_LAYERS = _limits["max_layers"]
+MAX_RANKS = _limits["max_ranks"]  # virtual ranks
 ALLREDUCE_PHASES = ("sifar", "oneshot")  # the all-reduce inside the kernel, with virtual ranks
-DEFAULT_TIMEOUT_S = 1.0  # an all-reduce wait's bound (virtual ranks)
-MAX_TIMEOUT_S = 5.0  # half the kernel's trap bound (ffi/step/llama_step.h, kMaxTimeoutNs)
-STATUS_WORDS = 8  # uint32 words at the workspace's start (ffi/step/llama_step.h, StepStatus)
-CHUNK = 16  # every K a multiple of it (a 16-byte load holds 16 e4m3 or 8 bf16 weights)
+DEFAULT_TIMEOUT_S = _limits["default_timeout_ns"] / 1e9  # an all-reduce wait's bound (ranks)
+MAX_TIMEOUT_S = _limits["max_timeout_ns"] / 1e9  # half the kernel's trap bound (kMaxTimeoutNs)
+STATUS_WORDS = _limits["status_words"]  # uint32 words at the workspace's start (StepStatus)
+CHUNK = _limits["chunk"]  # every K a multiple of it (16 e4m3 or 8 bf16 weights: 16 bytes)
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 BF16 = jnp.dtype(jnp.bfloat16)
 WEIGHT_DTYPES = (E4M3, BF16)  # the step's weight type: every projection's and the head's
@@ -61,15 +63,11 @@ class LlamaLayer(NamedTuple):
 
 def workspace_bytes(hidden: int, kv_heads: int, group: int, ffn: int, layers: int,
                     ranks: int = 1) -> int:
-    """The op's workspace (ffi/step/llama_step.cc, StepWorkspace: the same layout; the op
-    checks the size it is given)."""
-    up = lambda v: (v + 255) // 256 * 256  # noqa: E731
-    zeroed = (up(4 * STATUS_WORDS) + up(4 * 2 * ranks) + up(4 * layers * kv_heads)
-              + (up(4 * 2 * ranks * hidden) if ranks > 1 else 0))
-    resid = 2 * ranks * hidden if ranks > 1 else hidden
-    return (zeroed + up(2 * kv_heads * (group + 2) * HEAD_DIM)
-            + up(2 * kv_heads * group * HEAD_DIM) + up(2 * ffn) + up(2 * resid)
-            + up(4 * kv_heads * MAX_SPLITS * group * (HEAD_DIM + 2)))
+    """The bytes of the op's workspace, computed by the extension from the layout the op uses
+    (ffi/step/llama_step.cc, StepWorkspace; the op checks the size it is given against it).
+    ValueError outside the op's limits."""
+    return int(_ext.lib.llama_step_workspace_bytes(int(hidden), int(kv_heads), int(group),
+                                                   int(ffn), int(layers), int(ranks)))
 
 
 class StepStatus(NamedTuple):
