@@ -36,6 +36,7 @@ back when every process agrees (sifar_jax/distributed.py, "Pooling").
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import itertools
 import math
@@ -152,6 +153,37 @@ def wait_for_effects() -> None:
             _jax_compat.forget_runtime_tokens()
         except Exception:  # noqa: BLE001 - private API moved: nothing more to do
             pass
+
+
+def _failure_reported(error: Exception) -> bool:
+    """Whether a computation's error is a communicator's failure, which the failing call
+    raised and sifar_jax.check() reports (a communicator records it)."""
+    return "sifar_jax" in str(error) and any(
+        _ext.lib.comm_failure(c.comm_id) for c in communicators())
+
+
+def _at_exit() -> None:
+    """At interpreter exit, before JAX's own exit hooks (registered at `import jax`, before
+    this module's, so they run after it): waits for the computations still running, then
+    frees what sifar_jax.distributed holds (shared workspaces must outlive the computations
+    that use them; its release handshake needs jax.distributed, which JAX's hook shuts down).
+
+    A communicator's failure was raised by the failing call and is reported by check(); JAX
+    keeps the failed computation's runtime token and its exit hooks would raise it again, as
+    two 'Exception ignored in atexit callback' tracebacks. That token is forgotten here, as
+    shutdown() does; any other failed computation's is left to JAX to report."""
+    try:
+        jax.effects_barrier()
+    except Exception as e:  # noqa: BLE001 - a computation's error, raised to its caller before
+        if _failure_reported(e):
+            try:
+                _jax_compat.forget_runtime_tokens()
+            except Exception:  # noqa: BLE001 - private API moved: JAX reports it as before
+                pass
+    distributed.at_exit()
+
+
+atexit.register(_at_exit)
 
 
 def _retire(c: Communicator) -> None:

@@ -43,7 +43,6 @@ call `sifar_jax.distributed.initialize()` at the start of the program.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import hashlib
 import itertools
@@ -229,13 +228,12 @@ def spans_processes(groups) -> bool:
 
 
 def _start() -> None:
-    """Once per process: stale objects of dead processes go; at exit, names
-    this process still publishes go."""
+    """Once per process: stale objects of dead processes go; at exit (at_exit),
+    names this process still publishes go."""
     global _started
     if not _started:
         _started = True
         clean_stale_shared_memory()
-        atexit.register(_at_exit)
 
 
 def _gpu_ordinal(bus_ids: dict[int, str], device) -> int:
@@ -473,9 +471,13 @@ def _take_all() -> list[_Shared]:
     return sets
 
 
-def _at_exit() -> None:
-    """Frees what the pool still holds (the peers exit too: bounded waits),
-    then removes the names this process still publishes."""
+def at_exit() -> None:
+    """At interpreter exit, once the computations have finished (sifar_jax.comm's
+    exit hook calls it after waiting for them): frees what the pool still holds
+    (the peers exit too: bounded waits), then removes the names this process
+    still publishes. Nothing to do in a process that never shared a workspace."""
+    if not _started:
+        return
     sets = _take_all()
     try:
         if _jax_compat.kv_client() is not None:

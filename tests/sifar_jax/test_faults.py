@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import os
+import subprocess
+import sys
 import time
 
 import jax
@@ -158,3 +161,42 @@ def test_dropped_rank_in_a_chain(cpu_mesh):
     sifar_jax.init(mesh, slot_bytes=SLOT)
     out = np.asarray(f(y0, xs))
     np.testing.assert_allclose(out[:, -1], np.full((n, 8), 2.0 - 2.0**-50), rtol=1e-6)
+
+
+# A program that provokes a timeout, catches it (the call's error and check()'s SifarError)
+# and exits without shutdown(): run in a fresh interpreter, whose exit hooks are the subject.
+_CAUGHT_TIMEOUT_THEN_EXIT = r"""
+import jax, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+import sifar_jax
+from sifar_jax import testing
+
+mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+sifar_jax.init(mesh, timeout_s=10)
+f = jax.jit(jax.shard_map(lambda v: sifar_jax.sifar_psum(v[0], "tp")[None], mesh=mesh,
+                          in_specs=P("tp"), out_specs=P("tp")))
+x = np.ones((4, 24), np.float32)
+f(x).block_until_ready()
+with testing.timeout(0.5), testing.drop_rank("tp", 1):
+    try:
+        jax.block_until_ready(f(x))
+    except Exception as e:
+        assert "timed out" in str(e), e
+        print("call raised")
+try:
+    sifar_jax.check()
+except sifar_jax.SifarError as e:
+    print("check raised")
+"""
+
+
+def test_a_caught_timeout_leaves_nothing_at_exit():
+    """The failed computation's error was raised (by the call, and by check()): the
+    interpreter's exit must not print it again (JAX's exit hooks re-raise a failed
+    side-effecting computation's error, twice, as 'Exception ignored in atexit callback')."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    p = subprocess.run([sys.executable, "-c", _CAUGHT_TIMEOUT_THEN_EXIT], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["call", "raised", "check", "raised"], (p.stdout, p.stderr)
+    assert "Exception ignored" not in p.stderr and "Traceback" not in p.stderr, p.stderr
