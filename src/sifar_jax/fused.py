@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _ext, _jax_compat, algorithms, ordering, psum
 from ._jax_compat import lax_psum
-from .plan import Fallback, Plan, plan_array, too_large, warn_once
+from .plan import Fallback, Plan, plan_array, quiet, too_large, warn_once
 
 __all__ = ["psum_add_rmsnorm"]  # the fused ops (sifar_jax exports them)
 
@@ -159,8 +159,8 @@ def _plan(x, axis_name, algorithm: str) -> Plan | Fallback:
         return plan
     nbytes = fused_payload_bytes(x)
     if nbytes > plan.slot:  # only the fusion cannot run: sifar_psum can (quiet under "auto")
-        return Fallback(f"rows padded to whole powers of two of lines: {too_large(nbytes, plan)}",
-                        chosen=not plan.explicit)
+        why = f"rows padded to whole powers of two of lines: {too_large(nbytes, plan)}"
+        return Fallback(why) if plan.explicit else quiet(why, instead=UNFUSED, api=_API)
     # The fused kernel is the sifar all-reduce (whatever auto's table would
     # pick for the plain all-reduce of this size).
     return dataclasses.replace(plan, algorithm=algorithms.SIFAR)

@@ -173,9 +173,10 @@ def too_large(nbytes: int, plan: Plan) -> str:
     )
 
 
-def quiet(reason: str) -> Fallback:
-    """A fallback that is auto's choice: logged at debug level, never warned."""
-    log.debug("sifar_jax: lax.psum: %s", reason)
+def quiet(reason: str, instead: str = "lax.psum", api: str | None = None) -> Fallback:
+    """A fallback that is auto's choice: `instead` runs, the reason is logged at debug level on
+    the "sifar_jax" logger, never warned."""
+    log.debug("%s: %s: %s", f"sifar_jax.{api}" if api else "sifar_jax", instead, reason)
     return Fallback(reason, chosen=True)
 
 
