@@ -59,7 +59,8 @@ def test_payload_past_the_slot_is_a_debug_log(cpu_mesh, said):
     x = np.ones((2, 2 * KB), np.float32)  # 8 KB
     warned, logs, out = said(lambda: _psum_fn(mesh)(x))
     assert warned == []
-    assert any(m.startswith("sifar_jax: lax.psum: payload of 8192 bytes exceeds") for m in logs), logs
+    assert any(m.startswith("sifar_jax: lax.psum: payload of 8192 bytes exceeds")
+               for m in logs), logs
     np.testing.assert_array_equal(np.asarray(out)[0], x.sum(0))
 
 
