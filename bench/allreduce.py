@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import sifar_jax  # noqa: E402
 import sifar_jax.benchmarking  # noqa: E402
-from bench import calltrace, peers  # noqa: E402
+from bench import calltrace, peers, report  # noqa: E402
 
 LAUNCHED = sifar_jax.distributed.initialize()  # under sifar_jax.launch: one process per GPU
 
@@ -445,11 +445,11 @@ def print_tables(records, comp, sizes, host):
     print()
     for level, tp, headers, rows in tables(records, sizes, with_spread=False):
         print(f"[{host}] level={level} TP={tp}: microseconds per all-reduce (median)")
-        print(common.plain_table(headers, rows) + "\n")
+        print(report.plain_table(headers, rows) + "\n")
     for tp, headers, rows in peer_tables(records, comp, sizes):
         print(f"[{host}] TP={tp}: sifar (jit) against every peer, median us (peer / sifar)")
         plain = [[str(c).replace("**", "") for c in r] for r in rows]
-        print(common.plain_table(headers, plain) + "\n")
+        print(report.plain_table(headers, plain) + "\n")
 
 
 def protocol_rows(meta) -> tuple[list[str], list[list]]:
@@ -488,7 +488,7 @@ def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
         "comparison": comp,
         "trace": meta["trace"],
     }
-    json_path = common.write_json(common.results_path(out_dir, "allreduce", host, ".json"), payload)
+    json_path = report.write_json(report.results_path(out_dir, "allreduce", host, ".json"), payload)
     notes = [] if gpu else [CPU_NOTE]
     notes.append(f"kernel level: (t(R) - t(1)) / (R - 1), R = {cfg['kernel_r']}; jit level: "
                  f"(t(R2) - t(R1)) / (R2 - R1), chains of {cfg['chain'][0]} and {cfg['chain'][1]}; "
@@ -496,33 +496,33 @@ def write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
                  "within its noise bound (docs/reference.md, bench.allreduce).")
     notes += [f"**{w}**" for w in warnings_out]
     sections = [("What ran: sifar_jax.stats() per algorithm and its results against lax.psum",
-                 common.markdown_table(*protocol_rows(meta)))]
+                 report.markdown_table(*protocol_rows(meta)))]
     for tp, headers, rows in peer_tables(records, comp, sizes) if gpu else ():
         sections.append((f"sifar against every peer, TP={tp} (median us; in brackets peer / sifar "
                          f"at jit level, > 1 means sifar is faster)",
-                         common.markdown_table(headers, rows)))
+                         report.markdown_table(headers, rows)))
     if peer_out["errors"]:
         rows = [[e.get("algorithm", "-"), e.get("tp", "-"),
                  f"{e['bytes'] / 1024:g} KB" if e.get("bytes") else "all", e["error"]]
                 for e in peer_out["errors"]]
         sections.append(("Peers that did not run or were not timed",
-                         common.markdown_table(["peer", "TP", "size", "why"], rows)))
+                         report.markdown_table(["peer", "TP", "size", "why"], rows)))
     for level, tp, headers, rows in tables(records, sizes, with_spread=True, speedup=gpu):
         sections.append((f"{level} level, TP={tp}" + ("" if gpu else " (XLA:CPU timings)"),
-                         common.markdown_table(headers, rows)))
+                         report.markdown_table(headers, rows)))
     if "records" in meta["trace"]:
         (mh, mrows), (th, trows) = trace_tables(meta["trace"]["records"])
         sections.append(("Mis-speculation per call (device trace of the jit chain; retried: share "
                          "of calls in which block 0 of a rank re-read a stale word; cost: "
                          "1 - mean(clean) / mean(all), an upper bound)",
-                         common.markdown_table(mh, mrows)))
+                         report.markdown_table(mh, mrows)))
         if trows:
             sections.append(("Tail latency per call (end - start per call and rank: %globaltimer "
                              "on GPUs, the host's steady clock on the CPU)",
-                             common.markdown_table(th, trows)))
+                             report.markdown_table(th, trows)))
     else:
         notes.append(f"Per-call trace: {meta['trace']['skipped']}.")
-    md_path = common.write_markdown(common.results_path(out_dir, "allreduce", host, ".md"),
+    md_path = report.write_markdown(report.results_path(out_dir, "allreduce", host, ".md"),
                                     f"All-reduce latency on {host}", env, sections, notes)
     return json_path, md_path
 
@@ -544,7 +544,7 @@ def main(argv=None) -> int:
     records += peer_out["records"]
     if jax.process_index() != 0:
         return 1 if warnings_out else 0  # process 0 reports for all
-    env = common.describe_environment(meta["devices"])
+    env = report.describe_environment(meta["devices"])
     if jax.process_count() > 1:
         env["host"] += f"-{jax.process_count()}proc"
     env.update({k: v for k, v in peer_out["info"].items() if k in ("torch", "nccl")})
@@ -553,10 +553,10 @@ def main(argv=None) -> int:
         print_tables(records, comparison(records), meta["sizes"], env["host"])
     else:
         print(f"\n[{env['host']}] What ran: {CPU_NOTE}")
-        print(common.plain_table(*protocol_rows(meta)))
+        print(report.plain_table(*protocol_rows(meta)))
         print("retries: speculative reads that found a stale word and read it again (SiFAR's "
               "design, not a fault); timeouts are failures.\n")
-    out_dir = args.out if args.out else common.default_out(kind)
+    out_dir = args.out if args.out else report.default_out(kind)
     for path in write_outputs(out_dir, args, records, meta, env, warnings_out, peer_out):
         print(f"wrote {path}")
     if args.write_auto_table:  # for the platform and the device kind this run had

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import breakdown, calltrace, common, ttft
+from bench import breakdown, calltrace, common, report, ttft
 
 common.use_host_devices(8)  # before jax is imported; only XLA:CPU reads it
 
@@ -916,7 +916,7 @@ def describe_run(s) -> str:
 
 def out_dir(args, platform: str) -> Path:
     """GPU results go where they are committed; a CPU demo into a git-ignored directory."""
-    return Path(args.out) if args.out else common.default_out(platform)
+    return Path(args.out) if args.out else report.default_out(platform)
 
 
 BREAKDOWN_SKIPPED = "--breakdown: skipped, a CPU run has no device trace of GPU kernels"
@@ -943,7 +943,7 @@ METHOD_NOTE = (
 
 
 def _section(title: str, table) -> list[tuple[str, str]]:
-    return [(title, common.markdown_table(*table))] if table[1] else []
+    return [(title, report.markdown_table(*table))] if table[1] else []
 
 
 def gpu_sections(records, s) -> list[tuple[str, str]]:
@@ -971,7 +971,7 @@ def write_outputs(args, s, env, records, platform, final: bool):
     d = out_dir(args, platform)
     records = with_baseline(records, s)
     stem = {"fp8": "decode-fp8", "rows": "decode-rows"}.get(args.weights, "decode")  # side by side
-    json_path = common.write_json(common.results_path(d, stem, host, ".json"), records)
+    json_path = report.write_json(report.results_path(d, stem, host, ".json"), records)
     notes = ([] if gpu else [CPU_NOTE]) + [describe_run(s) + ".", METHOD_NOTE]
     notes += [floor_note(s)] if gpu else []
     if args.breakdown and not s["breakdown"]:
@@ -992,7 +992,7 @@ def write_outputs(args, s, env, records, platform, final: bool):
                          protocol_rows(records, order))
     sections += _section("Every record" if gpu else "Every record (XLA:CPU timings: not a "
                          "performance result)", table_rows(records, order, gpu))
-    md_path = common.write_markdown(common.results_path(d, stem, host, ".md"),
+    md_path = report.write_markdown(report.results_path(d, stem, host, ".md"),
                                     f"Decode TPOT on {host}", env, sections, notes)
     return json_path, md_path
 
@@ -1000,17 +1000,17 @@ def write_outputs(args, s, env, records, platform, final: bool):
 def print_gpu_summary(records, s) -> None:
     headers, rows = paper_rows(records, s)
     if rows:
-        print(common.plain_table(headers, rows) + "\n")
+        print(report.plain_table(headers, rows) + "\n")
     headers, rows = floor_rows(records, s)
     if rows:
         print(f"Batch 1 against the memory floor (weights and KV cache per rank read once at "
               f"{HBM_BYTES_PER_S / 1e12:g} TB/s), lax.psum and the baseline "
               f"(the fastest of {', '.join(s['baselines']) or 'none'}):")
-        print(common.plain_table(headers, rows) + "\n")
+        print(report.plain_table(headers, rows) + "\n")
     headers, rows = breakdown_rows(records)
     if rows:
         print(f"Where a step's device time goes ({BREAKDOWN_STEPS} steps traced, us per step):")
-        print(common.plain_table(headers, rows) + "\n")
+        print(report.plain_table(headers, rows) + "\n")
 
 
 def main(argv=None) -> int:
@@ -1025,7 +1025,7 @@ def main(argv=None) -> int:
         print(f"NOTE: {BREAKDOWN_SKIPPED}", flush=True)
     print(f"decode benchmark: {describe_run(s)}; TP {s['tp']}; variants "
           f"{[v[0] for v in s['variants']]}", flush=True)
-    env = common.describe_environment(devices[: max(s["tp"])])
+    env = report.describe_environment(devices[: max(s["tp"])])
     lead = jax.process_index() == 0  # with one process per GPU, process 0 reports
     if jax.process_count() > 1:
         env["host"] += f"-{jax.process_count()}proc"
@@ -1041,7 +1041,7 @@ def main(argv=None) -> int:
         if lead:
             ttft_paths = ttft.write(ttft_records, out_dir(args, platform), env,
                                     [CPU_NOTE] if platform == "cpu" else [])
-            print(common.plain_table(*ttft.table(ttft_records)), flush=True)
+            print(report.plain_table(*ttft.table(ttft_records)), flush=True)
     if args.ttft_only:
         for p in ttft_paths:
             print(f"wrote {p}")
@@ -1058,7 +1058,7 @@ def main(argv=None) -> int:
     else:
         print("What ran (XLA:CPU: the protocol and its tokens; speed figures are GPU results, "
               "docs/performance.md):")
-        print(common.plain_table(*protocol_rows(records, label_order(s))))
+        print(report.plain_table(*protocol_rows(records, label_order(s))))
     print()
     for p in paths:
         if p is not None:

@@ -185,7 +185,7 @@ def main(argv=None) -> None:
     if args.torch_only is not None:
         print(json.dumps(torch_rows(args.torch_only)))
         return
-    from bench import common
+    from bench import common, report
 
     records = []
     for tp in args.tp if args.torch else ():  # first: torch's process before jax takes memory
@@ -202,12 +202,12 @@ def main(argv=None) -> None:
             records += jax_rows(tp, rows)
     import jax
 
-    env = common.describe_environment(jax.devices())
+    env = report.describe_environment(jax.devices())
     host = env["host"]
-    out = common.default_out(env["platform"]) if args.out is None else args.out
-    common.write_json(common.results_path(out, "gemv", host, ".json"),
+    out = report.default_out(env["platform"]) if args.out is None else args.out
+    report.write_json(report.results_path(out, "gemv", host, ".json"),
                       {"environment": env, "floor_tbps": FLOOR_TBPS, "records": records})
-    common.write_markdown(common.results_path(out, "gemv", host, ".md"),
+    report.write_markdown(report.results_path(out, "gemv", host, ".md"),
                           "FP8 GEMV: 32 layers of Llama-8B projections, batch 1", env,
                           [("Results", markdown(records))],
                           notes=[f"x floor: time / (weight bytes / {FLOOR_TBPS} TB/s)"])

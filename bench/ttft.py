@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
-from bench import common
+from bench import common, report
 from models import families
 from models.decode import SIFAR_KINDS, Decoder, make_mesh, prompt_bucket
 from models.options import DecodeOptions
@@ -165,15 +165,15 @@ def table(records: Sequence[dict]) -> tuple[list[str], list[list]]:
 def write(records: Sequence[dict], out_dir, env: dict, notes: Sequence[str] = ()) -> tuple:
     """ttft-<host>.json and .md in out_dir."""
     host = env["host"]
-    json_path = common.write_json(common.results_path(out_dir, "ttft", host, ".json"), records)
+    json_path = report.write_json(report.results_path(out_dir, "ttft", host, ".json"), records)
     headers, rows = table(records)
     errors = [f"TP={r['tp']} {r['allreduce']} {r['prompt_len']}: {r['error']}"
               for r in records if "error" in r]
     sections = [("Time to first token (prefill + the first sampled token, read on the host)",
-                 common.markdown_table(headers, rows))]
+                 report.markdown_table(headers, rows))]
     if errors:
         sections.append(("Not measured", "\n".join(f"- {e}" for e in errors)))
-    md_path = common.write_markdown(common.results_path(out_dir, "ttft", host, ".md"),
+    md_path = report.write_markdown(report.results_path(out_dir, "ttft", host, ".md"),
                                     f"Time to first token on {host}", env, sections,
                                     [__doc__.split("\n\n")[1].replace("\n", " ")] + list(notes))
     return json_path, md_path

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import sifar_jax
-from bench import calltrace, common, peers
+from bench import calltrace, common, peers, report
 
 REPO = common.REPO_ROOT
 RECORD_KEYS = {"algorithm", "level", "tp", "bytes", "us_median", "us_median_raw", "us_noise",
@@ -152,9 +152,9 @@ def test_gpu_host_suite_script_runs_its_steps_on_the_cpu(tmp_path):
 
 
 def test_cpu_results_default_to_an_ignored_directory():
-    assert common.default_out("gpu") == REPO / "bench" / "results"
-    local = common.default_out("cpu")
-    assert local != common.default_out("gpu")
+    assert report.default_out("gpu") == REPO / "bench" / "results"
+    local = report.default_out("cpu")
+    assert local != report.default_out("gpu")
     if _git("rev-parse", "--git-dir") is None:
         pytest.skip("not a git checkout")
     path = (local / "allreduce-cpu-2core.json").relative_to(REPO)

@@ -61,9 +61,11 @@ def test_bench_holds_no_cuda():
 
 
 def test_bench_holds_what_a_user_runs_within_its_line_budget():
-    """bench/ outside results/: at most 3,500 lines in all tracked files."""
+    """bench/ outside results/: at most 4,000 lines in all tracked files (3,500 until issues 58
+    and 60 split bench.decode and bench.allreduce into modules of one concern each and added
+    the measured floor, the CPU rule and the virtual-ranks rows)."""
     lines = sum(len((common.REPO_ROOT / f).read_text().splitlines()) for f in _bench_files())
-    assert lines <= 3500, lines
+    assert lines <= 4000, lines
 
 
 @pytest.mark.parametrize("weights", ["fp8", "bf16"])
