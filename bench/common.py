@@ -186,13 +186,15 @@ def fmt_latency(rec: dict, unit: str = "") -> str:
     return fmt_us(rec["us_median"]) + unit
 
 
-def progress(total: int, desc: str):
+def progress(total: int, desc: str, timings: bool = True):
     """A tqdm bar on stderr (tqdm comes with the bench and test extras); none when stderr is
-    not a terminal (a log or a pipe would get every redraw)."""
+    not a terminal (a log or a pipe would get every redraw). timings=False (a CPU run): no
+    elapsed time and no rate in it."""
     from tqdm import tqdm
 
+    fmt = None if timings else "{l_bar}{bar}| {n_fmt}/{total_fmt}{postfix}"
     return tqdm(total=total, desc=desc, unit="case", dynamic_ncols=True, file=sys.stderr,
-                mininterval=0.5, disable=None)
+                mininterval=0.5, disable=None, bar_format=fmt)
 
 
 # ----------------------------------------------------------------- payloads --

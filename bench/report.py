@@ -1,6 +1,7 @@
 """What every benchmark writes: where (results paths), the JSON, markdown and terminal tables,
 the name of the hardware (host tag: '2xH200', 'cpu-2core') and the header of machine, versions
-and date."""
+and date. The CPU rule: a run on XLA:CPU prints and writes no timing figure (its JSON keeps the
+raw numbers, each record flagged CPU_FLAG: they say nothing about a GPU)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,13 @@ from bench import common
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 LOCAL_OUT = DEFAULT_OUT / "local"
+CPU_FLAG = "cpu_timings_not_a_speed_figure"  # true in a CPU run's JSON: raw numbers, no result
+
+
+def cpu_flagged(records: Iterable[dict], cpu: bool) -> list[dict]:
+    """The records, each marked {CPU_FLAG: True} on a CPU run."""
+    return [dict(r, **{CPU_FLAG: True}) if cpu else r for r in records]
+
 
 # ----------------------------------------------------------------- host tag --
 def _short_gpu_name(kind: str) -> str:
@@ -128,6 +136,11 @@ def write_markdown(path: Path, title: str, env: dict, sections: Sequence[tuple[s
         parts += [f"## {heading}", "", body, ""]
     path.write_text("\n".join(parts))
     return path
+
+
+def section(title: str, table: tuple[Sequence[str], Sequence]) -> list[tuple[str, str]]:
+    """[(title, the markdown table)], or [] when the table has no rows."""
+    return [(title, markdown_table(*table))] if table[1] else []
 
 
 def plain_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:

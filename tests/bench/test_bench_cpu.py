@@ -55,7 +55,7 @@ def synthetic_trace(latency_us, retried, ranks: int = 2) -> np.ndarray:
 
 
 # ------------------------------------------------------------- the quick run --
-def test_quick_run_json_and_clean_checkout(tmp_path):
+def test_quick_run_json_and_clean_checkout(tmp_path, timing_figures):
     status_before = _git("status", "--porcelain", "--untracked-files=all")
     cmd = [sys.executable, "-m", "bench.allreduce", "--quick", "--sizes", "4,8",
            "--skew-us", "0,5", "--out", str(tmp_path)]
@@ -109,17 +109,21 @@ def test_quick_run_json_and_clean_checkout(tmp_path):
         assert TAIL_KEYS <= t.keys() and t["calls"] > 0, t
     md = json_path.with_suffix(".md").read_text()
     assert "What ran" in md and "bit-identical in all 4 checks" in md
-    # no GPU verdicts from CPU timings: no speed-up rows, no peer ratios, no target
+    # no GPU verdicts from CPU timings: no speed-up rows, no peer ratios, no target, and no
+    # timing figure at all (the JSON keeps the raw numbers, flagged)
     assert "latency saved" not in md and "against every peer" not in md and "Target" not in md
+    assert timing_figures(md) == [] and timing_figures(r.stdout) == [], r.stdout[-3000:]
+    assert timing_figures(r.stderr) == [], r.stderr[-3000:]
+    assert data[report.CPU_FLAG] is True and "Mis-speculation per call" in md
     assert "docs/performance.md" in r.stdout and "latency saved" not in r.stdout
     assert re.search(r"2\s+sifar\s+[1-9]\d*\s+\d+\s+0\s+bit-identical in all 4 checks", r.stdout)
     # The GPU report of the same records (its code runs nowhere else before a GPU host).
-    from bench import allreduce
+    from bench.allreduce import cli
 
     meta = {"kind": "gpu", "cfg": data["settings"], "sizes": [4096, 8192], "checks": data["checks"],
             "stats": {2: data["stats"]["2"]}, "trace": data["trace"]}
-    args = allreduce.parse_args(["--peers", "none"])
-    allreduce.write_outputs(tmp_path / "gpu", args, data["records"], meta, {"host": "test-gpu"},
+    args = cli.parse_args(["--peers", "none"])
+    cli.write_outputs(tmp_path / "gpu", args, data["records"], meta, {"host": "test-gpu"},
                             [], {"errors": data["errors"]})
     md = (tmp_path / "gpu" / "allreduce-test-gpu.md").read_text()
     assert "sifar against every peer, TP=2" in md and "sifar: latency saved vs lax.psum" in md
@@ -317,12 +321,12 @@ def test_multiprocess_decode_quick_run(tmp_path):
 
 
 def test_trace_case_runs_the_chain_inside_the_trace(cpu_mesh):
-    from bench import allreduce
+    from bench.allreduce import measure
 
     mesh = cpu_mesh(2)
     cfg = {"chain": (2, 6), "trace_runs": 3}
     for skew in (0.0, 3.0):
-        entry, lat = allreduce.trace_case(sifar_jax.call_trace, mesh, {}, cfg, 2, "sifar", 4096,
+        entry, lat = measure.trace_case(sifar_jax.call_trace, mesh, {}, cfg, 2, "sifar", 4096,
                                           skew)
         assert "error" not in entry, entry
         assert entry["calls"] == 2 * 6 * 3 and entry["invalid_records"] == 0  # ranks x chain x runs
@@ -336,11 +340,11 @@ def test_trace_case_runs_the_chain_inside_the_trace(cpu_mesh):
 def test_trace_is_taken_in_blocks_that_fit_the_ring(cpu_mesh):
     """A ring of 10 calls per rank and runs of 6 calls: one run per block, and
     every call of every run is in the records, each epoch once per rank."""
-    from bench import allreduce
+    from bench.allreduce import measure
 
     mesh = cpu_mesh(2)
-    fn = allreduce.chain_fn(mesh, "sifar", 6)
-    x = allreduce.random_bf16(0, 2, 2048)
+    fn = measure.chain_fn(mesh, "sifar", 6)
+    x = measure.random_bf16(0, 2, 2048)
     rec = calltrace.collect(sifar_jax.call_trace, "tp", fn, (x,), 4, 6, ring_calls=10)
     assert rec.size == 2 * 6 * 4
     for r in (0, 1):
@@ -349,12 +353,12 @@ def test_trace_is_taken_in_blocks_that_fit_the_ring(cpu_mesh):
 
 
 def test_trace_case_records_a_failing_trace(cpu_mesh):
-    from bench import allreduce
+    from bench.allreduce import measure
 
     def broken(axis_name):
         raise RuntimeError("no trace buffer")
 
-    entry, lat = allreduce.trace_case(broken, cpu_mesh(2), {}, {"chain": (2, 4), "trace_runs": 1},
+    entry, lat = measure.trace_case(broken, cpu_mesh(2), {}, {"chain": (2, 4), "trace_runs": 1},
                                       2, "sifar", 4096, 0.0)
     assert lat is None and "no trace buffer" in entry["error"]
 
@@ -366,7 +370,7 @@ def _rec(alg, level, b, us):
 
 
 def test_comparison_ratios_and_the_peer_verdict():
-    from bench import allreduce
+    from bench.allreduce import tables as allreduce
 
     recs = [_rec("sifar", "jit", 8192, 3.0), _rec("sifar", "kernel", 8192, 1.7),
             _rec("oneshot", "jit", 8192, 6.0), _rec("lax.psum", "jit", 8192, 13.5),
@@ -417,7 +421,7 @@ def test_a_latency_is_reported_only_above_its_noise():
 def test_an_unresolved_latency_is_printed_as_words_not_a_number(capsys):
     """bench.allreduce's tables, its comparison with the peers and its terminal output say
     'not resolved' where a median lies within its noise: no '-1.08' anywhere."""
-    from bench import allreduce
+    from bench.allreduce import tables as allreduce
 
     noisy = {"algorithm": "sifar_flag", "level": "jit", "tp": 2, "bytes": 8192,
              **common.summarize_us(_us([-3.0, -1.0, 0.5, -2.0, 1.0, -1.08, 2.0, -4.0, 0.0, -1.0]))}
@@ -442,17 +446,28 @@ def test_an_unresolved_latency_is_printed_as_words_not_a_number(capsys):
 def test_allreduce_default_sizes_hold_the_decoders_payloads_and_sweep_spans_1k_to_64m():
     """The MoE model's all-reduce (2048 x bf16 = 4 KB per token) and Llama-3.1-8B's (8 KB)
     are default sizes; --sizes sweep runs 1 KB to 64 MB in powers of two (issue 26)."""
-    from bench import allreduce
+    from bench.allreduce import settings as allreduce_settings
 
-    default = allreduce.payload_bytes({"sizes_kb": allreduce.parse_sizes(
-        allreduce.parse_args([]).sizes)})
+    default = allreduce_settings.payload_bytes({"sizes_kb": allreduce_settings.parse_sizes(
+        allreduce_settings.parse_args([]).sizes)})
     assert 2048 * 2 in default and 4096 * 2 in default
-    sweep = allreduce.payload_bytes({"sizes_kb": allreduce.parse_sizes("sweep")})
+    sweep = allreduce_settings.payload_bytes({"sizes_kb": allreduce_settings.parse_sizes("sweep")})
     assert sweep[0] == 1024 and sweep[-1] == 64 << 20
     assert all(b == 2 * a for a, b in zip(sweep, sweep[1:]))
-    assert allreduce.parse_sizes("4,8.5") == [4.0, 8.5]
+    assert allreduce_settings.parse_sizes("4,8.5") == [4.0, 8.5]
     with pytest.raises(SystemExit, match="sizes"):
-        allreduce.parse_sizes("big")
+        allreduce_settings.parse_sizes("big")
+
+
+# ------------------------------------------------ the CPU rule: no timing figure --
+def test_the_timing_figure_check_finds_what_cpu_runs_printed_before(timing_figures):
+    """What bench.decode --quick printed on a CPU before (issue 60): each is caught."""
+    for text in ("TP=2 batch 1 context 256 psum: pipelined -0.016 ms, sync 1.2 ms (set-up 0.3 s)",
+                 "| 2 | pipelined | psum | -125515.8 tokens/s |", "sifar 1.234x", "gain +4.5%",
+                 "TP  loop  TPOT median ms\n--  ----  --------------\n2   sync  0.100",
+                 "| TP | TTFT ms |\n| --- | --- |\n| 2 | 1.0 |", "xla.one_shot: 12.30 us (jit)"):
+        assert timing_figures(text), text
+    assert timing_figures("What ran: 544 calls, 272 retries, sync 18/18, 4 KB, 50%") == []
 
 
 # ------------------------------------------- decode: baseline, floor, breakdown --
@@ -472,7 +487,6 @@ def test_decode_baseline_rows_come_by_default_and_only_at_the_loops_point():
         (b, c) for b in swept["batch"] for c in swept["context"]}
     none = bd.settings(bd.parse_args(["--quick", "--baselines", "none"]), "cpu", 8)
     assert none["baselines"] == [] and "sifar:oneshot" not in [v[0] for v in none["variants"]]
-
 
 
 def test_decode_names_a_model_this_tp_size_cannot_quantize_without_a_traceback():
