@@ -1,5 +1,5 @@
-"""Helpers shared by the benchmarks: devices, timing, statistics and payloads; what they write:
-bench.report. Nothing here imports jax at module level: import this
+"""Helpers shared by the benchmarks: devices, timing (the device's copy rate too), statistics and
+payloads; what they write: bench.report. Nothing here imports jax at module level: import this
 before jax for `use_host_devices()` to take effect (XLA reads XLA_FLAGS once)."""
 
 from __future__ import annotations
@@ -112,6 +112,29 @@ def time_calls(fn: Callable, args: tuple, inner: int = 1) -> float:
 def warm_up(fn: Callable, args: tuple, times: int = 3) -> None:
     for _ in range(times):
         block(fn(*args))
+
+
+# The buffer copy_rate copies: 4 GiB on a GPU (far past any cache); on a CPU only the code path
+# matters (CPU runs print no timing figure).
+COPY_BYTES = {"gpu": 4 << 30, "cpu": 64 << 20}
+
+
+def copy_rate(device, nbytes: int | None = None, samples: int = 7, inner: int = 4) -> float:
+    """Bytes per second of a device-to-device copy on `device`, read + write counted: a jitted
+    `x + 1` over nbytes of uint8 (default COPY_BYTES of the platform), the median over `samples`
+    of `inner` back-to-back calls and one wait, after two untimed calls. The memory floor of a
+    step is the bytes it reads at this rate, measured in the same process as the step."""
+    import jax
+    import jax.numpy as jnp
+
+    n = nbytes or COPY_BYTES["gpu" if device.platform == "gpu" else "cpu"]
+    with jax.default_device(device):
+        x = jax.device_put(jnp.zeros((n,), jnp.uint8), device)
+    add_one = jax.jit(lambda a: a + jnp.uint8(1))
+    warm_up(add_one, (x,), 2)
+    seconds = statistics.median(time_calls(add_one, (x,), inner) for _ in range(samples))
+    del x
+    return 2 * n / seconds
 
 
 def paired_differences(fn_small: Callable, fn_large: Callable, args: tuple, extra_work: float,

@@ -459,6 +459,105 @@ def test_allreduce_default_sizes_hold_the_decoders_payloads_and_sweep_spans_1k_t
         allreduce_settings.parse_sizes("big")
 
 
+# ------------------------------------------- decode: baseline, floor, breakdown --
+def test_decode_baseline_rows_come_by_default_and_only_at_the_loops_point():
+    from bench.decode import settings as st
+
+    s = st.settings(st.parse_args(["--quick"]), "cpu", 8)
+    labels = [v.label for v in s.variants]
+    assert labels[:3] == ["psum", "sifar:oneshot", "sifar:twoshot"]
+    assert [v.options.algorithm for v in s.variants[:3]] == ["auto", "oneshot", "twoshot"]
+    assert s.baselines == ("sifar:oneshot", "sifar:twoshot")
+    loops_point = (1, s.context[0])
+    for tp, b, c, v, _ in st.cases(s):
+        if v.label in s.baselines:
+            assert tp == 2 and (b, c) == loops_point
+    swept = st.settings(st.parse_args(["--quick", "--sweep-all-variants"]), "cpu", 8)
+    assert {(b, c) for tp, b, c, v, _ in st.cases(swept) if v.label == "sifar:oneshot"} == {
+        (b, c) for b in swept.batch for c in swept.context}
+    none = st.settings(st.parse_args(["--quick", "--baselines", "none"]), "cpu", 8)
+    assert none.baselines == () and "sifar:oneshot" not in [v.label for v in none.variants]
+
+
+def test_decode_settings_are_one_frozen_value_and_the_variants_decode_options():
+    """The flags are read once into a frozen Settings; each variant is a label and the
+    DecodeOptions it runs, the run's --kv-layout / --gemm-rows / --attn-impl in every one."""
+    import dataclasses
+
+    from bench.decode import settings as st
+    from models import DecodeOptions
+
+    s = st.settings(st.parse_args(["--quick", "--kv-layout", "bhsd", "--gemm-rows", "2"]), "cpu", 8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.tokens = 3
+    fused = next(v for v in s.variants if v.label == "sifar+fused")
+    assert fused.options == DecodeOptions(allreduce="sifar", fused=True, kv_layout="bhsd",
+                                          gemm_rows=2)
+    assert all(v.options.kv_layout == "bhsd" and v.options.gemm_rows == 2 for v in s.variants)
+    persistent = [v for *_, v, _ in st.cases(dataclasses.replace(s, step="both", tp=(1,)))
+                  if v.label == "persistent"]
+    assert persistent and persistent[0].options.step == "persistent"
+
+
+def test_decode_quantize_is_the_fp8_flag_and_weights_its_deprecated_alias(capsys):
+    from bench.decode import settings as st
+
+    fp8 = st.settings(st.parse_args(["--quick", "--quantize", "fp8"]), "cpu", 8)
+    assert (fp8.quantize, fp8.to_rows, fp8.weights, fp8.stem) == ("fp8", False, "fp8",
+                                                                  "decode-fp8")
+    old = st.parse_args(["--quick", "--weights", "fp8"])
+    assert old.quantize == "fp8" and "--quantize fp8" in capsys.readouterr().err
+    rows = st.settings(st.parse_args(["--quick", "--weights", "rows"]), "cpu", 8)
+    assert (rows.quantize, rows.to_rows, rows.stem) == (None, True, "decode-rows")
+    assert st.settings(st.parse_args(["--quick", "--to-rows"]), "cpu", 8).to_rows
+    with pytest.raises(SystemExit, match="rows already"):
+        st.settings(st.parse_args(["--quick", "--quantize", "fp8", "--to-rows"]), "cpu", 8)
+    with pytest.raises(SystemExit, match="dense weights only"):
+        st.settings(st.parse_args(["--quick", "--quantize", "fp8", "--ttft"]), "cpu", 8)
+
+
+def test_decode_names_a_model_this_tp_size_cannot_quantize_without_a_traceback():
+    from bench import decode as bd
+
+    with pytest.raises(SystemExit, match=r"bench.decode: TP=4: quantize='fp8': 'down' has 8 "
+                                         r"contracted columns"):
+        bd.main(["--preset", "qwen3_moe_tiny", "--tp", "4", "--quantize", "fp8", "--quick",
+                 "--out", "/tmp/sifar-test-decode-fp8-tp4"])
+
+
+def test_decode_runs_the_fused_rows_at_tp1_only_when_asked():
+    """At TP=1 only lax.psum by default; with --fused on also the fused call (one rank: a
+    residual add + RMSNorm kernel in place of XLA's fusions), at the loops' point."""
+    from bench.decode import settings as st
+
+    def tp1(argv):
+        s = st.settings(st.parse_args(["--quick", "--tp", "1", *argv]), "cpu", 8)
+        return {v.label for tp, b, c, v, _ in st.cases(s) if tp == 1}
+
+    assert tp1([]) == {"psum"}
+    assert tp1(["--fused", "on"]) == {"psum", "sifar+fused"}
+
+
+def test_decode_counts_a_copy_of_one_layer_of_the_cache():
+    """bench.decode's cache_copies counts a fresh array of one layer's keys, not only of the
+    whole cache array (a per-layer copy was invisible to a check of the whole array's shape)."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    from bench.decode import records
+    from models import hlo
+
+    cache = jnp.ones((2, 2, 1, 16, 4, 8), jnp.float32)  # [layers, 2, B, S, kv heads, D]
+    exe = jax.jit(lambda c: (c, c[1, 0] * 2.0),
+                  donate_argnums=0).lower(cache).compile()
+    whole = hlo.cache_shapes(cache)[0]
+    assert hlo.cache_copies(exe.as_text(), whole) == {}  # the whole array: aliased, not copied
+    dec = types.SimpleNamespace(compiled_step=lambda: exe, state={"cache": cache})
+    assert records.cache_copies(dec, "pipelined", None).get("entry", 0) >= 1
+
+
 # ------------------------------------------------ the CPU rule: no timing figure --
 def test_the_timing_figure_check_finds_what_cpu_runs_printed_before(timing_figures):
     """What bench.decode --quick printed on a CPU before (issue 60): each is caught."""
@@ -470,136 +569,115 @@ def test_the_timing_figure_check_finds_what_cpu_runs_printed_before(timing_figur
     assert timing_figures("What ran: 544 calls, 272 retries, sync 18/18, 4 KB, 50%") == []
 
 
-# ------------------------------------------- decode: baseline, floor, breakdown --
-def test_decode_baseline_rows_come_by_default_and_only_at_the_loops_point():
-    from bench import decode as bd
-
-    s = bd.settings(bd.parse_args(["--quick"]), "cpu", 8)
-    labels = [v[0] for v in s["variants"]]
-    assert labels[:3] == ["psum", "sifar:oneshot", "sifar:twoshot"]
-    assert s["baselines"] == ["sifar:oneshot", "sifar:twoshot"]
-    loops_point = (1, s["context"][0])
-    for tp, b, c, v, _ in bd.cases(s):
-        if v[0] in s["baselines"]:
-            assert tp == 2 and (b, c) == loops_point
-    swept = bd.settings(bd.parse_args(["--quick", "--sweep-all-variants"]), "cpu", 8)
-    assert {(b, c) for tp, b, c, v, _ in bd.cases(swept) if v[0] == "sifar:oneshot"} == {
-        (b, c) for b in swept["batch"] for c in swept["context"]}
-    none = bd.settings(bd.parse_args(["--quick", "--baselines", "none"]), "cpu", 8)
-    assert none["baselines"] == [] and "sifar:oneshot" not in [v[0] for v in none["variants"]]
-
-
-def test_decode_names_a_model_this_tp_size_cannot_quantize_without_a_traceback():
-    from bench import decode as bd
-
-    with pytest.raises(SystemExit, match=r"bench.decode: TP=4: quantize='fp8': 'down' has 8 "
-                                         r"contracted columns"):
-        bd.main(["--preset", "qwen3_moe_tiny", "--tp", "4", "--weights", "fp8", "--quick",
-                 "--out", "/tmp/sifar-test-decode-fp8-tp4"])
-
-
-def test_decode_runs_the_fused_rows_at_tp1_only_when_asked():
-    """At TP=1 only lax.psum by default; with --fused on also the fused call (one rank: a
-    residual add + RMSNorm kernel in place of XLA's fusions), at the loops' point."""
-    from bench import decode as bd
-
-    def tp1(argv):
-        s = bd.settings(bd.parse_args(["--quick", "--tp", "1", *argv]), "cpu", 8)
-        return {v[0] for tp, b, c, v, _ in bd.cases(s) if tp == 1}
-
-    assert tp1([]) == {"psum"}
-    assert tp1(["--fused", "on"]) == {"psum", "sifar+fused"}
-
-def test_decode_counts_a_copy_of_one_layer_of_the_cache():
-    """bench.decode.cache_copies counts a fresh array of one layer's keys, not only of the whole
-    cache array (a per-layer copy was invisible to a check of the whole array's shape)."""
-    import types
-
-    import jax
-    import jax.numpy as jnp
-
-    from bench import decode as bd
-    from models import hlo
-
-    cache = jnp.ones((2, 2, 1, 16, 4, 8), jnp.float32)  # [layers, 2, B, S, kv heads, D]
-    exe = jax.jit(lambda c: (c, c[1, 0] * 2.0),
-                  donate_argnums=0).lower(cache).compile()
-    whole = hlo.cache_shapes(cache)[0]
-    assert hlo.cache_copies(exe.as_text(), whole) == {}  # the whole array: aliased, not copied
-    dec = types.SimpleNamespace(compiled_step=lambda: exe, state={"cache": cache})
-    assert bd.cache_copies(dec, "pipelined", {}).get("entry", 0) >= 1
-
-
-def test_decode_names_the_baseline_and_carries_the_floor(tmp_path, capsys):
+def test_decode_names_the_baseline_and_carries_the_measured_floor(tmp_path, capsys,
+                                                                   timing_figures):
     """bench.decode on the CPU: the in-decoder oneshot and twoshot rows run by default, the faster
-    is named "baseline" in every record at its point and in the markdown, every record carries
-    floor_ms (weights + KV cache per rank at HBM_BYTES_PER_S) and floor_ratio, and --breakdown
-    is skipped with a note (no GPU kernels to trace)."""
+    is named "baseline" in every record at its point and in the markdown; every record carries
+    the copy rate measured in the run (copy_tb_s), floor_ms (weights + KV cache per rank at that
+    rate), floor_ratio and overhead_ms; --breakdown is skipped with a note; and nothing printed
+    or in the markdown is a timing figure (the JSON keeps them, flagged)."""
+    from bench.decode import output, records as rec_mod, settings as st
+
     from bench import decode as bd
 
-    assert bd.main(["--quick", "--no-sweep", "--loops", "pipelined", "--no-trace",
+    assert rec_mod.floor_ms(10**9, 0, 2e12) == pytest.approx(0.5)  # bytes at bytes per second
+
+    assert bd.main(["--quick", "--no-sweep", "--loops", "pipelined,sync", "--no-trace",
                     "--breakdown", "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "--breakdown: skipped" in out and "docs/performance.md" in out
-    # a CPU shows what ran, not GPU ratios: no memory floor, no paper gains
-    assert "memory floor" not in out and "paper" not in out and "x floor" not in out
+    md = next(tmp_path.glob("decode-*.md")).read_text()
+    assert timing_figures(out) == [] and timing_figures(captured.err) == []
+    assert timing_figures(md) == []
     assert re.search(r"sifar:oneshot\s+oneshot\s+[1-9]\d*\s+\d+\s+0\s+ok\s+pipelined 1/1", out)
     records = json.loads(next(tmp_path.glob("decode-*.json")).read_text())
     assert {r["shapes"] for r in records} == {"full"}
     assert {r["weights"] for r in records} == {"float32"}  # dense, the tiny preset's dtype
-    by = {(r["tp"], r["allreduce"]): r for r in records}
-    assert {(2, "sifar:oneshot"), (2, "sifar:twoshot"), (2, "psum"), (1, "psum")} <= set(by)
-    fastest = min(("sifar:oneshot", "sifar:twoshot"), key=lambda a: by[(2, a)]["tpot_ms_median"])
+    assert all(r[report.CPU_FLAG] is True for r in records)
+    by = {(r["tp"], r["allreduce"], r["loop"]): r for r in records}
+    assert {(2, "sifar:oneshot"), (2, "sifar:twoshot"), (2, "psum"), (1, "psum")} <= {
+        k[:2] for k in by}
+    rates = {r["copy_tb_s"] for r in records}
+    assert len(rates) == 1 and rates.pop() > 0  # one measurement per run
     for r in records:
-        want = bd.floor_ms(r["weights_bytes_per_rank"], r["kv_bytes_per_rank"])
+        rate = r["copy_tb_s"] * 1e12
+        want = rec_mod.floor_ms(r["weights_bytes_per_rank"], r["kv_bytes_per_rank"], rate)
         assert r["floor_ms"] == pytest.approx(want, rel=1e-3) and r["floor_ms"] > 0
         assert r["floor_ratio"] == pytest.approx(r["tpot_ms_median"] / r["floor_ms"], rel=1e-2)
-        assert "breakdown" not in r
-        if r["tp"] == 2:
-            assert r["baseline"] == fastest
-            assert r["vs_baseline"] == pytest.approx(
-                by[(2, fastest)]["tpot_ms_median"] / r["tpot_ms_median"], rel=1e-3)
-        else:
-            assert r["baseline"] is None and r["vs_baseline"] is None  # TP=1: psum alone
-    assert by[(2, fastest)]["vs_baseline"] == 1.0
-    # The GPU report of the same records (its code runs nowhere else before a GPU host).
-    s = bd.settings(bd.parse_args(["--quick", "--no-sweep", "--loops", "pipelined"]), "cpu", 8)
-    bd.write_outputs(bd.parse_args(["--out", str(tmp_path / "gpu")]), s, {"host": "test-gpu"},
-                     records, "gpu", final=True)
-    gpu_md = (tmp_path / "gpu" / "decode-test-gpu.md").read_text()
-    assert "Against the paper" in gpu_md and "x floor" in gpu_md and "Memory floor" in gpu_md
-    bd.print_gpu_summary(records, s)
-    assert "memory floor" in capsys.readouterr().out
+        assert r["overhead_ms"] == pytest.approx(r["tpot_ms_median"] - r["floor_ms"], abs=1e-3)
+        assert r["step"] == "xla" and r["step_reason"] is None and "breakdown" not in r
+    for loop in ("pipelined", "sync"):
+        fastest = min(("sifar:oneshot", "sifar:twoshot"),
+                      key=lambda a: by[(2, a, loop)]["tpot_ms_median"])
+        for r in (r for r in records if r["loop"] == loop):
+            if r["tp"] == 2:
+                assert r["baseline"] == fastest
+                assert r["vs_baseline"] == pytest.approx(
+                    by[(2, fastest, loop)]["tpot_ms_median"] / r["tpot_ms_median"], rel=1e-3)
+            else:
+                assert r["baseline"] is None and r["vs_baseline"] is None  # TP=1: psum alone
+        assert by[(2, fastest, loop)]["vs_baseline"] == 1.0
+        assert f"{fastest} (baseline)" in md
     import sifar_jax.fused  # the fused row says what its call prefetches into L2
 
-    assert by[(2, "sifar+fused")]["prefetch_bytes"] == sifar_jax.fused.DEFAULT_PREFETCH_BYTES
-    assert by[(2, "sifar")]["prefetch_bytes"] is None
-    md = next(tmp_path.glob("decode-*.md")).read_text()
-    assert f"{fastest} (baseline)" in md and "--breakdown: skipped" in md
-    assert "x floor" not in md and "Against the paper" not in md and "What ran" in md
+    assert by[(2, "sifar+fused", "sync")]["prefetch_bytes"] == sifar_jax.fused.DEFAULT_PREFETCH_BYTES
+    assert by[(2, "sifar", "sync")]["prefetch_bytes"] is None
+    assert "--breakdown: skipped" in md and "What ran" in md
+    assert "x floor" not in md and "Against the paper" not in md and "Memory floor" not in md
+    # The GPU report of the same records (its code runs nowhere else before a GPU host).
+    import dataclasses
+
+    s = st.settings(st.parse_args(["--quick", "--no-sweep", "--loops", "pipelined,sync"]), "cpu", 8)
+    s = dataclasses.replace(s, platform="gpu", out=str(tmp_path / "gpu"))
+    output.write_outputs(s, {"host": "test-gpu"}, records, final=True)
+    gpu_md = (tmp_path / "gpu" / "decode-test-gpu.md").read_text()
+    assert "Against the paper" in gpu_md and "x floor" in gpu_md and "Memory floor" in gpu_md
+    assert "overhead ms" in gpu_md and "measured in this run" in gpu_md
+    assert timing_figures(gpu_md)  # the check sees a GPU report's figures
+    output.print_summary(records, s)
+    assert "memory floor" in capsys.readouterr().out
+
+
+def test_copy_rate_counts_read_and_write_at_the_median(monkeypatch):
+    """bench.common.copy_rate: 2 x the buffer's bytes (read + written) over the median of its
+    timed samples, after untimed warm-up calls; it runs on the CPU's small buffer."""
+    import jax
+
+    cpu = jax.devices("cpu")[0]
+    assert common.copy_rate(cpu, nbytes=1 << 20, samples=3, inner=2) > 0
+    assert common.COPY_BYTES["gpu"] >= 4 << 30 and common.COPY_BYTES["cpu"] == 64 << 20
+    seconds = iter([0.4, 0.1, 0.2])
+    warmed = []
+    monkeypatch.setattr(common, "warm_up", lambda fn, args, times: warmed.append(times))
+    monkeypatch.setattr(common, "time_calls", lambda fn, args, inner: next(seconds))
+    assert common.copy_rate(cpu, nbytes=1000, samples=3) == pytest.approx(2 * 1000 / 0.2)
+    assert warmed == [2]
 
 
 def test_decode_tp2_rank_shapes_run_one_rank_of_tp2_on_one_device(tmp_path):
     """--shapes tp2_rank: half the heads, MLP and vocabulary at TP=1 (one rank of TP=2 as a model
-    on one device), and every record says so; run with --weights fp8, whose records count the
+    on one device), and every record says so; run with --quantize fp8, whose records count the
     bytes a step reads of the FP8 params (e4m3 + scales: those of TP=2's rank of the full
     model)."""
     from bench import decode as bd
+    from bench.decode import settings as st
 
-    s = bd.settings(bd.parse_args(["--quick", "--shapes", "tp2_rank"]), "cpu", 8)
-    full = bd.PRESETS["tiny"]()
-    c = s["config"]
-    assert s["tp"] == [1] and c.hidden_size == full.hidden_size and c.head_dim == full.head_dim
+    s = st.settings(st.parse_args(["--quick", "--shapes", "tp2_rank"]), "cpu", 8)
+    full = st.PRESETS["tiny"]()
+    c = s.config
+    assert s.tp == (1,) and c.hidden_size == full.hidden_size and c.head_dim == full.head_dim
     assert (c.num_heads, c.num_kv_heads, c.intermediate_size, c.vocab_size) == (
         full.num_heads // 2, full.num_kv_heads // 2, full.intermediate_size // 2,
         full.vocab_size // 2)
     with pytest.raises(SystemExit, match="--tp 1 only"):
-        bd.settings(bd.parse_args(["--quick", "--shapes", "tp2_rank", "--tp", "2"]), "cpu", 8)
+        st.settings(st.parse_args(["--quick", "--shapes", "tp2_rank", "--tp", "2"]), "cpu", 8)
     assert bd.main(["--quick", "--shapes", "tp2_rank", "--no-sweep", "--loops", "pipelined",
-                    "--no-trace", "--weights", "fp8", "--out", str(tmp_path)]) == 0
+                    "--no-trace", "--quantize", "fp8", "--out", str(tmp_path)]) == 0
     records = json.loads(next(tmp_path.glob("decode-fp8-*.json")).read_text())
     assert records and {(r["shapes"], r["tp"], r["allreduce"], r["weights"]) for r in records} == {
         ("tp2_rank", 1, "psum", "fp8")}
+    assert {r["weight_layout"] for r in records} == {"rows"}  # what the Decoder holds
     import jax
 
     from models import LLAMA
@@ -612,44 +690,64 @@ def test_decode_tp2_rank_shapes_run_one_rank_of_tp2_on_one_device(tmp_path):
     assert records[0]["weights_bytes_per_rank"] == want < LLAMA.step_weight_bytes(layout) / 2
 
 
-def test_floor_note_names_the_baselines_or_says_none_ran():
-    from bench import decode as bd
+def test_floor_note_names_the_baselines_and_the_measured_rate_or_says_none_ran():
+    from bench.decode import output
 
-    none = bd.floor_note({"baselines": []})
+    none = output.floor_note((), 3.21)
     assert none.endswith("Baseline: none (no in-decoder one-shot or two-shot row ran).")
+    assert "3.21 TB/s" in none and "measured in this run" in none and "4.3" not in none
     assert "rows none ran" not in none
-    two = bd.floor_note({"baselines": ["sifar:oneshot", "sifar:twoshot"]})
+    two = output.floor_note(("sifar:oneshot", "sifar:twoshot"), 3.21)
     assert "the in-decoder rows sifar:oneshot or sifar:twoshot at the same TP" in two
 
 
-def test_decode_step_both_labels_the_step_that_ran(tmp_path):
+def test_decode_step_both_labels_the_step_that_ran(tmp_path, timing_figures):
     """bench.decode --step both: a 'persistent' row beside psum's at TP=1; on a CPU the
-    persistent step cannot run, so its record says the XLA step ran ("step": "xla")."""
+    persistent step cannot run, so its record says the XLA step ran ("step": "xla") and why (the
+    Decoder's step_reason); the old --weights fp8 spelling still runs FP8. Nothing printed is a
+    timing figure."""
     cmd = [sys.executable, "-m", "bench.decode", "--quick", "--tp", "1", "--batch", "1",
            "--context", "256", "--loops", "pipelined", "--no-sweep", "--allreduce", "psum",
            "--fused", "off", "--baselines", "none", "--no-trace", "--step", "both",
            "--weights", "fp8", "--out", str(tmp_path)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    (json_path,) = tmp_path.glob("decode-*.json")
+    assert timing_figures(r.stdout) == [] and "deprecated" in r.stderr
+    (json_path,) = tmp_path.glob("decode-fp8-*.json")
     by = {rec["allreduce"]: rec for rec in json.loads(json_path.read_text())}
     assert set(by) == {"psum", "persistent"}
     assert by["psum"]["step"] == "xla" and by["persistent"]["step"] == "xla"
+    assert by["psum"]["step_reason"] is None and "CUDA kernel" in by["persistent"]["step_reason"]
     assert by["persistent"]["generated"] == by["psum"]["generated"]
+    assert by["psum"]["weights"] == "fp8"
 
 
 def test_decode_rows_weights_are_labelled_and_read_like_dense(tmp_path):
-    """--weights rows: the projections held as [N, K] rows (models.to_rows) for every row of
-    the run; the records say so, and a step reads the dense model's bytes."""
+    """--to-rows: the projections held as [N, K] rows (models.to_rows) for every row of the
+    run; the records say so (the layout of the params the Decoder holds), and a step reads the
+    dense model's bytes."""
     from bench import decode as bd
 
     args = ["--quick", "--tp", "1", "--batch", "1", "--context", "256", "--loops", "pipelined",
             "--no-sweep", "--allreduce", "psum", "--fused", "off", "--baselines", "none",
             "--no-trace"]
-    assert bd.main(args + ["--weights", "rows", "--out", str(tmp_path / "rows")]) == 0
+    assert bd.main(args + ["--to-rows", "--out", str(tmp_path / "rows")]) == 0
     assert bd.main(args + ["--out", str(tmp_path / "dense")]) == 0
     (rows,) = json.loads(next((tmp_path / "rows").glob("decode-rows-*.json")).read_text())
     (dense,) = json.loads(next((tmp_path / "dense").glob("decode-*.json")).read_text())
     assert (rows["weight_layout"], dense["weight_layout"]) == ("rows", "einsum")
     assert rows["weights"] == dense["weights"] == rows["dtype"]
     assert rows["weights_bytes_per_rank"] == dense["weights_bytes_per_rank"]
+
+
+def test_gemv_floor_is_the_measured_copy_rate_and_a_cpu_table_has_no_timing(timing_figures):
+    from bench import gemv
+
+    rec = gemv.record("sifar fp8_matvec", "fp8", 1, 1, 1e-3, 10**9, 2.0)
+    assert (rec["floor_ms"], rec["x_floor"], rec["copy_tb_s"]) == (0.5, 2.0, 2.0)
+    torch_row = gemv.record("torch", "fp8", 2, 16, 1e-3, 10**9)  # the child: no rate yet
+    assert "floor_ms" not in torch_row and gemv.with_floor(torch_row, 4.0)["x_floor"] == 4.0
+    error = {"path": "torch", "tp_shapes": 2, "rows": 16, "error": "no GPU"}
+    assert timing_figures(gemv.markdown([rec, error]))  # a GPU table has its figures
+    cpu = gemv.markdown([rec, error], gpu=False)
+    assert timing_figures(cpu) == [] and "sifar fp8_matvec" in cpu and "error" in cpu

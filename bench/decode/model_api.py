@@ -1,0 +1,15 @@
+"""Every import bench.decode makes from models/ beyond the package's top-level names
+(models.Decoder, models.DecodeOptions, models.make_mesh, models.LOOPS, models.to_rows,
+models.random_params, models.family_of): one place to re-point as models/ moves into
+subpackages (/work/plan/LAYOUT.md)."""
+
+from models import compile_cache, hlo  # noqa: F401
+from models.attention import ATTN_IMPLS  # noqa: F401
+from models.capacity import prompt_bucket  # noqa: F401
+from models.families import presets  # noqa: F401
+from models.options import SIFAR_KINDS  # noqa: F401
+from models.quant import is_projection  # noqa: F401
+from models.qwen3_moe import MOE_IMPLS  # noqa: F401
+from models.sharding import KV_LAYOUTS  # noqa: F401
+from models.tp import ALLREDUCE_KINDS, fused_add_norm_available  # noqa: F401
+
