@@ -8,6 +8,7 @@ the run: bench.common.copy_rate).
     python -m bench.decode                    # GPU: Llama-3.1-8B shapes, bf16, TP=2 (4, 8) then 1
     python -m bench.decode --quick            # CPU demo (tiny model): about a minute on 2 cores
     python -m bench.decode --shapes tp2_rank  # one GPU: TP=2's per-rank shapes, no all-reduce
+    python -m bench.decode --quantize fp8 --tp 1 --virtual-ranks   # the persistent step at R ranks
 
 Weights: --quantize fp8 (FP8 projections, as models.generate --quantize fp8), --to-rows (dense
 projections held as [N, K] rows); the old --weights fp8 / --weights rows still work (deprecated).
@@ -17,7 +18,7 @@ GPUs, to the git-ignored bench/results/local/ on a CPU, where nothing printed or
 markdown is a timing (the JSON keeps the raw numbers, flagged cpu_timings_not_a_speed_figure).
 
 Modules: settings (flags -> one Settings), timers, records (the run and its records), tables,
-output (JSON, markdown, summary), model_api (what it uses of models/
+output (JSON, markdown, summary), ranks (--virtual-ranks), model_api (what it uses of models/
 beyond the top-level names), cli (main).
 """
 

@@ -1,6 +1,6 @@
-"""`python -m bench.decode`: the settings, the device's copy rate, then TTFT (--ttft) and the
-decode cases, each written as it finishes; process 0 reports (one process per GPU under
-sifar_jax.launch)."""
+"""`python -m bench.decode`: the settings, the device's copy rate, then TTFT (--ttft), the decode
+cases and the virtual-ranks rows (--virtual-ranks), each written as it finishes; process 0
+reports (one process per GPU under sifar_jax.launch)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax
 
 from bench import common, report, ttft
 from bench.decode import model_api as api
-from bench.decode import output, records
+from bench.decode import output, ranks, records
 from bench.decode.settings import Settings, parse_args, settings
 
 
@@ -46,6 +46,18 @@ def run_ttft(s: Settings, devices, env: dict, lead: bool, rate: float) -> tuple[
     return recs, paths
 
 
+def run_ranks(s: Settings, devices, env: dict, lead: bool, rate: float) -> tuple:
+    recs = ranks.run(s, devices, rate)
+    if not lead:
+        return ()
+    skipped = [r["skipped"] for r in recs if "skipped" in r]
+    if skipped:
+        print(f"virtual ranks: not run: {skipped[0]}", flush=True)
+    else:
+        print(report.plain_table(*ranks.table(recs, s.gpu)), flush=True)
+    return ranks.write(recs, output.out_dir(s), env, s.gpu)
+
+
 def _failed(recs) -> set:
     return {(r["tp"], r["allreduce"], r["sifar_check"]) for r in recs
             if r.get("sifar_check", "ok") != "ok"}
@@ -78,6 +90,8 @@ def main(argv=None) -> int:
             return 0 if all("error" not in r for r in ttft_records) else 1
     recs = records.run(s, devices, rate, lambda rs: lead and output.write_outputs(
         s, env, rs, final=False))
+    if s.virtual_ranks:
+        paths += run_ranks(s, devices, env, lead, rate)
     if not lead:
         return 1 if _failed(recs) else 0
     paths = output.write_outputs(s, env, recs, final=True) + paths

@@ -13,3 +13,11 @@ from models.qwen3_moe import MOE_IMPLS  # noqa: F401
 from models.sharding import KV_LAYOUTS  # noqa: F401
 from models.tp import ALLREDUCE_KINDS, fused_add_norm_available  # noqa: F401
 
+
+def step_forward(family, layout, options, ranks: int, allreduce: str):
+    """The persistent step's one-token forward at `ranks` virtual ranks with `allreduce`
+    ("sifar" or "oneshot") inside its one launch (ranks 1: sifar_jax.llama_step)."""
+    from models import persistent
+
+    return persistent.make_step_forward(family, layout, options, virtual_ranks=ranks,
+                                        allreduce=allreduce)

@@ -17,6 +17,7 @@ from bench.decode import model_api as api
 PIPELINE_STEPS = (4, 20)  # back-to-back runs whose difference gives one pipelined TPOT sample
 BASELINE_ALGORITHMS = ("oneshot", "twoshot")  # the paper's baseline, run inside our decoder
 SHAPES = ("full", "tp2_rank")  # as the preset says, or one rank's share at TP=2 on one device
+VIRTUAL_RANKS = (1, 2, 4)  # --virtual-ranks: the persistent step's ranks on one device
 PRESETS = {name: family.presets[name] for name, family in api.presets().items()}
 
 
@@ -59,6 +60,7 @@ class Settings:
     trace: bool
     ttft: tuple[int, ...]  # prompt lengths (): no TTFT
     ttft_only: bool
+    virtual_ranks: tuple[int, ...]  # (): none
     out: Optional[str]
     compile_cache: bool
     warmup: int = 2
@@ -142,6 +144,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--step", choices=("xla", "persistent", "both"), default="xla",
         help="TP=1, batch 1: DecodeOptions(step=) of the rows (both: a 'persistent' row beside "
              "psum's XLA step; records say which step ran)")
+    add("--virtual-ranks", nargs="?", const=",".join(map(str, VIRTUAL_RANKS)), default=None,
+        metavar="R", help="also time the persistent step at R virtual ranks on one device (default "
+                          "1,2,4) with sifar and oneshot inside: the cost per all-reduce phase "
+                          "(weights it streams: --quantize fp8 or --to-rows)")
     add("--no-trace", action="store_true", help="skip the per-call all-reduce trace")
     add("--quick", action="store_true", help="tiny model, few steps (CPU, CI)")
     add("--out", default=None, help="results directory")
@@ -291,6 +297,7 @@ def settings(args, platform: str, n_devices: int) -> Settings:
         fused_tp1=args.fused == "on", sweep_all=args.sweep_all,
         breakdown=args.breakdown and gpu, breakdown_asked=args.breakdown,
         trace=not args.no_trace, ttft=tuple(lengths), ttft_only=args.ttft_only,
+        virtual_ranks=_ints([args.virtual_ranks]) if args.virtual_ranks else (),
         out=args.out, compile_cache=not args.no_compile_cache))
 
 

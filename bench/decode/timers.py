@@ -1,6 +1,6 @@
 """bench.decode's timers: per loop, the seconds per step of a Decoder that sits where the loop
 starts (its samples) and the tokens it generated; back_to_back times any step function the
-same way as the pipelined loop."""
+same way as the pipelined loop (the virtual-ranks rows use it)."""
 
 from __future__ import annotations
 

@@ -740,6 +740,57 @@ def test_decode_rows_weights_are_labelled_and_read_like_dense(tmp_path):
     assert rows["weights_bytes_per_rank"] == dense["weights_bytes_per_rank"]
 
 
+def test_decode_virtual_ranks_time_the_persistent_step_at_r_ranks(tmp_path, monkeypatch, capsys,
+                                                                   timing_figures):
+    """--virtual-ranks on a model the persistent step serves (bf16, head_dim 128, FP8), the op's
+    CPU reference standing in for the kernel (persistent.backend_reason replaced, as in
+    tests/models/test_persistent_ranks.py): R = 1, 2, 4 with sifar and oneshot inside, one
+    record each, the cost per all-reduce phase from t_R - t_1 over 2 x layers. Without the
+    replacement the Decoder says why the step cannot run and no row runs. Nothing printed or in
+    the markdown is a timing figure."""
+    import dataclasses
+
+    import jax
+
+    from bench.decode import cli, ranks, records, settings as st
+    from models import persistent
+
+    s = st.settings(st.parse_args(["--quick", "--tp", "1", "--quantize", "fp8", "--context",
+                                   "256", "--samples", "1", "--virtual-ranks",
+                                   "--out", str(tmp_path)]), "cpu", 8)
+    assert s.virtual_ranks == (1, 2, 4)
+    config = st.PRESETS["tiny"](dtype="bfloat16", hidden_size=256, num_heads=8, num_kv_heads=4,
+                                head_dim=128, intermediate_size=512, num_layers=2,
+                                vocab_size=512, max_seq_len=256)
+    s = dataclasses.replace(s, config=config, dtype="bfloat16")
+    cpus = jax.devices("cpu")
+    (skipped,) = ranks.run(s, cpus, 1e9)
+    assert skipped["step"] == "xla" and "CUDA kernel" in skipped["skipped"]
+    monkeypatch.setattr(persistent, "backend_reason", lambda mesh: None)
+    calls = []
+    real = sifar_jax.llama_step_virtual_ranks
+    monkeypatch.setattr(sifar_jax, "llama_step_virtual_ranks",
+                        lambda *a, **k: calls.append((k["ranks"], k["allreduce"])) or real(*a, **k))
+    json_path, md_path = cli.run_ranks(s, cpus, {"host": "test-cpu"}, True, 1e9)
+    recs = json.loads(json_path.read_text())
+    want = {(2, "sifar"), (2, "oneshot"), (4, "sifar"), (4, "oneshot")}
+    assert {(r["ranks"], r["allreduce"]) for r in recs} == want | {(1, "none")}
+    assert set(calls) == want  # the op at R ranks ran each all-reduce (R = 1: llama_step)
+    t1 = next(r for r in recs if r["ranks"] == 1)["step_ms_median"]
+    for r in recs:
+        assert r["step"] == "persistent" and r["weights"] == "fp8" and r[report.CPU_FLAG]
+        assert r["phases"] == (0 if r["ranks"] == 1 else 2 * config.num_layers)
+        if r["ranks"] > 1:
+            # (t_R - t_1) / phases; the medians in the JSON are rounded to 1e-4 ms
+            assert r["per_phase_us"] == pytest.approx((r["step_ms_median"] - t1) / 4 * 1e3,
+                                                      abs=0.05)
+        floor = records.floor_ms(r["weights_bytes_per_rank"], r["kv_bytes_per_rank"], 1e9)
+        assert r["floor_ms"] == pytest.approx(floor, rel=1e-3) and r["copy_tb_s"] == 0.001
+    md = md_path.read_text()
+    assert "persistent" in md and "oneshot" in md
+    assert timing_figures(capsys.readouterr().out) == [] and timing_figures(md) == []
+
+
 def test_gemv_floor_is_the_measured_copy_rate_and_a_cpu_table_has_no_timing(timing_figures):
     from bench import gemv
 
