@@ -99,7 +99,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.decode",
                                 description="Time per output token of the decoder with psum / "
                                             "sifar / identity, every loop, batch x KV length "
-                                            "(docs/reference.md).")
+                                            "(docs/reference.md).",
+                                epilog="Deprecated spellings, still read: --weights fp8 = "
+                                       "--quantize fp8; --weights rows = --to-rows; --weights "
+                                       "bf16 = the default.")
     add = p.add_argument
     add("--preset", choices=sorted(PRESETS), default=None,
         help="model shapes, any family's (default: llama3_8b on GPU, tiny on CPU)")

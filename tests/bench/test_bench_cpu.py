@@ -510,6 +510,10 @@ def test_decode_quantize_is_the_fp8_flag_and_weights_its_deprecated_alias(capsys
     rows = st.settings(st.parse_args(["--quick", "--weights", "rows"]), "cpu", 8)
     assert (rows.quantize, rows.to_rows, rows.stem) == (None, True, "decode-rows")
     assert st.settings(st.parse_args(["--quick", "--to-rows"]), "cpu", 8).to_rows
+    help_text = subprocess.run([sys.executable, "-m", "bench.decode", "--help"], cwd=REPO,
+                               env=dict(os.environ, COLUMNS="200"), capture_output=True,
+                               text=True, timeout=120).stdout
+    assert "--quantize {fp8}" in help_text and "--weights fp8 = --quantize fp8" in help_text
     with pytest.raises(SystemExit, match="rows already"):
         st.settings(st.parse_args(["--quick", "--quantize", "fp8", "--to-rows"]), "cpu", 8)
     with pytest.raises(SystemExit, match="dense weights only"):
