@@ -1,7 +1,7 @@
-"""Every import bench.decode makes from models/ beyond the package's top-level names
+"""Every import bench/ makes from models/ beyond the package's top-level names
 (models.Decoder, models.DecodeOptions, models.make_mesh, models.LOOPS, models.to_rows,
-models.random_params, models.family_of): one place to re-point as models/ moves into
-subpackages (/work/plan/LAYOUT.md)."""
+models.random_params, models.family_of): bench.decode's, bench.ttft's and bench.breakdown's, in
+one place to re-point as models/ moves into subpackages (docs of issue 58's layout)."""
 
 from models import compile_cache, hlo  # noqa: F401
 from models.attention import ATTN_IMPLS  # noqa: F401
