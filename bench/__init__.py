@@ -1,1 +1,2 @@
-"""Benchmarks: `python -m bench.allreduce` (all-reduce latency); shared helpers in bench.common."""
+"""Benchmarks: `python -m bench.allreduce` (all-reduce latency), `python -m bench.decode` (TPOT);
+shared helpers in bench.common, what they write in bench.report."""

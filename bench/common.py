@@ -1,30 +1,23 @@
-"""Helpers shared by the benchmarks: devices, timing, statistics, the environment, and JSON /
-Markdown output. Nothing here imports jax at module level: import this before jax for
-`use_host_devices()` to take effect (XLA reads XLA_FLAGS once)."""
+"""Helpers shared by the benchmarks: devices, timing (the device's copy rate too), statistics and
+payloads; what they write: bench.report. Nothing here imports jax at module level: import this
+before jax for `use_host_devices()` to take effect (XLA reads XLA_FLAGS once)."""
 
 from __future__ import annotations
 
-import datetime
 import itertools
-import json
 import math
 import os
-import platform
-import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-LOCAL_OUT = DEFAULT_OUT / "local"
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 # NVLink multicast stays off everywhere (it can take a shared host's GPUs out of service): forced
 # into every process a benchmark starts. sifar_jax.multicast.DISABLING's values (a test keeps them
@@ -60,7 +53,7 @@ def bench_devices(min_gpus: int = 2) -> tuple[str, list]:
 def visible_gpu_count() -> int:
     """NVIDIA GPUs this process may use, without starting a framework (nvidia-smi, else the
     /dev/nvidiaN nodes), limited by CUDA_VISIBLE_DEVICES: the peers run before JAX starts."""
-    n = sum(1 for line in _nvidia_smi("-L") if line.startswith("GPU "))
+    n = sum(1 for line in nvidia_smi("-L") if line.startswith("GPU "))
     if n == 0:
         n = sum(1 for p in Path("/dev").glob("nvidia[0-9]*") if p.name[6:].isdigit())
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -80,24 +73,8 @@ def powers_of_two_up_to(n: int, start: int = 2) -> list[int]:
     return [start << k for k in range((n // start).bit_length())]
 
 
-# ----------------------------------------------------------------- host tag --
-def _short_gpu_name(kind: str) -> str:
-    """'NVIDIA H200' -> 'H200', 'NVIDIA H100 80GB HBM3' -> 'H100'."""
-    name = re.sub(r"^(NVIDIA|Tesla)\s+", "", kind.strip(), flags=re.I)
-    name = name.split()[0] if name else "gpu"
-    return re.sub(r"[^A-Za-z0-9_.-]", "", name) or "gpu"
-
-
-def host_tag(devices: Sequence) -> str:
-    """A short tag naming the hardware the numbers came from: '2xH200', 'cpu-2core'."""
-    gpus = [d for d in devices if d.platform == "gpu"]
-    if gpus:
-        return f"{len(gpus)}x{_short_gpu_name(gpus[0].device_kind)}"
-    return f"cpu-{os.cpu_count()}core"
-
-
-# -------------------------------------------------------------- environment --
-def _nvidia_smi(*args: str) -> list[str]:
+# ------------------------------------------------------------------ the host --
+def nvidia_smi(*args: str) -> list[str]:
     """nvidia-smi's non-empty output lines; none where it is missing or fails."""
     exe = shutil.which("nvidia-smi")
     try:
@@ -108,58 +85,11 @@ def _nvidia_smi(*args: str) -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
-def _read(path: str) -> str:
+def read_text(path: str) -> str:
     try:
         return Path(path).read_text()
     except OSError:
         return ""
-
-
-def _driver_version() -> str | None:
-    """nvidia-smi's, else (without it) the kernel module's banner."""
-    smi = _nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader")
-    if smi:
-        return smi[0]
-    m = re.search(r"Kernel Module\s+([0-9.]+)", _read("/proc/driver/nvidia/version"))
-    return m.group(1) if m else None
-
-
-def _cpu_model() -> str:
-    m = re.search(r"^model name\s*:(.*)$", _read("/proc/cpuinfo"), re.M)
-    return m.group(1).strip() if m else platform.processor() or platform.machine()
-
-
-def describe_environment(devices: Sequence) -> dict:
-    """What a reader needs to interpret (and to reproduce) the numbers of a run on `devices`."""
-    import jax
-    import jaxlib
-
-    import sifar_jax  # every benchmark runs it
-
-    kind = "gpu" if any(d.platform == "gpu" for d in devices) else "cpu"
-    env = {
-        "host": host_tag(devices),
-        "hostname": socket.gethostname(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "platform": kind,
-        "devices": len(devices),
-        "device_kind": devices[0].device_kind if devices else None,
-        "gpu": devices[0].device_kind if kind == "gpu" else None,
-        "driver": _driver_version() if kind == "gpu" else None,
-        "cpu": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "jaxlib": getattr(jaxlib, "__version__", None) or jax.lib.__version__,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "multicast_env": " ".join(f"{k}={os.environ.get(k)}" for k in MULTICAST_OFF),
-    }
-    try:
-        env["platform_version"] = devices[0].client.platform_version
-    except Exception:  # noqa: BLE001 - informational only
-        pass
-    env["sifar_jax"] = sifar_jax.__version__
-    return env
 
 
 # ------------------------------------------------------------------- timing --
@@ -182,6 +112,29 @@ def time_calls(fn: Callable, args: tuple, inner: int = 1) -> float:
 def warm_up(fn: Callable, args: tuple, times: int = 3) -> None:
     for _ in range(times):
         block(fn(*args))
+
+
+# The buffer copy_rate copies: 4 GiB on a GPU (far past any cache); on a CPU only the code path
+# matters (CPU runs print no timing figure).
+COPY_BYTES = {"gpu": 4 << 30, "cpu": 64 << 20}
+
+
+def copy_rate(device, nbytes: int | None = None, samples: int = 7, inner: int = 4) -> float:
+    """Bytes per second of a device-to-device copy on `device`, read + write counted: a jitted
+    `x + 1` over nbytes of uint8 (default COPY_BYTES of the platform), the median over `samples`
+    of `inner` back-to-back calls and one wait, after two untimed calls. The memory floor of a
+    step is the bytes it reads at this rate, measured in the same process as the step."""
+    import jax
+    import jax.numpy as jnp
+
+    n = nbytes or COPY_BYTES["gpu" if device.platform == "gpu" else "cpu"]
+    with jax.default_device(device):
+        x = jax.device_put(jnp.zeros((n,), jnp.uint8), device)
+    add_one = jax.jit(lambda a: a + jnp.uint8(1))
+    warm_up(add_one, (x,), 2)
+    seconds = statistics.median(time_calls(add_one, (x,), inner) for _ in range(samples))
+    del x
+    return 2 * n / seconds
 
 
 def paired_differences(fn_small: Callable, fn_large: Callable, args: tuple, extra_work: float,
@@ -256,13 +209,15 @@ def fmt_latency(rec: dict, unit: str = "") -> str:
     return fmt_us(rec["us_median"]) + unit
 
 
-def progress(total: int, desc: str):
+def progress(total: int, desc: str, timings: bool = True):
     """A tqdm bar on stderr (tqdm comes with the bench and test extras); none when stderr is
-    not a terminal (a log or a pipe would get every redraw)."""
+    not a terminal (a log or a pipe would get every redraw). timings=False (a CPU run): no
+    elapsed time and no rate in it."""
     from tqdm import tqdm
 
+    fmt = None if timings else "{l_bar}{bar}| {n_fmt}/{total_fmt}{postfix}"
     return tqdm(total=total, desc=desc, unit="case", dynamic_ncols=True, file=sys.stderr,
-                mininterval=0.5, disable=None)
+                mininterval=0.5, disable=None, bar_format=fmt)
 
 
 # ----------------------------------------------------------------- payloads --
@@ -297,71 +252,8 @@ def allreduce_mismatch(got, inputs, ranks: Sequence[int] | None = None) -> str |
             f"(bound {float(bound[i]):.3g})")
 
 
-# ------------------------------------------------------------------- output --
-def default_out(kind: str) -> Path:
-    """bench/results/ for GPU runs (committed), bench/results/local/ (git-ignored) on a CPU."""
-    return DEFAULT_OUT if kind == "gpu" else LOCAL_OUT
-
-
-def results_path(out_dir: str | os.PathLike | None, stem: str, host: str, suffix: str) -> Path:
-    d = Path(out_dir) if out_dir else DEFAULT_OUT
-    d.mkdir(parents=True, exist_ok=True)
-    return d / f"{stem}-{host}{suffix}"
-
-
-def write_json(path: Path, records) -> Path:
-    path.write_text(json.dumps(records, indent=1) + "\n")
-    return path
-
-
-def markdown_table(headers: Sequence[str], rows: Iterable[Sequence]) -> str:
-    def line(cells):
-        return "| " + " | ".join(str(c) for c in cells) + " |"
-
-    rule = "|" + "|".join(" --- " for _ in headers) + "|"
-    return "\n".join([line(headers), rule] + [line(row) for row in rows])
-
-
-# The environment table's rows: describe_environment's keys (and the peers') and their labels.
-ENV_LABELS = {
-    "host": "host", "hostname": "hostname", "date": "date", "gpu": "GPU", "devices": "devices used",
-    "driver": "driver", "platform_version": "platform", "cpu": "CPU", "cpu_count": "CPU cores",
-    "python": "Python", "jax": "jax", "jaxlib": "jaxlib", "sifar_jax": "sifar_jax",
-    "torch": "torch (peers)", "nccl": "NCCL (torch peers)", "xla_flags": "XLA_FLAGS",
-    "multicast_env": "multicast switches",
-}
-
-
-def environment_markdown(env: dict) -> str:
-    rows = [(label, f"`{env[k]}`" if k in ("xla_flags", "multicast_env") else env[k])
-            for k, label in ENV_LABELS.items() if env.get(k) not in (None, "")]
-    return markdown_table(["", ""], rows)
-
-
-def write_markdown(path: Path, title: str, env: dict, sections: Sequence[tuple[str, str]],
-                   notes: Sequence[str] = ()) -> Path:
-    """A report: title, environment table, notes, then (heading, body) sections."""
-    parts = [f"# {title}", "", environment_markdown(env), ""]
-    parts += [f"> {n}" for n in notes] + ([""] if notes else [])
-    for heading, body in sections:
-        parts += [f"## {heading}", "", body, ""]
-    path.write_text("\n".join(parts))
-    return path
-
-
+# --------------------------------------------------------------- formatting --
 def fmt_us(x: float) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
     return f"{x:.2f}" if abs(x) < 100 else f"{x:.0f}"
-
-
-def plain_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
-    """A fixed-width text table for the terminal: the first column left-aligned, the rest right."""
-    cells = [[str(c) for c in r] for r in [headers, *rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(r):
-        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])

@@ -4,12 +4,15 @@
 gate_up, down), chained in one jit (one call's output feeds the next; a slice where the decoder
 has attention or the activation), at Llama-3.1-8B's TP=1 shapes and TP=2's per-rank shapes.
 Each row: time per chain, the weight bytes read per second, and the ratio to the bytes' floor
-(weight bytes / FLOOR_TBPS). Paths: sifar_jax.fp8_matvec (per-channel scales; with and without
+(the weight bytes at the device's copy rate, bench.common.copy_rate, measured in this process
+before the paths). Paths: sifar_jax.fp8_matvec (per-channel scales; with and without
 programmatic dependent launch and the L2 prefetch), XLA's bf16 dot (1 and 2 rows), XLA's dot
 on e4m3 weights converted inside it x per-channel scale (1 and 2 rows), torch._scaled_mm
 (e4m3 x e4m3, 16 rows, per-tensor scales, a CUDA graph) when torch is there.
 
     python -m bench.gemv [--out DIR] [--tp 1 2] [--rows 1] [--torch/--no-torch]
+
+On a CPU (the op's CPU handler) it prints and writes no timing figure: which paths ran.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import subprocess
 import sys
 import time
 
-FLOOR_TBPS = 4.3  # H200 weight-stream floor (docs/design.md, section 9)
 LAYERS = 32
 HIDDEN, INTER, QKV = 4096, 14336, 6144  # Llama-3.1-8B
 
@@ -58,7 +60,7 @@ def timed(fn, args, reps=30, inner=5) -> float:
     return statistics.median(out)
 
 
-def jax_rows(tp: int, rows: int) -> list[dict]:
+def jax_rows(tp: int, rows: int, copy_tbps: float) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
@@ -110,15 +112,25 @@ def jax_rows(tp: int, rows: int) -> list[dict]:
             out.append({"path": name, "tp_shapes": tp, "rows": rows, "error": repr(e)[:300]})
             continue
         nbytes = fp8_bytes * (1 if weights == "fp8" else 2)
-        out.append(record(name, weights, tp, rows, sec, nbytes))
+        out.append(record(name, weights, tp, rows, sec, nbytes, copy_tbps))
     return out
 
 
-def record(name, weights, tp, rows, sec, nbytes) -> dict:
-    floor_ms = nbytes / (FLOOR_TBPS * 1e12) * 1e3
-    return {"path": name, "weights": weights, "shapes": "tp1" if tp == 1 else f"tp{tp}_rank",
-            "tp_shapes": tp, "rows": rows, "ms": sec * 1e3, "bytes": nbytes,
-            "tbps": nbytes / sec / 1e12, "floor_ms": floor_ms, "x_floor": sec * 1e3 / floor_ms}
+def record(name, weights, tp, rows, sec, nbytes, copy_tbps=None) -> dict:
+    """One path's row, with its floor where the copy rate is known (the torch child's rows get
+    theirs in the parent: with_floor)."""
+    rec = {"path": name, "weights": weights, "shapes": "tp1" if tp == 1 else f"tp{tp}_rank",
+           "tp_shapes": tp, "rows": rows, "ms": sec * 1e3, "bytes": nbytes,
+           "tbps": nbytes / sec / 1e12}
+    return with_floor(rec, copy_tbps) if copy_tbps else rec
+
+
+def with_floor(rec: dict, copy_tbps: float) -> dict:
+    """rec with copy_tb_s, floor_ms (its weight bytes at the copy rate) and x_floor."""
+    if "error" in rec:
+        return rec
+    floor_ms = rec["bytes"] / (copy_tbps * 1e12) * 1e3
+    return dict(rec, copy_tb_s=copy_tbps, floor_ms=floor_ms, x_floor=rec["ms"] / floor_ms)
 
 
 def torch_rows(tp: int) -> list[dict]:
@@ -160,15 +172,16 @@ def torch_rows(tp: int) -> list[dict]:
                    statistics.median(times), nbytes)]
 
 
-def markdown(records) -> str:
-    lines = ["| shapes | path | rows | ms | TB/s | x floor |", "| --- | --- | --- | --- | --- | --- |"]
-    for r in records:
-        if "error" in r:
-            lines.append(f"| tp{r['tp_shapes']} | {r['path']} | {r['rows']} | error | | |")
-        else:
-            lines.append(f"| {r['shapes']} | {r['path']} | {r['rows']} | {r['ms']:.3f} | "
-                         f"{r['tbps']:.2f} | {r['x_floor']:.2f} |")
-    return "\n".join(lines)
+def markdown(records, gpu: bool = True) -> str:
+    """The rows; where not gpu without their timings (which paths ran)."""
+    from bench import report
+
+    rows = [[r.get("shapes", f"tp{r['tp_shapes']}"), r["path"], r["rows"]]
+            + (["error"] if "error" in r else [f"{r['ms']:.3f}", f"{r['tbps']:.2f}",
+                                               f"{r['x_floor']:.2f}"] if gpu else ["ran"])
+            for r in records]
+    return report.markdown_table(["shapes", "path", "rows"]
+                                 + (["ms", "TB/s", "x floor"] if gpu else ["result"]), rows)
 
 
 def main(argv=None) -> None:
@@ -185,7 +198,7 @@ def main(argv=None) -> None:
     if args.torch_only is not None:
         print(json.dumps(torch_rows(args.torch_only)))
         return
-    from bench import common
+    from bench import common, report
 
     records = []
     for tp in args.tp if args.torch else ():  # first: torch's process before jax takes memory
@@ -197,21 +210,26 @@ def main(argv=None) -> None:
         except (IndexError, ValueError):
             records.append({"path": "torch._scaled_mm", "tp_shapes": tp, "rows": 16,
                             "error": r.stderr[-300:]})
-    for tp in args.tp:
-        for rows in args.rows:
-            records += jax_rows(tp, rows)
     import jax
 
-    env = common.describe_environment(jax.devices())
+    gpu = jax.devices()[0].platform == "gpu"
+    copy_tbps = common.copy_rate(jax.devices()[0]) / 1e12  # before any weights are allocated
+    records = [with_floor(r, copy_tbps) for r in records]
+    for tp in args.tp:
+        for rows in args.rows:
+            records += jax_rows(tp, rows, copy_tbps)
+    env = report.describe_environment(jax.devices())
     host = env["host"]
-    out = common.default_out(env["platform"]) if args.out is None else args.out
-    common.write_json(common.results_path(out, "gemv", host, ".json"),
-                      {"environment": env, "floor_tbps": FLOOR_TBPS, "records": records})
-    common.write_markdown(common.results_path(out, "gemv", host, ".md"),
-                          "FP8 GEMV: 32 layers of Llama-8B projections, batch 1", env,
-                          [("Results", markdown(records))],
-                          notes=[f"x floor: time / (weight bytes / {FLOOR_TBPS} TB/s)"])
-    print(markdown(records))
+    out = report.default_out(env["platform"]) if args.out is None else args.out
+    report.write_json(report.results_path(out, "gemv", host, ".json"),
+                      {"environment": env, "copy_tb_s": copy_tbps, "records": records,
+                       **({} if gpu else {report.CPU_FLAG: True})})
+    note = (f"x floor: time / (weight bytes at this device's copy rate, measured here: "
+            f"{copy_tbps:.3g} TB/s)" if gpu else "XLA:CPU: which paths ran; no timing is shown.")
+    report.write_markdown(report.results_path(out, "gemv", host, ".md"),
+                          f"FP8 GEMV: {LAYERS} layers of Llama-8B projections, batch 1", env,
+                          [("Results", markdown(records, gpu))], notes=[note])
+    print(markdown(records, gpu))
 
 
 if __name__ == "__main__":

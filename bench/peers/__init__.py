@@ -170,13 +170,16 @@ def _interesting(text: str) -> list[str]:
     return [s for s in lines if s and not (len(s) > 5 and s[0] in "IW" and s[1:5].isdigit())][-40:]
 
 
-def add_result(out: dict, path: str, name: str, tp: int, nbytes: int, res: dict) -> None:
-    """A child's result at one size (a record, or {"error": why}) into `out`, said and written."""
+def add_result(out: dict, path: str, name: str, tp: int, nbytes: int, res: dict,
+               cpu: bool = False) -> None:
+    """A child's result at one size (a record, or {"error": why}) into `out`, said (a CPU's
+    without its timing) and written."""
     if "error" in res:
         out["errors"].append({"algorithm": name, "tp": tp, "bytes": nbytes, "error": res["error"]})
     else:
         out["records"].append(res)
-    said = res.get("error") or f"{common.fmt_latency(res, ' us')} ({res['level']})"
+    said = res.get("error") or ("measured (a CPU: no timing shown)" if cpu else
+                                f"{common.fmt_latency(res, ' us')} ({res['level']})")
     print(f"{name} tp={tp} {nbytes} B: {said}", flush=True)
     write_partial(path, out)
 

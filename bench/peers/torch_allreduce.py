@@ -253,7 +253,7 @@ def worker(rank: int, args, port: int) -> None:
             if rank == 0:
                 out["info"] = _info(torch, ctx)
                 peers.add_result(out, args.json, args.algorithm, args.tp, nbytes,
-                                 errors[0] if errors else res)
+                                 errors[0] if errors else res, cpu=args.device == "cpu")
     finally:
         dist.destroy_process_group()
 

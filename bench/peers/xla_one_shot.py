@@ -17,7 +17,8 @@ if peers.XLA_ONE_SHOT_FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     # Run by hand without the flag: add it (before jax is imported, by bench.allreduce).
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {peers.XLA_ONE_SHOT_FLAG}".strip()
 
-from bench import allreduce, common  # noqa: E402  (imports jax)
+from bench import common  # noqa: E402
+from bench.allreduce import measure as ours  # noqa: E402  (imports jax)
 
 NAME = peers.XLA_ONE_SHOT
 
@@ -35,13 +36,13 @@ def measure(mesh, tp: int, nbytes: int, args) -> dict:
     import numpy as np
 
     x_np = common.random_payload(zlib.crc32(repr((tp, NAME, nbytes)).encode()), tp, nbytes // 2)
-    x = allreduce.as_bf16(x_np)
-    got = np.asarray(allreduce.chain_fn(mesh, allreduce.BASELINE, 1)(x), np.float32)
+    x = ours.as_bf16(x_np)
+    got = np.asarray(ours.chain_fn(mesh, ours.BASELINE, 1)(x), np.float32)
     wrong = common.allreduce_mismatch(got, x_np)
     if wrong:
         return {"error": f"WRONG RESULT, not timed: {wrong}"}
     cfg = {"chain": args.chain, "warmup": args.warmup, "runs": args.runs, "inner_jit": 1}
-    rec = allreduce.timed_case(mesh, {}, cfg, tp, peers.LEVEL_JIT, allreduce.BASELINE, nbytes, x)
+    rec = ours.timed_case(mesh, {}, cfg, tp, peers.LEVEL_JIT, ours.BASELINE, nbytes, x)
     return dict(rec, algorithm=NAME, runs=args.runs, chain=list(args.chain))
 
 
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
                 res = {"error": f"{type(e).__name__}: {e}".strip()}
             if kind == "cpu" and "error" not in res:
                 res["note"] = "XLA:CPU: the flag has no effect here"
-            peers.add_result(out, args.json, NAME, tp, nbytes, res)
+            peers.add_result(out, args.json, NAME, tp, nbytes, res, cpu=kind == "cpu")
     peers.write_partial(args.json, out)
     return 0
 

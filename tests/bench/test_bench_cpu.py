@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import sifar_jax
-from bench import calltrace, common, peers
+from bench import calltrace, common, peers, report
 
 REPO = common.REPO_ROOT
 RECORD_KEYS = {"algorithm", "level", "tp", "bytes", "us_median", "us_median_raw", "us_noise",
@@ -55,7 +55,7 @@ def synthetic_trace(latency_us, retried, ranks: int = 2) -> np.ndarray:
 
 
 # ------------------------------------------------------------- the quick run --
-def test_quick_run_json_and_clean_checkout(tmp_path):
+def test_quick_run_json_and_clean_checkout(tmp_path, timing_figures):
     status_before = _git("status", "--porcelain", "--untracked-files=all")
     cmd = [sys.executable, "-m", "bench.allreduce", "--quick", "--sizes", "4,8",
            "--skew-us", "0,5", "--out", str(tmp_path)]
@@ -109,17 +109,21 @@ def test_quick_run_json_and_clean_checkout(tmp_path):
         assert TAIL_KEYS <= t.keys() and t["calls"] > 0, t
     md = json_path.with_suffix(".md").read_text()
     assert "What ran" in md and "bit-identical in all 4 checks" in md
-    # no GPU verdicts from CPU timings: no speed-up rows, no peer ratios, no target
+    # no GPU verdicts from CPU timings: no speed-up rows, no peer ratios, no target, and no
+    # timing figure at all (the JSON keeps the raw numbers, flagged)
     assert "latency saved" not in md and "against every peer" not in md and "Target" not in md
+    assert timing_figures(md) == [] and timing_figures(r.stdout) == [], r.stdout[-3000:]
+    assert timing_figures(r.stderr) == [], r.stderr[-3000:]
+    assert data[report.CPU_FLAG] is True and "Mis-speculation per call" in md
     assert "docs/performance.md" in r.stdout and "latency saved" not in r.stdout
     assert re.search(r"2\s+sifar\s+[1-9]\d*\s+\d+\s+0\s+bit-identical in all 4 checks", r.stdout)
     # The GPU report of the same records (its code runs nowhere else before a GPU host).
-    from bench import allreduce
+    from bench.allreduce import cli
 
     meta = {"kind": "gpu", "cfg": data["settings"], "sizes": [4096, 8192], "checks": data["checks"],
             "stats": {2: data["stats"]["2"]}, "trace": data["trace"]}
-    args = allreduce.parse_args(["--peers", "none"])
-    allreduce.write_outputs(tmp_path / "gpu", args, data["records"], meta, {"host": "test-gpu"},
+    args = cli.parse_args(["--peers", "none"])
+    cli.write_outputs(tmp_path / "gpu", args, data["records"], meta, {"host": "test-gpu"},
                             [], {"errors": data["errors"]})
     md = (tmp_path / "gpu" / "allreduce-test-gpu.md").read_text()
     assert "sifar against every peer, TP=2" in md and "sifar: latency saved vs lax.psum" in md
@@ -152,9 +156,9 @@ def test_gpu_host_suite_script_runs_its_steps_on_the_cpu(tmp_path):
 
 
 def test_cpu_results_default_to_an_ignored_directory():
-    assert common.default_out("gpu") == REPO / "bench" / "results"
-    local = common.default_out("cpu")
-    assert local != common.default_out("gpu")
+    assert report.default_out("gpu") == REPO / "bench" / "results"
+    local = report.default_out("cpu")
+    assert local != report.default_out("gpu")
     if _git("rev-parse", "--git-dir") is None:
         pytest.skip("not a git checkout")
     path = (local / "allreduce-cpu-2core.json").relative_to(REPO)
@@ -317,12 +321,12 @@ def test_multiprocess_decode_quick_run(tmp_path):
 
 
 def test_trace_case_runs_the_chain_inside_the_trace(cpu_mesh):
-    from bench import allreduce
+    from bench.allreduce import measure
 
     mesh = cpu_mesh(2)
     cfg = {"chain": (2, 6), "trace_runs": 3}
     for skew in (0.0, 3.0):
-        entry, lat = allreduce.trace_case(sifar_jax.call_trace, mesh, {}, cfg, 2, "sifar", 4096,
+        entry, lat = measure.trace_case(sifar_jax.call_trace, mesh, {}, cfg, 2, "sifar", 4096,
                                           skew)
         assert "error" not in entry, entry
         assert entry["calls"] == 2 * 6 * 3 and entry["invalid_records"] == 0  # ranks x chain x runs
@@ -336,11 +340,11 @@ def test_trace_case_runs_the_chain_inside_the_trace(cpu_mesh):
 def test_trace_is_taken_in_blocks_that_fit_the_ring(cpu_mesh):
     """A ring of 10 calls per rank and runs of 6 calls: one run per block, and
     every call of every run is in the records, each epoch once per rank."""
-    from bench import allreduce
+    from bench.allreduce import measure
 
     mesh = cpu_mesh(2)
-    fn = allreduce.chain_fn(mesh, "sifar", 6)
-    x = allreduce.random_bf16(0, 2, 2048)
+    fn = measure.chain_fn(mesh, "sifar", 6)
+    x = measure.random_bf16(0, 2, 2048)
     rec = calltrace.collect(sifar_jax.call_trace, "tp", fn, (x,), 4, 6, ring_calls=10)
     assert rec.size == 2 * 6 * 4
     for r in (0, 1):
@@ -349,12 +353,12 @@ def test_trace_is_taken_in_blocks_that_fit_the_ring(cpu_mesh):
 
 
 def test_trace_case_records_a_failing_trace(cpu_mesh):
-    from bench import allreduce
+    from bench.allreduce import measure
 
     def broken(axis_name):
         raise RuntimeError("no trace buffer")
 
-    entry, lat = allreduce.trace_case(broken, cpu_mesh(2), {}, {"chain": (2, 4), "trace_runs": 1},
+    entry, lat = measure.trace_case(broken, cpu_mesh(2), {}, {"chain": (2, 4), "trace_runs": 1},
                                       2, "sifar", 4096, 0.0)
     assert lat is None and "no trace buffer" in entry["error"]
 
@@ -366,7 +370,7 @@ def _rec(alg, level, b, us):
 
 
 def test_comparison_ratios_and_the_peer_verdict():
-    from bench import allreduce
+    from bench.allreduce import tables as allreduce
 
     recs = [_rec("sifar", "jit", 8192, 3.0), _rec("sifar", "kernel", 8192, 1.7),
             _rec("oneshot", "jit", 8192, 6.0), _rec("lax.psum", "jit", 8192, 13.5),
@@ -417,7 +421,7 @@ def test_a_latency_is_reported_only_above_its_noise():
 def test_an_unresolved_latency_is_printed_as_words_not_a_number(capsys):
     """bench.allreduce's tables, its comparison with the peers and its terminal output say
     'not resolved' where a median lies within its noise: no '-1.08' anywhere."""
-    from bench import allreduce
+    from bench.allreduce import tables as allreduce
 
     noisy = {"algorithm": "sifar_flag", "level": "jit", "tp": 2, "bytes": 8192,
              **common.summarize_us(_us([-3.0, -1.0, 0.5, -2.0, 1.0, -1.08, 2.0, -4.0, 0.0, -1.0]))}
@@ -442,37 +446,78 @@ def test_an_unresolved_latency_is_printed_as_words_not_a_number(capsys):
 def test_allreduce_default_sizes_hold_the_decoders_payloads_and_sweep_spans_1k_to_64m():
     """The MoE model's all-reduce (2048 x bf16 = 4 KB per token) and Llama-3.1-8B's (8 KB)
     are default sizes; --sizes sweep runs 1 KB to 64 MB in powers of two (issue 26)."""
-    from bench import allreduce
+    from bench.allreduce import settings as allreduce_settings
 
-    default = allreduce.payload_bytes({"sizes_kb": allreduce.parse_sizes(
-        allreduce.parse_args([]).sizes)})
+    default = allreduce_settings.payload_bytes({"sizes_kb": allreduce_settings.parse_sizes(
+        allreduce_settings.parse_args([]).sizes)})
     assert 2048 * 2 in default and 4096 * 2 in default
-    sweep = allreduce.payload_bytes({"sizes_kb": allreduce.parse_sizes("sweep")})
+    sweep = allreduce_settings.payload_bytes({"sizes_kb": allreduce_settings.parse_sizes("sweep")})
     assert sweep[0] == 1024 and sweep[-1] == 64 << 20
     assert all(b == 2 * a for a, b in zip(sweep, sweep[1:]))
-    assert allreduce.parse_sizes("4,8.5") == [4.0, 8.5]
+    assert allreduce_settings.parse_sizes("4,8.5") == [4.0, 8.5]
     with pytest.raises(SystemExit, match="sizes"):
-        allreduce.parse_sizes("big")
+        allreduce_settings.parse_sizes("big")
 
 
 # ------------------------------------------- decode: baseline, floor, breakdown --
 def test_decode_baseline_rows_come_by_default_and_only_at_the_loops_point():
-    from bench import decode as bd
+    from bench.decode import settings as st
 
-    s = bd.settings(bd.parse_args(["--quick"]), "cpu", 8)
-    labels = [v[0] for v in s["variants"]]
+    s = st.settings(st.parse_args(["--quick"]), "cpu", 8)
+    labels = [v.label for v in s.variants]
     assert labels[:3] == ["psum", "sifar:oneshot", "sifar:twoshot"]
-    assert s["baselines"] == ["sifar:oneshot", "sifar:twoshot"]
-    loops_point = (1, s["context"][0])
-    for tp, b, c, v, _ in bd.cases(s):
-        if v[0] in s["baselines"]:
+    assert [v.options.algorithm for v in s.variants[:3]] == ["auto", "oneshot", "twoshot"]
+    assert s.baselines == ("sifar:oneshot", "sifar:twoshot")
+    loops_point = (1, s.context[0])
+    for tp, b, c, v, _ in st.cases(s):
+        if v.label in s.baselines:
             assert tp == 2 and (b, c) == loops_point
-    swept = bd.settings(bd.parse_args(["--quick", "--sweep-all-variants"]), "cpu", 8)
-    assert {(b, c) for tp, b, c, v, _ in bd.cases(swept) if v[0] == "sifar:oneshot"} == {
-        (b, c) for b in swept["batch"] for c in swept["context"]}
-    none = bd.settings(bd.parse_args(["--quick", "--baselines", "none"]), "cpu", 8)
-    assert none["baselines"] == [] and "sifar:oneshot" not in [v[0] for v in none["variants"]]
+    swept = st.settings(st.parse_args(["--quick", "--sweep-all-variants"]), "cpu", 8)
+    assert {(b, c) for tp, b, c, v, _ in st.cases(swept) if v.label == "sifar:oneshot"} == {
+        (b, c) for b in swept.batch for c in swept.context}
+    none = st.settings(st.parse_args(["--quick", "--baselines", "none"]), "cpu", 8)
+    assert none.baselines == () and "sifar:oneshot" not in [v.label for v in none.variants]
 
+
+def test_decode_settings_are_one_frozen_value_and_the_variants_decode_options():
+    """The flags are read once into a frozen Settings; each variant is a label and the
+    DecodeOptions it runs, the run's --kv-layout / --gemm-rows / --attn-impl in every one."""
+    import dataclasses
+
+    from bench.decode import settings as st
+    from models import DecodeOptions
+
+    s = st.settings(st.parse_args(["--quick", "--kv-layout", "bhsd", "--gemm-rows", "2"]), "cpu", 8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.tokens = 3
+    fused = next(v for v in s.variants if v.label == "sifar+fused")
+    assert fused.options == DecodeOptions(allreduce="sifar", fused=True, kv_layout="bhsd",
+                                          gemm_rows=2)
+    assert all(v.options.kv_layout == "bhsd" and v.options.gemm_rows == 2 for v in s.variants)
+    persistent = [v for *_, v, _ in st.cases(dataclasses.replace(s, step="both", tp=(1,)))
+                  if v.label == "persistent"]
+    assert persistent and persistent[0].options.step == "persistent"
+
+
+def test_decode_quantize_is_the_fp8_flag_and_weights_its_deprecated_alias(capsys):
+    from bench.decode import settings as st
+
+    fp8 = st.settings(st.parse_args(["--quick", "--quantize", "fp8"]), "cpu", 8)
+    assert (fp8.quantize, fp8.to_rows, fp8.weights, fp8.stem) == ("fp8", False, "fp8",
+                                                                  "decode-fp8")
+    old = st.parse_args(["--quick", "--weights", "fp8"])
+    assert old.quantize == "fp8" and "--quantize fp8" in capsys.readouterr().err
+    rows = st.settings(st.parse_args(["--quick", "--weights", "rows"]), "cpu", 8)
+    assert (rows.quantize, rows.to_rows, rows.stem) == (None, True, "decode-rows")
+    assert st.settings(st.parse_args(["--quick", "--to-rows"]), "cpu", 8).to_rows
+    help_text = subprocess.run([sys.executable, "-m", "bench.decode", "--help"], cwd=REPO,
+                               env=dict(os.environ, COLUMNS="200"), capture_output=True,
+                               text=True, timeout=120).stdout
+    assert "--quantize {fp8}" in help_text and "--weights fp8 = --quantize fp8" in help_text
+    with pytest.raises(SystemExit, match="rows already"):
+        st.settings(st.parse_args(["--quick", "--quantize", "fp8", "--to-rows"]), "cpu", 8)
+    with pytest.raises(SystemExit, match="dense weights only"):
+        st.settings(st.parse_args(["--quick", "--quantize", "fp8", "--ttft"]), "cpu", 8)
 
 
 def test_decode_names_a_model_this_tp_size_cannot_quantize_without_a_traceback():
@@ -480,31 +525,32 @@ def test_decode_names_a_model_this_tp_size_cannot_quantize_without_a_traceback()
 
     with pytest.raises(SystemExit, match=r"bench.decode: TP=4: quantize='fp8': 'down' has 8 "
                                          r"contracted columns"):
-        bd.main(["--preset", "qwen3_moe_tiny", "--tp", "4", "--weights", "fp8", "--quick",
+        bd.main(["--preset", "qwen3_moe_tiny", "--tp", "4", "--quantize", "fp8", "--quick",
                  "--out", "/tmp/sifar-test-decode-fp8-tp4"])
 
 
 def test_decode_runs_the_fused_rows_at_tp1_only_when_asked():
     """At TP=1 only lax.psum by default; with --fused on also the fused call (one rank: a
     residual add + RMSNorm kernel in place of XLA's fusions), at the loops' point."""
-    from bench import decode as bd
+    from bench.decode import settings as st
 
     def tp1(argv):
-        s = bd.settings(bd.parse_args(["--quick", "--tp", "1", *argv]), "cpu", 8)
-        return {v[0] for tp, b, c, v, _ in bd.cases(s) if tp == 1}
+        s = st.settings(st.parse_args(["--quick", "--tp", "1", *argv]), "cpu", 8)
+        return {v.label for tp, b, c, v, _ in st.cases(s) if tp == 1}
 
     assert tp1([]) == {"psum"}
     assert tp1(["--fused", "on"]) == {"psum", "sifar+fused"}
 
+
 def test_decode_counts_a_copy_of_one_layer_of_the_cache():
-    """bench.decode.cache_copies counts a fresh array of one layer's keys, not only of the whole
-    cache array (a per-layer copy was invisible to a check of the whole array's shape)."""
+    """bench.decode's cache_copies counts a fresh array of one layer's keys, not only of the
+    whole cache array (a per-layer copy was invisible to a check of the whole array's shape)."""
     import types
 
     import jax
     import jax.numpy as jnp
 
-    from bench import decode as bd
+    from bench.decode import records
     from models import hlo
 
     cache = jnp.ones((2, 2, 1, 16, 4, 8), jnp.float32)  # [layers, 2, B, S, kv heads, D]
@@ -513,79 +559,129 @@ def test_decode_counts_a_copy_of_one_layer_of_the_cache():
     whole = hlo.cache_shapes(cache)[0]
     assert hlo.cache_copies(exe.as_text(), whole) == {}  # the whole array: aliased, not copied
     dec = types.SimpleNamespace(compiled_step=lambda: exe, state={"cache": cache})
-    assert bd.cache_copies(dec, "pipelined", {}).get("entry", 0) >= 1
+    assert records.cache_copies(dec, "pipelined", None).get("entry", 0) >= 1
 
 
-def test_decode_names_the_baseline_and_carries_the_floor(tmp_path, capsys):
+# ------------------------------------------------ the CPU rule: no timing figure --
+def test_the_timing_figure_check_finds_what_cpu_runs_printed_before(timing_figures):
+    """What bench.decode --quick printed on a CPU before (issue 60): each is caught."""
+    for text in ("TP=2 batch 1 context 256 psum: pipelined -0.016 ms, sync 1.2 ms (set-up 0.3 s)",
+                 "| 2 | pipelined | psum | -125515.8 tokens/s |", "sifar 1.234x", "gain +4.5%",
+                 "TP  loop  TPOT median ms\n--  ----  --------------\n2   sync  0.100",
+                 "| TP | TTFT ms |\n| --- | --- |\n| 2 | 1.0 |", "xla.one_shot: 12.30 us (jit)"):
+        assert timing_figures(text), text
+    assert timing_figures("What ran: 544 calls, 272 retries, sync 18/18, 4 KB, 50%") == []
+
+
+def test_decode_names_the_baseline_and_carries_the_measured_floor(tmp_path, capsys,
+                                                                   timing_figures):
     """bench.decode on the CPU: the in-decoder oneshot and twoshot rows run by default, the faster
-    is named "baseline" in every record at its point and in the markdown, every record carries
-    floor_ms (weights + KV cache per rank at HBM_BYTES_PER_S) and floor_ratio, and --breakdown
-    is skipped with a note (no GPU kernels to trace)."""
+    is named "baseline" in every record at its point and in the markdown; every record carries
+    the copy rate measured in the run (copy_tb_s), floor_ms (weights + KV cache per rank at that
+    rate), floor_ratio and overhead_ms; --breakdown is skipped with a note; and nothing printed
+    or in the markdown is a timing figure (the JSON keeps them, flagged)."""
+    from bench.decode import output, records as rec_mod, settings as st
+
     from bench import decode as bd
 
-    assert bd.main(["--quick", "--no-sweep", "--loops", "pipelined", "--no-trace",
+    assert rec_mod.floor_ms(10**9, 0, 2e12) == pytest.approx(0.5)  # bytes at bytes per second
+
+    assert bd.main(["--quick", "--no-sweep", "--loops", "pipelined,sync", "--no-trace",
                     "--breakdown", "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "--breakdown: skipped" in out and "docs/performance.md" in out
-    # a CPU shows what ran, not GPU ratios: no memory floor, no paper gains
-    assert "memory floor" not in out and "paper" not in out and "x floor" not in out
+    md = next(tmp_path.glob("decode-*.md")).read_text()
+    assert timing_figures(out) == [] and timing_figures(captured.err) == []
+    assert timing_figures(md) == []
     assert re.search(r"sifar:oneshot\s+oneshot\s+[1-9]\d*\s+\d+\s+0\s+ok\s+pipelined 1/1", out)
     records = json.loads(next(tmp_path.glob("decode-*.json")).read_text())
     assert {r["shapes"] for r in records} == {"full"}
     assert {r["weights"] for r in records} == {"float32"}  # dense, the tiny preset's dtype
-    by = {(r["tp"], r["allreduce"]): r for r in records}
-    assert {(2, "sifar:oneshot"), (2, "sifar:twoshot"), (2, "psum"), (1, "psum")} <= set(by)
-    fastest = min(("sifar:oneshot", "sifar:twoshot"), key=lambda a: by[(2, a)]["tpot_ms_median"])
+    assert all(r[report.CPU_FLAG] is True for r in records)
+    by = {(r["tp"], r["allreduce"], r["loop"]): r for r in records}
+    assert {(2, "sifar:oneshot"), (2, "sifar:twoshot"), (2, "psum"), (1, "psum")} <= {
+        k[:2] for k in by}
+    rates = {r["copy_tb_s"] for r in records}
+    assert len(rates) == 1 and rates.pop() > 0  # one measurement per run
     for r in records:
-        want = bd.floor_ms(r["weights_bytes_per_rank"], r["kv_bytes_per_rank"])
+        rate = r["copy_tb_s"] * 1e12
+        want = rec_mod.floor_ms(r["weights_bytes_per_rank"], r["kv_bytes_per_rank"], rate)
         assert r["floor_ms"] == pytest.approx(want, rel=1e-3) and r["floor_ms"] > 0
         assert r["floor_ratio"] == pytest.approx(r["tpot_ms_median"] / r["floor_ms"], rel=1e-2)
-        assert "breakdown" not in r
-        if r["tp"] == 2:
-            assert r["baseline"] == fastest
-            assert r["vs_baseline"] == pytest.approx(
-                by[(2, fastest)]["tpot_ms_median"] / r["tpot_ms_median"], rel=1e-3)
-        else:
-            assert r["baseline"] is None and r["vs_baseline"] is None  # TP=1: psum alone
-    assert by[(2, fastest)]["vs_baseline"] == 1.0
-    # The GPU report of the same records (its code runs nowhere else before a GPU host).
-    s = bd.settings(bd.parse_args(["--quick", "--no-sweep", "--loops", "pipelined"]), "cpu", 8)
-    bd.write_outputs(bd.parse_args(["--out", str(tmp_path / "gpu")]), s, {"host": "test-gpu"},
-                     records, "gpu", final=True)
-    gpu_md = (tmp_path / "gpu" / "decode-test-gpu.md").read_text()
-    assert "Against the paper" in gpu_md and "x floor" in gpu_md and "Memory floor" in gpu_md
-    bd.print_gpu_summary(records, s)
-    assert "memory floor" in capsys.readouterr().out
+        assert r["overhead_ms"] == pytest.approx(r["tpot_ms_median"] - r["floor_ms"], abs=1e-3)
+        assert r["step"] == "xla" and r["step_reason"] is None and "breakdown" not in r
+    for loop in ("pipelined", "sync"):
+        fastest = min(("sifar:oneshot", "sifar:twoshot"),
+                      key=lambda a: by[(2, a, loop)]["tpot_ms_median"])
+        for r in (r for r in records if r["loop"] == loop):
+            if r["tp"] == 2:
+                assert r["baseline"] == fastest
+                assert r["vs_baseline"] == pytest.approx(
+                    by[(2, fastest, loop)]["tpot_ms_median"] / r["tpot_ms_median"], rel=1e-3)
+            else:
+                assert r["baseline"] is None and r["vs_baseline"] is None  # TP=1: psum alone
+        assert by[(2, fastest, loop)]["vs_baseline"] == 1.0
+        assert f"{fastest} (baseline)" in md
     import sifar_jax.fused  # the fused row says what its call prefetches into L2
 
-    assert by[(2, "sifar+fused")]["prefetch_bytes"] == sifar_jax.fused.DEFAULT_PREFETCH_BYTES
-    assert by[(2, "sifar")]["prefetch_bytes"] is None
-    md = next(tmp_path.glob("decode-*.md")).read_text()
-    assert f"{fastest} (baseline)" in md and "--breakdown: skipped" in md
-    assert "x floor" not in md and "Against the paper" not in md and "What ran" in md
+    assert by[(2, "sifar+fused", "sync")]["prefetch_bytes"] == sifar_jax.fused.DEFAULT_PREFETCH_BYTES
+    assert by[(2, "sifar", "sync")]["prefetch_bytes"] is None
+    assert "--breakdown: skipped" in md and "What ran" in md
+    assert "x floor" not in md and "Against the paper" not in md and "Memory floor" not in md
+    # The GPU report of the same records (its code runs nowhere else before a GPU host).
+    import dataclasses
+
+    s = st.settings(st.parse_args(["--quick", "--no-sweep", "--loops", "pipelined,sync"]), "cpu", 8)
+    s = dataclasses.replace(s, platform="gpu", out=str(tmp_path / "gpu"))
+    output.write_outputs(s, {"host": "test-gpu"}, records, final=True)
+    gpu_md = (tmp_path / "gpu" / "decode-test-gpu.md").read_text()
+    assert "Against the paper" in gpu_md and "x floor" in gpu_md and "Memory floor" in gpu_md
+    assert "overhead ms" in gpu_md and "measured in this run" in gpu_md
+    assert timing_figures(gpu_md)  # the check sees a GPU report's figures
+    output.print_summary(records, s)
+    assert "memory floor" in capsys.readouterr().out
+
+
+def test_copy_rate_counts_read_and_write_at_the_median(monkeypatch):
+    """bench.common.copy_rate: 2 x the buffer's bytes (read + written) over the median of its
+    timed samples, after untimed warm-up calls; it runs on the CPU's small buffer."""
+    import jax
+
+    cpu = jax.devices("cpu")[0]
+    assert common.copy_rate(cpu, nbytes=1 << 20, samples=3, inner=2) > 0
+    assert common.COPY_BYTES["gpu"] >= 4 << 30 and common.COPY_BYTES["cpu"] == 64 << 20
+    seconds = iter([0.4, 0.1, 0.2])
+    warmed = []
+    monkeypatch.setattr(common, "warm_up", lambda fn, args, times: warmed.append(times))
+    monkeypatch.setattr(common, "time_calls", lambda fn, args, inner: next(seconds))
+    assert common.copy_rate(cpu, nbytes=1000, samples=3) == pytest.approx(2 * 1000 / 0.2)
+    assert warmed == [2]
 
 
 def test_decode_tp2_rank_shapes_run_one_rank_of_tp2_on_one_device(tmp_path):
     """--shapes tp2_rank: half the heads, MLP and vocabulary at TP=1 (one rank of TP=2 as a model
-    on one device), and every record says so; run with --weights fp8, whose records count the
+    on one device), and every record says so; run with --quantize fp8, whose records count the
     bytes a step reads of the FP8 params (e4m3 + scales: those of TP=2's rank of the full
     model)."""
     from bench import decode as bd
+    from bench.decode import settings as st
 
-    s = bd.settings(bd.parse_args(["--quick", "--shapes", "tp2_rank"]), "cpu", 8)
-    full = bd.PRESETS["tiny"]()
-    c = s["config"]
-    assert s["tp"] == [1] and c.hidden_size == full.hidden_size and c.head_dim == full.head_dim
+    s = st.settings(st.parse_args(["--quick", "--shapes", "tp2_rank"]), "cpu", 8)
+    full = st.PRESETS["tiny"]()
+    c = s.config
+    assert s.tp == (1,) and c.hidden_size == full.hidden_size and c.head_dim == full.head_dim
     assert (c.num_heads, c.num_kv_heads, c.intermediate_size, c.vocab_size) == (
         full.num_heads // 2, full.num_kv_heads // 2, full.intermediate_size // 2,
         full.vocab_size // 2)
     with pytest.raises(SystemExit, match="--tp 1 only"):
-        bd.settings(bd.parse_args(["--quick", "--shapes", "tp2_rank", "--tp", "2"]), "cpu", 8)
+        st.settings(st.parse_args(["--quick", "--shapes", "tp2_rank", "--tp", "2"]), "cpu", 8)
     assert bd.main(["--quick", "--shapes", "tp2_rank", "--no-sweep", "--loops", "pipelined",
-                    "--no-trace", "--weights", "fp8", "--out", str(tmp_path)]) == 0
+                    "--no-trace", "--quantize", "fp8", "--out", str(tmp_path)]) == 0
     records = json.loads(next(tmp_path.glob("decode-fp8-*.json")).read_text())
     assert records and {(r["shapes"], r["tp"], r["allreduce"], r["weights"]) for r in records} == {
         ("tp2_rank", 1, "psum", "fp8")}
+    assert {r["weight_layout"] for r in records} == {"rows"}  # what the Decoder holds
     import jax
 
     from models import LLAMA
@@ -598,44 +694,115 @@ def test_decode_tp2_rank_shapes_run_one_rank_of_tp2_on_one_device(tmp_path):
     assert records[0]["weights_bytes_per_rank"] == want < LLAMA.step_weight_bytes(layout) / 2
 
 
-def test_floor_note_names_the_baselines_or_says_none_ran():
-    from bench import decode as bd
+def test_floor_note_names_the_baselines_and_the_measured_rate_or_says_none_ran():
+    from bench.decode import output
 
-    none = bd.floor_note({"baselines": []})
+    none = output.floor_note((), 3.21)
     assert none.endswith("Baseline: none (no in-decoder one-shot or two-shot row ran).")
+    assert "3.21 TB/s" in none and "measured in this run" in none and "4.3" not in none
     assert "rows none ran" not in none
-    two = bd.floor_note({"baselines": ["sifar:oneshot", "sifar:twoshot"]})
+    two = output.floor_note(("sifar:oneshot", "sifar:twoshot"), 3.21)
     assert "the in-decoder rows sifar:oneshot or sifar:twoshot at the same TP" in two
 
 
-def test_decode_step_both_labels_the_step_that_ran(tmp_path):
+def test_decode_step_both_labels_the_step_that_ran(tmp_path, timing_figures):
     """bench.decode --step both: a 'persistent' row beside psum's at TP=1; on a CPU the
-    persistent step cannot run, so its record says the XLA step ran ("step": "xla")."""
+    persistent step cannot run, so its record says the XLA step ran ("step": "xla") and why (the
+    Decoder's step_reason); the old --weights fp8 spelling still runs FP8. Nothing printed is a
+    timing figure."""
     cmd = [sys.executable, "-m", "bench.decode", "--quick", "--tp", "1", "--batch", "1",
            "--context", "256", "--loops", "pipelined", "--no-sweep", "--allreduce", "psum",
            "--fused", "off", "--baselines", "none", "--no-trace", "--step", "both",
            "--weights", "fp8", "--out", str(tmp_path)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    (json_path,) = tmp_path.glob("decode-*.json")
+    assert timing_figures(r.stdout) == [] and "deprecated" in r.stderr
+    (json_path,) = tmp_path.glob("decode-fp8-*.json")
     by = {rec["allreduce"]: rec for rec in json.loads(json_path.read_text())}
     assert set(by) == {"psum", "persistent"}
     assert by["psum"]["step"] == "xla" and by["persistent"]["step"] == "xla"
+    assert by["psum"]["step_reason"] is None and "CUDA kernel" in by["persistent"]["step_reason"]
     assert by["persistent"]["generated"] == by["psum"]["generated"]
+    assert by["psum"]["weights"] == "fp8"
 
 
 def test_decode_rows_weights_are_labelled_and_read_like_dense(tmp_path):
-    """--weights rows: the projections held as [N, K] rows (models.to_rows) for every row of
-    the run; the records say so, and a step reads the dense model's bytes."""
+    """--to-rows: the projections held as [N, K] rows (models.to_rows) for every row of the
+    run; the records say so (the layout of the params the Decoder holds), and a step reads the
+    dense model's bytes."""
     from bench import decode as bd
 
     args = ["--quick", "--tp", "1", "--batch", "1", "--context", "256", "--loops", "pipelined",
             "--no-sweep", "--allreduce", "psum", "--fused", "off", "--baselines", "none",
             "--no-trace"]
-    assert bd.main(args + ["--weights", "rows", "--out", str(tmp_path / "rows")]) == 0
+    assert bd.main(args + ["--to-rows", "--out", str(tmp_path / "rows")]) == 0
     assert bd.main(args + ["--out", str(tmp_path / "dense")]) == 0
     (rows,) = json.loads(next((tmp_path / "rows").glob("decode-rows-*.json")).read_text())
     (dense,) = json.loads(next((tmp_path / "dense").glob("decode-*.json")).read_text())
     assert (rows["weight_layout"], dense["weight_layout"]) == ("rows", "einsum")
     assert rows["weights"] == dense["weights"] == rows["dtype"]
     assert rows["weights_bytes_per_rank"] == dense["weights_bytes_per_rank"]
+
+
+def test_decode_virtual_ranks_time_the_persistent_step_at_r_ranks(tmp_path, monkeypatch, capsys,
+                                                                   timing_figures):
+    """--virtual-ranks on a model the persistent step serves (bf16, head_dim 128, FP8), the op's
+    CPU reference standing in for the kernel (persistent.backend_reason replaced, as in
+    tests/models/test_persistent_ranks.py): R = 1, 2, 4 with sifar and oneshot inside, one
+    record each, the cost per all-reduce phase from t_R - t_1 over 2 x layers. Without the
+    replacement the Decoder says why the step cannot run and no row runs. Nothing printed or in
+    the markdown is a timing figure."""
+    import dataclasses
+
+    import jax
+
+    from bench.decode import cli, ranks, records, settings as st
+    from models import persistent
+
+    s = st.settings(st.parse_args(["--quick", "--tp", "1", "--quantize", "fp8", "--context",
+                                   "256", "--samples", "1", "--virtual-ranks",
+                                   "--out", str(tmp_path)]), "cpu", 8)
+    assert s.virtual_ranks == (1, 2, 4)
+    config = st.PRESETS["tiny"](dtype="bfloat16", hidden_size=256, num_heads=8, num_kv_heads=4,
+                                head_dim=128, intermediate_size=512, num_layers=2,
+                                vocab_size=512, max_seq_len=256)
+    s = dataclasses.replace(s, config=config, dtype="bfloat16")
+    cpus = jax.devices("cpu")
+    (skipped,) = ranks.run(s, cpus, 1e9)
+    assert skipped["step"] == "xla" and "CUDA kernel" in skipped["skipped"]
+    monkeypatch.setattr(persistent, "backend_reason", lambda mesh: None)
+    calls = []
+    real = sifar_jax.llama_step_virtual_ranks
+    monkeypatch.setattr(sifar_jax, "llama_step_virtual_ranks",
+                        lambda *a, **k: calls.append((k["ranks"], k["allreduce"])) or real(*a, **k))
+    json_path, md_path = cli.run_ranks(s, cpus, {"host": "test-cpu"}, True, 1e9)
+    recs = json.loads(json_path.read_text())
+    want = {(2, "sifar"), (2, "oneshot"), (4, "sifar"), (4, "oneshot")}
+    assert {(r["ranks"], r["allreduce"]) for r in recs} == want | {(1, "none")}
+    assert set(calls) == want  # the op at R ranks ran each all-reduce (R = 1: llama_step)
+    t1 = next(r for r in recs if r["ranks"] == 1)["step_ms_median"]
+    for r in recs:
+        assert r["step"] == "persistent" and r["weights"] == "fp8" and r[report.CPU_FLAG]
+        assert r["phases"] == (0 if r["ranks"] == 1 else 2 * config.num_layers)
+        if r["ranks"] > 1:
+            # (t_R - t_1) / phases; the medians in the JSON are rounded to 1e-4 ms
+            assert r["per_phase_us"] == pytest.approx((r["step_ms_median"] - t1) / 4 * 1e3,
+                                                      abs=0.05)
+        floor = records.floor_ms(r["weights_bytes_per_rank"], r["kv_bytes_per_rank"], 1e9)
+        assert r["floor_ms"] == pytest.approx(floor, rel=1e-3) and r["copy_tb_s"] == 0.001
+    md = md_path.read_text()
+    assert "persistent" in md and "oneshot" in md
+    assert timing_figures(capsys.readouterr().out) == [] and timing_figures(md) == []
+
+
+def test_gemv_floor_is_the_measured_copy_rate_and_a_cpu_table_has_no_timing(timing_figures):
+    from bench import gemv
+
+    rec = gemv.record("sifar fp8_matvec", "fp8", 1, 1, 1e-3, 10**9, 2.0)
+    assert (rec["floor_ms"], rec["x_floor"], rec["copy_tb_s"]) == (0.5, 2.0, 2.0)
+    torch_row = gemv.record("torch", "fp8", 2, 16, 1e-3, 10**9)  # the child: no rate yet
+    assert "floor_ms" not in torch_row and gemv.with_floor(torch_row, 4.0)["x_floor"] == 4.0
+    error = {"path": "torch", "tp_shapes": 2, "rows": 16, "error": "no GPU"}
+    assert timing_figures(gemv.markdown([rec, error]))  # a GPU table has its figures
+    cpu = gemv.markdown([rec, error], gpu=False)
+    assert timing_figures(cpu) == [] and "sifar fp8_matvec" in cpu and "error" in cpu

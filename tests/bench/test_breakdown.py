@@ -9,14 +9,14 @@ from bench import breakdown as sk
 
 
 def _tiny_decoder(cpu_mesh, allreduce="psum"):
-    from bench import decode as bd
-    from models import random_params
+    from bench.decode import records, settings
+    from models import DecodeOptions, random_params
 
-    config = bd.PRESETS["tiny"]().replace(max_seq_len=256)
+    config = settings.PRESETS["tiny"]().replace(max_seq_len=256)
     mesh = cpu_mesh(2)
     params = random_params(config, mesh, seed=0)
-    dec = bd.make_decoder(config, mesh, params, (allreduce, allreduce, "auto", False), 1, 256, 0)
-    dec.seek(200, bd.start_tokens(config, 1, 0))
+    dec = records.make_decoder(config, mesh, params, DecodeOptions(allreduce=allreduce), 1, 256, 0)
+    dec.seek(200, records.start_tokens(config, 1, 0))
     return dec
 
 

@@ -61,9 +61,27 @@ def test_bench_holds_no_cuda():
 
 
 def test_bench_holds_what_a_user_runs_within_its_line_budget():
-    """bench/ outside results/: at most 3,500 lines in all tracked files."""
+    """bench/ outside results/: at most 4,000 lines in all tracked files (3,500 until issues 58
+    and 60 split bench.decode and bench.allreduce into modules of one concern each and added
+    the measured floor, the CPU rule and the virtual-ranks rows)."""
     lines = sum(len((common.REPO_ROOT / f).read_text().splitlines()) for f in _bench_files())
-    assert lines <= 3500, lines
+    assert lines <= 4000, lines
+
+
+def test_bench_modules_and_functions_stay_small():
+    """No Python file of bench/ (results/ aside) over 500 lines, no function over 80."""
+    import ast
+
+    too_long = []
+    for f in (f for f in _bench_files() if f.endswith(".py")):
+        text = (common.REPO_ROOT / f).read_text()
+        if len(text.splitlines()) > 500:
+            too_long.append(f"{f}: {len(text.splitlines())} lines")
+        too_long += [f"{f}: {node.name}, {node.end_lineno - node.lineno + 1} lines"
+                     for node in ast.walk(ast.parse(text))
+                     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     and node.end_lineno - node.lineno + 1 > 80]
+    assert not too_long, too_long
 
 
 @pytest.mark.parametrize("weights", ["fp8", "bf16"])

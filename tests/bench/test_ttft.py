@@ -55,8 +55,9 @@ def test_prefill_allreduce_says_when_sifar_falls_back(sifar_clean):
     assert psum.prefill_allreduce(129) == "psum"
 
 
-def test_bench_decode_ttft_writes_records_per_variant_and_length(tmp_path, sifar_clean):
-    from bench import decode
+def test_bench_decode_ttft_writes_records_per_variant_and_length(tmp_path, sifar_clean, capsys,
+                                                                timing_figures):
+    from bench import decode, report
 
     assert decode.main(["--quick", "--tp", "2", "--allreduce", "psum,sifar", "--fused", "off",
                         "--ttft", "16,129", "--ttft-only", "--samples", "1",
@@ -75,4 +76,6 @@ def test_bench_decode_ttft_writes_records_per_variant_and_length(tmp_path, sifar
     assert got[("sifar", 129)]["prefill_allreduce"].startswith("psum (fallback")
     md = next(tmp_path.glob("ttft-*.md")).read_text()
     assert "Time to first token" in md and "psum (fallback" in md
+    assert all(r[report.CPU_FLAG] for r in records)  # a CPU run: raw numbers, flagged
+    assert timing_figures(md) == [] and timing_figures(capsys.readouterr().out) == []
     assert not list(tmp_path.glob("decode-*.json"))  # --ttft-only: no decode loops

@@ -358,14 +358,14 @@ def test_qwen3_30b_a3b_shapes_and_active_bytes():
 def test_bench_decode_takes_the_moe_preset_and_its_active_bytes():
     """bench.decode --preset qwen3_30b_a3b: the family's tp check, --moe-impl, and the weights a
     batch-1 step reads (the memory floor) counted over the routed experts only."""
-    from bench import decode as bd
+    from bench.decode import settings as bd
 
     args = bd.parse_args(["--preset", "qwen3_30b_a3b", "--tp", "2", "--moe-impl", "gather",
                           "--allreduce", "psum"])
     s = bd.settings(args, "gpu", 2)
-    config = s["config"]
+    config = s.config
     assert isinstance(config, Qwen3MoeConfig) and config.moe_impl == "gather"
-    assert s["tp"] == [2] and config.dtype == "bfloat16"
+    assert s.tp == (2,) and config.dtype == "bfloat16"
     active = QWEN3_MOE.step_weight_bytes(QWEN3_MOE.layout(config, 2))  # what bench.decode counts
     _, abstract = QWEN3_MOE.abstract_model(config)
     everything = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))

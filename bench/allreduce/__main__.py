@@ -1,0 +1,5 @@
+import sys
+
+from bench.allreduce import main
+
+sys.exit(main())

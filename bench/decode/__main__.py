@@ -1,0 +1,5 @@
+import sys
+
+from bench.decode import main
+
+sys.exit(main())
