@@ -188,7 +188,7 @@ NB_MODULE(_sifar, m) {
   m.def("comm_failure", [](int id) {
     std::string msg;
     // A failure of llama_step's all-reduce across devices names its phase first.
-    WithComm(id, [&](Comm& c) { msg = step::StepFailurePrefix(c) + DescribeFailure(c); });
+    WithComm(id, [&](Comm& c) { msg = step::DescribeStepFailure(c); });
     return msg;
   });
   m.def("comm_multicast_refusal", [](int id) {

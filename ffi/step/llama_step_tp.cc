@@ -95,13 +95,16 @@ ffi::Error PlanLlamaStepTp(int ordinal, ffi::RemainingArgs args, ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
-std::string StepFailurePrefix(const Comm& comm) {
+std::string DescribeStepFailure(const Comm& comm) {
+  std::string msg = DescribeFailure(comm);
   ErrorRecord e;
   int group = 0;
-  if (!comm.FirstError(&e, &group) || e.pad == 0) return "";
+  if (msg.empty() || !comm.FirstError(&e, &group) || e.pad == 0) return msg;
+  const std::string lib = "sifar_jax: ";
+  if (msg.compare(0, lib.size(), lib) == 0) msg = msg.substr(lib.size());
   const uint32_t k = e.pad;
-  return "sifar_jax: llama_step's all-reduce of phase " + std::to_string(k) + " (layer " +
-         std::to_string((k - 1) / 2) + "'s " + (k % 2 ? "o" : "down") + ") failed: ";
+  return lib + "llama_step's all-reduce of phase " + std::to_string(k) + " (layer " +
+         std::to_string((k - 1) / 2) + "'s " + (k % 2 ? "o" : "down") + ") failed: " + msg;
 }
 
 namespace {

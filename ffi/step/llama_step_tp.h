@@ -81,9 +81,10 @@ xla::ffi::Error PlanLlamaStepTp(int ordinal, xla::ffi::RemainingArgs args, xla::
                                 const TpAttrs& tp, StepCall* call, RankCall* rc, StepComm* m,
                                 bool device, bool in_run_order = true);
 
-// "sifar_jax: llama_step's all-reduce of phase 3 (layer 1's o) failed: " when the first
-// failure recorded on `comm` is a step's (ErrorRecord::pad holds its phase), else "".
-std::string StepFailurePrefix(const Comm& comm);
+// DescribeFailure(comm), which a failure of the step's names: "sifar_jax: llama_step's
+// all-reduce of phase 3 (layer 1's o) failed: all-reduce timed out on axis ..." when the first
+// failure recorded on `comm` is a step's (ErrorRecord::pad holds its phase).
+std::string DescribeStepFailure(const Comm& comm);
 
 }  // namespace step
 
