@@ -14,6 +14,7 @@ trace-time errors.
 from __future__ import annotations
 
 import contextlib
+import functools
 import faulthandler
 import time
 
@@ -334,3 +335,62 @@ def test_trace_time_errors(clean):
     sifar_jax.init(mesh, slot_bytes=512)
     with pytest.raises(ValueError, match=r"need a slot of 1024 bytes.*slot_bytes=1024"):
         call()
+
+
+def _skew_ns(max_ns: int, seed: int, rank: int, epoch: int) -> int:
+    """protocol.h's SkewNs: the wait testing.inject_skew gives (rank, epoch)."""
+    m = (1 << 64) - 1
+    z = ((seed << 40) ^ (rank << 32) ^ epoch) & m
+    z = (z + 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    z ^= z >> 31
+    return z % (max_ns + 1)
+
+
+@pytest.mark.parametrize("allreduce", ["sifar", "oneshot"])
+def test_the_step_clears_the_lane_at_the_tag_wrap(clean, allreduce):
+    """With 3 epoch bits a lane's epochs run 1..7, 10..15, ...: the wrap falls on the step's
+    second phase (epoch 10). A large sifar_psum at epoch 3 leaves tagged words past the step's
+    rows in slot 1; the large sifar_psum at epoch 11 (slot 1, the same tag bits) must not accept
+    them: rank 1 publishes late (its injected skew at epoch 11 is 90+ ms longer than rank
+    0's), so rank 0 reads its words first, and only the step's clearing at the wrap makes them
+    stale. Both sums exact."""
+    max_ns = 100_000_000
+    seed = next(s for s in range(1000)
+                if _skew_ns(max_ns, s, 1, 11) - _skew_ns(max_ns, s, 0, 11) > 90_000_000)
+    x, rope, fnorm, layers, cache, head = step_operands(E4M3, layers=1, seed=2)
+    lt = tpm.tp_layout(layers, 2)
+    mesh = make_mesh(2)
+    big = 4096  # float32 elements: 16 KB, tagged words far past the step's 256 rows
+
+    def body(x, rope, fnorm, layers, cache, hd, small, b1, b2):
+        psum = functools.partial(sifar_jax.sifar_psum, axis_name="tp", algorithm="sifar")
+        s = [psum(small[0]), psum(small[0] * 2)]  # epochs 1, 2
+        p1 = psum(b1[0])  # epoch 3
+        s += [psum(small[0] * k) for k in (3, 4, 5)]  # epochs 4, 5, 6
+        h, _, lg = sifar_jax.llama_step(x, rope, jnp.array([3, 0], jnp.int32), fnorm, layers,
+                                        cache, head=hd, axis_name="tp", allreduce=allreduce,
+                                        **KW)  # epochs 7 and 10: the wrap
+        p2 = psum(b2[0])  # epoch 11
+        return h, lg, p1, p2, jnp.stack(s)
+
+    specs = tpm.tp_in_specs(lt, "tp", head)
+    specs = (specs[0], specs[1], specs[3], specs[4], specs[5], specs[6], P("tp"), P("tp"),
+             P("tp"))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs,
+                              out_specs=(P(), P("tp"), P(), P(), P())))
+    r = np.random.default_rng(0)
+    small = r.uniform(1, 2, (2, 4)).astype(np.float32)
+    b1 = r.uniform(1, 2, (2, big)).astype(np.float32)
+    b2 = r.uniform(-2, -1, (2, big)).astype(np.float32)
+    pos = jnp.array([3, 0], jnp.int32)
+    want = sifar_jax.llama_step_virtual_ranks(x, rope, pos, fnorm, layers, cache, head=head,
+                                              ranks=2, allreduce=allreduce, **KW)
+    with hang_guard(300), testing.epoch_bits("tp", 3), testing.inject_skew(max_ns / 1000, seed):
+        h, lg, p1, p2, s = jax.block_until_ready(f(x, rope, fnorm, lt, cache, head, small, b1,
+                                                   b2))
+    sifar_jax.check()
+    assert_same_bits((h, lg), want[:3:2], "the step")
+    np.testing.assert_array_equal(np.asarray(p1), b1[0] + b1[1])
+    np.testing.assert_array_equal(np.asarray(p2), b2[0] + b2[1])
