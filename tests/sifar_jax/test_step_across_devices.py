@@ -160,12 +160,13 @@ def test_without_head_and_per_tensor_scales(clean):
 
 
 def _loop_fn(mesh, allreduce, steps, with_psum):
-    """`steps` decode steps in one jit (fori_loop), the slot advancing; with_psum: a plain
-    sifar_psum of the same axis after every step (the same chain: the same lane's epochs)."""
+    """`steps` decode steps in one jit (fori_loop), the slot advancing (from 4, round the
+    cache again); with_psum: a plain sifar_psum of the same axis after every step (the same
+    chain: the same lane's epochs)."""
     def body_all(x, rope, fnorm, layers, cache, hd, extra):
         def body(i, carry):
             cache, hs, lgs, sums = carry
-            pos = jnp.stack([i + 4, jnp.int32(0)])
+            pos = jnp.stack([4 + i % (SLOTS - 4), jnp.int32(0)])
             h, cache, lg = sifar_jax.llama_step(x, rope, pos, fnorm, layers, cache, head=hd,
                                                 axis_name="tp", allreduce=allreduce, **KW)
             if with_psum:
@@ -193,7 +194,7 @@ def _loop_fn(mesh, allreduce, steps, with_psum):
 def _virtual_loop(x, rope, fnorm, layers, cache, head, ranks, allreduce, steps):
     hs, lgs = [], []
     for i in range(steps):
-        pos = jnp.array([i + 4, 0], jnp.int32)
+        pos = jnp.array([4 + i % (SLOTS - 4), 0], jnp.int32)
         h, cache, lg, st = sifar_jax.llama_step_virtual_ranks(
             x, rope, pos, fnorm, layers, cache, head=head, ranks=ranks, allreduce=allreduce, **KW)
         hs.append(h)
@@ -394,3 +395,91 @@ def test_the_step_clears_the_lane_at_the_tag_wrap(clean, allreduce):
     assert_same_bits((h, lg), want[:3:2], "the step")
     np.testing.assert_array_equal(np.asarray(p1), b1[0] + b1[1])
     np.testing.assert_array_equal(np.asarray(p2), b2[0] + b2[1])
+
+
+# ---------------------------------------------------------------- GPUs ----
+# Ranks on the GPUs of this process (peer access); the two-process ways (one GPU per process,
+# two processes sharing one GPU) are test_step_multiprocess.py's.
+
+def _gpus(n):
+    try:
+        gpus = [d for d in jax.devices("gpu") if d.platform == "gpu"]
+    except RuntimeError:
+        gpus = []
+    if len(gpus) < n:
+        pytest.skip(f"needs {n} GPUs in this process")
+    return gpus[:n]
+
+
+def _gpu_mesh(n, **init):
+    mesh = Mesh(np.array(_gpus(n)), ("tp",))
+    sifar_jax.init(mesh, **init)
+    return mesh
+
+
+@pytest.mark.parametrize("allreduce", ["sifar", "oneshot"])
+@pytest.mark.parametrize("wdt", [E4M3, BF16], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_gpu_equals_the_virtual_rank_kernel(clean, ranks, wdt, allreduce):
+    """The kernel across R GPUs against the virtual-rank kernel on GPU 0, bit for bit: h, the
+    cache and the logits (slot 9 < 64 keys: each KV head's attention is one key range whatever
+    the grid, so the two kernels compute the same sums)."""
+    mesh = _gpu_mesh(ranks)
+    x, rope, fnorm, layers, cache, head = step_operands(wdt, seed=ranks)
+    pos = jnp.array([9, 2], jnp.int32)
+    ops = jax.device_put((x, rope, pos, fnorm, layers, cache, head), mesh.devices.flat[0])
+    want = sifar_jax.llama_step_virtual_ranks(*ops[:6], head=ops[6], ranks=ranks,
+                                              allreduce=allreduce, **KW)
+    assert not sifar_jax.check_step_status(want[3]).failed
+    got = tp_step_fn(mesh, allreduce)(x, rope, pos, fnorm, tpm.tp_layout(layers, ranks), cache,
+                                      head)
+    jax.block_until_ready(got)
+    sifar_jax.check()
+    assert_same_bits(got, want[:3], f"GPUs: {ranks} ranks {wdt} {allreduce}")
+
+
+@pytest.mark.parametrize("allreduce", ["sifar", "oneshot"])
+def test_gpu_skewed_steps_change_no_bit(clean, allreduce):
+    """SIFAR_STEP_STRESS_STEPS steps (default 500) in one jit loop, every block's publication
+    delayed by up to 20 us (testing.inject_skew), tags of 3 epoch bits (a wrap every 6
+    epochs): every step's h and logits the virtual ranks' bits; sifar re-read stale words."""
+    import os
+
+    steps = int(os.environ.get("SIFAR_STEP_STRESS_STEPS", "500"))
+    mesh = _gpu_mesh(2)
+    x, rope, fnorm, layers, cache, head = step_operands(E4M3, seed=13)
+    f = _loop_fn(mesh, allreduce, steps, with_psum=True)
+    ops = jax.device_put((x, rope, fnorm, layers, cache, head), mesh.devices.flat[0])
+    want = _virtual_loop(*ops, 2, allreduce, steps)
+    extra = np.arange(1, 17, dtype=np.float32).reshape(2, 8) / 7
+    before = sifar_jax.stats()
+    with testing.inject_skew(20, seed=1), testing.epoch_bits("tp", 3):
+        got = jax.block_until_ready(f(x, rope, fnorm, tpm.tp_layout(layers, 2), cache, head,
+                                      extra))
+    sifar_jax.check()
+    assert_same_bits(got[:3], want, f"GPUs: skewed {allreduce}")
+    if allreduce == "sifar":
+        assert sifar_jax.stats()["sifar"]["retries"] > before["sifar"]["retries"]
+
+
+@pytest.mark.parametrize("allreduce", ["sifar", "oneshot"])
+def test_gpu_absent_rank_fails_within_the_timeout(clean, allreduce):
+    mesh = _gpu_mesh(2, timeout_s=0.2)
+    x, rope, fnorm, layers, cache, head = step_operands(E4M3, seed=3)
+    pos = jnp.array([6, 0], jnp.int32)
+    lt = tpm.tp_layout(layers, 2)
+    f = tp_step_fn(mesh, allreduce)
+    good = jax.block_until_ready(f(x, rope, pos, fnorm, lt, cache, head))
+    t0 = time.perf_counter()
+    with testing.drop_rank("tp", 1):
+        h, _, logits = jax.block_until_ready(f(x, rope, pos, fnorm, lt, cache, head))
+    assert time.perf_counter() - t0 < 3.0
+    assert np.isnan(np.asarray(h, np.float32)).all() and np.isnan(np.asarray(logits)).all()
+    with pytest.raises(sifar_jax.SifarError, match=r"phase 1 \(layer 0's o\) failed.*rank 1 "
+                                                   r"never arrived"):
+        sifar_jax.check()
+    sifar_jax.shutdown()
+    sifar_jax.init(mesh, timeout_s=0.2)
+    again = jax.block_until_ready(f(x, rope, pos, fnorm, lt, cache, head))
+    sifar_jax.check()
+    assert_same_bits(again, good, "GPUs: after re-init")
