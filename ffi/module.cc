@@ -18,6 +18,7 @@
 #include "runtime/comm.h"
 #include "runtime/peer_memory.h"
 #include "step/llama_step.h"
+#include "step/llama_step_tp.h"
 #include "targets.h"
 
 namespace nb = nanobind;
@@ -44,6 +45,7 @@ void RegisterMulticastTestingBindings(nb::module_& t);
 void RegisterTestingBindings(nb::module_& t);
 void RegisterPeerBindings(nb::module_& m);
 void RegisterBuildBindings(nb::module_& m);  // bindings/build_bindings.cc
+void RegisterStepBindings(nb::module_& m);   // bindings/step_bindings.cc
 }  // namespace sifar
 
 #ifdef SIFAR_WITH_CUDA
@@ -225,7 +227,8 @@ NB_MODULE(_sifar, m) {
   });
   m.def("comm_failure", [](int id) {
     std::string msg;
-    WithComm(id, [&](Comm& c) { msg = DescribeFailure(c); });
+    // A failure of llama_step's all-reduce across devices names its phase first.
+    WithComm(id, [&](Comm& c) { msg = step::DescribeStepFailure(c); });
     return msg;
   });
   m.def("comm_multicast_refusal", [](int id) {
@@ -276,6 +279,7 @@ NB_MODULE(_sifar, m) {
   RegisterMulticastBindings(m);
   RegisterPeerBindings(m);
   RegisterBuildBindings(m);
+  RegisterStepBindings(m);
   nb::module_ testing = m.def_submodule("testing", "Test-only hooks (sifar_jax._testing)");
   RegisterTestingBindings(testing);
   RegisterMulticastTestingBindings(testing);

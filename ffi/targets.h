@@ -29,7 +29,11 @@
   /* (x, rope, pos, final_norm, 10 per layer, cache[, head, head scale]) -> (h, cache, */     \
   /* workspace, logits): a Llama decode step with e4m3 or bf16 weights, one persistent */     \
   /* kernel on CUDA (step/llama_step.h) */                                                    \
-  X(llama_step, "sifar_llama_step", CpuLlamaStep, CudaLlamaStep, PreloadLlamaStepKernels)
+  X(llama_step, "sifar_llama_step", CpuLlamaStep, CudaLlamaStep, PreloadLlamaStepKernels)     \
+  /* the same step, one rank per device of a communicator's axis: this rank's shard, the */    \
+  /* all-reduce of o and down a phase reading the peers' memory (step/llama_step_tp.h) */      \
+  X(llama_step_tp, "sifar_llama_step_tp", CpuLlamaStepTp, CudaLlamaStepTp,                    \
+    PreloadLlamaStepKernels)
 
 namespace sifar {
 

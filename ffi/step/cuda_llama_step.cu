@@ -12,10 +12,13 @@
 // layer and head) merges them in split order. Every wait is bounded
 // (device_math.cuh, Deadline) and traps past it: a lost block is a failed launch (an error
 // from XLA), never a hang.
-// Virtual ranks (kTP, ranks > 1: llama_step.h): the grid's blocks split into `ranks` equal
+// Virtual ranks (kVirtual, ranks > 1: llama_step.h): the grid's blocks split into `ranks` equal
 // sets, each running the whole step on its rank's slices with barriers of its own blocks; the
 // barrier after o and after down becomes the all-reduce phase (allreduce_phase.cuh), whose
 // waits fail the step (NaN, status words) instead of trapping.
+// Across devices (kDevices: llama_step_tp.h): the grid is one rank of a communicator's axis
+// running its shard; the same phases, the all-reduce reading the peers' memory
+// (devices_phase.cuh: the lane's epochs, tagged words or oneshot's barriers across the ranks).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -31,8 +34,10 @@
 #include "step/allreduce_phase.cuh"
 #include "step/attention_phase.cuh"
 #include "step/device_math.cuh"
+#include "step/devices_phase.cuh"
 #include "step/grid_sync.cuh"
 #include "step/llama_step.h"
+#include "step/llama_step_tp.h"
 #include "step/norm_phase.cuh"
 #include "step/ring_gemv.cuh"
 #include "targets.h"
@@ -47,6 +52,10 @@ namespace {
 using namespace phase;  // NOLINT: the step's phases (device_math, grid_sync, ring, norm, attention)
 
 constexpr int kBlockThreads = kThreads + 32;  // the consumers, then the producer warp
+
+// The kernel's modes: TP=1, virtual ranks (sets of blocks of this launch), one rank across
+// devices.
+enum Mode { kTp1 = 0, kVirtual = 1, kDevices = 2 };
 
 struct Params {
   step::Shape s;
@@ -74,6 +83,7 @@ struct Params {
   float* logits;
   int stages;     // ring stages per block
   int xs_bytes;   // shared memory before the ring: the GEMV input or the attention's scratch
+  step::StepComm comm;  // kDevices: the communicator's memory (every rank's)
   step::LayerWeights layer[step::kMaxLayers];
 };
 
@@ -204,13 +214,43 @@ __device__ __forceinline__ void Tp1Step(const Params& P, Ring& ring, unsigned ch
   }
 }
 
+// The all-reduce phases of RanksStep. Begin(k): before phase k's partials are published;
+// Put(k, n, v): this rank's partial of row n; Reduce(k, ...): ArReduce's contract.
+// Between the virtual ranks of this launch (allreduce_phase.cuh):
+struct VirtualPhases {
+  ArCtx a;
+  __device__ __forceinline__ void Begin(unsigned k) {
+    Skew(a, k);
+    FenceAcqRel();  // the words read before (the previous phases) ordered before these
+  }
+  __device__ __forceinline__ void Put(unsigned k, int n, float v) { ArPut(a, k, n, v); }
+  __device__ __forceinline__ void Reduce(unsigned k, const bf16* old, bf16* out, int qlo, int qhi,
+                                         const uint16_t* scale, float eps, float4* xs,
+                                         float* red, bf16* h) {
+    ArReduce(a, k, old, out, qlo, qhi, scale, eps, xs, red, h);
+  }
+};
+// Between the devices of a communicator's axis, this launch one rank (devices_phase.cuh):
+struct DevicePhases {
+  DevAr a;
+  __device__ __forceinline__ void Begin(unsigned k) { DevBegin(a, k); }
+  __device__ __forceinline__ void Put(unsigned, int n, float v) { DevPut(a, n, v); }
+  __device__ __forceinline__ void Reduce(unsigned, const bf16* old, bf16* out, int qlo, int qhi,
+                                         const uint16_t* scale, float eps, float4* xs,
+                                         float* red, bf16* h) {
+    DevReduce(a, old, out, qlo, qhi, scale, eps, xs, red, h);
+  }
+};
+
 // Virtual ranks: this block is block b of rank `rank`'s nb. Barriers of the rank's blocks after
 // qkv, the attention and gate_up; after o and down the all-reduce phase, which also adds the
 // residual and stages the next norm (the last one the final norm, for h and the head).
-template <int G, bool kB>
+// Across devices the same with rank 0 of ranks 1 (the device's shard is the whole operand)
+// and the phases across the devices (ar: DevicePhases).
+template <int G, bool kB, typename Phases>
 __device__ __forceinline__ void RanksStep(const Params& P, Ring& ring, unsigned char* smem,
                                           float* red, int* flag, int pos, int start, int rank,
-                                          int b, int nb) {
+                                          int b, int nb, Phases& ar) {
   float4* xs = reinterpret_cast<float4*>(smem);
   const step::Shape& s = P.s;
   const int R = s.ranks, H = s.hidden;
@@ -218,8 +258,6 @@ __device__ __forceinline__ void RanksStep(const Params& P, Ring& ring, unsigned 
   const auto mats = [&](int l, int p) { return LayerMat(P, l, p, rank, b, nb); };
   unsigned nbar = 0;
   auto sync = [&]() { GridSync(P.barriers + rank, ++nbar * nb); };
-  const ArCtx a{P.ar, P.status, P.barriers + R, R, rank, nb, H, P.oneshot, P.absent_rank,
-                P.timeout_ns, P.skew_ns};
   bf16* resid = P.resid + static_cast<size_t>(rank) * 2 * H;  // [2][H], phase k writes k & 1
   const int qlo = b * (H / 4) / nb, qhi = (b + 1) * (H / 4) / nb;
   unsigned k = 0;  // all-reduce phases so far
@@ -232,32 +270,30 @@ __device__ __forceinline__ void RanksStep(const Params& P, Ring& ring, unsigned 
                  rank * (s.kv_heads / R), s.kv_heads / R, b, nb);
     sync();
     StageX(xs, P.attn + rank * kr, kr);
-    Skew(a, ++k);
-    FenceAcqRel();  // the words read before (the previous phases) ordered before these
+    ar.Begin(++k);
     RingGemv<kB>(
         mats(l, 1), ring, xs,
         [&](int n) { return make_float2(Scale(L.o_scale, L.scale_per_channel & 2, n), 0.0f); },
-        [&](int n, float r0, float, float2 pre) { ArPut(a, k, n, __fmul_rn(r0, pre.x)); });
-    ArReduce(a, k, k == 1 ? P.x : resid + ((k - 1) & 1) * H, resid + (k & 1) * H, qlo, qhi,
-             L.post_norm, s.eps, xs, red, nullptr);
+        [&](int n, float r0, float, float2 pre) { ar.Put(k, n, __fmul_rn(r0, pre.x)); });
+    ar.Reduce(k, k == 1 ? P.x : resid + ((k - 1) & 1) * H, resid + (k & 1) * H, qlo, qhi,
+              L.post_norm, s.eps, xs, red, nullptr);
     GateUpGemv<kB>(P, L, mats(l, 2), ring, xs, rank * fr);
     sync();
     StageX(xs, P.act + rank * fr, fr);
-    Skew(a, ++k);
-    FenceAcqRel();
+    ar.Begin(++k);
     RingGemv<kB>(
         mats(l, 3), ring, xs,
         [&](int n) { return make_float2(Scale(L.down_scale, L.scale_per_channel & 8, n), 0.0f); },
-        [&](int n, float r0, float, float2 pre) { ArPut(a, k, n, __fmul_rn(r0, pre.x)); });
+        [&](int n, float r0, float, float2 pre) { ar.Put(k, n, __fmul_rn(r0, pre.x)); });
     const bool last = l + 1 == s.layers;
-    ArReduce(a, k, resid + ((k - 1) & 1) * H, last ? nullptr : resid + (k & 1) * H, qlo, qhi,
-             last ? reinterpret_cast<const uint16_t*>(P.final_norm) : P.layer[l + 1].input_norm,
-             s.eps, xs, red, last && blockIdx.x == 0 ? P.h : nullptr);
+    ar.Reduce(k, resid + ((k - 1) & 1) * H, last ? nullptr : resid + (k & 1) * H, qlo, qhi,
+              last ? reinterpret_cast<const uint16_t*>(P.final_norm) : P.layer[l + 1].input_norm,
+              s.eps, xs, red, last && blockIdx.x == 0 ? P.h : nullptr);
   }
   if (P.vocab > 0) Head<kB>(P, ring, xs, rank, b, nb);
 }
 
-template <int G, bool kTP, bool kB>
+template <int G, int kMode, bool kB>
 __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid_constant__ Params P) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float red[kWarps];
@@ -265,6 +301,19 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
   const step::Shape& s = P.s;
   const int pos = P.pos[0], start = P.pos[1];
   if (pos < 0 || pos >= s.capacity || start < 0 || start > pos) return NanOut(P);
+  constexpr bool kTP = kMode != kTp1;
+  __shared__ DevStart dstart;  // kDevices: the rank's Control and the lane's epoch
+  __shared__ uint64_t dcalls;
+  if constexpr (kMode == kDevices) {
+    if (threadIdx.x == 0) {
+      ReadDevStart(P.comm, dstart);
+      dcalls = blockIdx.x == 0 ? *reinterpret_cast<volatile uint64_t*>(P.comm.calls + P.comm.algorithm) : 0;
+    }
+    __syncthreads();
+    // A failed communicator (never a plausible number), or testing.drop_rank: this rank never
+    // arrives (nothing published; its peers time out).
+    if (dstart.failed || dstart.drop) return NanOut(P);
+  }
   unsigned char* ring_buf = smem + P.xs_bytes;
   uint64_t* bars = reinterpret_cast<uint64_t*>(ring_buf + static_cast<size_t>(P.stages) * kStageBytes);
   Ring ring{ring_buf, bars, bars + P.stages, P.stages, 0};
@@ -278,8 +327,29 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
             s.layers + (P.vocab > 0), ring);
     return;
   }
-  if constexpr (kTP) RanksStep<G, kB>(P, ring, smem, red, &flag, pos, start, rank, b, nb);
-  else Tp1Step<G, kB>(P, ring, smem, red, &flag, pos, start);
+  if constexpr (kMode == kVirtual) {
+    VirtualPhases ar{ArCtx{P.ar, P.status, P.barriers + s.ranks, s.ranks, rank, nb, s.hidden,
+                           P.oneshot, P.absent_rank, P.timeout_ns, P.skew_ns}};
+    RanksStep<G, kB>(P, ring, smem, red, &flag, pos, start, rank, b, nb, ar);
+  } else if constexpr (kMode == kDevices) {
+    DevicePhases ar;
+    ar.a.m = &P.comm;
+    ar.a.status = P.status;
+    ar.a.arrive = P.barriers + 1;
+    ar.a.nb = nb;
+    ar.a.b = b;
+    ar.a.hidden = s.hidden;
+    ar.a.epoch = dstart.epoch;
+    ar.a.mask = dstart.mask;
+    ar.a.chain = ChainTag(P.comm.chain);
+    ar.a.skew_max = dstart.skew_max;
+    ar.a.skew_seed = dstart.skew_seed;
+    ar.a.timeout_ns = dstart.timeout_ns;
+    RanksStep<G, kB>(P, ring, smem, red, &flag, pos, start, 0, b, nb, ar);
+    DevCommit(ar.a, dcalls);
+  } else {
+    Tp1Step<G, kB>(P, ring, smem, red, &flag, pos, start);
+  }
 }
 
 size_t AttentionSmem(const step::Shape& s) {
@@ -290,20 +360,28 @@ size_t AttentionSmem(const step::Shape& s) {
 // The kernels by query heads per KV head (Llama 3.x: 3 for 3B, 4 for 1B and 8B, 8 for 70B),
 // TP=1 or virtual ranks, and the weight type (bytes per weight: 1 e4m3, 2 bf16).
 using KernelFn = void (*)(Params);
-template <bool kTP, bool kB>
+template <int kMode, bool kB>
 KernelFn KernelOf(int group) {
   switch (group) {
-    case 1: return LlamaStepKernel<1, kTP, kB>;
-    case 2: return LlamaStepKernel<2, kTP, kB>;
-    case 3: return LlamaStepKernel<3, kTP, kB>;
-    case 4: return LlamaStepKernel<4, kTP, kB>;
-    case 8: return LlamaStepKernel<8, kTP, kB>;
+    case 1: return LlamaStepKernel<1, kMode, kB>;
+    case 2: return LlamaStepKernel<2, kMode, kB>;
+    case 3: return LlamaStepKernel<3, kMode, kB>;
+    case 4: return LlamaStepKernel<4, kMode, kB>;
+    case 8: return LlamaStepKernel<8, kMode, kB>;
     default: return nullptr;
   }
 }
-KernelFn KernelFor(int group, int ranks, int wbytes) {
-  if (wbytes == 2) return ranks > 1 ? KernelOf<true, true>(group) : KernelOf<false, true>(group);
-  return ranks > 1 ? KernelOf<true, false>(group) : KernelOf<false, false>(group);
+// ranks: virtual ranks; devices: ranks across devices (this launch one of them).
+KernelFn KernelFor(int group, int ranks, int wbytes, int devices = 1) {
+  const int mode = devices > 1 ? kDevices : ranks > 1 ? kVirtual : kTp1;
+  if (wbytes == 2) {
+    return mode == kDevices   ? KernelOf<kDevices, true>(group)
+           : mode == kVirtual ? KernelOf<kVirtual, true>(group)
+                              : KernelOf<kTp1, true>(group);
+  }
+  return mode == kDevices   ? KernelOf<kDevices, false>(group)
+         : mode == kVirtual ? KernelOf<kVirtual, false>(group)
+                            : KernelOf<kTp1, false>(group);
 }
 
 // The block's shared memory: the GEMV input (or the attention's scratch), then the ring's
@@ -342,21 +420,11 @@ cudaError_t GridBlocks(KernelFn kernel, const step::Shape& s, Smem* sm, int* blo
   return e;
 }
 
-ffi::Error CudaLlamaStepImpl(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args,
-                             ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> cache,
-                             ffi::Result<ffi::AnyBuffer> work, ffi::Result<ffi::AnyBuffer> logits,
-                             int64_t layers, int64_t kv_heads, int64_t group, float eps,
-                             int64_t ranks, int64_t oneshot, int64_t timeout_ns, int64_t skew_ns,
-                             int64_t absent_rank) {
-  step::StepCall call;
-  const step::StepAttrs attrs{layers, kv_heads, group, eps, ranks, oneshot, timeout_ns, skew_ns,
-                              absent_rank};
-  ffi::Error err = step::PlanLlamaStep(args, *h, *cache, *work, *logits, attrs, &call);
-  if (err.failure()) return err;
-  err = UseDevice(ordinal);
-  if (err.failure()) return err;
+// The launch of a planned step on the handler's device (its current one); comm: the
+// communicator's memory of a step across devices (Shape::devices > 1), else null.
+ffi::Error LaunchStep(cudaStream_t stream, const step::StepCall& call, const step::StepComm* comm) {
   const step::Shape& s = call.shape;
-  const KernelFn kernel = KernelFor(s.group, s.ranks, s.wbytes);
+  const KernelFn kernel = KernelFor(s.group, s.ranks, s.wbytes, s.devices);
   if (!kernel)
     return Invalid("llama_step: " + std::to_string(s.group) + " query heads per KV head; the "
                    "kernel is built for 1, 2, 3, 4 and 8");
@@ -405,11 +473,57 @@ ffi::Error CudaLlamaStepImpl(cudaStream_t stream, int32_t ordinal, ffi::Remainin
   p->logits = call.logits;
   p->stages = sm.stages;
   p->xs_bytes = static_cast<int>(sm.xs);
+  if (comm) p->comm = *comm;
   std::copy(call.layers.begin(), call.layers.end(), p->layer);
   void* kargs[] = {p.get()};
   return Launched(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel),
                                               dim3(blocks), dim3(kBlockThreads), kargs, sm.total,
                                               stream));
+}
+
+ffi::Error CudaLlamaStepImpl(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args,
+                             ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> cache,
+                             ffi::Result<ffi::AnyBuffer> work, ffi::Result<ffi::AnyBuffer> logits,
+                             int64_t layers, int64_t kv_heads, int64_t group, float eps,
+                             int64_t ranks, int64_t oneshot, int64_t timeout_ns, int64_t skew_ns,
+                             int64_t absent_rank) {
+  step::StepCall call;
+  const step::StepAttrs attrs{layers, kv_heads, group, eps, ranks, oneshot, timeout_ns, skew_ns,
+                              absent_rank};
+  ffi::Error err = step::PlanLlamaStep(args, *h, *cache, *work, *logits, attrs, &call);
+  if (err.failure()) return err;
+  err = UseDevice(ordinal);
+  if (err.failure()) return err;
+  return LaunchStep(stream, call, nullptr);
+}
+
+// The step across devices: PlanLlamaStepTp's checks (the communicator, a failed group: an
+// error before the launch, as the plain all-reduce's handler returns it; a command buffer's
+// replay runs only the kernel, which reads the rank's Control and fills NaN on a failed
+// communicator), then this rank's launch on XLA's stream.
+ffi::Error CudaLlamaStepTpImpl(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args,
+                               ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> cache,
+                               ffi::Result<ffi::AnyBuffer> work,
+                               ffi::Result<ffi::AnyBuffer> logits, int64_t layers,
+                               int64_t kv_heads, int64_t group, float eps, int64_t after,
+                               int32_t axis_key, int32_t nranks, int32_t algorithm,
+                               int32_t repeat, int32_t chain) {
+  // While XLA records a command buffer, handler calls do not follow the run order.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) cudaGetLastError();
+  step::StepCall call;
+  RankCall rc;
+  step::StepComm m;
+  const step::StepAttrs attrs{layers, kv_heads, group, eps, 1, algorithm == kOneshot,
+                              step::kMaxTimeoutNs, 0, -1};
+  const step::TpAttrs tp{axis_key, nranks, algorithm, repeat, chain, after};
+  ffi::Error err = step::PlanLlamaStepTp(ordinal, args, *h, *cache, *work, *logits, attrs, tp,
+                                         &call, &rc, &m, /*device=*/true,
+                                         capture == cudaStreamCaptureStatusNone);
+  if (err.failure()) return err;
+  err = UseDevice(ordinal);
+  if (err.failure()) return err;
+  return LaunchStep(stream, call, &m);
 }
 
 }  // namespace
@@ -418,15 +532,23 @@ ffi::Error CudaLlamaStepImpl(cudaStream_t stream, int32_t ordinal, ffi::Remainin
 void PreloadLlamaStepKernels() {
   cudaFuncAttributes attr;
   for (int g : {1, 2, 3, 4, 8})
-    for (int ranks : {1, 2})
-      for (int wbytes : {1, 2})
+    for (int wbytes : {1, 2}) {
+      for (int ranks : {1, 2})
         SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::KernelFor(g, ranks, wbytes)));
+      SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::KernelFor(g, 1, wbytes, 2)));
+    }
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaLlamaStep, cuda::CudaLlamaStepImpl,
                               WithLlamaStepOperands(ffi::Ffi::Bind()
                                                         .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                         .Ctx<ffi::DeviceOrdinal>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaLlamaStepTp, cuda::CudaLlamaStepTpImpl,
+                              WithLlamaStepTpOperands(ffi::Ffi::Bind()
+                                                          .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                          .Ctx<ffi::DeviceOrdinal>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace sifar

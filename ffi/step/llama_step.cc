@@ -35,7 +35,7 @@ Workspace StepWorkspace(const Shape& s) {
   w.attn = w.qkv + up(2 * static_cast<size_t>(s.qkv_rows()));
   w.act = w.attn + up(2 * static_cast<size_t>(s.q_dim()));
   w.resid = w.act + up(2 * static_cast<size_t>(s.ffn));
-  w.part = w.resid + up(2 * (R > 1 ? 2 * R * H : H));
+  w.part = w.resid + up(2 * (R > 1 ? 2 * R * H : s.devices > 1 ? 2 * H : H));
   w.total = w.part + up(4 * static_cast<size_t>(s.kv_heads) * kMaxSplits * s.group *
                         (kHeadDim + 2));
   return w;
@@ -70,8 +70,12 @@ const char* WeightName(int wbytes) { return wbytes == 2 ? "bfloat16" : "float8_e
 
 ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuffer cache,
                          ffi::AnyBuffer work, ffi::AnyBuffer logits, const StepAttrs& attrs,
-                         StepCall* call) {
+                         StepCall* call, size_t nargs, int devices) {
   const std::string name = "llama_step: ";
+  nargs = std::min(nargs, args.size());
+  if (devices < 1 || devices > kMaxRanks || (devices > 1 && attrs.ranks != 1))
+    return Invalid(name + "devices must be in [1, " + std::to_string(kMaxRanks) +
+                   "], and virtual ranks 1 across devices");
   const int64_t layers = attrs.layers, kv_heads = attrs.kv_heads, group = attrs.group;
   const float eps = attrs.eps;
   const int64_t ranks = attrs.ranks;
@@ -94,10 +98,10 @@ ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuff
     return Invalid(name + "kv_heads >= 1 and group in [1, " + std::to_string(kMaxGroup) +
                    "] needed, got " + std::to_string(kv_heads) + ", " + std::to_string(group));
   const size_t want = kLeadOperands + kOperandsPerLayer * layers + 1;
-  if (args.size() != want && args.size() != want + 2)
+  if (nargs != want && nargs != want + 2)
     return Invalid(name + "expected " + std::to_string(want) + " operands for " +
                    std::to_string(layers) + " layers (" + std::to_string(want + 2) +
-                   " with the head), got " + std::to_string(args.size()));
+                   " with the head), got " + std::to_string(nargs));
   auto arg = [&](size_t i) { return args.get<ffi::AnyBuffer>(i).value(); };
   ffi::AnyBuffer x = arg(0), rope = arg(1), pos = arg(2), fnorm = arg(3);
   ffi::AnyBuffer cache_in = arg(want - 1);
@@ -110,6 +114,7 @@ ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuff
   s.group = static_cast<int>(group);
   s.layers = static_cast<int>(layers);
   s.ranks = static_cast<int>(ranks);
+  s.devices = devices;
   s.eps = eps;
   if (s.hidden % kChunk)
     return Invalid(name + "H must be a multiple of " + std::to_string(kChunk));
@@ -178,7 +183,7 @@ ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuff
   if (cache.size_bytes() != cache_in.size_bytes()) return Invalid(name + "cache result size");
   if (h.element_type() != ffi::DataType::BF16 || !HasDims(h, {s.hidden}))
     return Invalid(name + "h must be bf16 [H], got " + Dims(h));
-  if (args.size() == want + 2) {
+  if (nargs == want + 2) {
     ffi::AnyBuffer hw = arg(want), hs = arg(want + 1);
     if (WeightBytes(hw.element_type()) != s.wbytes || hw.dimensions().size() != 2 ||
         hw.dimensions()[1] != s.hidden || hw.dimensions()[0] < 1)
@@ -291,11 +296,22 @@ std::vector<float> Gemv(const uint8_t* w, const float* s, bool per_channel, int 
 // resid += w [H, K] x in, as TP=R ranks compute it: rank r's partial (columns [r K/R,
 // (r+1) K/R)) rounded to bf16, the partials added in rank order in float32 and rounded once
 // (sifar's rule), then the residual add. A rank that never publishes (absent) leaves NaN.
-// At R = 1 the TP=1 step's bf16(resid + bf16(w x)).
+// At R = 1 the TP=1 step's bf16(resid + bf16(w x)). With `across` (phase k of the step across
+// devices) this rank's partial of its columns (all K of them: its shard), all-reduced by it.
 void ReduceAdd(const step::StepCall& c, const uint8_t* w, const float* sc, bool per_channel,
-               int K, const std::vector<float>& in, std::vector<float>& resid) {
+               int K, const std::vector<float>& in, std::vector<float>& resid,
+               step::CpuAcross* across, int k) {
   const int H = c.shape.hidden, R = c.shape.ranks, Kr = K / R, wb = c.shape.wbytes;
   std::vector<float> acc(H);
+  if (across) {
+    std::vector<float> mine(H);
+    for (int j = 0; j < H; ++j)
+      mine[j] = Rb(Row(w + static_cast<size_t>(j) * K * wb, K, in.data(),
+                       per_channel ? sc[j] : sc[0], wb));
+    across->Reduce(k, mine, &acc);
+    for (int j = 0; j < H; ++j) resid[j] = Rb(resid[j] + Rb(acc[j]));
+    return;
+  }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < H; ++j) {
       const float p = r == c.absent_rank
@@ -307,7 +323,9 @@ void ReduceAdd(const step::StepCall& c, const uint8_t* w, const float* sc, bool 
   for (int j = 0; j < H; ++j) resid[j] = Rb(resid[j] + Rb(acc[j]));
 }
 
-void RunLlamaStep(const step::StepCall& c) {
+}  // namespace
+
+void step::RunCpuLlamaStep(const step::StepCall& c, step::CpuAcross* across) {
   const step::Shape& s = c.shape;
   const int H = s.hidden, D = kHeadDim, G = s.group, KV = s.kv_heads, F = s.ffn, S = s.capacity;
   const int pos = c.pos[0], start = c.pos[1];
@@ -368,7 +386,8 @@ void RunLlamaStep(const step::StepCall& c) {
         for (int d = 0; d < D; ++d) att[(static_cast<size_t>(h) * G + g) * D + d] = Rb(num[d] / den);
       }
     }
-    ReduceAdd(c, L.o, L.o_scale, L.scale_per_channel & 2, s.q_dim(), att, resid);
+    ReduceAdd(c, L.o, L.o_scale, L.scale_per_channel & 2, s.q_dim(), att, resid, across,
+              2 * l + 1);
     const std::vector<float> xm = Norm(resid, L.post_norm, s.eps);
     const std::vector<float> gu = Gemv(L.gate_up, L.gate_up_scale, L.scale_per_channel & 4,
                                        2 * F, H, xm, s.wbytes);
@@ -377,7 +396,8 @@ void RunLlamaStep(const step::StepCall& c) {
       const float g = gu[j], u = gu[F + j];
       act[j] = Rb(g / (1.0f + std::exp(-g)) * u);
     }
-    ReduceAdd(c, L.down, L.down_scale, L.scale_per_channel & 8, F, act, resid);
+    ReduceAdd(c, L.down, L.down_scale, L.scale_per_channel & 8, F, act, resid, across,
+              2 * l + 2);
   }
   const std::vector<float> out = Norm(resid, c.final_norm, s.eps);
   for (int j = 0; j < H; ++j) c.h[j] = F32ToBf16(out[j]);
@@ -385,6 +405,8 @@ void RunLlamaStep(const step::StepCall& c) {
     c.logits[r] = Row(c.head + static_cast<size_t>(r) * H * s.wbytes, H, out.data(),
                       c.head_per_channel ? c.head_scale[r] : c.head_scale[0], s.wbytes);
 }
+
+namespace {
 
 ffi::Error CpuLlamaStepImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> h,
                             ffi::Result<ffi::AnyBuffer> cache, ffi::Result<ffi::AnyBuffer> work,
@@ -401,7 +423,7 @@ ffi::Error CpuLlamaStepImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer>
     return Invalid("llama_step: slot " + std::to_string(pos) + " (first slot " +
                    std::to_string(start) + ") outside the cache's " +
                    std::to_string(call.shape.capacity) + " slots");
-  RunLlamaStep(call);
+  step::RunCpuLlamaStep(call);
   return ffi::Error::Success();
 }
 

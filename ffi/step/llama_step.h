@@ -92,6 +92,9 @@ constexpr long long kDefaultTimeoutNs = 1ll * 1000 * 1000 * 1000;
 
 struct Shape {
   int hidden = 0, kv_heads = 0, group = 0, ffn = 0, layers = 0, capacity = 0, ranks = 1;
+  // Across devices (llama_step_tp.h): the ranks of the axis, one per device, this op being one
+  // of them (ranks is then 1: kv_heads and ffn are this rank's shard). 1: not across devices.
+  int devices = 1;
   int wbytes = 1;  // bytes per weight: 1 e4m3, 2 bf16 (every projection and the head)
   float eps = 1e-5f;
   SIFAR_STEP_HD int qkv_rows() const { return kv_heads * (group + 2) * kHeadDim; }
@@ -112,8 +115,9 @@ enum StepStatus {
 // counter_bytes): the status words, the barrier counters (one per rank; then one per rank
 // for the arrivals of oneshot's barriers across the ranks), the attention's per-head counts [layers][kv], the all-reduce's tagged words [2][R][H]
 // (ranks > 1). Then qkv's output, the attention output, the SwiGLU output, the residual
-// stream ([H]; [R][2][H] with ranks), the attention's per-split partials [kv][kMaxSplits][group]
-// [D + 2] f32.
+// stream ([H]; [R][2][H] with ranks; [2][H] across devices), the attention's per-split partials
+// [kv][kMaxSplits][group][D + 2] f32. Across devices the tagged words are not here: they live in
+// the communicator's workspace (llama_step_tp.h), never zeroed by the op.
 struct Workspace {
   size_t status = 0, barriers = 0, heads = 0, ar = 0;
   size_t qkv = 0, attn = 0, act = 0, resid = 0, part = 0, total = 0;
@@ -152,10 +156,26 @@ struct StepAttrs {
   int64_t ranks, oneshot, timeout_ns, skew_ns, absent_rank;
 };
 
-// Checks every operand (dtype, shape, alignment) against the attributes; fills *call.
+// Checks every operand (dtype, shape, alignment) against the attributes; fills *call. `nargs`:
+// the step's operands among args (the first ones; any after them only order the call), all by
+// default. `devices`: Shape::devices (ranks across devices; attrs.ranks must then be 1).
 xla::ffi::Error PlanLlamaStep(xla::ffi::RemainingArgs args, xla::ffi::AnyBuffer h,
                               xla::ffi::AnyBuffer cache, xla::ffi::AnyBuffer work,
-                              xla::ffi::AnyBuffer logits, const StepAttrs& attrs, StepCall* call);
+                              xla::ffi::AnyBuffer logits, const StepAttrs& attrs, StepCall* call,
+                              size_t nargs = static_cast<size_t>(-1), int devices = 1);
+
+// The CPU reference's all-reduce between devices (llama_step_tp.cc): phase k (layer l's o is
+// 2l + 1, its down 2l + 2) gets this rank's partials (bf16 values, [H]) and returns in *sum
+// the rank-order float32 sum of every rank's (not rounded), NaN where the phase failed.
+class CpuAcross {
+ public:
+  virtual ~CpuAcross() = default;
+  virtual void Reduce(int k, const std::vector<float>& mine, std::vector<float>* sum) = 0;
+};
+
+// The CPU reference of a planned step: TP=1, virtual ranks, or (with `across`) this device's
+// shard of the step across devices, whose o and down partials `across` all-reduces.
+void RunCpuLlamaStep(const StepCall& call, CpuAcross* across = nullptr);
 
 }  // namespace step
 

@@ -1,0 +1,108 @@
+"""llama_step across devices with the ranks in different processes (tests/sifar_jax/
+step_multiprocess_worker.py through `python -m sifar_jax.launch`): on the CPU 2 processes of
+one host device each (the communicator's workspaces in POSIX shared memory); on GPUs one process
+per GPU (CUDA IPC) and two processes sharing one GPU as ranks 0 and 1 (--share-gpu), skipped
+without a GPU. The step's results bit for bit the virtual ranks' step, exact under skew; an
+absent rank and a killed process fail clearly within the timeout.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from test_multiprocess import _tail, assert_no_leftovers, launch, lines_of
+
+WORKER = Path(__file__).with_name("step_multiprocess_worker.py")
+
+
+def step_launch(n, *args, **kw):
+    import test_multiprocess
+
+    old = test_multiprocess.WORKER
+    test_multiprocess.WORKER = WORKER
+    try:
+        return launch(n, *args, **kw)
+    finally:
+        test_multiprocess.WORKER = old
+
+
+def assert_step_ok(text: str, n_processes: int, ranks: int, scenarios) -> None:
+    for p in range(n_processes):
+        if "bits" in scenarios:
+            for allreduce in ("sifar", "oneshot"):
+                for w in ("fp8", "bf16"):
+                    assert lines_of(text, p, f"OK step bits {allreduce} {w} n={ranks}"), _tail(text)
+        if "skew" in scenarios:
+            for allreduce in ("sifar", "oneshot"):
+                assert lines_of(text, p, f"OK step skew {allreduce} n={ranks}"), _tail(text)
+        if "absent" in scenarios:
+            for allreduce in ("sifar", "oneshot"):
+                assert lines_of(text, p, f"OK step absent {allreduce}: exact after re-init"), \
+                    _tail(text)
+        assert lines_of(text, p, "DONE"), _tail(text)
+
+
+def test_two_processes_bits_skew_and_an_absent_rank():
+    rc, text, _ = step_launch(2, "bits", "skew", "absent", "--steps", "20", "--timeout", "2")
+    assert rc == 0, _tail(text)
+    assert_step_ok(text, 2, 2, ("bits", "skew", "absent"))
+    ok = lines_of(text, 0, "OK step absent sifar: NaN and the error after")
+    assert ok and "phase 1 (layer 0's o)" in ok[0] and "rank 1 (process 1)" in ok[0], _tail(text)
+    assert_no_leftovers(text)
+
+
+def test_killed_process_is_named_within_the_timeout():
+    timeout = 2.0
+    rc, text, elapsed = step_launch(2, "kill", "--timeout", str(timeout), "--victim", "1",
+                                    "--after", "3", grace=60)
+    assert rc == 128 + 9, f"the launcher must report the SIGKILL (137), got {rc}:\n{_tail(text)}"
+    ok = lines_of(text, 0, "OK step kill: step 4 failed after")
+    assert ok and "rank 1 (process 1) never arrived" in ok[0], _tail(text)
+    assert "phase 1 (layer 0's o)" in ok[0], _tail(text)
+    seconds = float(re.search(r"failed after ([\d.]+) s", ok[0]).group(1))
+    assert seconds < timeout + 3, ok[0]
+    assert_no_leftovers(text)
+
+
+# ----------------------------------------------------------------- the GPU --
+@pytest.fixture
+def gpus():
+    from conftest import gpu_device_list
+
+    n = len(gpu_device_list())
+    if n == 0:
+        pytest.skip("needs a CUDA GPU")
+    return n
+
+
+@pytest.mark.parametrize("share_gpu", [False, True], ids=["gpu-per-process", "shared-gpu"])
+def test_gpu_two_processes_bits_skew_and_an_absent_rank(gpus, share_gpu):
+    """Ranks 0 and 1 in two processes, on two GPUs or sharing one (time-sliced: it checks
+    results, not speed): h, the cache and logit shards bit for bit the virtual-rank kernel's
+    (slot < 64: one key range whatever the grid); SIFAR_STEP_STRESS_STEPS skewed steps
+    (default 200) with 0 mismatches, sifar re-reading stale words; an absent rank: NaN, the
+    error naming it and the phase within the timeout, exact after re-init."""
+    import os
+
+    if not share_gpu and gpus < 2:
+        pytest.skip("needs 2 GPUs (the shared-GPU variant runs on one)")
+    steps = os.environ.get("SIFAR_STEP_STRESS_STEPS", "200")
+    rc, text, _ = step_launch(2, "bits", "skew", "absent", "--steps", steps, "--skew-us", "20",
+                              "--timeout", "2", platform="gpu", share_gpu=share_gpu)
+    assert rc == 0, _tail(text)
+    assert_step_ok(text, 2, 2, ("bits", "skew", "absent"))
+
+
+@pytest.mark.parametrize("share_gpu", [False, True], ids=["gpu-per-process", "shared-gpu"])
+def test_gpu_killed_process_is_named_within_the_timeout(gpus, share_gpu):
+    if not share_gpu and gpus < 2:
+        pytest.skip("needs 2 GPUs (the shared-GPU variant runs on one)")
+    rc, text, _ = step_launch(2, "kill", "--timeout", "2", "--victim", "1", "--after", "3",
+                              platform="gpu", share_gpu=share_gpu, grace=60)
+    assert rc == 128 + 9, _tail(text)
+    ok = lines_of(text, 0, "OK step kill: step 4 failed after")
+    assert ok and "rank 1 (process 1) never arrived" in ok[0], _tail(text)
+    assert "phase 1 (layer 0's o)" in ok[0], _tail(text)
