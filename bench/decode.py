@@ -28,14 +28,14 @@ common.use_host_devices(8)  # before jax is imported; only XLA:CPU reads it
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from models import compile_cache, families, hlo  # noqa: E402
+from models import compile_cache, hlo, registry as families  # noqa: E402
 from models.attention import ATTN_IMPLS  # noqa: E402
 from models.sharding import KV_LAYOUTS  # noqa: E402
 from models.tp import ALLREDUCE_KINDS, fused_add_norm_available  # noqa: E402
 from models.decode import LOOPS, SIFAR_KINDS, Decoder, make_mesh  # noqa: E402
 from models.options import DecodeOptions  # noqa: E402
-from models.quant import is_projection  # noqa: E402
-from models.quantize import to_rows  # noqa: E402
+from models.weights.types import is_projection  # noqa: E402
+from models import to_rows  # noqa: E402
 from models.qwen3_moe import MOE_IMPLS  # noqa: E402
 
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from bench import common
-from models import families
+from models import registry as families
 from models.decode import SIFAR_KINDS, Decoder, make_mesh, prompt_bucket
 from models.options import DecodeOptions
 from models.tp import FUSED_MODES

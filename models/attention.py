@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from .pallas_attention import decode_attention
-from .quant import Projection
+from .weights.types import Projection
 from .sharding import KV_LAYOUTS
 from .tp import RMSNorm, normal, project
 

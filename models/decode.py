@@ -29,7 +29,7 @@ from .capacity import (ON_DEVICE_CHUNK, attention_buckets, bucket_up, cache_rese
                        prompt_bucket, prompt_buckets, stop_ids)
 from .decode_state import DecodeState
 from .executables import Executables
-from .families import family_of
+from .registry import family_of
 from .family import ModelConfig
 from .loops import LOOPS, host
 from .options import SIFAR_KINDS, DecodeOptions, default_attn_impl, default_gemm_rows
@@ -66,7 +66,7 @@ def _sifar_buffers(options: DecodeOptions, mesh: Mesh):
 
 class Decoder:
     """Prefill and decode for one batch of sequences of a model (its family:
-    models.families.family_of(config)), run as `options` say (options.DecodeOptions; the
+    models.registry.family_of(config)), run as `options` say (options.DecodeOptions; the
     allreduce, batch_size and max_seq_len keywords replace the options' fields). The model's
     layout (family.layout(config, tp)) is computed here, once, and handed to all that needs it.
     Components: `seq` (decode_state.DecodeState), `exes` (executables.Executables), `weights`

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .capacity import attention_buckets, bucket_up
 from .prompts import as_batch, check_ids, left_pad, prompt_rows, prompt_width, stop_array
-from .random_weights import hash_uniform, mix32
+from .weights.random import hash_uniform, mix32
 from .sampling import Sampling, key_data
 from .sharding import cache_dims, cache_spec
 

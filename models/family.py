@@ -6,7 +6,7 @@ random-init fan-ins, and its Hugging Face loader module. Everything else is gene
 ModelFamily's methods: the tp layout, the abstract model, parameter shardings, the KV cache, the
 shard_map'd forward, random parameters, checkpoint loading and saving. Adding a family: one
 module (config + blocks + the ModelFamily), a loader module, presets, tests, and a line in
-families.py.
+registry.py.
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from . import checkpoint, random_weights, sharding
-from .quant import Fp8Weight, RowWeight, is_projection
+from . import sharding
+from .weights import checkpoint, random as random_weights
+from .weights.fp8_load import fp8_to_hf, load_fp8
+from .weights.transforms import check_quantize, from_rows, quantize_params
+from .weights.types import Fp8Weight, RowWeight, is_projection
 
 
 class ModelConfig(Protocol):
@@ -127,11 +130,9 @@ class _Parameters:
     def random_params(self, config: Any, mesh: Mesh, seed: int = 0, *,
                       axis_name: str = "tp", quantize: Optional[str] = None) -> dict:
         """Random parameters (never zero) created directly sharded on the devices. The values
-        depend on (config, seed) only, not on the mesh (see random_weights.random_params).
+        depend on (config, seed) only, not on the mesh (see weights/random.py).
         quantize="fp8": the projections then quantized per output channel where they lie
-        (models/quantize.py), the LM head included."""
-        from .quantize import check_quantize, quantize_params
-
+        (weights/transforms.py), the LM head included."""
         check_quantize(quantize)
         layout = self.layout(config, mesh.shape[axis_name])
         _, abstract = self.abstract_model(config)
@@ -211,7 +212,8 @@ class _HFCheckpoints:
         params sharded onto `mesh` (tp_dims; KV heads replicated when tp > num_kv_heads, see
         layout). `dtype` overrides the checkpoint's dtype (the compute dtype). An FP8
         checkpoint (config.json's quantization_config), or quantize="fp8", loads the
-        projections as Fp8Weight leaves (fp8_load.py); config.quantization records the layout."""
+        projections as Fp8Weight leaves (weights/fp8_load.py); config.quantization records the
+        layout."""
         hf = checkpoint.read_hf_config(path)
         if config is None:
             config = self.config_from_hf(hf, max_seq_len=max_seq_len, dtype=dtype)
@@ -219,8 +221,6 @@ class _HFCheckpoints:
             config = config.replace(dtype=dtype)
         layout = self.layout(config, mesh.shape[axis_name])
         if quantize is not None or "quantization_config" in hf:
-            from .fp8_load import load_fp8
-
             return load_fp8(self, path, mesh, layout, axis_name, quantize)
         _, abstract = self.abstract_model(layout.shapes)
         params = checkpoint.load_sharded(
@@ -231,17 +231,13 @@ class _HFCheckpoints:
     def to_hf_tensors(self, params: dict, config: Any) -> dict:
         """Our (global) parameters -> HF-named numpy tensors (RowWeight leaves as the dense
         weights they hold). Gathers to the host: for tests and small models."""
-        from .quantize import from_rows
-
         return self.hf_loader().to_hf_tensors(from_rows(params, self), config)
 
     def save_hf_checkpoint(self, params: dict, config: Any, path: str, *,
                            num_shards: int = 1) -> None:
         """Write config.json and model.safetensors (or num_shards files plus
-        model.safetensors.index.json) in Hugging Face's layout."""
-        from .fp8_load import fp8_to_hf  # Fp8Weight leaves: in the layout they came from
-        from .quantize import from_rows  # RowWeight leaves: as the dense weights they hold
-
+        model.safetensors.index.json) in Hugging Face's layout: Fp8Weight leaves in the layout
+        they came from (fp8_to_hf), RowWeight leaves as the dense weights they hold."""
         tensors, qc = fp8_to_hf(self, from_rows(params, self), config)
         hf = config.to_hf_config()
         if qc is not None:
@@ -264,8 +260,8 @@ class ModelFamily(_Parameters, _Sizes, _HFCheckpoints):
     # MoE's experts, top-k of them (step_weight_bytes)
     step_read_fraction: Mapping[str, Callable[[Any], float]] = dataclasses.field(
         default_factory=dict)
-    # parameter name -> quant.Projection: the weights an FP8 model holds as Fp8Weight, and how
-    # many dims each contracts (models/quantize.py, sharding.fp8_spec)
+    # parameter name -> weights.types.Projection: the weights an FP8 model holds as Fp8Weight,
+    # and how many dims each contracts (weights/transforms.py, sharding.fp8_spec)
     projections: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     # ---- configs -------------------------------------------------------------------------------

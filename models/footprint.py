@@ -58,8 +58,8 @@ def estimate(family, config: Any, tp: int, rows: int, capacity: int,
     """The footprint per device of `config` split tp ways with a KV cache of rows x capacity
     positions and a prefill of prompt_len tokens (family.layout raises if tp does not split it).
     quantize="fp8": the projections held as FP8 (1 byte a weight, plus their float32 scales;
-    models/quantize.py); the transient still holds the largest one in float32."""
-    from .quantize import check_quantize, quantize_params
+    models/weights/transforms.py); the transient still holds the largest one in float32."""
+    from .weights.transforms import check_quantize, quantize_params
 
     check_quantize(quantize)
     layout = family.layout(config, tp).shapes

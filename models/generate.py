@@ -46,7 +46,7 @@ def _parser(algorithms: tuple, sifar_why: str | None) -> argparse.ArgumentParser
     p = argparse.ArgumentParser(prog="python -m models.generate",
                                 description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    # (the names are checked after jax is imported: every family's presets, models.families)
+    # (the names are checked after jax is imported: every family's presets, models.registry)
     p.add_argument("--preset", default="tiny",
                    help="model shapes, random weights: tiny, qwen3_moe_tiny, llama3_8b, qwen3_30b_a3b")
     p.add_argument("--checkpoint", help="Hugging Face checkpoint dir (config.json + safetensors; "
@@ -86,7 +86,8 @@ def _parser(algorithms: tuple, sifar_why: str | None) -> argparse.ArgumentParser
     p.add_argument("--quantize", choices=("fp8",),
                    help="fp8: the projections (attention, MLP or experts, LM head) quantized to "
                         "e4m3 per output channel after the weights are made or loaded "
-                        "(models/quantize.py); norms, embedding and router stay in --dtype")
+                        "(models/weights/transforms.py); norms, embedding and router stay in "
+                        "--dtype")
     p.add_argument("--step", default="xla", choices=("xla", "persistent"),
                    help="persistent: each one-token step as one sifar_jax.llama_step call (a "
                         "persistent kernel; Llama, TP=1, on a GPU, FP8 weights or bf16 ones "
@@ -166,8 +167,8 @@ def _float_dtype(name: str) -> str:
 
 def _model(args):
     """(family, config) from --checkpoint or --preset, checked against --tp; nothing allocated."""
-    from .checkpoint import read_hf_config
-    from .families import family_for_checkpoint, presets
+    from .weights.checkpoint import read_hf_config
+    from .registry import family_for_checkpoint, presets
 
     dtype = _float_dtype(args.dtype) if args.dtype else None
     if args.checkpoint:
@@ -337,7 +338,7 @@ def _decoder(args, family, config):
         except (ValueError, OSError) as e:  # a bad checkpoint (Fp8CheckpointError among them)
             raise UserError(f"--checkpoint {args.checkpoint}: {e}") from None
         if args.quantize:  # an FP8 checkpoint's dense leftovers (a bf16 LM head)
-            from .quantize import quantize_params
+            from .weights.transforms import quantize_params
 
             params = quantize_params(params, family, donate=True)
     else:

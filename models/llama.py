@@ -25,7 +25,7 @@ from . import attention, sharding, transformer
 from .attention import Attention, Step
 from .config import LlamaConfig
 from .family import ModelFamily
-from .quant import Projection
+from .weights.types import Projection
 from .tp import RMSNorm, TPContext, normal, project
 
 # Which dimension of each (global) parameter is split over the tp axis (others are replicated),
@@ -91,4 +91,4 @@ LLAMA = ModelFamily(
     name="llama", config_type=LlamaConfig,
     presets={"tiny": LlamaConfig.tiny, "llama3_8b": LlamaConfig.llama3_8b},
     model=Llama, tp_dims=TP_DIM, check_tp=check_tp, fan_in=FAN_IN, projections=PROJECTIONS,
-    loader=f"{__package__}.weights", hf_model_types=("llama",))
+    loader=f"{__package__}.llama_hf", hf_model_types=("llama",))

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from .attention import rope_cos_sin, rope_inv_freq
-from .quant import Fp8Weight, RowWeight
+from .weights.types import Fp8Weight, RowWeight
 from .tp import project
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ def rows_for_step(family, config, mesh: Mesh, options, params: Any) -> Any:
     a Decoder never changes the params it is given."""
     import jax
 
-    from .quantize import to_rows
+    from .weights.transforms import to_rows
 
     if getattr(options, "step", "xla") != "persistent":
         return params

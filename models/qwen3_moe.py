@@ -42,7 +42,7 @@ from . import attention, sharding, transformer
 from .attention import Attention, Step
 from .config import AttentionConfig, RopeScaling, rope_from_hf
 from .family import ModelFamily
-from .quant import Projection
+from .weights.types import Projection
 from .tp import RMSNorm, TPContext, normal
 
 MOE_IMPLS = ("gather", "matvec")
@@ -243,7 +243,7 @@ def experts_dense(x, weights, ids, gate_up, down):
 def experts(x, weights, ids, gate_up, down, impl: str = "matvec", rows: int = 1):
     """This rank's partial MoE output [N, hidden] (see the module docstring for `impl`; rows:
     see experts_gather)."""
-    from .quant import Fp8Weight, matvec_fp8
+    from .weights.types import Fp8Weight, matvec_fp8
 
     if isinstance(gate_up, Fp8Weight):  # FP8 experts: always read in place, as matvec does
         n, k = ids.shape

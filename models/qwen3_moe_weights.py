@@ -18,9 +18,9 @@ import functools
 
 import numpy as np
 
-from .checkpoint import Checkpoint
+from .weights.checkpoint import Checkpoint
 from .qwen3_moe import Qwen3MoeConfig
-from .weights import hf_name, host, stack_builders, stack_to_hf
+from .weights.hf import hf_name, host, stack_builders, stack_to_hf
 
 
 def expert_name(i: int, j: int, proj: str) -> str:

@@ -69,9 +69,9 @@ def project(equation: str, x: jax.Array, w: jax.Array, rows: int = 1, **kw) -> j
     slow multiply + reduce or a narrow GEMM that streams the weights more slowly than a two-row
     one (docs/performance.md). The copies change no value of the kept row's inputs.
 
-    An FP8 weight (models/quant.py, Fp8Weight) runs as one FP8 GEMV (rows ignored); a RowWeight
+    An FP8 weight (models/weights/types.py, Fp8Weight) runs as one FP8 GEMV (rows ignored); a RowWeight
     as an einsum over its stored (output-major) dims."""
-    from .quant import Fp8Weight, RowWeight, project_fp8, stored_equation
+    from .weights.types import Fp8Weight, RowWeight, project_fp8, stored_equation
 
     if isinstance(w, Fp8Weight):
         return project_fp8(equation, x, w, **kw)

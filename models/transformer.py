@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .attention import Step
-from .quant import Projection
+from .weights.types import Projection
 from .tp import RMSNorm, TPContext, normal, project
 
 # The stack's split parameters and fan-ins (a family's tables include them).

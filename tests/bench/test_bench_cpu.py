@@ -589,7 +589,7 @@ def test_decode_tp2_rank_shapes_run_one_rank_of_tp2_on_one_device(tmp_path):
     import jax
 
     from models import LLAMA
-    from models.quantize import quantize_params
+    from models import quantize_params
 
     full = full.replace(max_seq_len=c.max_seq_len)
     layout = LLAMA.layout(full, 2)

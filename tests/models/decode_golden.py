@@ -43,14 +43,14 @@ LOOPS = ("sync", "stream", "pipelined", "on_device")
 
 def make_decoder(preset: str, tp: int, opts: dict, batch: int):
     import sifar_jax
-    from models import families, make_mesh
+    from models import make_mesh, registry
 
     sifar_jax.shutdown()
     opts = dict(opts)
-    config = families.preset(preset)
+    config = registry.preset(preset)
     if "moe_impl" in opts:
         config = config.replace(moe_impl=opts.pop("moe_impl"))
-    family = families.family_of(config)
+    family = registry.family_of(config)
     mesh = make_mesh(tp)
     params = family.random_params(config, mesh, seed=11)
     try:

@@ -19,11 +19,10 @@ import jax
 import numpy as np
 import pytest
 
-from models import Decoder, make_mesh
-from models.families import FAMILIES
+from models import Decoder, dequantize_params, make_mesh, quantize_params
+from models.registry import FAMILIES
 from models.options import DecodeOptions
-from models.quant import Fp8Weight
-from models.quantize import dequantize_params, is_quantized, quantize_params
+from models.weights.types import Fp8Weight, is_quantized
 
 PROMPT, STEPS = 4, 8
 VARIANTS = {"psum": dict(allreduce="psum"), "sifar": dict(allreduce="sifar"),

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import sharding
-from models.quant import E4M3, Fp8Weight, Projection, matvec_fp8, quantize_fp8
+from models.weights.types import E4M3, Fp8Weight, Projection, matvec_fp8, quantize_fp8
 from models.tp import project
 
 

@@ -13,7 +13,7 @@ import pytest
 import sifar_jax
 from models import (Decoder, LlamaConfig, compile_cache, footprint, generate, make_mesh,
                     random_params)
-from models.families import preset, presets
+from models.registry import preset, presets
 from models.tp import ALLREDUCE_KINDS
 from models.decode import LOOPS
 
@@ -330,7 +330,8 @@ def test_checkpoint_with_quantize_fp8_is_the_loaders_quantize_at_load(capsys, mo
     """--checkpoint with --quantize fp8 quantizes shard by shard as it loads
     (load_hf_checkpoint(quantize="fp8"), never the whole bf16 model first), with the tokens of
     that route through the API."""
-    from models import LLAMA, fp8_load
+    from models import LLAMA
+    from models.weights import fp8_load
     from models.decode import Decoder
 
     asked = []

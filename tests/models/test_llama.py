@@ -18,7 +18,7 @@ from models.decode import prompt_bucket
 from models.options import DecodeOptions
 from models.sharding import kv_replicas
 from models.tp import make_allreduce
-from models.weights import to_hf_tensors as weights_to_hf
+from models.llama_hf import to_hf_tensors as weights_to_hf
 
 # The tiny preset as a Hugging Face config.json, written out by hand so the parser is tested too.
 HF_CONFIG = {
@@ -434,19 +434,19 @@ def test_attention_matches_numpy_with_and_without_qk_norm(qk_norm):
 # ---- the family interface ----------------------------------------------------------------------------
 
 def test_llama_is_found_by_config_preset_and_checkpoint(hf, tmp_path):
-    from models import families
+    from models import registry
 
-    assert families.family_of(LlamaConfig.tiny()) is LLAMA and families.FAMILIES["llama"] is LLAMA
-    assert families.preset("tiny") == LlamaConfig.tiny()
-    assert families.preset("llama3_8b", max_seq_len=64) == LlamaConfig.llama3_8b(max_seq_len=64)
-    assert families.family_for_checkpoint(hf[0]) is LLAMA
+    assert registry.family_of(LlamaConfig.tiny()) is LLAMA and registry.FAMILIES["llama"] is LLAMA
+    assert registry.preset("tiny") == LlamaConfig.tiny()
+    assert registry.preset("llama3_8b", max_seq_len=64) == LlamaConfig.llama3_8b(max_seq_len=64)
+    assert registry.family_for_checkpoint(hf[0]) is LLAMA
     with pytest.raises(TypeError, match="no model family"):
-        families.family_of(HF_CONFIG)
+        registry.family_of(HF_CONFIG)
     with pytest.raises(ValueError, match="unknown preset"):
-        families.preset("nope")
+        registry.preset("nope")
     (tmp_path / "config.json").write_text(json.dumps({**HF_CONFIG, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="'gpt2' is not supported"):
-        families.family_for_checkpoint(str(tmp_path))
+        registry.family_for_checkpoint(str(tmp_path))
 
 
 def test_no_module_of_models_uses_another_ones_private_names():

@@ -12,7 +12,7 @@ import pytest
 import sifar_jax
 from models import Decoder, LlamaConfig, make_mesh, param_pack, random_params
 from models.options import DecodeOptions
-from models.families import family_of
+from models.registry import family_of
 from models.qwen3_moe import Qwen3MoeConfig
 from models.transformer import fused_norm_scale
 

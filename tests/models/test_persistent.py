@@ -21,9 +21,9 @@ import pytest
 
 import sifar_jax
 from models import Decoder, make_mesh, persistent, to_rows
-from models.families import FAMILIES
+from models.registry import FAMILIES
 from models.options import DecodeOptions
-from models.quant import is_projection
+from models.weights.types import is_projection
 
 BOUND = 2e-2  # of the largest logit
 # At 32 layers (Llama-8B shapes) each bf16 step drifts from float32 by up to ~3e-2 of the

@@ -15,7 +15,7 @@ import pytest
 
 import sifar_jax
 from models import make_mesh, persistent
-from models.families import FAMILIES
+from models.registry import FAMILIES
 
 LLAMA = FAMILIES["llama"]
 BOUND = 1e-2  # of the largest value: a few bf16 roundings apart after 2 layers

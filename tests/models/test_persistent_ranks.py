@@ -22,7 +22,7 @@ import pytest
 
 import sifar_jax
 from models import Decoder, make_mesh, persistent
-from models.families import FAMILIES
+from models.registry import FAMILIES
 from models.options import DecodeOptions
 
 LLAMA = FAMILIES["llama"]

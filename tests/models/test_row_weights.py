@@ -13,9 +13,9 @@ import pytest
 
 import sifar_jax
 from models import Decoder, from_rows, make_mesh, persistent, to_rows
-from models.families import FAMILIES
+from models.registry import FAMILIES
 from models.options import DecodeOptions
-from models.quant import RowWeight, is_projection
+from models.weights.types import RowWeight, is_projection
 
 LLAMA = FAMILIES["llama"]
 # Of the largest logit over 12 teacher-forced steps: the persistent step (bf16 rows) against
@@ -216,7 +216,7 @@ def test_to_rows_donating_holds_one_weight_twice_at_most(monkeypatch):
         peak[0] = max(peak[0], live())
         return out
 
-    import models.quantize as q
+    import models.weights.transforms as q
 
     before = live()
     monkeypatch.setattr(q.jax, "block_until_ready", watch)
@@ -230,7 +230,7 @@ def test_to_rows_errors(dense):
     fp8 = LLAMA.random_params(cfg, mesh, seed=1, quantize="fp8")
     with pytest.raises(ValueError, match="already in the kernels' output-major layout"):
         to_rows(fp8, cfg)
-    from models.quantize import quantize_params
+    from models import quantize_params
 
     with pytest.raises(ValueError, match="from_rows first"):
         quantize_params(to_rows(params, cfg), cfg)

@@ -109,7 +109,7 @@ def _tiny():
 def test_decoder_with_explicit_buffers_matches_psum():
     pytest.importorskip("flax")
     from models.decode import Decoder, make_mesh
-    from models.weights import random_params
+    from models import random_params
 
     sifar_jax.shutdown()
     cfg = _tiny()

@@ -1,7 +1,11 @@
-"""A model's parameters to FP8 and back: quantize_params turns the projections of a parameter
-tree (those in its family's `projections` table: the attention's qkv and o, an MLP's gate_up and
-down or an MoE's expert stacks, the LM head) into Fp8Weight (models/quant.py) per output
-channel; norms, embeddings and an MoE's router stay as they are.
+"""A model's parameters to FP8 and back, and to rows and back: quantize_params turns the
+projections of a parameter tree (those in its family's `projections` table: the attention's qkv
+and o, an MLP's gate_up and down or an MoE's expert stacks, the LM head) into Fp8Weight
+(types.py) per output channel; norms, embeddings and an MoE's router stay as they are. to_rows /
+from_rows hold a dense family's projections as RowWeight and back.
+
+Every function here takes the FAMILY (a ModelFamily: its `projections` and `tp_dims` tables);
+the models.<name> versions that also take a config find its family first (registry.py).
 
 Sharded parameters are quantized where they lie: one jit per weight with the Fp8Weight's
 shardings as out_shardings (sharding.fp8_spec), so nothing is gathered; a row-parallel weight
@@ -18,10 +22,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from . import sharding
-from .quant import (Fp8Weight, Projection, RowWeight, dequantize, from_row_weight, is_fp8,
+from .. import sharding
+from .types import (Fp8Weight, Projection, RowWeight, dequantize, from_row_weight, is_fp8,
                     is_projection, quantize_fp8, to_row_weight)
-from .quant import is_quantized  # noqa: F401 - part of this module's API (docs/reference.md)
+from .types import is_quantized  # noqa: F401 - part of this module's API (docs/reference.md)
 
 QUANTIZE = ("fp8",)  # the --quantize / quantize= choices (None: the model's dtype)
 
@@ -29,14 +33,6 @@ QUANTIZE = ("fp8",)  # the --quantize / quantize= choices (None: the model's dty
 def check_quantize(quantize: Optional[str]) -> None:
     if quantize is not None and quantize not in QUANTIZE:
         raise ValueError(f"quantize must be None or one of {QUANTIZE}, got {quantize!r}")
-
-
-def _family(family_or_config):
-    from .family import ModelFamily
-    from .families import family_of
-
-    return family_or_config if isinstance(family_or_config, ModelFamily) else family_of(
-        family_or_config)
 
 
 def quantize_weight(w, proj: Projection) -> Fp8Weight:
@@ -110,13 +106,12 @@ def _check_local_k(name: str, w, proj: Projection, axis_name: str) -> None:
                          f"dense")
 
 
-def quantize_params(params: dict, family_or_config, *, lm_head: bool = True,
+def quantize_params(params: dict, family, *, lm_head: bool = True,
                     axis_name: str = "tp", donate: bool = False) -> dict:
     """`params` (dense, as random_params or load_hf_checkpoint make them, sharded or not) with
     every projection of the family's table an Fp8Weight per output channel; the LM head too
     unless lm_head=False. Weights already FP8 stay as they are. donate: delete the dense
     weights once quantized (the model's peak memory: its dense and FP8 weights at once)."""
-    family = _family(family_or_config)
     proj = family.projections
 
     def pick(name, w):
@@ -147,7 +142,7 @@ def quantize_params(params: dict, family_or_config, *, lm_head: bool = True,
     return out
 
 
-def to_rows(params: dict, family_or_config, *, axis_name: str = "tp",
+def to_rows(params: dict, family, *, axis_name: str = "tp",
             donate: bool = False) -> dict:
     """`params` (dense, sharded or not) with every projection of the family's table, the LM
     head included, a RowWeight: the same values stored output-major, the [N, K] rows the
@@ -155,7 +150,6 @@ def to_rows(params: dict, family_or_config, *, axis_name: str = "tp",
     the same arrays (tp.project). Weights already RowWeight stay as they are; an Fp8Weight
     raises. donate: one jit per weight, each einsum-layout weight deleted once its rows exist
     (the peak: the params and one weight more)."""
-    family = _family(family_or_config)
     proj = family.projections
 
     def pick(name, w):
@@ -187,10 +181,9 @@ def to_rows(params: dict, family_or_config, *, axis_name: str = "tp",
                             each=delete if donate else None)
 
 
-def from_rows(params: dict, family_or_config, axis_name: str = "tp") -> dict:
+def from_rows(params: dict, family, axis_name: str = "tp") -> dict:
     """Every RowWeight of `params` back to its einsum-layout weight, sharded as the family's
     dense parameters are (to_rows' inverse, bit for bit)."""
-    family = _family(family_or_config)
 
     def specs(res, names, mesh):
         return [sharding.spec_for(n, len(w.shape), family.tp_dims, axis_name)
@@ -200,13 +193,11 @@ def from_rows(params: dict, family_or_config, axis_name: str = "tp") -> dict:
                             lambda ws, names: [from_row_weight(w) for w in ws], specs)
 
 
-def dequantize_params(params: dict, family_or_config, dtype: Any = None,
-                      axis_name: str = "tp") -> dict:
-    """Every Fp8Weight of `params` back to its einsum-layout weight as dtype (default: the
-    config's dtype when a config is given, else bfloat16), sharded as the family's dense
-    parameters are."""
-    family = _family(family_or_config)
-    dt = jnp.dtype(dtype or getattr(family_or_config, "dtype", "bfloat16"))
+def dequantize_params(params: dict, family, dtype: Any = None, axis_name: str = "tp") -> dict:
+    """Every Fp8Weight of `params` back to its einsum-layout weight as dtype (default:
+    bfloat16; models.dequantize_params given a config: the config's dtype), sharded as the
+    family's dense parameters are."""
+    dt = jnp.dtype(dtype or "bfloat16")
 
     def specs(res, names, mesh):
         return [sharding.spec_for(n, len(w.shape), family.tp_dims, axis_name)

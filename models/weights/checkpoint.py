@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from . import fp8_checkpoint
-from .sharding import leaf_name
+from ..sharding import leaf_name
 
 FLOAT8 = (fp8_checkpoint.DTYPES["F8_E4M3"], fp8_checkpoint.DTYPES["F8_E5M2"])
 
@@ -68,7 +68,7 @@ class Checkpoint:
         if name not in self._map:
             raise KeyError(f"checkpoint has no tensor {name!r}")
         sl = self._files[self._map[name]].get_slice(name)
-        if sl.get_dtype().startswith("F8"):  # FP8 tensors go through models/fp8_load.py
+        if sl.get_dtype().startswith("F8"):  # FP8 tensors go through weights/fp8_load.py
             raise ValueError(f"{name}: a {sl.get_dtype()} tensor read as a dense weight: an FP8 "
                              f"checkpoint names its layout in config.json's quantization_config "
                              f"(docs/reference.md, Loading FP8 checkpoints)")

@@ -11,8 +11,8 @@ import jax
 import numpy as np
 
 from . import checkpoint
-from .quant import Fp8Weight
-from .sharding import leaf_name
+from .types import Fp8Weight
+from ..sharding import leaf_name
 
 
 def path_keys(path) -> tuple:

@@ -1,9 +1,10 @@
-"""The Llama family's Hugging Face loader: HF tensor names and shapes <-> our parameter layout,
-and Llama's entry points (load, save, random init) on the generic machinery of
-checkpoint.py, random_weights.py and family.py.
+"""Hugging Face tensor names and the readers and writers every family's loader shares: the
+embedding, the final norm, the LM head, and each layer's two norms and attention (HF's
+q/k/v/o_proj, optional q/k norms) <-> our parameter layout, on checkpoint.py's Checkpoint. A
+family's loader (llama/hf.py, qwen3_moe/hf.py) adds its MLP's or MoE's tensors.
 
 HF stores linear weights as [out_features, in_features] and uses the rotate_half rotary
-convention, which attention.py follows, so no q/k permutation is needed.
+convention, which core/attention.py follows, so no q/k permutation is needed.
 """
 
 from __future__ import annotations
@@ -13,11 +14,8 @@ from typing import Optional
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
 from .checkpoint import Checkpoint
-from .config import LlamaConfig
-from .llama import LLAMA
 
 
 def hf_name(name: str, i: Optional[int] = None) -> str:
@@ -83,31 +81,6 @@ def attention_to_hf(attn: dict, config, i: int) -> dict[str, np.ndarray]:
     return out
 
 
-def hf_builders(config: LlamaConfig, ck: Checkpoint, kv_replicas: int = 1) -> dict:
-    """For each parameter path, f(lo, hi) -> its local chunk along the TP dim (our layout),
-    reading only HF rows/columns [lo, hi) scaled to that tensor (heads, ffn rows, vocab rows).
-    `config` is the layout's (LLAMA.layout): with kv_replicas r > 1, layout KV head j is a
-    copy of the checkpoint's head j // r."""
-    c = config
-
-    def t(a):  # HF [out, in] -> ours [in, out]
-        return np.ascontiguousarray(a.T)
-
-    def gate_up(i, lo, hi):  # ffn rows
-        gate = t(ck.read(hf_name("mlp.gate_proj", i), 0, lo, hi))
-        up = t(ck.read(hf_name("mlp.up_proj", i), 0, lo, hi))
-        return np.stack([gate, up], axis=1)
-
-    def down(i, lo, hi):
-        return t(ck.read(hf_name("mlp.down_proj", i), 1, lo, hi))
-
-    out = stack_builders(c, ck, kv_replicas)
-    for i in range(c.num_layers):
-        out["layers"][i]["mlp"] = {"gate_up": functools.partial(gate_up, i),
-                                   "down": functools.partial(down, i)}
-    return out
-
-
 def stack_builders(config, ck: Checkpoint, kv_replicas: int = 1, *, qk_norm: bool = False) -> dict:
     """The builders (see hf_builders) of what every family's stack holds: the embedding, the
     final norm, the LM head (untied), and per layer its two norms and its attention; a family
@@ -143,48 +116,3 @@ def stack_to_hf(params: dict, config) -> dict[str, np.ndarray]:
         out[hf_name("input_layernorm", i)] = host(p["input_norm"]["weight"])
         out[hf_name("post_attention_layernorm", i)] = host(p["post_norm"]["weight"])
     return out
-
-
-def to_hf_tensors(params: dict, config: LlamaConfig) -> dict[str, np.ndarray]:
-    """Our (global) parameters -> HF-named numpy tensors. Gathers to the host: for tests and small
-    models. Parameters laid out with replicated KV heads (LLAMA.layout) give each head once;
-    RowWeight leaves (models.to_rows) as the dense weights they hold."""
-    from .quantize import from_rows
-
-    params = from_rows(params, config)
-    out = stack_to_hf(params, config)
-    for i in range(config.num_layers):
-        mlp = params["layers"][i]["mlp"]
-        gu = host(mlp["gate_up"])  # [H, 2, F]
-        out[hf_name("mlp.gate_proj", i)] = gu[:, 0].T
-        out[hf_name("mlp.up_proj", i)] = gu[:, 1].T
-        out[hf_name("mlp.down_proj", i)] = host(mlp["down"]).T
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
-
-
-# ---- Llama's entry points (ModelFamily's generic methods) -------------------------------------------
-
-def load_hf_checkpoint(path: str, mesh: Mesh, *, axis_name: str = "tp",
-                       config: Optional[LlamaConfig] = None, dtype: Optional[str] = None,
-                       max_seq_len: Optional[int] = None,
-                       quantize: Optional[str] = None) -> tuple[LlamaConfig, dict]:
-    """Read `path`/config.json and its safetensors shards; return (config, params) with params
-    sharded onto `mesh` (see llama.TP_DIM; KV heads replicated when tp > num_kv_heads, see
-    LLAMA.layout). `dtype` overrides the checkpoint's dtype. FP8 checkpoints, and
-    quantize="fp8": the projections as Fp8Weight (ModelFamily.load_hf_checkpoint)."""
-    return LLAMA.load_hf_checkpoint(path, mesh, axis_name=axis_name, config=config, dtype=dtype,
-                                    max_seq_len=max_seq_len, quantize=quantize)
-
-
-def save_hf_checkpoint(params: dict, config: LlamaConfig, path: str, *, num_shards: int = 1) -> None:
-    """Write config.json and model.safetensors (or num_shards files plus
-    model.safetensors.index.json) in Hugging Face's layout."""
-    LLAMA.save_hf_checkpoint(params, config, path, num_shards=num_shards)
-
-
-def random_params(config: LlamaConfig, mesh: Mesh, seed: int = 0, *, axis_name: str = "tp") -> dict:
-    """Random parameters (never zero) created directly sharded on the devices: no host copy, so
-    8B bf16 is fine. Linear weights have std 1/sqrt(fan_in), the embedding std 1, norm weights
-    1 +- 0.1. The values depend on (config, seed) only, not on the mesh (with tp > num_kv_heads
-    the KV heads are copied, LLAMA.layout)."""
-    return LLAMA.random_params(config, mesh, seed, axis_name=axis_name)

@@ -1,14 +1,17 @@
 """The model families the decoder and the CLI know, and how to find one: by config, by preset
-name, or by a Hugging Face checkpoint's config.json. A new family adds one entry to FAMILIES."""
+name, or by a Hugging Face checkpoint's config.json; and the models.<name> functions that find
+the family themselves (from a config, or a checkpoint) before running the family's own. A new
+family adds one entry to FAMILIES."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from .checkpoint import read_hf_config
 from .family import ModelFamily
 from .llama import LLAMA
 from .qwen3_moe import QWEN3_MOE
+from .weights import transforms
+from .weights.checkpoint import read_hf_config
 
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA, QWEN3_MOE)}
 
@@ -52,6 +55,12 @@ def family_for_checkpoint(path: str) -> ModelFamily:
                      f"{sorted(t for f in FAMILIES.values() for t in f.hf_model_types)}")
 
 
+def _family(family_or_config: Any) -> ModelFamily:
+    """A ModelFamily as it is, else the family of a config (family_of)."""
+    return family_or_config if isinstance(family_or_config, ModelFamily) else family_of(
+        family_or_config)
+
+
 # models.<name>: the family found from the config or the checkpoint, then its own method.
 
 def random_params(config: Any, mesh, seed: int = 0, *, axis_name: str = "tp",
@@ -73,3 +82,40 @@ def load_hf_checkpoint(path: str, mesh, *, axis_name: str = "tp", config: Any = 
 def save_hf_checkpoint(params: dict, config: Any, path: str, *, num_shards: int = 1) -> None:
     """family_of(config).save_hf_checkpoint."""
     family_of(config).save_hf_checkpoint(params, config, path, num_shards=num_shards)
+
+
+def to_hf_tensors(params: dict, config: Any) -> dict:
+    """family_of(config).to_hf_tensors: our (global) parameters -> HF-named numpy tensors
+    (RowWeight leaves as the dense weights they hold)."""
+    return family_of(config).to_hf_tensors(params, config)
+
+
+# The transforms of weights/transforms.py, given a family or a config (its family_of).
+
+def quantize_params(params: dict, family_or_config: Any, *, lm_head: bool = True,
+                    axis_name: str = "tp", donate: bool = False) -> dict:
+    """weights.transforms.quantize_params: the family's projections as Fp8Weight per output
+    channel."""
+    return transforms.quantize_params(params, _family(family_or_config), lm_head=lm_head,
+                                      axis_name=axis_name, donate=donate)
+
+
+def dequantize_params(params: dict, family_or_config: Any, dtype: Any = None,
+                      axis_name: str = "tp") -> dict:
+    """weights.transforms.dequantize_params: every Fp8Weight back to its einsum-layout weight as
+    dtype (default: the config's dtype when a config is given, else bfloat16)."""
+    dtype = dtype or getattr(family_or_config, "dtype", None)
+    return transforms.dequantize_params(params, _family(family_or_config), dtype, axis_name)
+
+
+def to_rows(params: dict, family_or_config: Any, *, axis_name: str = "tp",
+            donate: bool = False) -> dict:
+    """weights.transforms.to_rows: a dense family's projections, the LM head included, as
+    RowWeight (the [N, K] rows the persistent step streams; the XLA step reads them too)."""
+    return transforms.to_rows(params, _family(family_or_config), axis_name=axis_name,
+                              donate=donate)
+
+
+def from_rows(params: dict, family_or_config: Any, axis_name: str = "tp") -> dict:
+    """weights.transforms.from_rows: every RowWeight back to its einsum-layout weight."""
+    return transforms.from_rows(params, _family(family_or_config), axis_name)

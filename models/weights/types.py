@@ -106,7 +106,7 @@ class Projection:
 @jax.tree_util.register_pytree_node_class
 @dataclass(frozen=True)
 class RowWeight:
-    """A dense projection stored output-major: w [*out, *in] in the model's dtype (quantize.py,
+    """A dense projection stored output-major: w [*out, *in] in the model's dtype (transforms.py,
     to_rows), the layout of an Fp8Weight's q."""
     w: jax.Array  # [*out, *in]
     n_in: int  # how many trailing dims of w are contracted

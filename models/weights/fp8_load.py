@@ -1,9 +1,9 @@
 """FP8 projections onto a mesh: the hub's FP8 checkpoints (fp8_checkpoint.py's layouts) and bf16
 ones quantized per output channel as they load (quantize="fp8"), each projection an Fp8Weight
-(quant.py) placed shard by shard from the memory-mapped files; and the way back (fp8_to_hf).
+(types.py) placed shard by shard from the memory-mapped files; and the way back (fp8_to_hf).
 
-The projections' e4m3 values go through the family's own builders (weights.py,
-qwen3_moe_weights.py: q/k/v fused per KV head with KV replication, gate/up interleaved, expert
+The projections' e4m3 values go through the family's own builders (its loader's hf_builders:
+q/k/v fused per KV head with KV replication, gate/up interleaved, expert
 stacks), which only slice, transpose and concatenate, so they move float8 as they move bf16.
 The scales are small (one per channel, tensor or 128x128 block) and are laid out whole on the
 host in our layout: each fused segment (a head's rows of q, k or v; gate or up; an expert) takes
@@ -33,9 +33,9 @@ from .fp8_checkpoint import (DTYPES, E4M3_MAX, Fp8CheckpointError, Fp8Scheme, ch
                              parse_quantization_config, quantization_config, read_checkpoint_dir,
                              read_fp8_weight, read_safetensors, scheme_from_spec,
                              write_fp8_weight)
-from .quant import Fp8Weight, is_fp8, is_quantized
-from .sharding import leaf_name
-from .weights import hf_name
+from .types import Fp8Weight, is_fp8, is_quantized
+from ..sharding import leaf_name
+from .hf import hf_name
 
 E4M3 = DTYPES["F8_E4M3"]
 
