@@ -29,9 +29,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from models import compile_cache, hlo, registry as families  # noqa: E402
-from models.attention import ATTN_IMPLS  # noqa: E402
-from models.sharding import KV_LAYOUTS  # noqa: E402
-from models.tp import ALLREDUCE_KINDS, fused_add_norm_available  # noqa: E402
+from models.core.attention import ATTN_IMPLS  # noqa: E402
+from models.core.sharding import KV_LAYOUTS  # noqa: E402
+from models.core.tp import ALLREDUCE_KINDS, fused_add_norm_available  # noqa: E402
 from models.decode import LOOPS, SIFAR_KINDS, Decoder, make_mesh  # noqa: E402
 from models.options import DecodeOptions  # noqa: E402
 from models.weights.types import is_projection  # noqa: E402

@@ -23,7 +23,7 @@ from bench import common
 from models import registry as families
 from models.decode import SIFAR_KINDS, Decoder, make_mesh, prompt_bucket
 from models.options import DecodeOptions
-from models.tp import FUSED_MODES
+from models.core.tp import FUSED_MODES
 
 DEFAULT_LENGTHS = {"gpu": (128, 1024, 4096), "cpu": (16, 64)}
 # Dense bf16 matmul rate per GPU (vendor peak, no sparsity), by device_kind substring.

@@ -7,11 +7,11 @@ XLA_FLAGS before jax starts. Public names are loaded on first access.
 """
 
 _EXPORTS = {
-    "LlamaConfig": "config", "RopeScaling": "config",
+    "LlamaConfig": "config", "RopeScaling": "core.config",
     "Llama": "llama", "LLAMA": "llama", "check_tp": "llama",
     "Qwen3MoeConfig": "qwen3_moe", "QWEN3_MOE": "qwen3_moe",
     "ModelFamily": "family", "FAMILIES": "registry", "family_of": "registry",
-    "make_allreduce": "tp",
+    "make_allreduce": "core.tp",
     "load_hf_checkpoint": "registry", "save_hf_checkpoint": "registry",
     "random_params": "registry", "to_rows": "registry", "from_rows": "registry",
     "to_hf_tensors": "registry", "quantize_params": "registry", "dequantize_params": "registry",

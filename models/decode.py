@@ -35,7 +35,7 @@ from .loops import LOOPS, host
 from .options import SIFAR_KINDS, DecodeOptions, default_attn_impl, default_gemm_rows
 from .param_pack import PackedParams
 from .sampling import Sampling
-from .transformer import fused_norm_scale
+from .core.transformer import fused_norm_scale
 
 # What callers import from here (the sizes and options live in capacity.py and options.py).
 __all__ = ["Decoder", "DecodeOptions", "make_mesh", "LOOPS", "ON_DEVICE_CHUNK", "SIFAR_KINDS",

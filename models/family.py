@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from . import sharding
+from .core import forward, sharding
 from .weights import checkpoint, random as random_weights
 from .weights.fp8_load import fp8_to_hf, load_fp8
 from .weights.transforms import check_quantize, from_rows, quantize_params
@@ -283,7 +283,5 @@ class ModelFamily(_Parameters, _Sizes, _HFCheckpoints):
                      ar_specs: Any = None, params: Any = None):
         """The TP forward of `layout` on `mesh`, ready for jax.jit (forward.make_forward;
         params: the parameter tree when it is not the layout's dense one, e.g. FP8)."""
-        from .forward import make_forward
-
-        return make_forward(self, layout, mesh, options, last_only=last_only,
-                            attend_len=attend_len, ar_specs=ar_specs, params=params)
+        return forward.make_forward(self, layout, mesh, options, last_only=last_only,
+                                    attend_len=attend_len, ar_specs=ar_specs, params=params)

@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 import jax
 import numpy as np
 
-from .sharding import leaf_name
+from .core.sharding import leaf_name
 
 HEADROOM = 0.9  # use at most this share of what the device reports free
 GIB = 1 << 30

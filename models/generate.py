@@ -22,7 +22,7 @@ import os
 import sys
 import time
 
-ALLREDUCE_CHOICES = ("sifar", "psum", "sifar_buffers", "identity")  # = models.tp.ALLREDUCE_KINDS
+ALLREDUCE_CHOICES = ("sifar", "psum", "sifar_buffers", "identity")  # = models.core.tp.ALLREDUCE_KINDS
 LOOP_CHOICES = ("stream", "sync", "pipelined", "on_device")  # = models.decode.LOOPS
 IDENTITY_NOTE = "(no communication: meaningless tokens, a timing bound)"
 TEXT_RULE = "-" * 40  # frames the generated text

@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import attention, sharding, transformer
-from .attention import Attention, Step
+from .core import attention, sharding, transformer
+from .core.attention import Attention, Step
 from .config import LlamaConfig
 from .family import ModelFamily
 from .weights.types import Projection
-from .tp import RMSNorm, TPContext, normal, project
+from .core.tp import RMSNorm, TPContext, normal, project
 
 # Which dimension of each (global) parameter is split over the tp axis (others are replicated),
 # and each linear weight's fan-in from its shape (random init).

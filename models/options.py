@@ -14,10 +14,10 @@ from typing import Any, Mapping, Optional
 
 from jax.sharding import Mesh
 
-from .sharding import check_kv_layout, default_kv_layout
-from .tp import ALLREDUCE_KINDS, FUSED_MODES, make_fused_add_norm
+from .core.sharding import check_kv_layout, default_kv_layout
+from .core.tp import ALLREDUCE_KINDS, FUSED_MODES, make_fused_add_norm
 
-ATTN_IMPLS = ("xla", "pallas")  # how a step of one token attends (models.attention)
+ATTN_IMPLS = ("xla", "pallas")  # how a step of one token attends (models.core.attention)
 
 
 def check_attn_impl(attn_impl: str) -> None:
@@ -41,7 +41,7 @@ def default_gemm_rows(mesh: Mesh) -> int:
 
 def default_attn_impl(mesh: Mesh) -> str:
     """How a step of one token attends (attention.ATTN_IMPLS): "pallas" on GPUs (JAX's Pallas
-    flash-decoding kernel, models.pallas_attention), "xla" elsewhere (the kernel would run in
+    flash-decoding kernel, models.core.pallas_attention), "xla" elsewhere (the kernel would run in
     Pallas' interpreter)."""
     return "pallas" if _is_gpu(mesh) else "xla"
 

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from .attention import rope_cos_sin, rope_inv_freq
+from .core.attention import rope_cos_sin, rope_inv_freq
 from .weights.types import Fp8Weight, RowWeight
-from .tp import project
+from .core.tp import project
 
 log = logging.getLogger(__name__)
 

@@ -38,12 +38,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import attention, sharding, transformer
-from .attention import Attention, Step
-from .config import AttentionConfig, RopeScaling, rope_from_hf
+from .core import attention, sharding, transformer
+from .core.attention import Attention, Step
+from .core.config import AttentionConfig, RopeScaling, rope_from_hf
 from .family import ModelFamily
 from .weights.types import Projection
-from .tp import RMSNorm, TPContext, normal
+from .core.tp import RMSNorm, TPContext, normal
 
 MOE_IMPLS = ("gather", "matvec")
 

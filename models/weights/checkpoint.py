@@ -20,8 +20,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from ..core.sharding import leaf_name
 from . import fp8_checkpoint
-from ..sharding import leaf_name
 
 FLOAT8 = (fp8_checkpoint.DTYPES["F8_E4M3"], fp8_checkpoint.DTYPES["F8_E5M2"])
 

@@ -28,14 +28,14 @@ from typing import Optional
 import jax
 import numpy as np
 
+from ..core.sharding import leaf_name
 from . import checkpoint, fp8_placement
 from .fp8_checkpoint import (DTYPES, E4M3_MAX, Fp8CheckpointError, Fp8Scheme, channel_scale,
                              parse_quantization_config, quantization_config, read_checkpoint_dir,
                              read_fp8_weight, read_safetensors, scheme_from_spec,
                              write_fp8_weight)
-from .types import Fp8Weight, is_fp8, is_quantized
-from ..sharding import leaf_name
 from .hf import hf_name
+from .types import Fp8Weight, is_fp8, is_quantized
 
 E4M3 = DTYPES["F8_E4M3"]
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from ..core.sharding import leaf_name
 from . import checkpoint
 from .types import Fp8Weight
-from ..sharding import leaf_name
 
 
 def path_keys(path) -> tuple:

@@ -8,8 +8,8 @@ from typing import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from ..attention import KV_PARAM
-from ..sharding import leaf_name, replicate_kv
+from ..core.attention import KV_PARAM
+from ..core.sharding import leaf_name, replicate_kv
 
 
 def mix32(x: int) -> int:

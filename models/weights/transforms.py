@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from .. import sharding
+from ..core import sharding
 from .types import (Fp8Weight, Projection, RowWeight, dequantize, from_row_weight, is_fp8,
                     is_projection, quantize_fp8, to_row_weight)
 from .types import is_quantized  # noqa: F401 - part of this module's API (docs/reference.md)

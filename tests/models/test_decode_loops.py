@@ -14,8 +14,8 @@ import sifar_jax
 from models import LLAMA, Decoder, LlamaConfig, hlo, make_mesh, random_params
 from models.options import DecodeOptions
 from models.decode import LOOPS, attention_buckets, bucket_up, prompt_bucket
-from models.sharding import KV_LAYOUTS
-from models.tp import fused_add_norm_available, unfused_psum_add_rmsnorm
+from models.core.sharding import KV_LAYOUTS
+from models.core.tp import fused_add_norm_available, unfused_psum_add_rmsnorm
 from models.sampling import Sampling, key_data, next_token
 
 PROMPT = np.array([5, 17, 3, 250, 99, 7, 42, 128], np.int32)

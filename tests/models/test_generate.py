@@ -14,7 +14,7 @@ import sifar_jax
 from models import (Decoder, LlamaConfig, compile_cache, footprint, generate, make_mesh,
                     random_params)
 from models.registry import preset, presets
-from models.tp import ALLREDUCE_KINDS
+from models.core.tp import ALLREDUCE_KINDS
 from models.decode import LOOPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

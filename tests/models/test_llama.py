@@ -13,11 +13,11 @@ from safetensors.numpy import save_file
 
 from models import LLAMA, Decoder, LlamaConfig, load_hf_checkpoint, make_mesh
 from models import llama
-from models.attention import Attention, Step, rope_inv_freq
+from models.core.attention import Attention, Step, rope_inv_freq
 from models.decode import prompt_bucket
 from models.options import DecodeOptions
-from models.sharding import kv_replicas
-from models.tp import make_allreduce
+from models.core.sharding import kv_replicas
+from models.core.tp import make_allreduce
 from models.llama_hf import to_hf_tensors as weights_to_hf
 
 # The tiny preset as a Hugging Face config.json, written out by hand so the parser is tested too.

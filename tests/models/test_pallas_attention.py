@@ -1,4 +1,4 @@
-"""models.pallas_attention: a decoding step's attention through JAX's Pallas flash-decoding
+"""models.core.pallas_attention: a decoding step's attention through JAX's Pallas flash-decoding
 kernel (Pallas' interpreter off GPUs), against a float64 reference and in the decoder against the
 einsums (tiny preset, 8 host CPU devices from conftest.py)."""
 
@@ -13,8 +13,8 @@ import sifar_jax
 from models import Decoder, LlamaConfig, make_mesh, random_params
 from models.decode import LOOPS
 from models.options import DecodeOptions, default_attn_impl
-from models.pallas_attention import (SMEM_BUDGET, applies, decode_attention, pipeline_stages,
-                                     split_length)
+from models.core.pallas_attention import (SMEM_BUDGET, applies, decode_attention,
+                                          pipeline_stages, split_length)
 
 
 def _reference(q, k, v, pos, start):

@@ -9,9 +9,9 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
+from ..options import DecodeOptions
+from ..persistent import step_forward_or_none
 from . import sharding
-from .options import DecodeOptions
-from .persistent import step_forward_or_none
 from .tp import TPContext, make_allreduce, make_allreduce_into, make_fused_add_norm
 
 

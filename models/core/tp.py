@@ -71,7 +71,7 @@ def project(equation: str, x: jax.Array, w: jax.Array, rows: int = 1, **kw) -> j
 
     An FP8 weight (models/weights/types.py, Fp8Weight) runs as one FP8 GEMV (rows ignored); a RowWeight
     as an einsum over its stored (output-major) dims."""
-    from .weights.types import Fp8Weight, RowWeight, project_fp8, stored_equation
+    from ..weights.types import Fp8Weight, RowWeight, project_fp8, stored_equation
 
     if isinstance(w, Fp8Weight):
         return project_fp8(equation, x, w, **kw)

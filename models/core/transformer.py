@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..weights.types import Projection
 from .attention import Step
-from .weights.types import Projection
 from .tp import RMSNorm, TPContext, normal, project
 
 # The stack's split parameters and fan-ins (a family's tables include them).

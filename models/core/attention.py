@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..weights.types import Projection
 from .pallas_attention import decode_attention
-from .weights.types import Projection
 from .sharding import KV_LAYOUTS
 from .tp import RMSNorm, normal, project
 
@@ -74,9 +74,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # ---- what every layer of one forward call shares ---------------------------------------------------
 
 # How a step of one new token per row attends: "xla" the einsums of Attention.__call__, "pallas"
-# JAX's Pallas flash-decoding kernel (models.pallas_attention; where it does not apply, and for
+# JAX's Pallas flash-decoding kernel (core/pallas_attention.py; where it does not apply, and for
 # steps of several tokens, the einsums run).
-from .options import ATTN_IMPLS, DecodeOptions, check_attn_impl  # noqa: E402 - re-exported
+from ..options import ATTN_IMPLS, DecodeOptions, check_attn_impl  # noqa: E402 - re-exported
 
 
 @dataclasses.dataclass(frozen=True)

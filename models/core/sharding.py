@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .weights.types import Fp8Weight, RowWeight, is_fp8, is_projection
+from ..weights.types import Fp8Weight, RowWeight, is_fp8, is_projection
 
 # KV cache layouts, by the einsum letters of one layer's keys (or values): b batch, s positions,
 # k kv heads, d head dim. Which one a platform reads in place: default_kv_layout.
