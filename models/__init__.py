@@ -1,13 +1,14 @@
-"""Flax NNX decoders with tensor parallelism over a shard_map axis, one module per model family
-(Llama 3.x: llama.py; Qwen3-MoE: qwen3_moe.py; families.py lists them) on shared attention,
-sharding and tensor-parallel helpers.
+"""Flax NNX decoders with tensor parallelism over a shard_map axis, one package per model family
+(Llama 3.x: llama/; Qwen3-MoE: qwen3_moe/; registry.py lists them) on the shared decoder core
+(core/: attention, sharding, tensor-parallel helpers) and weights (weights/: types, transforms,
+checkpoints).
 
 Submodules import jax; this package file does not, so `python -m models.generate` can still set
 XLA_FLAGS before jax starts. Public names are loaded on first access.
 """
 
 _EXPORTS = {
-    "LlamaConfig": "config", "RopeScaling": "core.config",
+    "LlamaConfig": "llama", "RopeScaling": "core.config",
     "Llama": "llama", "LLAMA": "llama", "check_tp": "llama",
     "Qwen3MoeConfig": "qwen3_moe", "QWEN3_MOE": "qwen3_moe",
     "ModelFamily": "family", "FAMILIES": "registry", "family_of": "registry",

@@ -4,16 +4,15 @@ A family is its config type and presets, its model (a transformer.CausalLM subcl
 the shared attention and its own blocks), its tensor-parallel split (tp_dims, check_tp), its
 random-init fan-ins, and its Hugging Face loader module. Everything else is generic and comes from
 ModelFamily's methods: the tp layout, the abstract model, parameter shardings, the KV cache, the
-shard_map'd forward, random parameters, checkpoint loading and saving. Adding a family: one
-module (config + blocks + the ModelFamily), a loader module, presets, tests, and a line in
-registry.py.
+shard_map'd forward, random parameters, checkpoint loading and saving. Adding a family: its
+package (config.py: its config and presets; model.py: its blocks and the ModelFamily; hf.py: its
+loader), tests, and a line in registry.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import math
 from typing import Any, Callable, Mapping, Optional, Protocol
 
@@ -197,9 +196,6 @@ class _HFCheckpoints:
     """ModelFamily's Hugging Face checkpoints (a mixin: `loader` and `config_type` are the
     family's fields)."""
 
-    def hf_loader(self) -> HFLoader:
-        return importlib.import_module(self.loader)
-
     def config_from_hf(self, d: dict, *, max_seq_len: Optional[int] = None,
                        dtype: Optional[str] = None) -> Any:
         return self.config_type.from_hf_config(d, max_seq_len=max_seq_len, dtype=dtype)
@@ -225,13 +221,13 @@ class _HFCheckpoints:
         _, abstract = self.abstract_model(layout.shapes)
         params = checkpoint.load_sharded(
             path, abstract, self.param_shardings(layout, mesh, axis_name), self.tp_dims,
-            lambda ck: self.hf_loader().hf_builders(layout.shapes, ck, layout.kv_replicas))
+            lambda ck: self.loader.hf_builders(layout.shapes, ck, layout.kv_replicas))
         return config, params
 
     def to_hf_tensors(self, params: dict, config: Any) -> dict:
         """Our (global) parameters -> HF-named numpy tensors (RowWeight leaves as the dense
         weights they hold). Gathers to the host: for tests and small models."""
-        return self.hf_loader().to_hf_tensors(from_rows(params, self), config)
+        return self.loader.to_hf_tensors(from_rows(params, self), config)
 
     def save_hf_checkpoint(self, params: dict, config: Any, path: str, *,
                            num_shards: int = 1) -> None:
@@ -254,7 +250,7 @@ class ModelFamily(_Parameters, _Sizes, _HFCheckpoints):
     tp_dims: Mapping[str, int]  # parameter name -> the dimension split over tp (else replicated)
     check_tp: Callable[[Any, int], None]  # raises ValueError unless tp splits the model
     fan_in: Mapping[str, Callable[[tuple], int]]  # linear weights' fan-in, for random init
-    loader: str  # the HFLoader module, imported on first use (it imports the family's module)
+    loader: HFLoader  # the family's Hugging Face loader module (hf_builders, to_hf_tensors)
     hf_model_types: tuple[str, ...] = ()  # config.json "model_type" values this family reads
     # parameter name -> f(config) -> the share of it one token's step reads (else all of it): an
     # MoE's experts, top-k of them (step_weight_bytes)

@@ -266,7 +266,7 @@ def load_fp8(family, path: str, mesh, layout, axis_name: str, quantize: Optional
                  for k, (name, mods) in plan.items()}
         if not quantizing:
             check_k_blocks(plan, grids, ck.tensors, layout.tp)
-        builders = family.hf_loader().hf_builders(layout.shapes, ck, layout.kv_replicas)
+        builders = family.loader.hf_builders(layout.shapes, ck, layout.kv_replicas)
         params = fp8_placement.place(family, layout, mesh, axis_name, builders, grids)
     return layout.config.replace(quantization=scheme.spec), params
 

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from models.weights import checkpoint, fp8_checkpoint as fc
-from models.config import LlamaConfig
+from models.llama import LlamaConfig
 from models.decode import make_mesh
 from models.llama import LLAMA
 from models.weights.types import Fp8Weight, dequantize, dequantize_stack

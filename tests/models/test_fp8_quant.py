@@ -106,8 +106,8 @@ def test_llama_mlp_with_fp8_params_equals_its_dequantized_weights(dtype):
     """A family's module gains FP8 by holding Fp8Weight params: no per-call-site code."""
     from flax import nnx
 
-    from models import llama
-    from models.config import LlamaConfig
+    from models.llama import model as llama
+    from models.llama import LlamaConfig
 
     c = LlamaConfig.tiny(dtype=dtype)
     fp8, ref = llama.MLP(c, rngs=nnx.Rngs(0)), llama.MLP(c, rngs=nnx.Rngs(0))
@@ -125,7 +125,7 @@ def test_llama_mlp_with_fp8_params_equals_its_dequantized_weights(dtype):
 
 def test_qwen3_moe_experts_with_fp8_stacks_equal_dequantized():
     """Expert stacks as Fp8Weight: the chosen experts read in place by fp8_matvec with ids."""
-    from models import qwen3_moe
+    from models.qwen3_moe import model as qwen3_moe
     from models.weights.types import dequantize_stack, quantize_fp8_stack
 
     e, h, i, n, k = 6, 64, 32, 2, 3

@@ -12,13 +12,13 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from models import LLAMA, Decoder, LlamaConfig, load_hf_checkpoint, make_mesh
-from models import llama
+from models.llama import model as llama
 from models.core.attention import Attention, Step, rope_inv_freq
 from models.decode import prompt_bucket
 from models.options import DecodeOptions
 from models.core.sharding import kv_replicas
 from models.core.tp import make_allreduce
-from models.llama_hf import to_hf_tensors as weights_to_hf
+from models.llama.hf import to_hf_tensors as hf_tensors
 
 # The tiny preset as a Hugging Face config.json, written out by hand so the parser is tested too.
 HF_CONFIG = {
@@ -330,7 +330,7 @@ def test_kv_heads_replicated_when_tp_exceeds_them(loaded, hf):
     mesh, config, params = loaded(8)
     assert kv_replicas(config, 8) == 2
     assert params["layers"][0]["attn"]["qkv"].shape == (128, 8, 1 + 2, 16)
-    tensors = weights_to_hf(params, config)
+    tensors = hf_tensors(params, config)
     for name, want in hf[1].items():
         np.testing.assert_array_equal(tensors[name], want, err_msg=name)
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from models import Decoder, make_mesh
+from models import Decoder, make_mesh, registry
 from models.options import DecodeOptions
-from models import qwen3_moe, registry
 from models.qwen3_moe import QWEN3_MOE, Qwen3MoeConfig
-from models.qwen3_moe_weights import to_hf_tensors
+from models.qwen3_moe import model as qwen3_moe
+from models.qwen3_moe.hf import to_hf_tensors
 
 PROMPT, STEPS = 8, 4  # prefill length, then teacher-forced decode steps
 NEW = 8  # greedy tokens compared across all-reduce variants

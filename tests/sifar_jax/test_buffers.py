@@ -101,7 +101,7 @@ def test_make_buffers_needs_init():
 
 @functools.lru_cache(maxsize=None)
 def _tiny():
-    from models.config import LlamaConfig
+    from models.llama import LlamaConfig
 
     return LlamaConfig.tiny()
 

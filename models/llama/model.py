@@ -1,6 +1,6 @@
 """The Llama 3.x family: its MLP and block on the shared attention and decoder stack, its
 tensor-parallel split, and LLAMA, the family object the decoder, loader and CLI use (its
-config: config.py, its Hugging Face loader: weights.py).
+config: config.py, its Hugging Face loader: hf.py).
 
 Tensor-parallel layout (Megatron style; tp = size of the mesh axis), beside the attention's
 (attention.py) and the stack's (transformer.py):
@@ -21,12 +21,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .core import attention, sharding, transformer
-from .core.attention import Attention, Step
+from ..core import attention, sharding, transformer
+from ..core.attention import Attention, Step
+from ..core.tp import RMSNorm, TPContext, normal, project
+from ..family import ModelFamily
+from ..weights.types import Projection
+from . import hf
 from .config import LlamaConfig
-from .family import ModelFamily
-from .weights.types import Projection
-from .core.tp import RMSNorm, TPContext, normal, project
 
 # Which dimension of each (global) parameter is split over the tp axis (others are replicated),
 # and each linear weight's fan-in from its shape (random init).
@@ -91,4 +92,4 @@ LLAMA = ModelFamily(
     name="llama", config_type=LlamaConfig,
     presets={"tiny": LlamaConfig.tiny, "llama3_8b": LlamaConfig.llama3_8b},
     model=Llama, tp_dims=TP_DIM, check_tp=check_tp, fan_in=FAN_IN, projections=PROJECTIONS,
-    loader=f"{__package__}.llama_hf", hf_model_types=("llama",))
+    loader=hf, hf_model_types=("llama",))

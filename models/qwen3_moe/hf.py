@@ -1,5 +1,6 @@
 """The Qwen3-MoE family's Hugging Face loader: HF tensor names and shapes <-> our parameter layout
-(qwen3_moe.py), on the generic machinery of checkpoint.py and the attention readers of weights.py.
+(model.py), on the generic machinery of weights/checkpoint.py and the stack's readers and writers
+of weights/hf.py. QWEN3_MOE names this module as its loader.
 
 Experts are read in either layout a checkpoint may have:
   per expert (what Qwen's checkpoints and transformers' save_pretrained write):
@@ -18,9 +19,9 @@ import functools
 
 import numpy as np
 
-from .weights.checkpoint import Checkpoint
-from .qwen3_moe import Qwen3MoeConfig
-from .weights.hf import hf_name, host, stack_builders, stack_to_hf
+from ..weights.checkpoint import Checkpoint
+from ..weights.hf import hf_name, host, stack_builders, stack_to_hf
+from .config import Qwen3MoeConfig
 
 
 def expert_name(i: int, j: int, proj: str) -> str:
@@ -35,7 +36,7 @@ def fused_name(i: int, proj: str) -> str:
 
 def hf_builders(config: Qwen3MoeConfig, ck: Checkpoint, kv_replicas: int = 1) -> dict:
     """For each parameter path, f(lo, hi) -> its local chunk along its TP dim (our layout; see
-    weights.hf_builders). Expert tensors: lo, hi index the expert intermediate dimension."""
+    llama/hf.py's hf_builders). Expert tensors: lo, hi index the expert intermediate dimension."""
     c = config
     E, width = c.num_experts, c.moe_intermediate_size
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from .core.config import AttentionConfig, RopeScaling, rope_from_hf
+from ..core.config import AttentionConfig, RopeScaling, rope_from_hf
 
 
 @dataclasses.dataclass(frozen=True)

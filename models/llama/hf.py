@@ -1,6 +1,6 @@
 """The Llama family's Hugging Face loader: HF tensor names and shapes <-> our parameter layout
 (the shared stack's readers and writers: weights/hf.py; the MLP's here). LLAMA names this module
-as its loader (ModelFamily.hf_loader).
+as its loader.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import functools
 
 import numpy as np
 
+from ..weights.checkpoint import Checkpoint
+from ..weights.hf import hf_name, host, stack_builders, stack_to_hf
 from .config import LlamaConfig
-from .weights.checkpoint import Checkpoint
-from .weights.hf import hf_name, host, stack_builders, stack_to_hf
 
 
 def hf_builders(config: LlamaConfig, ck: Checkpoint, kv_replicas: int = 1) -> dict:
