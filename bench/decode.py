@@ -28,15 +28,14 @@ common.use_host_devices(8)  # before jax is imported; only XLA:CPU reads it
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from models import compile_cache, hlo, registry as families  # noqa: E402
+from models import (LOOPS, SIFAR_KINDS, DecodeOptions, Decoder, make_mesh,  # noqa: E402
+                    registry as families, to_rows)
 from models.core.attention import ATTN_IMPLS  # noqa: E402
 from models.core.sharding import KV_LAYOUTS  # noqa: E402
 from models.core.tp import ALLREDUCE_KINDS, fused_add_norm_available  # noqa: E402
-from models.decode import LOOPS, SIFAR_KINDS, Decoder, make_mesh  # noqa: E402
-from models.options import DecodeOptions  # noqa: E402
-from models.weights.types import is_projection  # noqa: E402
-from models import to_rows  # noqa: E402
+from models.decoder import compile_cache, hlo  # noqa: E402
 from models.qwen3_moe import MOE_IMPLS  # noqa: E402
+from models.weights.types import is_projection  # noqa: E402
 
 
 def _start_processes() -> bool:
@@ -368,13 +367,8 @@ def make_decoder(config, mesh, params, variant, batch: int, context: int, seed: 
 
 def step_ran(dec) -> str:
     """Which step the decoder's one-token calls run: "persistent" where it asked for it and
-    models.persistent.reason lets it, else "xla"."""
-    if dec.options.step != "persistent":
-        return "xla"
-    from models import persistent
-
-    why = persistent.reason(dec.family, dec.layout, dec.mesh, dec.options, dec.params)
-    return "xla" if why else "persistent"
+    the step can run it, else "xla" (Decoder.step_kind; Decoder.step_reason says why)."""
+    return dec.step_kind
 
 
 def start_tokens(config, batch: int, seed: int) -> np.ndarray:

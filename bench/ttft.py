@@ -20,10 +20,9 @@ import jax
 import numpy as np
 
 from bench import common
-from models import registry as families
-from models.decode import SIFAR_KINDS, Decoder, make_mesh, prompt_bucket
-from models.options import DecodeOptions
+from models import SIFAR_KINDS, DecodeOptions, Decoder, make_mesh, registry as families
 from models.core.tp import FUSED_MODES
+from models.decoder.capacity import prompt_bucket
 
 DEFAULT_LENGTHS = {"gpu": (128, 1024, 4096), "cpu": (16, 64)}
 # Dense bf16 matmul rate per GPU (vendor peak, no sparsity), by device_kind substring.

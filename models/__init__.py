@@ -17,8 +17,10 @@ _EXPORTS = {
     "random_params": "registry", "to_rows": "registry", "from_rows": "registry",
     "to_hf_tensors": "registry", "quantize_params": "registry", "dequantize_params": "registry",
     "presets": "registry", "preset": "registry", "family_for_checkpoint": "registry",
-    "Decoder": "decode", "make_mesh": "decode", "LOOPS": "decode", "Sampling": "sampling",
-    "DecodeOptions": "options", "Layout": "family",
+    "Decoder": "decoder.decoder", "make_mesh": "decoder.decoder", "LOOPS": "decoder.loops",
+    "Sampling": "decoder.sampling", "DecodeOptions": "decoder.options",
+    "SIFAR_KINDS": "decoder.options", "StepChoice": "decoder.step_choice",
+    "Layout": "family", "FastStep": "family",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -22,8 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from .core import forward, sharding
-from .weights import checkpoint, random as random_weights
-from .weights.fp8_load import fp8_to_hf, load_fp8
+from .weights import checkpoint, fp8_load, random as random_weights
 from .weights.transforms import check_quantize, from_rows, quantize_params
 from .weights.types import Fp8Weight, RowWeight, is_projection
 
@@ -58,6 +57,31 @@ class HFLoader(Protocol):
 
     def to_hf_tensors(self, params: dict, config: Any) -> dict:
         """Global parameters -> HF-named numpy tensors (each replicated KV head once)."""
+
+
+class FastStep(Protocol):
+    """A family's fast one-token step (ModelFamily.fast_step; Llama's: llama/step.py's
+    PERSISTENT): a batch's step of one token run some faster way than the model's forward, where
+    it can serve the decoder. Which step runs is decided once per decoder, in
+    decoder/step_choice.py."""
+
+    name: str  # the DecodeOptions.step value that asks for it ("persistent")
+
+    def reason(self, family: "ModelFamily", layout: "Layout", mesh: Mesh, options: Any,
+               params: Any) -> Optional[str]:
+        """None when this step can run a decoder of `layout` on `mesh` with `options` (resolved)
+        and `params`, else why not (one sentence)."""
+
+    def make_forward(self, family: "ModelFamily", layout: "Layout", options: Any,
+                     **kw) -> Callable:
+        """forward(params, cache, tokens [1, 1], positions [1], ar, start=None) -> (logits,
+        cache, ar): the contract of ModelFamily.make_forward's forward, for one token (check
+        `reason` first)."""
+
+    def prepare_params(self, family: "ModelFamily", config: Any, mesh: Mesh, options: Any,
+                       params: Any) -> Any:
+        """params as this step wants them, for callers that own them (e.g. moved to another
+        layout in place), or params as they are."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -217,7 +241,7 @@ class _HFCheckpoints:
             config = config.replace(dtype=dtype)
         layout = self.layout(config, mesh.shape[axis_name])
         if quantize is not None or "quantization_config" in hf:
-            return load_fp8(self, path, mesh, layout, axis_name, quantize)
+            return fp8_load.load_fp8(self, path, mesh, layout, axis_name, quantize)
         _, abstract = self.abstract_model(layout.shapes)
         params = checkpoint.load_sharded(
             path, abstract, self.param_shardings(layout, mesh, axis_name), self.tp_dims,
@@ -234,7 +258,7 @@ class _HFCheckpoints:
         """Write config.json and model.safetensors (or num_shards files plus
         model.safetensors.index.json) in Hugging Face's layout: Fp8Weight leaves in the layout
         they came from (fp8_to_hf), RowWeight leaves as the dense weights they hold."""
-        tensors, qc = fp8_to_hf(self, from_rows(params, self), config)
+        tensors, qc = fp8_load.fp8_to_hf(self, from_rows(params, self), config)
         hf = config.to_hf_config()
         if qc is not None:
             hf["quantization_config"] = qc
@@ -259,6 +283,9 @@ class ModelFamily(_Parameters, _Sizes, _HFCheckpoints):
     # parameter name -> weights.types.Projection: the weights an FP8 model holds as Fp8Weight,
     # and how many dims each contracts (weights/transforms.py, sharding.fp8_spec)
     projections: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # the family's fast one-token step, if it has one (decoder/step_choice.py runs it where
+    # DecodeOptions.step names it and its reason() allows)
+    fast_step: Optional[FastStep] = None
 
     # ---- configs -------------------------------------------------------------------------------
 
@@ -276,8 +303,10 @@ class ModelFamily(_Parameters, _Sizes, _HFCheckpoints):
 
     def make_forward(self, layout: Layout, mesh: Mesh, options: Any = None, *,
                      last_only: bool = False, attend_len: Optional[int] = None,
-                     ar_specs: Any = None, params: Any = None):
-        """The TP forward of `layout` on `mesh`, ready for jax.jit (forward.make_forward;
-        params: the parameter tree when it is not the layout's dense one, e.g. FP8)."""
+                     ar_specs: Any = None, params: Any = None, step: Optional[Callable] = None):
+        """The TP forward of `layout` on `mesh`, ready for jax.jit (core/forward.make_forward;
+        params: the parameter tree when it is not the layout's dense one, e.g. FP8; step: the
+        one-token forward of a fast step, decoder/step_choice.StepChoice.forward())."""
         return forward.make_forward(self, layout, mesh, options, last_only=last_only,
-                                    attend_len=attend_len, ar_specs=ar_specs, params=params)
+                                    attend_len=attend_len, ar_specs=ar_specs, params=params,
+                                    step=step)

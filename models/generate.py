@@ -23,7 +23,7 @@ import sys
 import time
 
 ALLREDUCE_CHOICES = ("sifar", "psum", "sifar_buffers", "identity")  # = models.core.tp.ALLREDUCE_KINDS
-LOOP_CHOICES = ("stream", "sync", "pipelined", "on_device")  # = models.decode.LOOPS
+LOOP_CHOICES = ("stream", "sync", "pipelined", "on_device")  # = models.LOOPS
 IDENTITY_NOTE = "(no communication: meaningless tokens, a timing bound)"
 TEXT_RULE = "-" * 40  # frames the generated text
 
@@ -99,7 +99,7 @@ def _parser(algorithms: tuple, sifar_why: str | None) -> argparse.ArgumentParser
     p.add_argument("--compile-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="JAX's persistent compilation cache in $SIFAR_JAX_COMPILE_CACHE, else "
                         "$XDG_CACHE_HOME/sifar-jax/jax-cache or ~/.cache/sifar-jax/jax-cache "
-                        "(models/compile_cache.py), so a second start reads what the first "
+                        "(models/decoder/compile_cache.py), so a second start reads what the first "
                         "compiled; also off with SIFAR_JAX_NO_COMPILE_CACHE=1")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="compile every executable the request can need before it starts "
@@ -269,7 +269,7 @@ def _run(args, sifar_why, started: float) -> int:
     prompt = _prompt(args, config, _rng(args.seed), tok)
     config = _checked_fit(args, family, config, prompt)
     dec, weights_s, cache_dir = _decoder(args, family, config)
-    from .decode import cache_reserve
+    from .decoder.capacity import cache_reserve
 
     # A request's start (Decoder.start): its stop ids, sampling, seed and cache positions.
     request = dict(eos_id=stops, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
@@ -297,8 +297,8 @@ def _checked_fit(args, family, config, prompt):
     shares the host's memory): else one error line, before any weight is allocated."""
     import jax
 
-    from . import footprint
-    from .capacity import ON_DEVICE_CHUNK, bucket_up, prompt_bucket
+    from .decoder import footprint
+    from .decoder.capacity import ON_DEVICE_CHUNK, bucket_up, prompt_bucket
 
     # The decoder sizes the KV cache to each request (the prompt padded to its bucket, rounded
     # up to a power of two); let the limit admit this one (+ the on-device loop's last chunk).
@@ -321,9 +321,9 @@ def _decoder(args, family, config):
     """(the Decoder, seconds making or loading the weights, the compilation cache's dir)."""
     import jax
 
-    from . import compile_cache, persistent
-    from .decode import Decoder, make_mesh
-    from .options import DecodeOptions
+    from .decoder import compile_cache, step_choice
+    from .decoder.decoder import Decoder, make_mesh
+    from .decoder.options import DecodeOptions
 
     try:
         cache_dir = compile_cache.enable(off=not args.compile_cache)
@@ -350,7 +350,7 @@ def _decoder(args, family, config):
                                 fused=args.fused, slot_bytes=args.slot_bytes,
                                 max_seq_len=args.max_seq_len, step=args.step)
         # --step persistent on dense bf16 weights: the projections as rows, read by both steps
-        params = persistent.rows_for_step(family, config, mesh, options, params)
+        params = step_choice.params_for_step(family, config, mesh, options, params)
         return Decoder(config, mesh, params, options), weights_s, cache_dir
     except (ValueError, NotImplementedError) as e:
         raise UserError(str(e)) from None
@@ -360,8 +360,8 @@ def _warmup(args, dec, prompt):
     """(Decoder.warmup's result, the compilation cache's use during it), or (None, None)."""
     if not args.warmup:
         return None, None
-    from . import compile_cache
-    from .sampling import Sampling
+    from .decoder import compile_cache
+    from .decoder.sampling import Sampling
 
     with compile_cache.CacheUse() as cache_use:
         try:
@@ -375,8 +375,8 @@ def _print_setup(args, sifar_why, family, dec, cache_dir, warmup, cache_use, sto
     import jax
 
     config = dec.config
-    why = dec.step_reason
-    step = f"xla (persistent asked: {why})" if why else dec.step_kind
+    choice = dec.step_choice  # the step its one-token calls run (decoder/step_choice.py)
+    step = f"xla ({args.step} asked: {choice.reason})" if choice.reason else choice.kind
     fp8_checkpoint = getattr(config, "quantization", None) is not None  # an FP8 checkpoint's
     ar = args.allreduce + (f"/{args.algorithm}" if "sifar" in args.allreduce else "")
     if args.allreduce == "identity":
@@ -455,7 +455,7 @@ def _report_times(ttft: float, first_token_at: float, stamps: list, prompt_len: 
     time, so the gaps between them say nothing)."""
     import statistics
 
-    from .decode import prompt_bucket
+    from .decoder.capacity import prompt_bucket
 
     print(f"time to first token: {ttft * 1e3:.3f} ms (median of {TTFT_REQUESTS} requests; "
           f"prefill of {prompt_len} tokens, padded to "

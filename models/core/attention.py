@@ -76,7 +76,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # How a step of one new token per row attends: "xla" the einsums of Attention.__call__, "pallas"
 # JAX's Pallas flash-decoding kernel (core/pallas_attention.py; where it does not apply, and for
 # steps of several tokens, the einsums run).
-from ..options import ATTN_IMPLS, DecodeOptions, check_attn_impl  # noqa: E402 - re-exported
+from ..decoder.options import ATTN_IMPLS, DecodeOptions, check_attn_impl  # noqa: E402 - re-exported
 
 
 @dataclasses.dataclass(frozen=True)

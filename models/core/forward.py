@@ -3,21 +3,20 @@ under jax.shard_map, with the all-reduce, fused or not, that the options choose.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ..options import DecodeOptions
-from ..persistent import step_forward_or_none
+from ..decoder.options import DecodeOptions
 from . import sharding
 from .tp import TPContext, make_allreduce, make_allreduce_into, make_fused_add_norm
 
 
 def make_forward(family, layout: "family.Layout", mesh: Mesh, options: Any = None, *,
                  last_only: bool = False, attend_len: Optional[int] = None,
-                 ar_specs: Any = None, params: Any = None):
+                 ar_specs: Any = None, params: Any = None, step: Optional[Callable] = None):
     """The TP forward of `family`'s model split as `layout`, on `mesh`, as a pure function,
     ready for jax.jit:
 
@@ -32,7 +31,9 @@ def make_forward(family, layout: "family.Layout", mesh: Mesh, options: Any = Non
     gemm_rows, attn_impl. attend_len: attention over that many cache positions (see
     attention.Step). params: the parameter tree (arrays or ShapeDtypeStructs) when it is not
     the layout's dense one (FP8: Fp8Weight leaves, their specs from sharding.fp8_spec; each
-    rank takes its blocks of a scale left whole, sharding.local_fp8). Works for a 1-device mesh
+    rank takes its blocks of a scale left whole, sharding.local_fp8). step: a fast step's
+    forward of one token (FastStep.make_forward, as decoder/step_choice.py chose it; None: the
+    XLA step), run for a call of a single token of a single row. Works for a 1-device mesh
     (tp=1) too.
     """
     options = (options or DecodeOptions()).resolve(mesh)
@@ -70,12 +71,10 @@ def make_forward(family, layout: "family.Layout", mesh: Mesh, options: Any = Non
     # check_vma=True refuses: a one-token call that may run it is traced without the check
     # (calls of several tokens, prefills, keep it: they run the einsums).
     one_token = mapped(False) if options.attn_impl == "pallas" else checked
-    # step="persistent": a single token of a single row as one sifar_jax.llama_step call
-    persistent = step_forward_or_none(family, layout, mesh, options, params)
 
     def forward(params, cache, tokens, positions, ar, start=None):
-        if persistent is not None and tokens.shape == (1, 1):
-            return persistent(params, cache, tokens, positions, ar, start)
+        if step is not None and tokens.shape == (1, 1):
+            return step(params, cache, tokens, positions, ar, start)
         fn = one_token if tokens.shape[1] == 1 else checked
         return fn(params, cache, tokens, positions, ar, start)
 

@@ -1,9 +1,9 @@
 """The Llama 3.x family: its MLP and block on the shared attention and decoder stack, its
 tensor-parallel split, and LLAMA, the family object the decoder, loader and CLI use (its
-config: config.py, its Hugging Face loader: hf.py).
+config: config.py, its Hugging Face loader: hf.py, its fast one-token step: step.py).
 
 Tensor-parallel layout (Megatron style; tp = size of the mesh axis), beside the attention's
-(attention.py) and the stack's (transformer.py):
+(core/attention.py) and the stack's (core/transformer.py):
   mlp.gate_up[hidden, 2, ffn]  split over ffn (dim 2); one matmul for both
   mlp.down   [ffn, hidden]     split over ffn (dim 0), row-parallel
 Each row-parallel output (attention's o, the MLP's down) is followed by one all-reduce: 2 per
@@ -28,14 +28,15 @@ from ..family import ModelFamily
 from ..weights.types import Projection
 from . import hf
 from .config import LlamaConfig
+from .step import PERSISTENT
 
 # Which dimension of each (global) parameter is split over the tp axis (others are replicated),
 # and each linear weight's fan-in from its shape (random init).
 TP_DIM = {**attention.TP_DIM, "gate_up": 2, "down": 0, **transformer.TP_DIM}
 FAN_IN = {**attention.FAN_IN, "gate_up": lambda shape: shape[0], "down": lambda shape: shape[0],
           **transformer.FAN_IN}
-# The projections an FP8 model holds as Fp8Weight (quant.Projection: contracted dims); norms and
-# the embedding are not in it and stay in the model dtype.
+# The projections an FP8 model holds as Fp8Weight (weights.types.Projection: contracted dims);
+# norms and the embedding are not in it and stay in the model dtype.
 PROJECTIONS = {**attention.PROJECTIONS, "gate_up": Projection(n_in=1), "down": Projection(n_in=1),
                **transformer.PROJECTIONS}
 
@@ -92,4 +93,4 @@ LLAMA = ModelFamily(
     name="llama", config_type=LlamaConfig,
     presets={"tiny": LlamaConfig.tiny, "llama3_8b": LlamaConfig.llama3_8b},
     model=Llama, tp_dims=TP_DIM, check_tp=check_tp, fan_in=FAN_IN, projections=PROJECTIONS,
-    loader=hf, hf_model_types=("llama",))
+    loader=hf, hf_model_types=("llama",), fast_step=PERSISTENT)

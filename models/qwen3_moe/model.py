@@ -7,7 +7,8 @@ softmax in float32, the top-k experts, their weights renormalised to sum to 1 wi
 norm_topk_prob) and per-expert SwiGLU FFNs, no shared expert. Dense layers (decoder_sparse_step
 > 1, mlp_only_layers) are not supported.
 
-Tensor-parallel layout, beside the attention's (attention.py) and the stack's (transformer.py):
+Tensor-parallel layout, beside the attention's (core/attention.py) and the stack's
+(core/transformer.py):
   moe.router  [hidden, experts]        replicated: every rank routes every token itself
   moe.gate_up [experts, hidden, 2, I]  split over I (dim 3): each expert's FFN split as a dense
   moe.down    [experts, I, hidden]     split over I (dim 1)   MLP's, row-parallel
@@ -165,9 +166,9 @@ class Block(nnx.Module):
 
     def __call__(self, h, x, cache, layer: int, step: Step, tp: TPContext,
                  next_norm: RMSNorm, next_weight: Optional[jax.Array] = None):
-        """The block contract of transformer.py: h = input_norm(x); returns (next_norm(new x),
-        new x, new cache). The all-reduce after attention prefetches the router (the next weight
-        read; which experts follow is not known yet)."""
+        """The block contract of core/transformer.py: h = input_norm(x); returns
+        (next_norm(new x), new x, new cache). The all-reduce after attention prefetches the
+        router (the next weight read; which experts follow is not known yet)."""
         a, cache = self.attn(h, cache, layer, step)
         h, x = tp.add_norm(a, x, self.post_norm, self.moe.router[...])
         h, x = tp.add_norm(self.moe(h, step.gemm_rows), x, next_norm, next_weight)

@@ -38,8 +38,8 @@ def fp8_abstract(family, abstract: dict, grids: dict) -> dict:
 
 
 def place(family, layout, mesh, axis_name: str, builders: dict, grids: dict) -> dict:
-    """The tp layout's parameters read through `builders` (family.hf_builders' tree) and placed,
-    the paths in `grids` ({path keys: (scale grid, block)}) as Fp8Weight."""
+    """The tp layout's parameters read through `builders` (family.loader.hf_builders' tree) and
+    placed, the paths in `grids` ({path keys: (scale grid, block)}) as Fp8Weight."""
     _, abstract = family.abstract_model(layout.shapes)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     leaves = treedef.flatten_up_to(fp8_abstract(family, abstract, grids))

@@ -1,4 +1,4 @@
-"""FP8 weights: the one quantized weight type every projection takes (models/tp.py, project).
+"""FP8 weights: the one quantized weight type every projection takes (core/tp.py, project).
 
 `Fp8Weight` holds a projection's e4m3 values `q` in the kernel's layout (output dims first, then
 the contracted dims: [*out, *in], each dim a tensor-parallel shard can split where the einsum

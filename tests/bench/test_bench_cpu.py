@@ -505,7 +505,7 @@ def test_decode_counts_a_copy_of_one_layer_of_the_cache():
     import jax.numpy as jnp
 
     from bench import decode as bd
-    from models import hlo
+    from models.decoder import hlo
 
     cache = jnp.ones((2, 2, 1, 16, 4, 8), jnp.float32)  # [layers, 2, B, S, kv heads, D]
     exe = jax.jit(lambda c: (c, c[1, 0] * 2.0),

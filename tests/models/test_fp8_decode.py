@@ -21,7 +21,7 @@ import pytest
 
 from models import Decoder, dequantize_params, make_mesh, quantize_params
 from models.registry import FAMILIES
-from models.options import DecodeOptions
+from models.decoder.options import DecodeOptions
 from models.weights.types import Fp8Weight, is_quantized
 
 PROMPT, STEPS = 4, 8
@@ -163,7 +163,7 @@ def test_quantized_where_they_lie_bit_identical_to_unsharded(name, tp):
 
 
 def test_step_bytes_and_footprint_count_fp8(models):
-    from models import footprint
+    from models.decoder import footprint
 
     family, config, mesh, fp8 = models("llama", 2)
     deq = dequantize_params(fp8, config)

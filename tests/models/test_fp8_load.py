@@ -27,7 +27,7 @@ import pytest
 
 from models.weights import checkpoint, fp8_checkpoint as fc
 from models.llama import LlamaConfig
-from models.decode import make_mesh
+from models import make_mesh
 from models.llama import LLAMA
 from models.weights.types import Fp8Weight, dequantize, dequantize_stack
 from models.qwen3_moe import QWEN3_MOE, Qwen3MoeConfig

@@ -164,7 +164,7 @@ def test_quantizing_a_model_whose_shard_the_gemv_cannot_read_names_it_before_any
     quantize="fp8" says so while quantizing (the weight, the TP size, what to change), not as a
     traceback from inside the decoder's trace; TP=2 (16 columns) quantizes."""
     from models import registry
-    from models.decode import make_mesh
+    from models import make_mesh
 
     config = registry.preset("qwen3_moe_tiny")
     family = registry.family_of(config)

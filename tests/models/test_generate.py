@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 
 import sifar_jax
-from models import (Decoder, LlamaConfig, compile_cache, footprint, generate, make_mesh,
-                    random_params)
+from models import LOOPS, Decoder, LlamaConfig, generate, make_mesh, random_params
+from models.decoder import compile_cache, footprint
 from models.registry import preset, presets
 from models.core.tp import ALLREDUCE_KINDS
-from models.decode import LOOPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -162,7 +161,7 @@ def test_a_user_error_in_a_real_process_prints_no_traceback():
 def test_quantize_fp8_decodes_with_fp8_weights(capsys, monkeypatch):
     """--quantize fp8: the random weights' projections quantized after they are made; the memory
     check is asked about the FP8 model."""
-    from models import footprint
+    from models.decoder import footprint
 
     asked = []
     real = footprint.estimate
@@ -178,10 +177,10 @@ def test_quantize_fp8_decodes_with_fp8_weights(capsys, monkeypatch):
 def test_step_persistent_on_a_cpu_runs_the_xla_step_and_says_why(capsys, caplog, monkeypatch):
     """--step persistent where the kernel cannot run (a CPU): the request still completes, on
     the XLA step, and the reason is logged."""
-    from models import persistent
+    from models.decoder import step_choice
 
-    monkeypatch.setattr(persistent, "_LOGGED", set())
-    with caplog.at_level("WARNING", logger="models.persistent"):
+    monkeypatch.setattr(step_choice, "_LOGGED", set())
+    with caplog.at_level("WARNING", logger="models.decoder.step_choice"):
         assert generate.main(["--tokens", "4", "--quantize", "fp8", "--step", "persistent",
                               "--no-warmup"]) == 0
     assert "step='persistent' runs the XLA step" in caplog.text
@@ -332,7 +331,7 @@ def test_checkpoint_with_quantize_fp8_is_the_loaders_quantize_at_load(capsys, mo
     that route through the API."""
     from models import LLAMA
     from models.weights import fp8_load
-    from models.decode import Decoder
+    from models import Decoder
 
     asked = []
     real = fp8_load.load_fp8

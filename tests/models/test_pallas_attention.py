@@ -11,8 +11,8 @@ import pytest
 
 import sifar_jax
 from models import Decoder, LlamaConfig, make_mesh, random_params
-from models.decode import LOOPS
-from models.options import DecodeOptions, default_attn_impl
+from models import LOOPS
+from models.decoder.options import DecodeOptions, default_attn_impl
 from models.core.pallas_attention import (SMEM_BUDGET, applies, decode_attention,
                                           pipeline_stages, split_length)
 

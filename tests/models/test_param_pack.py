@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import sifar_jax
-from models import Decoder, LlamaConfig, make_mesh, param_pack, random_params
-from models.options import DecodeOptions
+from models import Decoder, LlamaConfig, make_mesh, random_params
+from models.decoder import param_pack
+from models.decoder.options import DecodeOptions
 from models.registry import family_of
 from models.qwen3_moe import Qwen3MoeConfig
 from models.core.transformer import fused_norm_scale

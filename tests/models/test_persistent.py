@@ -1,4 +1,4 @@
-"""The persistent decode step (DecodeOptions(step="persistent"), models/persistent.py) against
+"""The persistent decode step (DecodeOptions(step="persistent"), models/llama/step.py) against
 the XLA step on the same FP8 weights, and when it declines.
 
 On the CPU the op runs its C++ reference (ffi/step/llama_step.cc) through the same decoder
@@ -20,9 +20,11 @@ import numpy as np
 import pytest
 
 import sifar_jax
-from models import Decoder, make_mesh, persistent, to_rows
+from models import Decoder, make_mesh, to_rows
+from models.decoder import step_choice
+from models.llama import step as persistent
 from models.registry import FAMILIES
-from models.options import DecodeOptions
+from models.decoder.options import DecodeOptions
 from models.weights.types import is_projection
 
 BOUND = 2e-2  # of the largest logit
@@ -152,8 +154,8 @@ def test_cpu_mesh_runs_the_xla_step_and_says_why(fp8_model, caplog, monkeypatch)
         pytest.skip("a GPU runs the persistent step")
     cfg, mesh, params = fp8_model
     calls = _traced_steps(monkeypatch)
-    monkeypatch.setattr(persistent, "_LOGGED", set())
-    with caplog.at_level(logging.WARNING, logger="models.persistent"):
+    monkeypatch.setattr(step_choice, "_LOGGED", set())
+    with caplog.at_level(logging.WARNING, logger="models.decoder.step_choice"):
         dec = _decoder(cfg, mesh, params, "persistent")
         dec.generate(np.array([1, 2, 3], np.int32), 2)
     assert not calls

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import sifar_jax
-from models import make_mesh, persistent
+from models import make_mesh
+from models.llama import step as persistent
 from models.registry import FAMILIES
 
 LLAMA = FAMILIES["llama"]

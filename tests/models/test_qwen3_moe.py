@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from models import Decoder, make_mesh, registry
-from models.options import DecodeOptions
+from models.decoder.options import DecodeOptions
 from models.qwen3_moe import QWEN3_MOE, Qwen3MoeConfig
 from models.qwen3_moe import model as qwen3_moe
 from models.qwen3_moe.hf import to_hf_tensors

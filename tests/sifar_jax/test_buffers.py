@@ -108,7 +108,7 @@ def _tiny():
 
 def test_decoder_with_explicit_buffers_matches_psum():
     pytest.importorskip("flax")
-    from models.decode import Decoder, make_mesh
+    from models import Decoder, make_mesh
     from models import random_params
 
     sifar_jax.shutdown()

@@ -1,18 +1,11 @@
-"""Decoding with the whole per-step state on the device, and loops that never idle the GPU:
-the Decoder, a facade over one concern per module:
-
-    options.py       DecodeOptions: how the decoder runs (all-reduce, fused, kv layout, ...)
-    decode_state.py  the state on the device, the cache's capacity, a request's padding
-    capacity.py      cache sizes, attention and prompt buckets, stop ids
-    executables.py   the forwards, lowering, the compile table, the step/prefill/chunk programs
-    loops.py         the four decode loops (sync, stream, pipelined, on_device)
-    warmup.py        compiling and running every executable a request can need, ahead of it
-    allreduce_choice.py  which all-reduce a prefill's payload gets
+"""The Decoder: prefill and decode of a batch of sequences with the whole per-step state on the
+device, in loops that never idle the GPU; a facade over one concern per module of this package
+(decoder/__init__.py lists them). make_mesh: the 1-D mesh it runs on.
 
 Prompts are left-padded to a bucket (capacity.prompt_bucket), so a prefill compiles once per
 bucket and prompts of different lengths share a batch; each row's tokens keep the positions
-(rotary angles) of its prompt run alone (attention.Step), so a row's tokens are those of its
-prompt alone.
+(rotary angles) of its prompt run alone (core/attention.Step), so a row's tokens are those of
+its prompt alone.
 """
 
 from __future__ import annotations
@@ -23,24 +16,19 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from ..core.transformer import fused_norm_scale
+from ..family import ModelConfig
+from ..registry import family_of
 from . import loops, warmup as warmups
 from .allreduce_choice import prefill_allreduce
-from .capacity import (ON_DEVICE_CHUNK, attention_buckets, bucket_up, cache_reserve,
-                       prompt_bucket, prompt_buckets, stop_ids)
-from .decode_state import DecodeState
+from .capacity import ON_DEVICE_CHUNK, cache_reserve, stop_ids
 from .executables import Executables
-from .registry import family_of
-from .family import ModelConfig
-from .loops import LOOPS, host
-from .options import SIFAR_KINDS, DecodeOptions, default_attn_impl, default_gemm_rows
+from .loops import host
+from .options import SIFAR_KINDS, DecodeOptions
 from .param_pack import PackedParams
 from .sampling import Sampling
-from .core.transformer import fused_norm_scale
-
-# What callers import from here (the sizes and options live in capacity.py and options.py).
-__all__ = ["Decoder", "DecodeOptions", "make_mesh", "LOOPS", "ON_DEVICE_CHUNK", "SIFAR_KINDS",
-           "attention_buckets", "bucket_up", "cache_reserve", "prompt_bucket", "prompt_buckets",
-           "default_attn_impl", "default_gemm_rows"]
+from .state import DecodeState
+from .step_choice import StepChoice, choose_step
 
 
 def make_mesh(tp: int, axis_name: str = "tp", devices: Optional[Sequence] = None) -> Mesh:
@@ -68,8 +56,9 @@ class Decoder:
     """Prefill and decode for one batch of sequences of a model (its family:
     models.registry.family_of(config)), run as `options` say (options.DecodeOptions; the
     allreduce, batch_size and max_seq_len keywords replace the options' fields). The model's
-    layout (family.layout(config, tp)) is computed here, once, and handed to all that needs it.
-    Components: `seq` (decode_state.DecodeState), `exes` (executables.Executables), `weights`
+    layout (family.layout(config, tp)) and the step its one-token calls run (`step_choice`,
+    step_choice.choose_step) are computed here, once, and handed to all that needs them.
+    Components: `seq` (state.DecodeState), `exes` (executables.Executables), `weights`
     (param_pack.PackedParams)."""
 
     def __init__(self, config: ModelConfig, mesh: Mesh, params,
@@ -90,8 +79,10 @@ class Decoder:
         keep = [options.fused and fused_norm_scale(path) for path, _ in paths]
         self.weights = PackedParams(self.params, mesh, options.pack_params, keep)
         self.seq = DecodeState(config, mesh, options, self.family, self.layout, buffers)
+        self.step_choice: StepChoice = choose_step(self.family, self.layout, mesh, options,
+                                                   self.params)
         self.exes = Executables(self.family, self.layout, mesh, options, self.weights, self.seq,
-                                ar_specs)
+                                ar_specs, self.step_choice)
 
     # ---- what it runs with ----------------------------------------------------------------------
 
@@ -113,21 +104,18 @@ class Decoder:
     def step_reason(self) -> Optional[str]:
         """Why a one-token step runs on the XLA step though options.step is "persistent" (the
         sentence also logged once per process), or None: the persistent step runs it, or
-        options.step is "xla"."""
-        if self.options.step != "persistent":
-            return None
-        from . import persistent
-
-        return persistent.reason(self.family, self.layout, self.mesh, self.options, self.params)
+        options.step is "xla" (step_choice)."""
+        return self.step_choice.reason
 
     @property
     def step_kind(self) -> str:
-        """Which step runs a one-token call: "persistent" or "xla" (step_reason says why)."""
-        return "persistent" if self.options.step == "persistent" and not self.step_reason else "xla"
+        """Which step runs a one-token call: "persistent" or "xla" (step_reason says why;
+        step_choice)."""
+        return self.step_choice.kind
 
     @property
     def state(self) -> Optional[dict]:
-        """The decode state (decode_state.py), donated to every call."""
+        """The decode state (state.py), donated to every call."""
         return self.seq.arrays
 
     @state.setter

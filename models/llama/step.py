@@ -1,8 +1,8 @@
-"""The persistent decode step (DecodeOptions(step="persistent")): a Llama model's batch-1 step
-of one token as ONE op, sifar_jax.llama_step (on CUDA GPUs one cooperative launch of a
-persistent kernel, no kernel boundary between the layers), with an untied LM head of the
-layers' weight type inside it (a tied head, or one of another type, runs in XLA on the op's
-output).
+"""The persistent decode step (DecodeOptions(step="persistent")), LLAMA's fast_step: a Llama
+model's batch-1 step of one token as ONE op, sifar_jax.llama_step (on CUDA GPUs one
+cooperative launch of a persistent kernel, no kernel boundary between the layers), with an
+untied LM head of the layers' weight type inside it (a tied head, or one of another type, runs
+in XLA on the op's output).
 
 It serves what its kernel serves: the Llama family, TP=1 (the all-reduce phase of a TP model
 runs only between virtual ranks on one GPU: make_step_forward's virtual_ranks), batch 1, the
@@ -11,28 +11,29 @@ all FP8 (Fp8Weight, per-channel or per-tensor scales) or all bf16 rows (RowWeigh
 models.to_rows; a dense model's [K, N] einsum weights are the XLA step's layout, and the op
 reads [N, K] rows, so the decoder does not hold both: both steps read the rows). Anything else
 (and any GPU-less platform, where the op's CPU handler is a reference, not a speed-up) runs the
-XLA step; `reason` says why, and the decoder logs it once.
-Prefills and chunks of several tokens always run the XLA forward. The two steps write the same
-cache: a decoder may switch between them at any token.
+XLA step; `reason` says why (decoder/step_choice.py decides which step runs, and logs the reason
+once). Prefills and chunks of several tokens always run the XLA forward. The two steps write the
+same cache: a decoder may switch between them at any token.
+
+PERSISTENT is this step as a FastStep (family.py): reason, make_forward (make_step_forward) and
+prepare_params (rows_for_step).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from .core.attention import rope_cos_sin, rope_inv_freq
-from .weights.types import Fp8Weight, RowWeight
-from .core.tp import project
-
-log = logging.getLogger(__name__)
+from ..core.attention import rope_cos_sin, rope_inv_freq
+from ..core.tp import project
+from ..weights.transforms import to_rows
+from ..weights.types import Fp8Weight, RowWeight
 
 KERNEL_GROUPS = (1, 2, 3, 4, 8)  # query heads per KV head the kernel is built for
-_LOGGED: set = set()  # the reasons logged so far (once each)
 _PROJECTIONS = (("attn", "qkv"), ("attn", "o"), ("mlp", "gate_up"), ("mlp", "down"))
 
 
@@ -50,15 +51,14 @@ def backend_reason(mesh: Mesh) -> Optional[str]:
 
 
 def reason(family, layout, mesh: Mesh, options, params: Any) -> Optional[str]:
-    """None when the persistent step can run this decoder, else why not (one sentence)."""
+    """None when the persistent step can run this decoder of a Llama model (options: resolved),
+    else why not (one sentence)."""
     import sifar_jax
 
     c = layout.config
     why = backend_reason(mesh)
     if why:
         return why
-    if family.name != "llama":
-        return f"the persistent step is the Llama family's; this model is {family.name!r}"
     if layout.tp != 1:
         return (f"tp={layout.tp}: the persistent step's all-reduce phase runs between virtual "
                 f"ranks on one GPU (sifar_jax.llama_step_virtual_ranks); ranks on separate GPUs "
@@ -182,33 +182,13 @@ def make_step_forward(family, layout, options, virtual_ranks: int = 1, allreduce
     return forward
 
 
-def step_forward_or_none(family, layout, mesh: Mesh, options, params: Any):
-    """The persistent one-token forward when options.step asks for it and `reason` allows it;
-    None otherwise (logged once per forward made, with the reason)."""
-    if getattr(options, "step", "xla") != "persistent":
-        return None
-    params = params if params is not None else family.abstract_model(layout.shapes)[1]
-    why = reason(family, layout, mesh, options, params)
-    if why:
-        if why not in _LOGGED:
-            _LOGGED.add(why)
-            log.warning("step='persistent' runs the XLA step: %s", why)
-        return None
-    return make_step_forward(family, layout, options)
-
-
 def rows_for_step(family, config, mesh: Mesh, options, params: Any) -> Any:
-    """params as the persistent step wants them: where options.step is "persistent" and the
-    step would run on the projections as rows but not as they are (dense bf16 [K, N]), the
-    projections moved to rows in place (quantize.to_rows, donate=True: the einsum-layout
-    weights are deleted); else params as they are. For callers that own the params (the CLI);
-    a Decoder never changes the params it is given."""
-    import jax
-
-    from .weights.transforms import to_rows
-
-    if getattr(options, "step", "xla") != "persistent":
-        return params
+    """params as the persistent step wants them: where the step would run on the projections
+    as rows but not as they are (dense bf16 [K, N]), the projections moved to rows in place
+    (weights.transforms.to_rows, donate=True: the einsum-layout weights are deleted); else
+    params as they are. For callers that own the params (the CLI, through
+    decoder/step_choice.params_for_step, where options.step asks for this step); a Decoder
+    never changes the params it is given."""
     layout = family.layout(config, mesh.shape[options.axis_name])
     opts = options.resolve(mesh)
     if reason(family, layout, mesh, opts, params) is None:
@@ -220,3 +200,23 @@ def rows_for_step(family, config, mesh: Mesh, options, params: Any) -> Any:
     if reason(family, layout, mesh, opts, rows) is not None:
         return params
     return to_rows(params, family, axis_name=options.axis_name, donate=True)
+
+
+class PersistentStep:
+    """The persistent step as a FastStep (family.py): LLAMA's fast_step. Each method calls this
+    module's function at call time (a test that replaces backend_reason or make_step_forward
+    changes the step a decoder runs)."""
+
+    name = "persistent"  # the DecodeOptions.step that asks for it
+
+    def reason(self, family, layout, mesh: Mesh, options, params: Any) -> Optional[str]:
+        return reason(family, layout, mesh, options, params)  # the module's reason()
+
+    def make_forward(self, family, layout, options, **kw):
+        return make_step_forward(family, layout, options, **kw)
+
+    def prepare_params(self, family, config, mesh: Mesh, options, params: Any) -> Any:
+        return rows_for_step(family, config, mesh, options, params)
+
+
+PERSISTENT = PersistentStep()

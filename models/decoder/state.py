@@ -28,11 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ..core.sharding import cache_dims, cache_spec
+from ..weights.random import hash_uniform, mix32
 from .capacity import attention_buckets, bucket_up
 from .prompts import as_batch, check_ids, left_pad, prompt_rows, prompt_width, stop_array
-from .weights.random import hash_uniform, mix32
 from .sampling import Sampling, key_data
-from .core.sharding import cache_dims, cache_spec
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2), donate_argnums=0)

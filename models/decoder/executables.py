@@ -5,7 +5,7 @@ re-places or re-checks anything) per cache capacity, attention bucket and sampli
 A step is `state, token = step(param_leaves, state)`: no host input, no Python scalar; `token`
 [B] is the chosen token again, written by the step to pinned host memory where the backend has
 it (the host reads it there without a device-to-host copy of its own, the waited loop's
-largest cost after the device's step). After a warmup (models/warmup.py) an executable compiled
+largest cost after the device's step). After a warmup (warmup.py) an executable compiled
 for a request outside the warmed limits is logged and counted (compiles_after_warmup).
 """
 
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .sampling import next_token
+from .step_choice import XLA
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +43,13 @@ class Programs:
     """What a decoder's executables run, as traceable functions of (param leaves, state, ...):
     the forwards (one per attention length) and the step, prefill, logits and chunk programs,
     each as a spec (key, fn, args, outputs) for Executables.compile. `weights` is the decoder's
-    param_pack.PackedParams, `seq` its decode_state.DecodeState (whose arrays' shardings every
-    program takes and returns)."""
+    param_pack.PackedParams, `seq` its state.DecodeState (whose arrays' shardings every
+    program takes and returns), `step` its step_choice.StepChoice."""
 
-    def __init__(self, family, layout, mesh, options, weights, seq, ar_specs=None):
+    def __init__(self, family, layout, mesh, options, weights, seq, ar_specs=None, step=XLA):
         self.family, self.layout, self.mesh, self.options = family, layout, mesh, options
         self.weights, self.seq, self.ar_specs = weights, seq, ar_specs
+        self.step_forward = step.forward()
         self.tok_sharding = NamedSharding(mesh, P(), memory_kind=host_memory_kind(mesh))
         self.logits_sharding = NamedSharding(mesh, P(None, None, options.axis_name))
         self.forwards: dict = {}
@@ -57,7 +59,8 @@ class Programs:
         if key not in self.forwards:
             self.forwards[key] = self.family.make_forward(
                 self.layout, self.mesh, self.options, last_only=last_only,
-                attend_len=attend_len, ar_specs=self.ar_specs, params=self.weights.params)
+                attend_len=attend_len, ar_specs=self.ar_specs, params=self.weights.params,
+                step=self.step_forward)
         return self.forwards[key]
 
     def run_forward(self, leaves, state, tokens, attend_len: int, last_only: bool):

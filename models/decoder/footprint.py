@@ -24,7 +24,8 @@ from typing import Any, Optional, Sequence
 import jax
 import numpy as np
 
-from .core.sharding import leaf_name
+from ..core.sharding import leaf_name
+from ..weights.transforms import check_quantize, quantize_params
 
 HEADROOM = 0.9  # use at most this share of what the device reports free
 GIB = 1 << 30
@@ -59,8 +60,6 @@ def estimate(family, config: Any, tp: int, rows: int, capacity: int,
     positions and a prefill of prompt_len tokens (family.layout raises if tp does not split it).
     quantize="fp8": the projections held as FP8 (1 byte a weight, plus their float32 scales;
     models/weights/transforms.py); the transient still holds the largest one in float32."""
-    from .weights.transforms import check_quantize, quantize_params
-
     check_quantize(quantize)
     layout = family.layout(config, tp).shapes
     _, abstract = family.abstract_model(layout)

@@ -14,8 +14,8 @@ from typing import Any, Mapping, Optional
 
 from jax.sharding import Mesh
 
-from .core.sharding import check_kv_layout, default_kv_layout
-from .core.tp import ALLREDUCE_KINDS, FUSED_MODES, make_fused_add_norm
+from ..core.sharding import check_kv_layout, default_kv_layout
+from ..core.tp import ALLREDUCE_KINDS, FUSED_MODES, make_fused_add_norm
 
 ATTN_IMPLS = ("xla", "pallas")  # how a step of one token attends (models.core.attention)
 
@@ -25,7 +25,7 @@ def check_attn_impl(attn_impl: str) -> None:
         raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
 
 
-STEPS = ("xla", "persistent")  # how a one-token step runs (models/persistent.py)
+STEPS = ("xla", "persistent")  # how a one-token step runs (step_choice.py)
 SIFAR_KINDS = ("sifar", "sifar_buffers")  # all-reduce kinds that run sifar_jax (and call init)
 
 
@@ -67,13 +67,13 @@ class DecodeOptions:
       (`Lowered.compile`), e.g. {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"};
       stored as sorted (name, value) pairs so that the options stay hashable.
     pack_params: pass the small replicated vectors (norm scales) as one array per dtype
-      (models/param_pack.py): fewer arguments per call; fused, the norm scales the fused call
+      (decoder/param_pack.py): fewer arguments per call; fused, the norm scales the fused call
       takes stay arrays of their own (a custom call's operand).
     axis_name: the mesh axis the model is split over.
     step: how a one-token step runs: "xla" (the model's forward, XLA's kernels) or
-      "persistent" (models/persistent.py: the whole step as one sifar_jax.llama_step call, a
-      persistent kernel on CUDA GPUs; where it cannot serve the decoder, the XLA step runs
-      and the reason is logged).
+      "persistent" (Llama's fast_step, llama/step.py: the whole step as one
+      sifar_jax.llama_step call, a persistent kernel on CUDA GPUs; where it cannot serve the
+      decoder, the XLA step runs and the reason is logged: step_choice.py).
     """
 
     allreduce: str = "psum"
