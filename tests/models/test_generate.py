@@ -356,7 +356,7 @@ def test_checkpoint_with_quantize_fp8_is_the_loaders_quantize_at_load(capsys, mo
 def test_text_stream_never_cuts_a_character(text_checkpoint):
     """Tokens pushed one at a time: the pieces joined are the whole text, none holds a partial
     character, and an emoji split over several tokens arrives in one piece."""
-    from models.tokenizer import TextTokenizer
+    from models.generate.tokenizer import TextTokenizer
 
     tok = TextTokenizer(str(text_checkpoint))
     text = "smile 😀 café 日本語 please"
@@ -378,7 +378,7 @@ def test_chat_template_stop_ids_and_errors(text_checkpoint, tmp_path):
     import json
     import shutil
 
-    from models.tokenizer import TextTokenizer, checkpoint_eos_ids
+    from models.generate.tokenizer import TextTokenizer, checkpoint_eos_ids
 
     tok = TextTokenizer(str(text_checkpoint))
     assert tok.render_chat("hi there") == "<s><|user|>hi there</s><|assistant|>"
@@ -405,7 +405,7 @@ def test_text_in_text_out_round_trip(capsys, text_checkpoint):
     end it (generation_config.json's list); --show-ids prints the ids."""
     import json
 
-    from models.tokenizer import TextTokenizer
+    from models.generate.tokenizer import TextTokenizer
 
     tok = TextTokenizer(str(text_checkpoint))
     config = LlamaConfig.tiny(vocab_size=300)
