@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..weights.types import Fp8Weight, RowWeight, project_fp8, stored_equation
+
 AllReduceFn = Callable[[jax.Array, str], jax.Array]
 # sifar_buffers: sifar with explicit dual buffers threaded through the decode state.
 ALLREDUCE_KINDS = ("psum", "sifar", "sifar_buffers", "identity")
@@ -69,10 +71,8 @@ def project(equation: str, x: jax.Array, w: jax.Array, rows: int = 1, **kw) -> j
     slow multiply + reduce or a narrow GEMM that streams the weights more slowly than a two-row
     one (docs/performance.md). The copies change no value of the kept row's inputs.
 
-    An FP8 weight (models/weights/types.py, Fp8Weight) runs as one FP8 GEMV (rows ignored); a RowWeight
+    An FP8 weight (weights/types.py, Fp8Weight) runs as one FP8 GEMV (rows ignored); a RowWeight
     as an einsum over its stored (output-major) dims."""
-    from ..weights.types import Fp8Weight, RowWeight, project_fp8, stored_equation
-
     if isinstance(w, Fp8Weight):
         return project_fp8(equation, x, w, **kw)
     if isinstance(w, RowWeight):

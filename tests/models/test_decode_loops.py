@@ -12,11 +12,11 @@ import pytest
 
 import sifar_jax
 from models import LLAMA, LOOPS, Decoder, LlamaConfig, make_mesh, random_params
+from models.core.sharding import KV_LAYOUTS
+from models.core.tp import fused_add_norm_available, unfused_psum_add_rmsnorm
 from models.decoder import hlo
 from models.decoder.capacity import attention_buckets, bucket_up, prompt_bucket
 from models.decoder.options import DecodeOptions
-from models.core.sharding import KV_LAYOUTS
-from models.core.tp import fused_add_norm_available, unfused_psum_add_rmsnorm
 from models.decoder.sampling import Sampling, key_data, next_token
 
 PROMPT = np.array([5, 17, 3, 250, 99, 7, 42, 128], np.int32)

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from models import Decoder, dequantize_params, make_mesh, quantize_params
-from models.registry import FAMILIES
 from models.decoder.options import DecodeOptions
+from models.registry import FAMILIES
 from models.weights.types import Fp8Weight, is_quantized
 
 PROMPT, STEPS = 4, 8

@@ -25,12 +25,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from models.weights import checkpoint, fp8_checkpoint as fc
-from models.llama import LlamaConfig
 from models import make_mesh
-from models.llama import LLAMA
-from models.weights.types import Fp8Weight, dequantize, dequantize_stack
+from models.llama import LLAMA, LlamaConfig
 from models.qwen3_moe import QWEN3_MOE, Qwen3MoeConfig
+from models.weights import checkpoint, fp8_checkpoint as fc
+from models.weights.types import Fp8Weight, dequantize, dequantize_stack
 
 E4M3 = ml_dtypes.float8_e4m3fn
 

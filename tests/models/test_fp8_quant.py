@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from models.weights.types import E4M3, Fp8Weight, dequantize, quantize_fp8
 from models.core.tp import project
+from models.weights.types import E4M3, Fp8Weight, dequantize, quantize_fp8
 from sifar_jax import fp8_matvec as f8
 
 # (equation, x shape, einsum weight shape [*in, *out], contracted dims)

@@ -13,8 +13,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models.core import sharding
-from models.weights.types import E4M3, Fp8Weight, Projection, matvec_fp8, quantize_fp8
 from models.core.tp import project
+from models.weights.types import E4M3, Fp8Weight, Projection, matvec_fp8, quantize_fp8
 
 
 def rand(shape, seed):

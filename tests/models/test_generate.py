@@ -12,9 +12,9 @@ import pytest
 
 import sifar_jax
 from models import LOOPS, Decoder, LlamaConfig, generate, make_mesh, random_params
+from models.core.tp import ALLREDUCE_KINDS
 from models.decoder import compile_cache, footprint
 from models.registry import preset, presets
-from models.core.tp import ALLREDUCE_KINDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

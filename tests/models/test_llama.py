@@ -12,12 +12,12 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from models import LLAMA, Decoder, LlamaConfig, load_hf_checkpoint, make_mesh
-from models.llama import model as llama
 from models.core.attention import Attention, Step, rope_inv_freq
-from models.decoder.capacity import prompt_bucket
-from models.decoder.options import DecodeOptions
 from models.core.sharding import kv_replicas
 from models.core.tp import make_allreduce
+from models.decoder.capacity import prompt_bucket
+from models.decoder.options import DecodeOptions
+from models.llama import model as llama
 from models.llama.hf import to_hf_tensors as hf_tensors
 
 # The tiny preset as a Hugging Face config.json, written out by hand so the parser is tested too.

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 import sifar_jax
-from models import Decoder, LlamaConfig, make_mesh, random_params
-from models import LOOPS
-from models.decoder.options import DecodeOptions, default_attn_impl
+from models import LOOPS, Decoder, LlamaConfig, make_mesh, random_params
 from models.core.pallas_attention import (SMEM_BUDGET, applies, decode_attention,
                                           pipeline_stages, split_length)
+from models.decoder.options import DecodeOptions, default_attn_impl
 
 
 def _reference(q, k, v, pos, start):

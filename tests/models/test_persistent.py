@@ -22,9 +22,9 @@ import pytest
 import sifar_jax
 from models import Decoder, make_mesh, to_rows
 from models.decoder import step_choice
+from models.decoder.options import DecodeOptions
 from models.llama import step as persistent
 from models.registry import FAMILIES
-from models.decoder.options import DecodeOptions
 from models.weights.types import is_projection
 
 BOUND = 2e-2  # of the largest logit

@@ -22,9 +22,9 @@ import pytest
 
 import sifar_jax
 from models import Decoder, make_mesh
+from models.decoder.options import DecodeOptions
 from models.llama import step as persistent
 from models.registry import FAMILIES
-from models.decoder.options import DecodeOptions
 
 LLAMA = FAMILIES["llama"]
 BOUND = 2e-2  # of the largest logit: the TP=1 step's bound against the XLA step

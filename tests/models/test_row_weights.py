@@ -14,9 +14,9 @@ import pytest
 import sifar_jax
 from models import Decoder, from_rows, make_mesh, to_rows
 from models.decoder import step_choice
+from models.decoder.options import DecodeOptions
 from models.llama import step as persistent
 from models.registry import FAMILIES
-from models.decoder.options import DecodeOptions
 from models.weights.types import RowWeight, is_projection
 
 LLAMA = FAMILIES["llama"]
