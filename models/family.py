@@ -2,11 +2,12 @@
 
 A family is its config type and presets, its model (a transformer.CausalLM subclass built from
 the shared attention and its own blocks), its tensor-parallel split (tp_dims, check_tp), its
-random-init fan-ins, and its Hugging Face loader module. Everything else is generic and comes from
-ModelFamily's methods: the tp layout, the abstract model, parameter shardings, the KV cache, the
-shard_map'd forward, random parameters, checkpoint loading and saving. Adding a family: its
-package (config.py: its config and presets; model.py: its blocks and the ModelFamily; hf.py: its
-loader), tests, and a line in registry.py.
+random-init fan-ins, its Hugging Face loader module, and optionally a fast one-token step
+(fast_step: a FastStep; decoder/step_choice.py decides where it runs). Everything else is
+generic and comes from ModelFamily's methods: the tp layout, the abstract model, parameter
+shardings, the KV cache, the shard_map'd forward, random parameters, checkpoint loading and
+saving. Adding a family: its package (config.py: its config and presets; model.py: its blocks
+and the ModelFamily; hf.py: its loader), tests, and a line in registry.py.
 """
 
 from __future__ import annotations

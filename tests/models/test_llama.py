@@ -456,23 +456,34 @@ def test_no_module_of_models_uses_another_ones_private_names():
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[2] / "models"
-    modules = {p.stem for p in root.glob("*.py")}
+    paths = sorted(root.rglob("*.py"))
+
+    def dotted(path):  # models/core/tp.py -> ["core", "tp"], a package by its folder
+        parts = path.relative_to(root).with_suffix("").parts
+        return [p for p in parts if p != "__init__"]
+
+    modules = {".".join(dotted(p)) for p in paths}
     found = []
-    for path in sorted(root.glob("*.py")):
+    for path in paths:
+        name = path.relative_to(root).as_posix()
+        package = dotted(path) if path.name == "__init__.py" else dotted(path)[:-1]
         tree = ast.parse(path.read_text())
-        aliases = set()  # local names bound to sibling modules
+        aliases = set()  # local names bound to other modules of models
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package[:len(package) - (node.level - 1)] + (
+                    node.module.split(".") if node.module else [])
                 for a in node.names:
-                    if node.module is None and a.name in modules:
+                    if ".".join(base + [a.name]) in modules:
                         aliases.add(a.asname or a.name)
                     elif a.name.startswith("_"):
-                        found.append(f"{path.name}: from .{node.module} import {a.name}")
+                        found.append(f"{name}: from {'.' * node.level}{node.module or ''} "
+                                     f"import {a.name}")
         for node in ast.walk(tree):
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                     and node.value.id in aliases and node.attr.startswith("_")
                     and not node.attr.startswith("__")):
-                found.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+                found.append(f"{name}:{node.lineno}: {node.value.id}.{node.attr}")
     assert len(modules) > 10 and not found, found
 
 
