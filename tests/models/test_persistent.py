@@ -177,6 +177,22 @@ def test_step_option_is_checked():
         DecodeOptions(step="megakernel")
 
 
+def test_a_family_without_the_step_runs_the_xla_step_and_says_so(monkeypatch):
+    """The step is the family's (ModelFamily.fast_step): Qwen3-MoE has none, so
+    step="persistent" runs the XLA step and says why, as the choice made once per decoder."""
+    monkeypatch.setattr(persistent, "backend_reason", lambda mesh: None)
+    family = FAMILIES["qwen3_moe"]
+    assert family.fast_step is None and LLAMA.fast_step is persistent.PERSISTENT
+    cfg, mesh = family.preset("qwen3_moe_tiny"), make_mesh(1)
+    params = family.random_params(cfg, mesh, seed=0)
+    dec = _decoder(cfg, mesh, params, "persistent")
+    assert dec.step_choice == step_choice.StepChoice("xla", dec.step_reason)
+    assert dec.step_kind == "xla"
+    assert dec.step_reason == "the qwen3_moe family has no 'persistent' step"
+    assert step_choice.params_for_step(family, cfg, mesh, dec.options, params) is params
+    assert _decoder(cfg, mesh, params, "xla").step_choice is step_choice.XLA
+
+
 def _op_operands(cfg, params, cache_len=16):
     """The op's operands from a model's params (the decoder's own conversion)."""
     from flax import nnx
