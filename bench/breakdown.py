@@ -241,7 +241,7 @@ def decoder_kinds(dec) -> dict[str, str]:
     """hlo_kinds of the step a Decoder runs next: its weights are the first entry parameters, one
     per array it passes (dec.weights.leaves, the norm scales packed); its KV cache, each cache leaf's
     shard shape."""
-    from bench.decode.model_api import hlo
+    from models.decoder import hlo
 
     shapes = {hlo.hlo_shape(a.dtype, a.sharding.shard_shape(a.shape))
               for a in jax.tree.leaves(dec.state["cache"])}

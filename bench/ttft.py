@@ -22,7 +22,8 @@ import numpy as np
 
 import models
 from bench import common, report
-from bench.decode.model_api import SIFAR_KINDS, prompt_bucket
+from models.decoder.capacity import prompt_bucket
+from models.decoder.options import SIFAR_KINDS
 
 DEFAULT_LENGTHS = {"gpu": (128, 1024, 4096), "cpu": (16, 64)}
 # Dense bf16 matmul rate per GPU (vendor peak, no sparsity), by device_kind substring.

@@ -1,22 +1,32 @@
-"""Flax NNX decoders with tensor parallelism over a shard_map axis, one module per model family
-(Llama 3.x: llama.py; Qwen3-MoE: qwen3_moe.py; families.py lists them) on shared attention,
-sharding and tensor-parallel helpers.
+"""Flax NNX decoders with tensor parallelism over a shard_map axis, one package per model family
+(Llama 3.x: llama/; Qwen3-MoE: qwen3_moe/; registry.py lists them) on the shared decoder core
+(core/: attention, sharding, tensor-parallel helpers) and weights (weights/: types, transforms,
+checkpoints), run by the decoder (decoder/) and the command line (generate/:
+`python -m models.generate`). family.py: what a family is (ModelFamily); registry.py: the
+families there are, and the models.<name> functions that find a config's family.
 
 Submodules import jax; this package file does not, so `python -m models.generate` can still set
 XLA_FLAGS before jax starts. Public names are loaded on first access.
 """
 
-_EXPORTS = {
-    "LlamaConfig": "config", "RopeScaling": "config",
-    "Llama": "llama", "LLAMA": "llama", "check_tp": "llama",
+_EXPORTS = {  # public name -> the module (under models) that defines it
+    # the families
+    "LlamaConfig": "llama", "Llama": "llama", "LLAMA": "llama", "check_tp": "llama",
     "Qwen3MoeConfig": "qwen3_moe", "QWEN3_MOE": "qwen3_moe",
-    "ModelFamily": "family", "FAMILIES": "families", "family_of": "families",
-    "make_allreduce": "tp",
-    "load_hf_checkpoint": "families", "save_hf_checkpoint": "families",
-    "random_params": "families", "to_rows": "quantize", "from_rows": "quantize",
-    "to_hf_tensors": "weights",
-    "Decoder": "decode", "make_mesh": "decode", "LOOPS": "decode", "Sampling": "sampling",
-    "DecodeOptions": "options", "Layout": "family",
+    "ModelFamily": "family", "Layout": "family", "FastStep": "family",
+    # finding a family (by config, preset or checkpoint) and running its own method
+    "FAMILIES": "registry", "family_of": "registry", "presets": "registry", "preset": "registry",
+    "family_for_checkpoint": "registry",
+    "random_params": "registry", "load_hf_checkpoint": "registry",
+    "save_hf_checkpoint": "registry", "to_hf_tensors": "registry",
+    "to_rows": "registry", "from_rows": "registry", "quantize_params": "registry",
+    "dequantize_params": "registry",
+    # the shared core
+    "RopeScaling": "core.config", "make_allreduce": "core.tp",
+    # the decoder
+    "Decoder": "decoder.decoder", "make_mesh": "decoder.decoder", "LOOPS": "decoder.loops",
+    "Sampling": "decoder.sampling", "DecodeOptions": "decoder.options",
+    "SIFAR_KINDS": "decoder.options", "StepChoice": "decoder.step_choice",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -2,18 +2,18 @@
 
 A family is its config type and presets, its model (a transformer.CausalLM subclass built from
 the shared attention and its own blocks), its tensor-parallel split (tp_dims, check_tp), its
-random-init fan-ins, and its Hugging Face loader module. Everything else is generic and comes from
-ModelFamily's methods: the tp layout, the abstract model, parameter shardings, the KV cache, the
-shard_map'd forward, random parameters, checkpoint loading and saving. Adding a family: one
-module (config + blocks + the ModelFamily), a loader module, presets, tests, and a line in
-families.py.
+random-init fan-ins, its Hugging Face loader module, and optionally a fast one-token step
+(fast_step: a FastStep; decoder/step_choice.py decides where it runs). Everything else is
+generic and comes from ModelFamily's methods: the tp layout, the abstract model, parameter
+shardings, the KV cache, the shard_map'd forward, random parameters, checkpoint loading and
+saving. Adding a family: its package (config.py: its config and presets; model.py: its blocks
+and the ModelFamily; hf.py: its loader), tests, and a line in registry.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import math
 from typing import Any, Callable, Mapping, Optional, Protocol
 
@@ -22,8 +22,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from . import checkpoint, random_weights, sharding
-from .quant import Fp8Weight, RowWeight, is_projection
+from .core import forward, sharding
+from .weights import checkpoint, fp8_load, random as random_weights
+from .weights.transforms import check_quantize, from_rows, quantize_params
+from .weights.types import Fp8Weight, RowWeight, is_projection
 
 
 class ModelConfig(Protocol):
@@ -56,6 +58,31 @@ class HFLoader(Protocol):
 
     def to_hf_tensors(self, params: dict, config: Any) -> dict:
         """Global parameters -> HF-named numpy tensors (each replicated KV head once)."""
+
+
+class FastStep(Protocol):
+    """A family's fast one-token step (ModelFamily.fast_step; Llama's: llama/step.py's
+    PERSISTENT): a batch's step of one token run some faster way than the model's forward, where
+    it can serve the decoder. Which step runs is decided once per decoder, in
+    decoder/step_choice.py."""
+
+    name: str  # the DecodeOptions.step value that asks for it ("persistent")
+
+    def reason(self, family: "ModelFamily", layout: "Layout", mesh: Mesh, options: Any,
+               params: Any) -> Optional[str]:
+        """None when this step can run a decoder of `layout` on `mesh` with `options` (resolved)
+        and `params`, else why not (one sentence)."""
+
+    def make_forward(self, family: "ModelFamily", layout: "Layout", options: Any,
+                     **kw) -> Callable:
+        """forward(params, cache, tokens [1, 1], positions [1], ar, start=None) -> (logits,
+        cache, ar): the contract of ModelFamily.make_forward's forward, for one token (check
+        `reason` first)."""
+
+    def prepare_params(self, family: "ModelFamily", config: Any, mesh: Mesh, options: Any,
+                       params: Any) -> Any:
+        """params as this step wants them, for callers that own them (e.g. moved to another
+        layout in place), or params as they are."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,11 +154,9 @@ class _Parameters:
     def random_params(self, config: Any, mesh: Mesh, seed: int = 0, *,
                       axis_name: str = "tp", quantize: Optional[str] = None) -> dict:
         """Random parameters (never zero) created directly sharded on the devices. The values
-        depend on (config, seed) only, not on the mesh (see random_weights.random_params).
+        depend on (config, seed) only, not on the mesh (see weights/random.py).
         quantize="fp8": the projections then quantized per output channel where they lie
-        (models/quantize.py), the LM head included."""
-        from .quantize import check_quantize, quantize_params
-
+        (weights/transforms.py), the LM head included."""
         check_quantize(quantize)
         layout = self.layout(config, mesh.shape[axis_name])
         _, abstract = self.abstract_model(config)
@@ -196,9 +221,6 @@ class _HFCheckpoints:
     """ModelFamily's Hugging Face checkpoints (a mixin: `loader` and `config_type` are the
     family's fields)."""
 
-    def hf_loader(self) -> HFLoader:
-        return importlib.import_module(self.loader)
-
     def config_from_hf(self, d: dict, *, max_seq_len: Optional[int] = None,
                        dtype: Optional[str] = None) -> Any:
         return self.config_type.from_hf_config(d, max_seq_len=max_seq_len, dtype=dtype)
@@ -211,7 +233,8 @@ class _HFCheckpoints:
         params sharded onto `mesh` (tp_dims; KV heads replicated when tp > num_kv_heads, see
         layout). `dtype` overrides the checkpoint's dtype (the compute dtype). An FP8
         checkpoint (config.json's quantization_config), or quantize="fp8", loads the
-        projections as Fp8Weight leaves (fp8_load.py); config.quantization records the layout."""
+        projections as Fp8Weight leaves (weights/fp8_load.py); config.quantization records the
+        layout."""
         hf = checkpoint.read_hf_config(path)
         if config is None:
             config = self.config_from_hf(hf, max_seq_len=max_seq_len, dtype=dtype)
@@ -219,30 +242,24 @@ class _HFCheckpoints:
             config = config.replace(dtype=dtype)
         layout = self.layout(config, mesh.shape[axis_name])
         if quantize is not None or "quantization_config" in hf:
-            from .fp8_load import load_fp8
-
-            return load_fp8(self, path, mesh, layout, axis_name, quantize)
+            return fp8_load.load_fp8(self, path, mesh, layout, axis_name, quantize)
         _, abstract = self.abstract_model(layout.shapes)
         params = checkpoint.load_sharded(
             path, abstract, self.param_shardings(layout, mesh, axis_name), self.tp_dims,
-            lambda ck: self.hf_loader().hf_builders(layout.shapes, ck, layout.kv_replicas))
+            lambda ck: self.loader.hf_builders(layout.shapes, ck, layout.kv_replicas))
         return config, params
 
     def to_hf_tensors(self, params: dict, config: Any) -> dict:
         """Our (global) parameters -> HF-named numpy tensors (RowWeight leaves as the dense
         weights they hold). Gathers to the host: for tests and small models."""
-        from .quantize import from_rows
-
-        return self.hf_loader().to_hf_tensors(from_rows(params, self), config)
+        return self.loader.to_hf_tensors(from_rows(params, self), config)
 
     def save_hf_checkpoint(self, params: dict, config: Any, path: str, *,
                            num_shards: int = 1) -> None:
         """Write config.json and model.safetensors (or num_shards files plus
-        model.safetensors.index.json) in Hugging Face's layout."""
-        from .fp8_load import fp8_to_hf  # Fp8Weight leaves: in the layout they came from
-        from .quantize import from_rows  # RowWeight leaves: as the dense weights they hold
-
-        tensors, qc = fp8_to_hf(self, from_rows(params, self), config)
+        model.safetensors.index.json) in Hugging Face's layout: Fp8Weight leaves in the layout
+        they came from (fp8_to_hf), RowWeight leaves as the dense weights they hold."""
+        tensors, qc = fp8_load.fp8_to_hf(self, from_rows(params, self), config)
         hf = config.to_hf_config()
         if qc is not None:
             hf["quantization_config"] = qc
@@ -258,15 +275,18 @@ class ModelFamily(_Parameters, _Sizes, _HFCheckpoints):
     tp_dims: Mapping[str, int]  # parameter name -> the dimension split over tp (else replicated)
     check_tp: Callable[[Any, int], None]  # raises ValueError unless tp splits the model
     fan_in: Mapping[str, Callable[[tuple], int]]  # linear weights' fan-in, for random init
-    loader: str  # the HFLoader module, imported on first use (it imports the family's module)
+    loader: HFLoader  # the family's Hugging Face loader module (hf_builders, to_hf_tensors)
     hf_model_types: tuple[str, ...] = ()  # config.json "model_type" values this family reads
     # parameter name -> f(config) -> the share of it one token's step reads (else all of it): an
     # MoE's experts, top-k of them (step_weight_bytes)
     step_read_fraction: Mapping[str, Callable[[Any], float]] = dataclasses.field(
         default_factory=dict)
-    # parameter name -> quant.Projection: the weights an FP8 model holds as Fp8Weight, and how
-    # many dims each contracts (models/quantize.py, sharding.fp8_spec)
+    # parameter name -> weights.types.Projection: the weights an FP8 model holds as Fp8Weight,
+    # and how many dims each contracts (weights/transforms.py, sharding.fp8_spec)
     projections: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # the family's fast one-token step, if it has one (decoder/step_choice.py runs it where
+    # DecodeOptions.step names it and its reason() allows)
+    fast_step: Optional[FastStep] = None
 
     # ---- configs -------------------------------------------------------------------------------
 
@@ -284,10 +304,10 @@ class ModelFamily(_Parameters, _Sizes, _HFCheckpoints):
 
     def make_forward(self, layout: Layout, mesh: Mesh, options: Any = None, *,
                      last_only: bool = False, attend_len: Optional[int] = None,
-                     ar_specs: Any = None, params: Any = None):
-        """The TP forward of `layout` on `mesh`, ready for jax.jit (forward.make_forward;
-        params: the parameter tree when it is not the layout's dense one, e.g. FP8)."""
-        from .forward import make_forward
-
-        return make_forward(self, layout, mesh, options, last_only=last_only,
-                            attend_len=attend_len, ar_specs=ar_specs, params=params)
+                     ar_specs: Any = None, params: Any = None, step: Optional[Callable] = None):
+        """The TP forward of `layout` on `mesh`, ready for jax.jit (core/forward.make_forward;
+        params: the parameter tree when it is not the layout's dense one, e.g. FP8; step: the
+        one-token forward of a fast step, decoder/step_choice.StepChoice.forward())."""
+        return forward.make_forward(self, layout, mesh, options, last_only=last_only,
+                                    attend_len=attend_len, ar_specs=ar_specs, params=params,
+                                    step=step)

@@ -17,7 +17,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("SIFAR_TIMEOUT_S", "10")
 # The tools (models.generate, bench.decode) turn JAX's persistent compilation cache on in the
 # user's cache dir by default: never from the suite (and its subprocesses), unless a test does
-# it in a temporary directory (models/compile_cache.py).
+# it in a temporary directory (models/decoder/compile_cache.py).
 os.environ.setdefault("SIFAR_JAX_NO_COMPILE_CACHE", "1")
 
 import jax  # noqa: E402

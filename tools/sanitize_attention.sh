@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer's memcheck, racecheck and synccheck on the decode attention's Pallas kernels
-# (models/pallas_attention.py: the splits' kernel and their merge; the XLA merge where the splits
-# are not a power of two), small cases on one GPU: float32 and bfloat16, groups of 1, 4 and 8
+# (models/core/pallas_attention.py: the splits' kernel and their merge; the XLA merge where the
+# splits are not a power of two), small cases on one GPU: float32 and bfloat16, groups of 1, 4 and 8
 # query heads, rows starting past slot 0, a bucket smaller than the cache, the last layer of the
 # cache array. Every buffer is its
 # own allocation (XLA_PYTHON_CLIENT_ALLOCATOR=platform), so memcheck sees an access past any.
@@ -10,7 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 read -r -d '' CODE <<'PY'
 import jax, jax.numpy as jnp, numpy as np
-from models.pallas_attention import decode_attention
+from models.core.pallas_attention import decode_attention
 rng = np.random.default_rng(0)
 for dt in (jnp.float32, jnp.bfloat16):
     for b, kv, g, cap, n, pos in ((1, 2, 4, 256, 256, 255), (2, 1, 8, 512, 512, 300),

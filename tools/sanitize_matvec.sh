@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 read -r -d '' CODE <<'PY'
 import jax, jax.numpy as jnp, numpy as np
 from sifar_jax import matvec as mv
-from models import qwen3_moe
+from models.qwen3_moe import model as qwen3_moe
 rng = np.random.default_rng(0)
 for dt in ("float32", "bfloat16"):
     x = jnp.asarray(rng.standard_normal((3, 130)), dt)

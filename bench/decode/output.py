@@ -97,7 +97,7 @@ def _notes(records, s: Settings, final: bool) -> list[str]:
     notes.append("**The optimised HLO copies the KV cache** (per call: entry, per iteration: loop): "
                  + "; ".join(copied) if copied else
                  "The optimised HLO of every timed executable updates the KV cache in place "
-                 "(models.hlo.cache_copies).")
+                 "(models.decoder.hlo.cache_copies).")
     return notes
 
 

@@ -13,8 +13,8 @@ from .buffers import DualBuffers, buffer_spec, make_buffers, sifar_psum_into
 from .comm import DEFAULT_SLOT_BYTES, communicators, init, shutdown, unsupported, workspace_bytes
 from .errors import NotInitializedError, SifarError, UnboundAxisError
 from .fused import *  # noqa: F403 - the fused ops: fused.__all__ (psum_add_rmsnorm)
-from .decode_step import (LlamaLayer, StepStatus, check_step_status, llama_step,
-                          llama_step_virtual_ranks)
+from .decode_step import LlamaLayer, StepStatus, check_step_status, llama_step_virtual_ranks
+from .decode_step_tp import llama_step  # one device, or with axis_name= across a mesh axis
 from .info import info  # the function (python -m sifar_jax.info prints the same)
 from .multicast import MulticastDisabledError
 from .ordering import dispatch_lock

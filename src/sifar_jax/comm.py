@@ -44,9 +44,11 @@ import threading
 import warnings
 
 import jax
-import numpy as np
 
 from . import _ext, _jax_compat, algorithms, architectures, autotable, distributed
+from .device_groups import groups as _groups
+from .device_groups import platform as _platform
+from .device_groups import why_unsupported as _why_unsupported
 
 from .defaults import DEFAULT_LANES, DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT_S  # noqa: F401
 
@@ -92,50 +94,8 @@ def _axis_key(name: str) -> int:
     return _axis_keys[name]
 
 
-def _platform(device) -> str | None:
-    if device.platform == "cpu":
-        return "cpu"
-    if device.platform == "gpu" and "cuda" in device.client.platform_version.lower():
-        return "cuda"
-    return None
-
-
-def _groups(mesh, axes) -> list[list]:
-    """Device groups along `axes` (a name or a tuple), in rank order: row-major
-    over the axes in the order given, like lax.axis_index(axes)."""
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    where = [mesh.axis_names.index(a) for a in axes]
-    devs = np.moveaxis(np.asarray(mesh.devices), where, range(-len(axes), 0))
-    size = math.prod(devs.shape[-len(axes):])
-    return [list(row) for row in devs.reshape(-1, size)]
-
-
 def _label(key) -> str:
     return key if isinstance(key, str) else "(" + ", ".join(key) + ")"
-
-
-def _why_unsupported(groups: list[list], platform: str | None) -> str | None:
-    n = len(groups[0])
-    if platform is None:
-        return f"no sifar_jax handler for platform {groups[0][0].platform!r}"
-    if platform not in _ext.PLATFORMS:
-        return f"sifar_jax was built without its {platform} backend"
-    if n > _ext.lib.max_ranks():
-        return f"axis has {n} devices; sifar_jax supports up to {_ext.lib.max_ranks()}"
-    if distributed.spans_processes(groups):
-        return None  # decided with the other processes (sifar_jax.distributed)
-    if platform == "cuda":
-        why = architectures.unsupported_gpus([d for g in groups for d in g])
-        if why is not None:
-            return why
-        for g in groups:
-            for a in g:
-                for b in g:
-                    if a is not b and not _ext.lib.cuda_can_access_peer(
-                        a.local_hardware_id, b.local_hardware_id
-                    ):
-                        return f"GPUs {a.id} and {b.id} cannot reach each other over P2P"
-    return None
 
 
 def wait_for_effects() -> None:

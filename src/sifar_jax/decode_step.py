@@ -146,15 +146,10 @@ def _check(x, rope, pos, final_norm, layers, cache, kv_heads, group):
 
 def llama_step(x: jax.Array, rope: jax.Array, pos: jax.Array, final_norm: jax.Array,
                layers: Sequence[LlamaLayer], cache: jax.Array, *, kv_heads: int, group: int,
-               eps: float, head: Optional[tuple[jax.Array, jax.Array]] = None,
-               axis_name: Optional[str] = None, allreduce: str = "sifar") -> tuple:
-    """One decode step of a Llama model with FP8 or bf16 projections: returns (h, new cache),
-    or with `head` (h, new cache, logits).
-
-    axis_name (inside jax.shard_map, after sifar_jax.init(mesh)): the step of a TP model over
-    that mesh axis, one rank per device, each passing its shard, the all-reduce after o and
-    down ("sifar" or "oneshot": `allreduce`) a phase of the step reading the peers' memory
-    (sifar_jax.decode_step_tp: the shards, the results' sharding, failures).
+               eps: float, head: Optional[tuple[jax.Array, jax.Array]] = None) -> tuple:
+    """One decode step of a Llama model with FP8 or bf16 projections on one device: returns
+    (h, new cache), or with `head` (h, new cache, logits). (sifar_jax.llama_step is this op,
+    or with axis_name= the step across the devices of a mesh axis: decode_step_tp.llama_step.)
 
     x [H] bfloat16: the token's embedding. rope float32 [2, 128]: cos and sin at the token's
     rotary position (models.attention.rope_cos_sin). pos int32 [2]: the cache slot this
@@ -166,12 +161,6 @@ def llama_step(x: jax.Array, rope: jax.Array, pos: jax.Array, final_norm: jax.Ar
     float32 = the head's rows times h in fp8_matvec's order, times the scale (not rounded).
     A slot outside [0, S), or a first slot after it, gives NaN in h (and in the logits) on GPUs
     and an error on the CPU."""
-    if axis_name is not None:  # across the devices of a mesh axis
-        from .decode_step_tp import llama_step_tp
-
-        return llama_step_tp(x, rope, pos, final_norm, layers, cache, kv_heads=kv_heads,
-                             group=group, eps=eps, axis_name=axis_name, allreduce=allreduce,
-                             head=head)
     h, cache, logits, _ = _step(x, rope, pos, final_norm, layers, cache, kv_heads=kv_heads,
                                 group=group, eps=eps, head=head)
     return (h, cache) if head is None else (h, cache, logits)

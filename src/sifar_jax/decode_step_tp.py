@@ -33,7 +33,7 @@ from . import _ext, _jax_compat, ordering
 from . import decode_step as _ds
 from .plan import Fallback, axis_size, route
 
-__all__ = ["llama_step_tp", "tp_layout", "tp_in_specs", "tp_out_specs", "ALLREDUCE_PHASES"]
+__all__ = ["llama_step", "llama_step_tp", "tp_layout", "tp_in_specs", "tp_out_specs", "ALLREDUCE_PHASES"]
 
 ALLREDUCE_PHASES = ("sifar", "oneshot")
 _API = "llama_step"
@@ -118,6 +118,22 @@ def _check_shard(layers, cache, kv_heads: int, group: int, n: int, axis_name: st
         raise ValueError(f"{where}: the cache is {list(cache.shape)} here; a shard holds its {kv} "
                          f"KV heads ([layers, 2, 1, {kv}, S, {_ds.HEAD_DIM}]): {hint}")
     return kv
+
+
+def llama_step(x: jax.Array, rope: jax.Array, pos: jax.Array, final_norm: jax.Array,
+               layers: Sequence[_ds.LlamaLayer], cache: jax.Array, *, kv_heads: int, group: int,
+               eps: float, head: Optional[tuple[jax.Array, jax.Array]] = None,
+               axis_name: Optional[str] = None, allreduce: str = "sifar") -> tuple:
+    """sifar_jax.llama_step: the step on one device (decode_step.llama_step: its operands and
+    results), or with axis_name (inside jax.shard_map, after sifar_jax.init(mesh)) the step of a
+    TP model over that mesh axis, one rank per device, each passing its shard, the all-reduce
+    after o and down ("sifar" or "oneshot": `allreduce`) a phase of the step reading the peers'
+    memory (llama_step_tp: the shards, the results' sharding, failures)."""
+    if axis_name is None:
+        return _ds.llama_step(x, rope, pos, final_norm, layers, cache, kv_heads=kv_heads,
+                              group=group, eps=eps, head=head)
+    return llama_step_tp(x, rope, pos, final_norm, layers, cache, kv_heads=kv_heads, group=group,
+                         eps=eps, axis_name=axis_name, allreduce=allreduce, head=head)
 
 
 def llama_step_tp(x: jax.Array, rope: jax.Array, pos: jax.Array, final_norm: jax.Array,

@@ -551,7 +551,7 @@ def test_decode_counts_a_copy_of_one_layer_of_the_cache():
     import jax.numpy as jnp
 
     from bench.decode import records
-    from models import hlo
+    from models.decoder import hlo
 
     cache = jnp.ones((2, 2, 1, 16, 4, 8), jnp.float32)  # [layers, 2, B, S, kv heads, D]
     exe = jax.jit(lambda c: (c, c[1, 0] * 2.0),
@@ -685,7 +685,7 @@ def test_decode_tp2_rank_shapes_run_one_rank_of_tp2_on_one_device(tmp_path):
     import jax
 
     from models import LLAMA
-    from models.quantize import quantize_params
+    from models.weights.transforms import quantize_params
 
     full = full.replace(max_seq_len=c.max_seq_len)
     layout = LLAMA.layout(full, 2)
@@ -757,7 +757,7 @@ def test_decode_virtual_ranks_time_the_persistent_step_at_r_ranks(tmp_path, monk
     import jax
 
     from bench.decode import cli, ranks, records, settings as st
-    from models import persistent
+    from models.llama import step as persistent
 
     s = st.settings(st.parse_args(["--quick", "--tp", "1", "--quantize", "fp8", "--context",
                                    "256", "--samples", "1", "--virtual-ranks",

@@ -4,8 +4,8 @@ records them; tests/models/test_decode_golden.py compares the current code again
 recorded file (tests/models/data/decode_golden.npz, written by the code before the options
 object: commit 71ea98f).
 
-Runs with either API: Decoder(..., options=DecodeOptions(...)) where models.options exists,
-else the keywords of the original Decoder.
+Runs with either API: Decoder(..., options=DecodeOptions(...)) where models.DecodeOptions
+exists, else the keywords of the original Decoder.
 """
 
 from __future__ import annotations
@@ -43,21 +43,21 @@ LOOPS = ("sync", "stream", "pipelined", "on_device")
 
 def make_decoder(preset: str, tp: int, opts: dict, batch: int):
     import sifar_jax
-    from models import families, make_mesh
+    from models import make_mesh, registry
 
     sifar_jax.shutdown()
     opts = dict(opts)
-    config = families.preset(preset)
+    config = registry.preset(preset)
     if "moe_impl" in opts:
         config = config.replace(moe_impl=opts.pop("moe_impl"))
-    family = families.family_of(config)
+    family = registry.family_of(config)
     mesh = make_mesh(tp)
     params = family.random_params(config, mesh, seed=11)
+    from models import Decoder
+
     try:
-        from models.decode import Decoder
-        from models.options import DecodeOptions
+        from models import DecodeOptions
     except ImportError:  # the original API: every option a keyword
-        from models.decode import Decoder
         return Decoder(config, mesh, params, batch_size=batch, **opts)
     return Decoder(config, mesh, params, DecodeOptions(**opts), batch_size=batch)
 

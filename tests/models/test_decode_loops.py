@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 import sifar_jax
-from models import LLAMA, Decoder, LlamaConfig, hlo, make_mesh, random_params
-from models.options import DecodeOptions
-from models.decode import LOOPS, attention_buckets, bucket_up, prompt_bucket
-from models.sharding import KV_LAYOUTS
-from models.tp import fused_add_norm_available, unfused_psum_add_rmsnorm
-from models.sampling import Sampling, key_data, next_token
+from models import LLAMA, LOOPS, Decoder, LlamaConfig, make_mesh, random_params
+from models.core.sharding import KV_LAYOUTS
+from models.core.tp import fused_add_norm_available, unfused_psum_add_rmsnorm
+from models.decoder import hlo
+from models.decoder.capacity import attention_buckets, bucket_up, prompt_bucket
+from models.decoder.options import DecodeOptions
+from models.decoder.sampling import Sampling, key_data, next_token
 
 PROMPT = np.array([5, 17, 3, 250, 99, 7, 42, 128], np.int32)
 NEW = 24  # tokens per generation; with the prompt and one chunk, one 64-position bucket
@@ -403,7 +404,8 @@ def test_fused_needs_the_kernel_or_says_so(monkeypatch, sifar_clean):
 @pytest.mark.parametrize("extra", [["--allreduce", "psum"], ["--allreduce", "sifar", "--fused"]],
                          ids=["psum", "sifar-fused"])
 def test_generate_cli_streams_tokens(capsys, monkeypatch, extra, sifar_clean):
-    from models import compile_cache, generate
+    from models import generate
+    from models.decoder import compile_cache
 
     monkeypatch.setenv(compile_cache.ENV_OFF, "1")  # never the user's cache from the suite
     _need(2)  # the CLI runs --tp 2 (on a 1-GPU host it rightly refuses)
@@ -487,7 +489,7 @@ def test_nothing_compiles_after_warmup(caplog):
                                 chunk=CHUNK, **kw)
             assert toks.shape == (1, 80)
     assert after.count == 0 and dec.compiles_after_warmup == 0
-    with _Compiles() as outside, caplog.at_level("WARNING", logger="models.decode"):
+    with _Compiles() as outside, caplog.at_level("WARNING", logger="models.decoder.executables"):
         dec.generate(rng.integers(0, config.vocab_size, 65), 4)  # a 128-slot prompt bucket
     assert outside.count >= 1 and dec.compiles_after_warmup == 1
     assert "outside the limits of warmup(max_prompt_len=40" in caplog.text

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from models import fp8_checkpoint as fc
+from models.weights import fp8_checkpoint as fc
 from sifar_jax import fp8_matvec as f8
 
 E4M3 = ml_dtypes.float8_e4m3fn

@@ -19,11 +19,10 @@ import jax
 import numpy as np
 import pytest
 
-from models import Decoder, make_mesh
-from models.families import FAMILIES
-from models.options import DecodeOptions
-from models.quant import Fp8Weight
-from models.quantize import dequantize_params, is_quantized, quantize_params
+from models import Decoder, dequantize_params, make_mesh, quantize_params
+from models.decoder.options import DecodeOptions
+from models.registry import FAMILIES
+from models.weights.types import Fp8Weight, is_quantized
 
 PROMPT, STEPS = 4, 8
 VARIANTS = {"psum": dict(allreduce="psum"), "sifar": dict(allreduce="sifar"),
@@ -164,7 +163,7 @@ def test_quantized_where_they_lie_bit_identical_to_unsharded(name, tp):
 
 
 def test_step_bytes_and_footprint_count_fp8(models):
-    from models import footprint
+    from models.decoder import footprint
 
     family, config, mesh, fp8 = models("llama", 2)
     deq = dequantize_params(fp8, config)

@@ -25,12 +25,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from models import checkpoint, fp8_checkpoint as fc
-from models.config import LlamaConfig
-from models.decode import make_mesh
-from models.llama import LLAMA
-from models.quant import Fp8Weight, dequantize, dequantize_stack
+from models import make_mesh
+from models.llama import LLAMA, LlamaConfig
 from models.qwen3_moe import QWEN3_MOE, Qwen3MoeConfig
+from models.weights import checkpoint, fp8_checkpoint as fc
+from models.weights.types import Fp8Weight, dequantize, dequantize_stack
 
 E4M3 = ml_dtypes.float8_e4m3fn
 
@@ -384,7 +383,7 @@ def test_per_channel_scales_as_a_vector_read_as_a_column():
 
 
 def test_quantizing_another_familys_params_is_named():
-    from models.quantize import quantize_params
+    from models import quantize_params
 
     config = LlamaConfig.tiny()
     params = LLAMA.random_params(config, make_mesh(1))
@@ -395,7 +394,7 @@ def test_quantizing_another_familys_params_is_named():
 def test_the_package_level_functions_follow_the_family(written):
     """models.load_hf_checkpoint / random_params pick the family from the checkpoint / config."""
     import models
-    from models.quantize import is_quantized
+    from models.weights.types import is_quantized
 
     path, _ = written("qwen3_moe", "ct_channel")
     config, params = models.load_hf_checkpoint(path, make_mesh(1))

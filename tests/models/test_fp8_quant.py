@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from models.quant import E4M3, Fp8Weight, dequantize, quantize_fp8
-from models.tp import project
+from models.core.tp import project
+from models.weights.types import E4M3, Fp8Weight, dequantize, quantize_fp8
 from sifar_jax import fp8_matvec as f8
 
 # (equation, x shape, einsum weight shape [*in, *out], contracted dims)
@@ -106,8 +106,8 @@ def test_llama_mlp_with_fp8_params_equals_its_dequantized_weights(dtype):
     """A family's module gains FP8 by holding Fp8Weight params: no per-call-site code."""
     from flax import nnx
 
-    from models import llama
-    from models.config import LlamaConfig
+    from models.llama import model as llama
+    from models.llama import LlamaConfig
 
     c = LlamaConfig.tiny(dtype=dtype)
     fp8, ref = llama.MLP(c, rngs=nnx.Rngs(0)), llama.MLP(c, rngs=nnx.Rngs(0))
@@ -125,8 +125,8 @@ def test_llama_mlp_with_fp8_params_equals_its_dequantized_weights(dtype):
 
 def test_qwen3_moe_experts_with_fp8_stacks_equal_dequantized():
     """Expert stacks as Fp8Weight: the chosen experts read in place by fp8_matvec with ids."""
-    from models import qwen3_moe
-    from models.quant import dequantize_stack, quantize_fp8_stack
+    from models.qwen3_moe import model as qwen3_moe
+    from models.weights.types import dequantize_stack, quantize_fp8_stack
 
     e, h, i, n, k = 6, 64, 32, 2, 3
     gate_up = quantize_fp8_stack(jnp.asarray(rand((e, h, 2, i), 8)), 1)
@@ -152,7 +152,7 @@ def test_a_contracted_size_the_gemv_cannot_read_is_named():
 
 
 def test_an_expert_stack_the_gemv_cannot_read_is_named():
-    from models.quant import matvec_fp8, quantize_fp8_stack
+    from models.weights.types import matvec_fp8, quantize_fp8_stack
 
     stack = quantize_fp8_stack(jnp.asarray(rand((4, 8, 16), 5)), 1)  # 4 experts, K = 8
     with pytest.raises(ValueError, match=r"the experts' down of in dims \(8,\): 8 contracted"):
@@ -163,11 +163,11 @@ def test_quantizing_a_model_whose_shard_the_gemv_cannot_read_names_it_before_any
     """qwen3_moe_tiny's experts are 32 wide: at TP=4 a rank's down has 8 contracted columns.
     quantize="fp8" says so while quantizing (the weight, the TP size, what to change), not as a
     traceback from inside the decoder's trace; TP=2 (16 columns) quantizes."""
-    from models import families
-    from models.decode import make_mesh
+    from models import registry
+    from models import make_mesh
 
-    config = families.preset("qwen3_moe_tiny")
-    family = families.family_of(config)
+    config = registry.preset("qwen3_moe_tiny")
+    family = registry.family_of(config)
     with pytest.raises(ValueError, match=r"'down' has 8 contracted columns per rank at TP=4.*"
                                          r"multiple of 16"):
         family.random_params(config, make_mesh(4), quantize="fp8")
@@ -179,7 +179,7 @@ def test_quantizing_a_model_whose_shard_the_gemv_cannot_read_names_it_before_any
 def test_a_channels_scale_has_the_same_bits_from_numpy_jax_jit_and_the_loader():
     """max |w| x float32(1/448): XLA turns a division by 448 into that product, so writing it as
     one keeps quantize_params (jax) and load_hf_checkpoint(quantize="fp8") (numpy) bit-equal."""
-    from models.fp8_checkpoint import quantize_per_channel
+    from models.weights.fp8_checkpoint import quantize_per_channel
 
     w = rand((96, 200), 7) * np.float32(3.7)
     via_np, via_jnp = quantize_fp8(w, 1), quantize_fp8(jnp.asarray(w), 1)

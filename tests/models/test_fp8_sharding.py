@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from models import sharding
-from models.quant import E4M3, Fp8Weight, Projection, matvec_fp8, quantize_fp8
-from models.tp import project
+from models.core import sharding
+from models.core.tp import project
+from models.weights.types import E4M3, Fp8Weight, Projection, matvec_fp8, quantize_fp8
 
 
 def rand(shape, seed):

@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 
 import sifar_jax
-from models import (Decoder, LlamaConfig, compile_cache, footprint, generate, make_mesh,
-                    random_params)
-from models.families import preset, presets
-from models.tp import ALLREDUCE_KINDS
-from models.decode import LOOPS
+from models import LOOPS, Decoder, LlamaConfig, generate, make_mesh, random_params
+from models.core.tp import ALLREDUCE_KINDS
+from models.decoder import compile_cache, footprint
+from models.registry import preset, presets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -162,7 +161,7 @@ def test_a_user_error_in_a_real_process_prints_no_traceback():
 def test_quantize_fp8_decodes_with_fp8_weights(capsys, monkeypatch):
     """--quantize fp8: the random weights' projections quantized after they are made; the memory
     check is asked about the FP8 model."""
-    from models import footprint
+    from models.decoder import footprint
 
     asked = []
     real = footprint.estimate
@@ -178,10 +177,10 @@ def test_quantize_fp8_decodes_with_fp8_weights(capsys, monkeypatch):
 def test_step_persistent_on_a_cpu_runs_the_xla_step_and_says_why(capsys, caplog, monkeypatch):
     """--step persistent where the kernel cannot run (a CPU): the request still completes, on
     the XLA step, and the reason is logged."""
-    from models import persistent
+    from models.decoder import step_choice
 
-    monkeypatch.setattr(persistent, "_LOGGED", set())
-    with caplog.at_level("WARNING", logger="models.persistent"):
+    monkeypatch.setattr(step_choice, "_LOGGED", set())
+    with caplog.at_level("WARNING", logger="models.decoder.step_choice"):
         assert generate.main(["--tokens", "4", "--quantize", "fp8", "--step", "persistent",
                               "--no-warmup"]) == 0
     assert "step='persistent' runs the XLA step" in caplog.text
@@ -330,8 +329,9 @@ def test_checkpoint_with_quantize_fp8_is_the_loaders_quantize_at_load(capsys, mo
     """--checkpoint with --quantize fp8 quantizes shard by shard as it loads
     (load_hf_checkpoint(quantize="fp8"), never the whole bf16 model first), with the tokens of
     that route through the API."""
-    from models import LLAMA, fp8_load
-    from models.decode import Decoder
+    from models import LLAMA
+    from models.weights import fp8_load
+    from models import Decoder
 
     asked = []
     real = fp8_load.load_fp8
@@ -356,7 +356,7 @@ def test_checkpoint_with_quantize_fp8_is_the_loaders_quantize_at_load(capsys, mo
 def test_text_stream_never_cuts_a_character(text_checkpoint):
     """Tokens pushed one at a time: the pieces joined are the whole text, none holds a partial
     character, and an emoji split over several tokens arrives in one piece."""
-    from models.tokenizer import TextTokenizer
+    from models.generate.tokenizer import TextTokenizer
 
     tok = TextTokenizer(str(text_checkpoint))
     text = "smile 😀 café 日本語 please"
@@ -378,7 +378,7 @@ def test_chat_template_stop_ids_and_errors(text_checkpoint, tmp_path):
     import json
     import shutil
 
-    from models.tokenizer import TextTokenizer, checkpoint_eos_ids
+    from models.generate.tokenizer import TextTokenizer, checkpoint_eos_ids
 
     tok = TextTokenizer(str(text_checkpoint))
     assert tok.render_chat("hi there") == "<s><|user|>hi there</s><|assistant|>"
@@ -405,7 +405,7 @@ def test_text_in_text_out_round_trip(capsys, text_checkpoint):
     end it (generation_config.json's list); --show-ids prints the ids."""
     import json
 
-    from models.tokenizer import TextTokenizer
+    from models.generate.tokenizer import TextTokenizer
 
     tok = TextTokenizer(str(text_checkpoint))
     config = LlamaConfig.tiny(vocab_size=300)

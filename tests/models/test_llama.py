@@ -12,13 +12,13 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from models import LLAMA, Decoder, LlamaConfig, load_hf_checkpoint, make_mesh
-from models import llama
-from models.attention import Attention, Step, rope_inv_freq
-from models.decode import prompt_bucket
-from models.options import DecodeOptions
-from models.sharding import kv_replicas
-from models.tp import make_allreduce
-from models.weights import to_hf_tensors as weights_to_hf
+from models.core.attention import Attention, Step, rope_inv_freq
+from models.core.sharding import kv_replicas
+from models.core.tp import make_allreduce
+from models.decoder.capacity import prompt_bucket
+from models.decoder.options import DecodeOptions
+from models.llama import model as llama
+from models.llama.hf import to_hf_tensors as hf_tensors
 
 # The tiny preset as a Hugging Face config.json, written out by hand so the parser is tested too.
 HF_CONFIG = {
@@ -330,7 +330,7 @@ def test_kv_heads_replicated_when_tp_exceeds_them(loaded, hf):
     mesh, config, params = loaded(8)
     assert kv_replicas(config, 8) == 2
     assert params["layers"][0]["attn"]["qkv"].shape == (128, 8, 1 + 2, 16)
-    tensors = weights_to_hf(params, config)
+    tensors = hf_tensors(params, config)
     for name, want in hf[1].items():
         np.testing.assert_array_equal(tensors[name], want, err_msg=name)
 
@@ -434,19 +434,19 @@ def test_attention_matches_numpy_with_and_without_qk_norm(qk_norm):
 # ---- the family interface ----------------------------------------------------------------------------
 
 def test_llama_is_found_by_config_preset_and_checkpoint(hf, tmp_path):
-    from models import families
+    from models import registry
 
-    assert families.family_of(LlamaConfig.tiny()) is LLAMA and families.FAMILIES["llama"] is LLAMA
-    assert families.preset("tiny") == LlamaConfig.tiny()
-    assert families.preset("llama3_8b", max_seq_len=64) == LlamaConfig.llama3_8b(max_seq_len=64)
-    assert families.family_for_checkpoint(hf[0]) is LLAMA
+    assert registry.family_of(LlamaConfig.tiny()) is LLAMA and registry.FAMILIES["llama"] is LLAMA
+    assert registry.preset("tiny") == LlamaConfig.tiny()
+    assert registry.preset("llama3_8b", max_seq_len=64) == LlamaConfig.llama3_8b(max_seq_len=64)
+    assert registry.family_for_checkpoint(hf[0]) is LLAMA
     with pytest.raises(TypeError, match="no model family"):
-        families.family_of(HF_CONFIG)
+        registry.family_of(HF_CONFIG)
     with pytest.raises(ValueError, match="unknown preset"):
-        families.preset("nope")
+        registry.preset("nope")
     (tmp_path / "config.json").write_text(json.dumps({**HF_CONFIG, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="'gpt2' is not supported"):
-        families.family_for_checkpoint(str(tmp_path))
+        registry.family_for_checkpoint(str(tmp_path))
 
 
 def test_no_module_of_models_uses_another_ones_private_names():
@@ -456,23 +456,34 @@ def test_no_module_of_models_uses_another_ones_private_names():
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[2] / "models"
-    modules = {p.stem for p in root.glob("*.py")}
+    paths = sorted(root.rglob("*.py"))
+
+    def dotted(path):  # models/core/tp.py -> ["core", "tp"], a package by its folder
+        parts = path.relative_to(root).with_suffix("").parts
+        return [p for p in parts if p != "__init__"]
+
+    modules = {".".join(dotted(p)) for p in paths}
     found = []
-    for path in sorted(root.glob("*.py")):
+    for path in paths:
+        name = path.relative_to(root).as_posix()
+        package = dotted(path) if path.name == "__init__.py" else dotted(path)[:-1]
         tree = ast.parse(path.read_text())
-        aliases = set()  # local names bound to sibling modules
+        aliases = set()  # local names bound to other modules of models
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package[:len(package) - (node.level - 1)] + (
+                    node.module.split(".") if node.module else [])
                 for a in node.names:
-                    if node.module is None and a.name in modules:
+                    if ".".join(base + [a.name]) in modules:
                         aliases.add(a.asname or a.name)
                     elif a.name.startswith("_"):
-                        found.append(f"{path.name}: from .{node.module} import {a.name}")
+                        found.append(f"{name}: from {'.' * node.level}{node.module or ''} "
+                                     f"import {a.name}")
         for node in ast.walk(tree):
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                     and node.value.id in aliases and node.attr.startswith("_")
                     and not node.attr.startswith("__")):
-                found.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+                found.append(f"{name}:{node.lineno}: {node.value.id}.{node.attr}")
     assert len(modules) > 10 and not found, found
 
 

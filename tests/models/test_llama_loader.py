@@ -11,8 +11,8 @@ from safetensors.numpy import load_file
 
 from models import LlamaConfig, load_hf_checkpoint, make_mesh, random_params, save_hf_checkpoint
 from models import LLAMA
-from models.sharding import replicate_kv
-from models.config import RopeScaling
+from models.core.config import RopeScaling
+from models.core.sharding import replicate_kv
 
 
 def _need(n):

@@ -1,4 +1,4 @@
-"""models.pallas_attention: a decoding step's attention through JAX's Pallas flash-decoding
+"""models.core.pallas_attention: a decoding step's attention through JAX's Pallas flash-decoding
 kernel (Pallas' interpreter off GPUs), against a float64 reference and in the decoder against the
 einsums (tiny preset, 8 host CPU devices from conftest.py)."""
 
@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 import sifar_jax
-from models import Decoder, LlamaConfig, make_mesh, random_params
-from models.decode import LOOPS
-from models.options import DecodeOptions, default_attn_impl
-from models.pallas_attention import (SMEM_BUDGET, applies, decode_attention, pipeline_stages,
-                                     split_length)
+from models import LOOPS, Decoder, LlamaConfig, make_mesh, random_params
+from models.core.pallas_attention import (SMEM_BUDGET, applies, decode_attention,
+                                          pipeline_stages, split_length)
+from models.decoder.options import DecodeOptions, default_attn_impl
 
 
 def _reference(q, k, v, pos, start):

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 import sifar_jax
-from models import Decoder, LlamaConfig, make_mesh, param_pack, random_params
-from models.options import DecodeOptions
-from models.families import family_of
+from models import Decoder, LlamaConfig, make_mesh, random_params
+from models.core.transformer import fused_norm_scale
+from models.decoder import param_pack
+from models.decoder.options import DecodeOptions
 from models.qwen3_moe import Qwen3MoeConfig
-from models.transformer import fused_norm_scale
+from models.registry import family_of
 
 PROMPT = np.array([5, 17, 3, 250, 99, 7, 42, 128], np.int32)
 CONFIGS = {"llama": LlamaConfig.tiny, "qwen3_moe": Qwen3MoeConfig.tiny}

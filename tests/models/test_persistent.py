@@ -1,4 +1,4 @@
-"""The persistent decode step (DecodeOptions(step="persistent"), models/persistent.py) against
+"""The persistent decode step (DecodeOptions(step="persistent"), models/llama/step.py) against
 the XLA step on the same FP8 weights, and when it declines.
 
 On the CPU the op runs its C++ reference (ffi/step/llama_step.cc) through the same decoder
@@ -20,10 +20,12 @@ import numpy as np
 import pytest
 
 import sifar_jax
-from models import Decoder, make_mesh, persistent, to_rows
-from models.families import FAMILIES
-from models.options import DecodeOptions
-from models.quant import is_projection
+from models import Decoder, make_mesh, to_rows
+from models.decoder import step_choice
+from models.decoder.options import DecodeOptions
+from models.llama import step as persistent
+from models.registry import FAMILIES
+from models.weights.types import is_projection
 
 BOUND = 2e-2  # of the largest logit
 # At 32 layers (Llama-8B shapes) each bf16 step drifts from float32 by up to ~3e-2 of the
@@ -152,8 +154,8 @@ def test_cpu_mesh_runs_the_xla_step_and_says_why(fp8_model, caplog, monkeypatch)
         pytest.skip("a GPU runs the persistent step")
     cfg, mesh, params = fp8_model
     calls = _traced_steps(monkeypatch)
-    monkeypatch.setattr(persistent, "_LOGGED", set())
-    with caplog.at_level(logging.WARNING, logger="models.persistent"):
+    monkeypatch.setattr(step_choice, "_LOGGED", set())
+    with caplog.at_level(logging.WARNING, logger="models.decoder.step_choice"):
         dec = _decoder(cfg, mesh, params, "persistent")
         dec.generate(np.array([1, 2, 3], np.int32), 2)
     assert not calls
@@ -173,6 +175,22 @@ def test_step_kind_says_what_runs(fp8_model, cpu_reference):
 def test_step_option_is_checked():
     with pytest.raises(ValueError, match="step must be one of"):
         DecodeOptions(step="megakernel")
+
+
+def test_a_family_without_the_step_runs_the_xla_step_and_says_so(monkeypatch):
+    """The step is the family's (ModelFamily.fast_step): Qwen3-MoE has none, so
+    step="persistent" runs the XLA step and says why, as the choice made once per decoder."""
+    monkeypatch.setattr(persistent, "backend_reason", lambda mesh: None)
+    family = FAMILIES["qwen3_moe"]
+    assert family.fast_step is None and LLAMA.fast_step is persistent.PERSISTENT
+    cfg, mesh = family.preset("qwen3_moe_tiny"), make_mesh(1)
+    params = family.random_params(cfg, mesh, seed=0)
+    dec = _decoder(cfg, mesh, params, "persistent")
+    assert dec.step_choice == step_choice.StepChoice("xla", dec.step_reason)
+    assert dec.step_kind == "xla"
+    assert dec.step_reason == "the qwen3_moe family has no 'persistent' step"
+    assert step_choice.params_for_step(family, cfg, mesh, dec.options, params) is params
+    assert _decoder(cfg, mesh, params, "xla").step_choice is step_choice.XLA
 
 
 def _op_operands(cfg, params, cache_len=16):

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import sifar_jax
-from models import make_mesh, persistent
-from models.families import FAMILIES
+from models import make_mesh
+from models.llama import step as persistent
+from models.registry import FAMILIES
 
 LLAMA = FAMILIES["llama"]
 BOUND = 1e-2  # of the largest value: a few bf16 roundings apart after 2 layers

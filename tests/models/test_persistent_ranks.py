@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 
 import sifar_jax
-from models import Decoder, make_mesh, persistent
-from models.families import FAMILIES
-from models.options import DecodeOptions
+from models import Decoder, make_mesh
+from models.decoder.options import DecodeOptions
+from models.llama import step as persistent
+from models.registry import FAMILIES
 
 LLAMA = FAMILIES["llama"]
 BOUND = 2e-2  # of the largest logit: the TP=1 step's bound against the XLA step

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from models import Decoder, make_mesh
-from models.options import DecodeOptions
-from models import families, qwen3_moe
+from models import Decoder, make_mesh, registry
+from models.decoder.options import DecodeOptions
 from models.qwen3_moe import QWEN3_MOE, Qwen3MoeConfig
-from models.qwen3_moe_weights import to_hf_tensors
+from models.qwen3_moe import model as qwen3_moe
+from models.qwen3_moe.hf import to_hf_tensors
 
 PROMPT, STEPS = 8, 4  # prefill length, then teacher-forced decode steps
 NEW = 8  # greedy tokens compared across all-reduce variants
@@ -327,11 +327,11 @@ def test_config_checks():
 # ---- the family, the presets, the CLI ------------------------------------------------------------------
 
 def test_family_is_found_by_config_preset_and_checkpoint(hf):
-    assert families.FAMILIES["qwen3_moe"] is QWEN3_MOE
-    assert families.family_of(Qwen3MoeConfig.tiny()) is QWEN3_MOE
-    assert families.preset("qwen3_moe_tiny") == Qwen3MoeConfig.tiny()
-    assert families.preset("qwen3_30b_a3b") == Qwen3MoeConfig.qwen3_30b_a3b()
-    assert families.family_for_checkpoint(hf[0]) is QWEN3_MOE
+    assert registry.FAMILIES["qwen3_moe"] is QWEN3_MOE
+    assert registry.family_of(Qwen3MoeConfig.tiny()) is QWEN3_MOE
+    assert registry.preset("qwen3_moe_tiny") == Qwen3MoeConfig.tiny()
+    assert registry.preset("qwen3_30b_a3b") == Qwen3MoeConfig.qwen3_30b_a3b()
+    assert registry.family_for_checkpoint(hf[0]) is QWEN3_MOE
 
 
 def test_qwen3_30b_a3b_shapes_and_active_bytes():

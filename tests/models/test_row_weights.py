@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 
 import sifar_jax
-from models import Decoder, from_rows, make_mesh, persistent, to_rows
-from models.families import FAMILIES
-from models.options import DecodeOptions
-from models.quant import RowWeight, is_projection
+from models import Decoder, from_rows, make_mesh, to_rows
+from models.decoder import step_choice
+from models.decoder.options import DecodeOptions
+from models.llama import step as persistent
+from models.registry import FAMILIES
+from models.weights.types import RowWeight, is_projection
 
 LLAMA = FAMILIES["llama"]
 # Of the largest logit over 12 teacher-forced steps: the persistent step (bf16 rows) against
@@ -180,20 +182,21 @@ def test_dense_weights_say_how_to_hold_rows(dense, monkeypatch):
     assert persistent.reason(LLAMA, LLAMA.layout(cfg, 1), mesh, opts, to_rows(params, cfg)) is None
 
 
-def test_rows_for_step_moves_only_what_the_step_will_read(monkeypatch):
-    """The CLI's conversion: rows where step="persistent" would then run, the params untouched
-    otherwise (the XLA step asked, or a step that declines for another reason)."""
+def test_params_for_step_moves_only_what_the_step_will_read(monkeypatch):
+    """The CLI's conversion (step_choice.params_for_step, the persistent step's rows_for_step):
+    rows where step="persistent" would then run, the params untouched otherwise (the XLA step
+    asked, or a step that declines for another reason)."""
     monkeypatch.setattr(persistent, "backend_reason", lambda mesh: None)
     cfg, mesh = _config(), make_mesh(1)
     params = LLAMA.random_params(cfg, mesh, seed=6)
     xla = DecodeOptions(kv_layout="bhsd")
-    assert persistent.rows_for_step(LLAMA, cfg, mesh, xla, params) is params
+    assert step_choice.params_for_step(LLAMA, cfg, mesh, xla, params) is params
     bshd = DecodeOptions(kv_layout="bshd", step="persistent")
-    assert persistent.rows_for_step(LLAMA, cfg, mesh, bshd, params) is params
+    assert step_choice.params_for_step(LLAMA, cfg, mesh, bshd, params) is params
     qkv = params["layers"][0]["attn"]["qkv"]
     want = np.transpose(np.asarray(qkv, np.float32), (1, 2, 3, 0))
-    out = persistent.rows_for_step(LLAMA, cfg, mesh, DecodeOptions(kv_layout="bhsd",
-                                                                   step="persistent"), params)
+    out = step_choice.params_for_step(LLAMA, cfg, mesh, DecodeOptions(kv_layout="bhsd",
+                                                                      step="persistent"), params)
     assert isinstance(out["layers"][0]["attn"]["qkv"], RowWeight)
     np.testing.assert_array_equal(np.asarray(out["layers"][0]["attn"]["qkv"].w, np.float32), want)
     assert qkv.is_deleted()  # donated: one copy of the weights
@@ -216,7 +219,7 @@ def test_to_rows_donating_holds_one_weight_twice_at_most(monkeypatch):
         peak[0] = max(peak[0], live())
         return out
 
-    import models.quantize as q
+    import models.weights.transforms as q
 
     before = live()
     monkeypatch.setattr(q.jax, "block_until_ready", watch)
@@ -230,7 +233,7 @@ def test_to_rows_errors(dense):
     fp8 = LLAMA.random_params(cfg, mesh, seed=1, quantize="fp8")
     with pytest.raises(ValueError, match="already in the kernels' output-major layout"):
         to_rows(fp8, cfg)
-    from models.quantize import quantize_params
+    from models import quantize_params
 
     with pytest.raises(ValueError, match="from_rows first"):
         quantize_params(to_rows(params, cfg), cfg)
@@ -264,7 +267,7 @@ def test_gpu_xla_step_reads_rows_in_place(dense):
     """The XLA step's optimised HLO on rows writes no array of any projection's shape (stored
     or einsum, 3-D or 2-D, bf16 or float32) outside the fusions that read it: the weights are
     read where they lie, never transposed or copied into a buffer of their own."""
-    from models import hlo
+    from models.decoder import hlo
 
     cfg, mesh, params = dense
     rows = to_rows(params, cfg)

@@ -101,15 +101,15 @@ def test_make_buffers_needs_init():
 
 @functools.lru_cache(maxsize=None)
 def _tiny():
-    from models.config import LlamaConfig
+    from models.llama import LlamaConfig
 
     return LlamaConfig.tiny()
 
 
 def test_decoder_with_explicit_buffers_matches_psum():
     pytest.importorskip("flax")
-    from models.decode import Decoder, make_mesh
-    from models.weights import random_params
+    from models import Decoder, make_mesh
+    from models import random_params
 
     sifar_jax.shutdown()
     cfg = _tiny()
