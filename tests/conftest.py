@@ -7,6 +7,8 @@ here, before any test module imports jax.
 from __future__ import annotations
 
 import os
+import pathlib
+import sys
 
 _FLAG = "--xla_force_host_platform_device_count"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
@@ -112,3 +114,15 @@ def gpu_devices():
     if len(devs) < 2:
         pytest.skip("needs at least 2 CUDA GPUs")
     return devs
+
+
+@pytest.fixture
+def timing_figures():
+    """tests/bench/timing_figures.find_timing_figures: what a CPU benchmark run must never print
+    or write in markdown."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parent / "bench"))
+    try:
+        from timing_figures import find_timing_figures
+    finally:
+        sys.path.pop(0)
+    return find_timing_figures

@@ -1,10 +1,10 @@
-"""The benchmarks' tests: the CPU rule's check (a CPU run prints and writes no timing figure)."""
+"""The benchmarks' tests: the CPU rule's check (a CPU run prints and writes no timing figure).
+Not a conftest.py: tests/ has one, and the sifar_jax tests import from it as `conftest`; the
+fixture `timing_figures` is registered there."""
 
 from __future__ import annotations
 
 import re
-
-import pytest
 
 _FIGURE = re.compile(r"[-+]?\d[\d.]*\s*(?:ms|us|µs|s|tokens/s|TB/s|GB/s)\b|\b\d+\.\d+x\b"
                      r"|[-+]\d+(?:\.\d+)?%")
@@ -20,9 +20,3 @@ def find_timing_figures(text: str) -> list[str]:
         if re.fullmatch(r"\|?[\s|:-]*-{3}[\s|:-]*", rule) and _UNIT_HEADER.search(head):
             found.append(head)
     return found
-
-
-@pytest.fixture
-def timing_figures():
-    """find_timing_figures: what a CPU run must never print or write in markdown."""
-    return find_timing_figures
