@@ -20,7 +20,7 @@
 // peer's word. Words of the plain all-reduces' format, so values only grow on each word.
 // Memory order of the tagged words: a writer's fence.acq_rel.sys before it publishes, a
 // reader's after its reads (fence-fence synchronisation through the word read), at system
-// scope: the peers are other GPUs. Why slot e & 1 is free when phase e writes it, and why a
+// scope: the peers are other GPUs (sifar only: oneshot's barriers order its partials). Why slot e & 1 is free when phase e writes it, and why a
 // stale or future word is never accepted, launch after launch: docs/step_across_devices.md.
 // Every wait is bounded by the communicator's timeout (at most step::kMaxTimeoutNs, half the
 // traps' bound); past it the block records the failure (the rank's error record, the phase in
@@ -175,8 +175,8 @@ __device__ bool DevBarrier(DevAr& a, uint32_t value, unsigned k, DevWait& w) {
 // Phase k's start, before its partials are published: the next epoch and its tag; at the tag
 // wrap the rank's tagged words and flags of both slots zeroed (this block's share of them)
 // between barriers across the ranks on the two skipped epochs' values; the injected skew
-// (testing.inject_skew: per rank, epoch and block); the fence that orders the words this
-// block read before (the earlier phases) before the words it writes now. Block-wide.
+// (testing.inject_skew: per rank, epoch and block); sifar: the fence that orders the words
+// this block read before (the earlier phases) before the words it writes now. Block-wide.
 __device__ void DevBegin(DevAr& a, unsigned k) {
   const unsigned prev = a.epoch;
   a.epoch = NextEpoch(prev, a.mask);
@@ -194,7 +194,8 @@ __device__ void DevBegin(DevAr& a, unsigned k) {
                        ::"l"(ll + 2 * i), "l"(0ull), "l"(0ull) : "memory");
         if (a.b == 0 && threadIdx.x < kMaxBlocks) StoreRelaxedSys(m.own_flags[parity] + threadIdx.x, 0u);
       }
-      FenceAcqRelSys();
+      // The barrier's release (BlockSync, the arrival's red.release, block 0's
+      // st.release.sys into every peer's word) orders the clearing before what follows it.
       DevBarrier(a, BarrierValue(a.epoch - 1, kTop), k, w);
     }
   }
@@ -208,7 +209,7 @@ __device__ void DevBegin(DevAr& a, unsigned k) {
     }
     BlockSync();
   }
-  FenceAcqRelSys();
+  if (a.m->algorithm != kOneshot) FenceAcqRelSys();  // oneshot: its barriers order the slots
 }
 
 // This rank's partial of row n in the current phase (rounded to bf16).
@@ -291,7 +292,7 @@ __device__ void DevReduce(DevAr& a, const bf16* old, bf16* out, int qlo, int qhi
       reinterpret_cast<uint2*>(out)[i] = make_uint2(lo, hi);
     }
   }
-  FenceAcqRelSys();  // the words read here before this rank's later writes
+  if (!oneshot) FenceAcqRelSys();  // the words read here before this rank's later writes
   if (BlockAny(retried) && threadIdx.x == 0) {
     atomicAdd(a.status + step::kRetried, 1u);
     atomicAdd(m.stats + m.algorithm * kNumStats + kRetries, 1ull);
