@@ -111,7 +111,8 @@ __device__ void DevFail(const DevAr& a, unsigned k, int missing) {
     e->rank = m.rank;
     e->peer = missing;
     e->epoch = a.epoch;
-    e->block = static_cast<int32_t>(blockIdx.x);
+    e->block = 0;  // the protocol block: the step's epochs are the lane's, block 0's (the
+                   // grid's block, which may be >= kMaxBlocks, is the status's kFailedBlock)
     e->chain = m.chain;
     e->pad = k;  // the step's phase (sifar_jax.check() names it)
     __threadfence_system();
