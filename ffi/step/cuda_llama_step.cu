@@ -67,7 +67,8 @@ struct Params {
   bf16* cache;
   bf16* h;
   unsigned* status;    // step::StepStatus
-  unsigned* barriers;  // [ranks] each rank's barrier, then [ranks] oneshot's arrivals
+  unsigned* barriers;  // [ranks] each rank's barrier, then [ranks] oneshot's arrivals;
+                       // kDevices: the launch's words (devices_phase.cuh, DevLaunchWord)
   unsigned* heads;     // [layers][kv] the attention's counts
   uint32_t* ar;        // [2][ranks][H] the all-reduce's tagged words
   int oneshot, absent_rank;
@@ -302,17 +303,23 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
   const int pos = P.pos[0], start = P.pos[1];
   if (pos < 0 || pos >= s.capacity || start < 0 || start > pos) return NanOut(P);
   constexpr bool kTP = kMode != kTp1;
-  __shared__ DevStart dstart;  // kDevices: the rank's Control and the lane's epoch
+  __shared__ DevStart dstart;  // kDevices: the rank's skew and timeout
   __shared__ uint64_t dcalls;
   if constexpr (kMode == kDevices) {
+    // Block 0 alone decides for the grid (DevDecide): a failed communicator or
+    // testing.drop_rank makes every block run the step without publishing, waiting or taking
+    // any rank's word (NaN; its peers time out), never leave early, so that no block waits at
+    // a grid barrier for blocks that left; and where the step begins on the lane. The others
+    // read the decisions after the first grid barriers (DevBegin of phase 1).
     if (threadIdx.x == 0) {
       ReadDevStart(P.comm, dstart);
-      dcalls = blockIdx.x == 0 ? *reinterpret_cast<volatile uint64_t*>(P.comm.calls + P.comm.algorithm) : 0;
+      dcalls = 0;
+      if (blockIdx.x == 0) {
+        DevDecide(P.comm, s.hidden, P.barriers);
+        dcalls = *reinterpret_cast<volatile uint64_t*>(P.comm.calls + P.comm.algorithm);
+      }
     }
     __syncthreads();
-    // A failed communicator (never a plausible number), or testing.drop_rank: this rank never
-    // arrives (nothing published; its peers time out).
-    if (dstart.failed || dstart.drop) return NanOut(P);
   }
   unsigned char* ring_buf = smem + P.xs_bytes;
   uint64_t* bars = reinterpret_cast<uint64_t*>(ring_buf + static_cast<size_t>(P.stages) * kStageBytes);
@@ -335,12 +342,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
     DevicePhases ar;
     ar.a.m = &P.comm;
     ar.a.status = P.status;
-    ar.a.arrive = P.barriers + 1;
+    ar.a.words = P.barriers;  // [kGridCounter] is the grid barrier's (rank 0 of 1)
     ar.a.nb = nb;
     ar.a.b = b;
     ar.a.hidden = s.hidden;
-    ar.a.epoch = dstart.epoch;
-    ar.a.mask = dstart.mask;
     ar.a.chain = ChainTag(P.comm.chain);
     ar.a.skew_max = dstart.skew_max;
     ar.a.skew_seed = dstart.skew_seed;
