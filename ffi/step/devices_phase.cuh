@@ -5,14 +5,15 @@
 // input (allreduce_phase.cuh's ArReduce, with the peers' words in place of the virtual ranks').
 //
 // Phase k of a launch is the next epoch e of the communicator's lane (protocol.h): block 0
-// alone reads the rank's Control and the lane's epoch (protocol block 0's) at the start of the
-// launch and decides for the whole grid (the launch words, read by the other blocks after the
-// first grid barriers): where the step begins, and whether this rank takes part at all (a
-// failed communicator, testing.drop_rank: every block then runs the step without publishing,
-// waiting or accepting a word, NaN, so every block still passes every grid barrier). Every
-// block advances e alike, and block 0, once every block has finished its last phase, stores
-// the last e into every protocol block's epoch (the lane's plain all-reduces go on from
-// there).
+// alone reads the rank's Control and the lane's epochs at the start of the launch and decides
+// for the whole grid (the launch words, read by the other blocks after the first grid
+// barriers): where the step begins (protocol block 0's epoch, or two past it with barriers
+// across the ranks first where other protocol blocks lag: lane_start.h), and whether this rank
+// takes part at all (a failed communicator, testing.drop_rank: every block then runs the step
+// without publishing, waiting or accepting a word, NaN, so every block still passes every grid
+// barrier). Every block advances e alike, and block 0, once every block has finished its last
+// phase, stores the last e into every protocol block's epoch (the lane's plain all-reduces go
+// on from there).
 //   sifar: row n's bf16 partial is the LL word PackLL(bits, Tag(chain, e)) at word n of the
 //     rank's own tagged region of slot e & 1; a reader loads every rank's words of a quad at
 //     once and re-reads only those whose tag is not exactly (chain, e). No flag, no barrier.
@@ -42,6 +43,7 @@
 #include "core/protocol.h"
 #include "step/allreduce_phase.cuh"
 #include "step/device_math.cuh"
+#include "step/lane_start.h"
 #include "step/llama_step_tp.h"
 #include "step/norm_phase.cuh"
 
@@ -75,14 +77,16 @@ enum DevLaunchWord : int {
   kGridCounter = 0,
   kDevArrive = 1,
   kDevDone = 2,
-  kDevStartFlags = 3,  // kStartValid | kStartOff
+  kDevStartFlags = 3,  // kStartValid | kStartOff | kStartBarrier | kStartClear
   kDevStartEpoch = 4,  // the epoch before phase 1
   kDevStartMask = 5,   // the tag's epoch bits
+  kDevBarrierValue = 6,
+  kDevClearValue = 7,
   kDevLaunchWords = 8
 };
 // The op's barrier area holds them (StepWorkspace: 256 bytes, whatever the ranks).
 static_assert(kDevLaunchWords * sizeof(unsigned) <= 256, "the launch's words fit the barrier area");
-enum DevStartFlag : unsigned { kStartValid = 1, kStartOff = 2 };
+enum DevStartFlag : unsigned { kStartValid = 1, kStartOff = 2, kStartBarrier = 4, kStartClear = 8 };
 
 // What each block's thread 0 reads at the start of a launch (for the block's waits and skew;
 // shared with the block through shared memory).
@@ -104,16 +108,23 @@ __device__ __forceinline__ void ReadDevStart(const step::StepComm& m, DevStart& 
 // Block 0's thread 0, at the launch's start: the decisions every block takes (one decision
 // for the grid: a block that read Control.failed on its own could leave the grid while the
 // others wait at a grid barrier). Off: the communicator has failed, or testing.drop_rank
-// (this rank never arrives). Else the lane's epoch (protocol block 0's: every call of the lane
-// has one). Stored before the block's first grid barrier (its release), read by every block
-// after it (DevStartLane).
+// (this rank never arrives). Else where the step begins on the lane (lane_start.h) from every
+// protocol block's epoch. Stored before the block's first grid barrier (its release), read
+// by every block after it (DevStartLane).
 __device__ void DevDecide(const step::StepComm& m, int hidden, unsigned* words) {
-  (void)hidden;
   const Control* c = m.ctl[m.rank];
   const bool off = LoadRelaxedSys(&c->failed) || LoadRelaxedSys(&c->drop);
-  words[kDevStartEpoch] = LoadRelaxedSys(m.epochs);
-  words[kDevStartMask] = EpochMask(LoadRelaxedSys(&c->epoch_mask));
-  words[kDevStartFlags] = kStartValid | (off ? kStartOff : 0u);
+  const uint32_t mask = EpochMask(LoadRelaxedSys(&c->epoch_mask));
+  // The epochs: nothing writes them before this launch's end (DevCommit, after every block's
+  // last phase); the lane's earlier kernels and the host's writes precede it in stream order.
+  const step::LaneStart ls = step::StepLaneStart(
+      m.epochs, kMaxBlocks, step::StepBlocksWritten(hidden, m.algorithm), mask);
+  words[kDevStartEpoch] = ls.epoch;
+  words[kDevStartMask] = mask;
+  words[kDevBarrierValue] = ls.barrier_value;
+  words[kDevClearValue] = ls.clear_value;
+  words[kDevStartFlags] = kStartValid | (off ? kStartOff : 0u) | (ls.barrier ? kStartBarrier : 0u) |
+                          (ls.clear ? kStartClear : 0u);
 }
 
 // One block's view of the step's all-reduce across devices.
@@ -128,8 +139,8 @@ struct DevAr {
   unsigned phases = 0;  // phases so far (k)
   // Block-uniform: this block publishes nothing, waits for nothing and takes no rank's word
   // in the rest of this launch (NaN):
-  // block 0's decision (a failed or dropped rank), or a barrier of a wrap that failed (the
-  // clearing it guards did not happen).
+  // block 0's decision (a failed or dropped rank), or a barrier of the launch's start or of a
+  // wrap that failed (the clearing it guards did not happen).
   bool off = false;
 };
 
@@ -238,12 +249,23 @@ __device__ void DevClearAcross(DevAr& a, uint32_t before, uint32_t after, unsign
 }
 
 // Phase 1's start: block 0's decisions (DevDecide; the grid barriers since made them
-// visible). Block-wide.
+// visible), then, where protocol blocks of the lane lag behind block 0 (lane_start.h), a
+// barrier across the ranks (every peer has left the lane's earlier kernels, so no block of
+// them still reads a slot this launch writes), with the clearing of the tagged words where a
+// lagging block lies in an earlier tag cycle. Block-wide.
 __device__ void DevStartLane(DevAr& a) {
   const unsigned flags = LoadRelaxed(a.words + kDevStartFlags);
   a.epoch = LoadRelaxed(a.words + kDevStartEpoch);
   a.mask = LoadRelaxed(a.words + kDevStartMask);
   a.off = !(flags & kStartValid) || (flags & kStartOff);
+  if (a.off || !(flags & kStartBarrier)) return;
+  const uint32_t before = LoadRelaxed(a.words + kDevBarrierValue);
+  if (flags & kStartClear) {
+    DevClearAcross(a, before, LoadRelaxed(a.words + kDevClearValue), 1);
+  } else {
+    DevWait w;
+    if (!DevBarrier(a, before, 1, w)) a.off = true;
+  }
 }
 
 // Phase k's start, before its partials are published: at k = 1 the launch's start

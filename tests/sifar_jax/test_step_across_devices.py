@@ -16,7 +16,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import faulthandler
+import shutil
+import subprocess
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -395,6 +398,88 @@ def test_the_step_clears_the_lane_at_the_tag_wrap(clean, allreduce):
     assert_same_bits((h, lg), want[:3:2], "the step")
     np.testing.assert_array_equal(np.asarray(p1), b1[0] + b1[1])
     np.testing.assert_array_equal(np.asarray(p2), b2[0] + b2[1])
+
+
+# ------------------------------------------------------ the lane's start ----
+# ffi/step/lane_start.h: where a step begins on its lane when the plain all-reduce's protocol
+# blocks lag behind block 0 (GPUs), compiled alone with the host's C++ compiler.
+
+def _compile_lane_start(tmp_path):
+    """The C++ test program of ffi/step/lane_start.h (the lane's start rule both backends
+    share), built with the host's C++ compiler."""
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    ffi = Path(__file__).resolve().parents[2] / "ffi"
+    src = tmp_path / "lane_start_test.cc"
+    src.write_text(r'''
+#include <cstdio>
+#include "step/lane_start.h"
+using namespace sifar;
+int main() {
+  unsigned mask, n, written, e[kMaxBlocks];
+  while (std::scanf("%u %u %u", &mask, &n, &written) == 3) {
+    for (unsigned b = 0; b < n; ++b) std::scanf("%u", &e[b]);
+    const step::LaneStart s = step::StepLaneStart(e, static_cast<int>(n), static_cast<int>(written), mask);
+    std::printf("%u %d %d %u %u\n", s.epoch, s.barrier, s.clear, s.barrier_value, s.clear_value);
+  }
+  const int hs[] = {256, 512, 1024, 2048, 4096, 8192, 32768, 65536};
+  for (int hh : hs) std::printf("W %d %d %d\n", hh, step::StepBlocksWritten(hh, kSifar),
+                                step::StepBlocksWritten(hh, kOneshot));
+  return 0;
+}
+''')
+    exe = tmp_path / "lane_start_test"
+    p = subprocess.run([cxx, "-std=c++17", "-O1", "-I", str(ffi), str(src), "-o", str(exe)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return exe
+
+
+def test_the_lane_start_rule(tmp_path):
+    """lane_start.h on the host: where a step begins from the lane's per-block epochs, and
+    the protocol blocks one phase writes (sifar: 512 rows a block, oneshot: 2048)."""
+    exe = _compile_lane_start(tmp_path)
+    M24, M3 = (1 << 24) - 1, 7
+
+    def bv(e):  # BarrierValue(e, top)
+        return (4 * e + 1) & 0xFFFFFFFF
+
+    E = 1000
+    rest = [E] * 62
+    cases = [
+        # (mask, epochs, written) -> (epoch, barrier, clear, barrier value, clear value)
+        ((M24, [E] * 64, 8), (E, 0, 0, 0, 0)),  # no lag: no barrier
+        # block 1 lags by one (a small psum, then a 4 KB one), its lines written: barrier,
+        # two epochs skipped
+        ((M24, [E + 2, E + 1] + rest, 2), (E + 4, 1, 0, bv(E + 3), 0)),
+        # ... by two (the other slot): nothing
+        ((M24, [E + 2, E] + rest, 2), (E + 2, 0, 0, 0, 0)),
+        # ... by one, its lines not written by the step (H = 256): nothing
+        ((M24, [E + 1, E] + rest, 1), (E + 1, 0, 0, 0, 0)),
+        # a block lags into the previous cycle (block 0 wrapped in a plain call: 7 -> 10; block
+        # 1 at 3, the same parity as 10): the clearing, between barriers at 11 and 12
+        ((M3, [10, 3] + [2] * 62, 2), (12, 1, 1, bv(11), bv(12))),
+        # ... even where no block the step writes lags (block 5 only)
+        ((M3, [10] * 5 + [6] + [10] * 58, 2), (12, 1, 1, bv(11), bv(12))),
+        # the two skipped epochs cross the wrap (6 -> 7 -> 10): the clearing too
+        ((M3, [6, 5] + [6] * 62, 2), (10, 1, 1, bv(7), bv(10))),
+        # the 32-bit counter wraps with the tag (0xffffffff -> 2): another cycle
+        ((M24, [2, 0xFFFFFFFE] + [2] * 62, 1), (4, 1, 1, bv(3), bv(4))),
+        # the CPU: one block, never a lag
+        ((M24, [E], 1), (E, 0, 0, 0, 0)),
+    ]
+    text = "".join(f"{m} {len(e)} {w} {' '.join(map(str, e))}\n" for (m, e, w), _ in cases)
+    out = subprocess.run([str(exe)], input=text, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    got = [tuple(int(v) for v in ln.split()) for ln in lines if not ln.startswith("W")]
+    for (args, want), g in zip(cases, got, strict=True):
+        assert g == want, (args[0], args[1][:2], args[2], g, want)
+    written = {int(ln.split()[1]): tuple(int(v) for v in ln.split()[2:])
+               for ln in lines if ln.startswith("W")}
+    assert written == {256: (1, 1), 512: (1, 1), 1024: (2, 1), 2048: (4, 1), 4096: (8, 2),
+                       8192: (16, 4), 32768: (64, 16), 65536: (64, 32)}
 
 
 # ---------------------------------------------------------------- GPUs ----
