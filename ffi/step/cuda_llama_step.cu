@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -425,6 +426,20 @@ cudaError_t GridBlocks(KernelFn kernel, const step::Shape& s, Smem* sm, int* blo
   return e;
 }
 
+// SIFAR_STEP_MAX_BLOCKS (read once per process): at most this many blocks in the step's grid
+// (unset or 0: one block per SM). Ranks of a step across devices that share one GPU under MPS
+// need grids that fit beside each other (a cooperative grid that fills the GPU leaves the
+// other rank's no room: it waits until the first one's timeout); without MPS their contexts
+// take turns on the GPU, whatever the grid (docs/step_across_devices.md, "One GPU, two
+// processes").
+int StepMaxBlocks() {
+  static const int cap = [] {
+    const char* v = std::getenv("SIFAR_STEP_MAX_BLOCKS");
+    return v ? std::max(0, std::atoi(v)) : 0;
+  }();
+  return cap;
+}
+
 // The launch of a planned step on the handler's device (its current one); comm: the
 // communicator's memory of a step across devices (Shape::devices > 1), else null.
 ffi::Error LaunchStep(cudaStream_t stream, const step::StepCall& call, const step::StepComm* comm) {
@@ -437,6 +452,8 @@ ffi::Error LaunchStep(cudaStream_t stream, const step::StepCall& call, const ste
   int blocks = 0;
   cudaError_t e = GridBlocks(kernel, s, &sm, &blocks);
   if (e != cudaSuccess) return Launched(e);
+  const int cap = StepMaxBlocks();
+  if (cap > 0 && blocks > cap) blocks = std::max(cap, s.ranks);
   blocks = blocks / s.ranks * s.ranks;  // virtual ranks: equal sets of blocks
   if (blocks < 1)
     return Invalid("llama_step: this GPU cannot run the persistent step (no cooperative launch, "

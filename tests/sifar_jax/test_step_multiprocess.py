@@ -4,6 +4,11 @@ one host device each (the communicator's workspaces in POSIX shared memory); on 
 per GPU (CUDA IPC) and two processes sharing one GPU as ranks 0 and 1 (--share-gpu), skipped
 without a GPU. The step's results bit for bit the virtual ranks' step, exact under skew; an
 absent rank and a killed process fail clearly within the timeout.
+
+The shared-GPU variants cap each rank's grid (SIFAR_STEP_MAX_BLOCKS=16): the two ranks'
+cooperative grids then fit on the GPU together, which MPS needs (without MPS the two contexts
+take turns on the GPU whatever the grid; docs/step_across_devices.md, "One GPU, two
+processes").
 """
 
 from __future__ import annotations
@@ -18,15 +23,28 @@ from test_multiprocess import _tail, assert_no_leftovers, launch, lines_of
 WORKER = Path(__file__).with_name("step_multiprocess_worker.py")
 
 
+# Blocks per rank's grid where two ranks share one GPU.
+SHARED_GPU_MAX_BLOCKS = "16"
+
+
 def step_launch(n, *args, **kw):
+    """launch() of the step's worker; on a shared GPU with SIFAR_STEP_MAX_BLOCKS (unless the
+    environment sets it already)."""
+    import os
+
     import test_multiprocess
 
+    cap = kw.get("share_gpu") and "SIFAR_STEP_MAX_BLOCKS" not in os.environ
     old = test_multiprocess.WORKER
     test_multiprocess.WORKER = WORKER
+    if cap:
+        os.environ["SIFAR_STEP_MAX_BLOCKS"] = SHARED_GPU_MAX_BLOCKS
     try:
         return launch(n, *args, **kw)
     finally:
         test_multiprocess.WORKER = old
+        if cap:
+            del os.environ["SIFAR_STEP_MAX_BLOCKS"]
 
 
 def assert_step_ok(text: str, n_processes: int, ranks: int, scenarios) -> None:
