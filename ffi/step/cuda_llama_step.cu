@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -67,7 +68,8 @@ struct Params {
   bf16* cache;
   bf16* h;
   unsigned* status;    // step::StepStatus
-  unsigned* barriers;  // [ranks] each rank's barrier, then [ranks] oneshot's arrivals
+  unsigned* barriers;  // [ranks] each rank's barrier, then [ranks] oneshot's arrivals;
+                       // kDevices: the launch's words (devices_phase.cuh, DevLaunchWord)
   unsigned* heads;     // [layers][kv] the attention's counts
   uint32_t* ar;        // [2][ranks][H] the all-reduce's tagged words
   int oneshot, absent_rank;
@@ -302,17 +304,23 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
   const int pos = P.pos[0], start = P.pos[1];
   if (pos < 0 || pos >= s.capacity || start < 0 || start > pos) return NanOut(P);
   constexpr bool kTP = kMode != kTp1;
-  __shared__ DevStart dstart;  // kDevices: the rank's Control and the lane's epoch
+  __shared__ DevStart dstart;  // kDevices: the rank's skew and timeout
   __shared__ uint64_t dcalls;
   if constexpr (kMode == kDevices) {
+    // Block 0 alone decides for the grid (DevDecide): a failed communicator or
+    // testing.drop_rank makes every block run the step without publishing, waiting or taking
+    // any rank's word (NaN; its peers time out), never leave early, so that no block waits at
+    // a grid barrier for blocks that left; and where the step begins on the lane. The others
+    // read the decisions after the first grid barriers (DevBegin of phase 1).
     if (threadIdx.x == 0) {
       ReadDevStart(P.comm, dstart);
-      dcalls = blockIdx.x == 0 ? *reinterpret_cast<volatile uint64_t*>(P.comm.calls + P.comm.algorithm) : 0;
+      dcalls = 0;
+      if (blockIdx.x == 0) {
+        DevDecide(P.comm, s.hidden, P.barriers);
+        dcalls = *reinterpret_cast<volatile uint64_t*>(P.comm.calls + P.comm.algorithm);
+      }
     }
     __syncthreads();
-    // A failed communicator (never a plausible number), or testing.drop_rank: this rank never
-    // arrives (nothing published; its peers time out).
-    if (dstart.failed || dstart.drop) return NanOut(P);
   }
   unsigned char* ring_buf = smem + P.xs_bytes;
   uint64_t* bars = reinterpret_cast<uint64_t*>(ring_buf + static_cast<size_t>(P.stages) * kStageBytes);
@@ -335,12 +343,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
     DevicePhases ar;
     ar.a.m = &P.comm;
     ar.a.status = P.status;
-    ar.a.arrive = P.barriers + 1;
+    ar.a.words = P.barriers;  // [kGridCounter] is the grid barrier's (rank 0 of 1)
     ar.a.nb = nb;
     ar.a.b = b;
     ar.a.hidden = s.hidden;
-    ar.a.epoch = dstart.epoch;
-    ar.a.mask = dstart.mask;
     ar.a.chain = ChainTag(P.comm.chain);
     ar.a.skew_max = dstart.skew_max;
     ar.a.skew_seed = dstart.skew_seed;
@@ -420,6 +426,20 @@ cudaError_t GridBlocks(KernelFn kernel, const step::Shape& s, Smem* sm, int* blo
   return e;
 }
 
+// SIFAR_STEP_MAX_BLOCKS (read once per process): at most this many blocks in the step's grid
+// (unset or 0: one block per SM). Ranks of a step across devices that share one GPU under MPS
+// need grids that fit beside each other (a cooperative grid that fills the GPU leaves the
+// other rank's no room: it waits until the first one's timeout); without MPS their contexts
+// take turns on the GPU, whatever the grid (docs/step_across_devices.md, "One GPU, two
+// processes").
+int StepMaxBlocks() {
+  static const int cap = [] {
+    const char* v = std::getenv("SIFAR_STEP_MAX_BLOCKS");
+    return v ? std::max(0, std::atoi(v)) : 0;
+  }();
+  return cap;
+}
+
 // The launch of a planned step on the handler's device (its current one); comm: the
 // communicator's memory of a step across devices (Shape::devices > 1), else null.
 ffi::Error LaunchStep(cudaStream_t stream, const step::StepCall& call, const step::StepComm* comm) {
@@ -432,6 +452,8 @@ ffi::Error LaunchStep(cudaStream_t stream, const step::StepCall& call, const ste
   int blocks = 0;
   cudaError_t e = GridBlocks(kernel, s, &sm, &blocks);
   if (e != cudaSuccess) return Launched(e);
+  const int cap = StepMaxBlocks();
+  if (cap > 0 && blocks > cap) blocks = std::max(cap, s.ranks);
   blocks = blocks / s.ranks * s.ranks;  // virtual ranks: equal sets of blocks
   if (blocks < 1)
     return Invalid("llama_step: this GPU cannot run the persistent step (no cooperative launch, "

@@ -16,6 +16,7 @@
 
 #include "core/cpu_numbers.h"
 #include "runtime/comm.h"
+#include "step/lane_start.h"
 #include "targets.h"
 
 namespace ffi = xla::ffi;
@@ -139,7 +140,9 @@ class CpuStepRank final : public CpuAcross {
     timeout_ = std::chrono::nanoseconds(LoadRelaxed(&c->timeout_ns));
     skew_max_ = LoadRelaxed(&c->skew_max_ns);
     skew_seed_ = LoadRelaxed(&c->skew_seed);
-    epoch_ = m_.epochs[0];  // block 0's: every call of the lane has a block 0
+    // One epoch a lane on the CPU (cpu_allreduce.cc keeps block 0's): the lane's start rule
+    // (lane_start.h) over one block never finds a lagging one.
+    epoch_ = StepLaneStart(m_.epochs, 1, 1, mask_).epoch;
     return true;
   }
   bool dropped() const { return LoadRelaxed(&ctl(m_.rank)->drop) != 0; }

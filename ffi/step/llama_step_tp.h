@@ -22,7 +22,10 @@
 // The dual-buffer rule across launches and why no stale or future word is accepted:
 // docs/step_across_devices.md. The tag wrap clears as a plain call does (docs/design.md,
 // "Epochs and wrap"), the whole tagged region of both slots, between two barriers across the
-// ranks. Every wait is bounded by the communicator's timeout (at most kMaxTimeoutNs on GPUs);
+// ranks. Where the plain all-reduce's protocol blocks lag behind block 0 (GPUs: a call
+// advances only the blocks it launches), the step begins two epochs on, behind a barrier
+// across the ranks, and clears where a block lags into an earlier tag cycle (lane_start.h).
+// Every wait is bounded by the communicator's timeout (at most kMaxTimeoutNs on GPUs);
 // past it the rank records the failure in its error record (protocol.h's ErrorRecord, with
 // the phase in its spare word `pad`: sifar_jax.check() names it), fails the communicator for
 // every rank, and the missing values are NaN, which spreads to h and every logit from any

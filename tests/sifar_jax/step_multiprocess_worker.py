@@ -17,6 +17,12 @@ CUDA IPC mappings on GPUs, also two processes sharing one GPU: --share-gpu).
     kill    process --victim kills itself (SIGKILL) after --after steps; the others' next step
             gives NaN and a SifarError naming the rank, its process and the phase within the
             timeout
+    seam    steps between plain psums of other sizes (test_step_across_devices.py's SEAM_*: the
+            plain all-reduce's protocol blocks lagging behind block 0 when a step begins), sifar
+            and oneshot: --steps iterations in one jit loop under --skew-us and 3 epoch bits,
+            every step the virtual ranks' bits and every psum exact; then, on a fresh
+            communicator, the step after block 0 crossed the tag wrap alone in a plain call
+            (SEAM_WRAP), exact
 Each process prints "OK step <scenario> ..." lines; any failure exits non-zero.
 """
 
@@ -40,7 +46,9 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_step_across_devices import BF16, E4M3, KW, step_operands  # noqa: E402
+from test_step_across_devices import (BF16, E4M3, KW, SEAM_POS, SEAM_WRAP_SMALL,  # noqa: E402
+                                      seam_inputs, seam_loop_fn, seam_operands, seam_total,
+                                      seam_wrap_fn, step_operands)
 
 from sifar_jax import decode_step_tp as tpm  # noqa: E402
 from sifar_jax import testing  # noqa: E402
@@ -268,7 +276,61 @@ def run_kill(args) -> None:
     raise AssertionError(f"process {ME}: no step failed after process {args.victim} died")
 
 
-SCENARIOS = {"bits": run_bits, "skew": run_skew, "absent": run_absent, "kill": run_kill}
+def run_seam(args) -> None:
+    mesh = tp_mesh()
+    n = mesh.size
+    x, rope, fnorm, layers, cache, head = seam_operands()
+    pos = np.array(SEAM_POS, np.int32)
+    lt = tpm.tp_layout(layers, n)
+    local = jax.device_put((x, rope, jnp.asarray(pos), fnorm, layers, cache, head),
+                           jax.local_devices()[0])
+    for allreduce in ("sifar", "oneshot"):
+        want_h, _, want_lg = virtual(local, n, allreduce)
+        sifar_jax.init(mesh, timeout_s=args.timeout)
+        f, specs = seam_loop_fn(mesh, allreduce, args.steps, head)
+        extra, total = seam_inputs(n, seam_total(allreduce))
+        tp = global_tree(mesh, jax.tree.map(np.asarray, (x, rope, pos, fnorm, lt, cache, head,
+                                                         want_h, want_lg, extra, total)),
+                         specs(lt))
+        before = sifar_jax.stats()
+        t0 = time.monotonic()
+        with testing.inject_skew(args.skew_us, seed=n + 7), testing.epoch_bits("tp", 3):
+            bad = jax.block_until_ready(f(*tp))
+        elapsed = time.monotonic() - t0
+        sifar_jax.check()
+        counts = np.sum([v for v in local_shards(bad).values()], axis=0).reshape(-1)
+        assert counts.tolist() == [0, 0], \
+            f"process {ME}: {allreduce}: {counts[0]} steps and {counts[1]} psums differ"
+        calls = sifar_jax.stats()[allreduce]["calls"] - before[allreduce]["calls"]
+        say(f"OK step seam loop {allreduce} n={n} steps={args.steps} mismatches=0 "
+            f"calls={calls} in {elapsed:.1f} s")
+
+        # From fresh epochs: the step after block 0 wrapped alone in a plain call.
+        sifar_jax.comm.wait_for_effects()
+        sifar_jax.shutdown()
+        sifar_jax.init(mesh, timeout_s=args.timeout)
+        fw, wspecs = seam_wrap_fn(mesh, allreduce, head)
+        big, big_sum = seam_inputs(n, 1024, seed=1)
+        small, small_sum = seam_inputs(n, 8, seed=2)
+        tpw = global_tree(mesh, jax.tree.map(np.asarray, (x, rope, pos, fnorm, lt, cache, head,
+                                                          big, small)), wspecs(lt))
+        with testing.epoch_bits("tp", 3), testing.inject_skew(args.wrap_skew_us, seed=n + 3):
+            h1, lg1, h2, lg2, b, sm = jax.block_until_ready(fw(*tpw))
+        sifar_jax.check()
+        expect_shards(h1, want_h, f"seam wrap {allreduce} h (first step)")
+        expect_shards(lg1, want_lg, f"seam wrap {allreduce} logits (first step)")
+        expect_shards(h2, want_h, f"seam wrap {allreduce} h (the step after the wrap)")
+        expect_shards(lg2, want_lg, f"seam wrap {allreduce} logits (the step after the wrap)")
+        expect_shards(b, big_sum, f"seam wrap {allreduce} 4 KB psum")
+        ks = np.arange(1, SEAM_WRAP_SMALL + 1, dtype=np.float32)[:, None]
+        expect_shards(sm, small_sum * ks, f"seam wrap {allreduce} small psums")
+        say(f"OK step seam wrap {allreduce} n={n}: exact")
+        sifar_jax.comm.wait_for_effects()
+        sifar_jax.shutdown()
+
+
+SCENARIOS = {"bits": run_bits, "skew": run_skew, "absent": run_absent, "kill": run_kill,
+             "seam": run_seam}
 
 
 def main() -> None:
@@ -276,6 +338,8 @@ def main() -> None:
     p.add_argument("scenarios", nargs="+", choices=tuple(SCENARIOS))
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--skew-us", type=float, default=200.0)
+    p.add_argument("--wrap-skew-us", type=float, default=5000.0,
+                   help="seam: the skew of the wrap's sequence (one pair of steps)")
     p.add_argument("--timeout", type=float, default=5.0)
     p.add_argument("--victim", type=int, default=1)
     p.add_argument("--after", type=int, default=3)

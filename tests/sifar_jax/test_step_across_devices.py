@@ -6,9 +6,13 @@ communicator's shared workspace (ffi/step/llama_step_tp.h).
 Every result is checked bit for bit against the same model's step as virtual ranks
 (llama_step_virtual_ranks, ranks=R, on one device): the same shards, the same rank-order sums.
 Then: many steps in one jit loop under random skew and across the tag wrap, interleaved with
-plain sifar_psum calls of the same lane (exact); a rank that never arrives (NaN in h and every
-logit, SifarError naming the rank and the phase, within the timeout; exact after re-init); the
-trace-time errors.
+plain sifar_psum calls of the same lane (exact); steps between plain psums of other sizes,
+which on GPUs leave the plain all-reduce's protocol blocks lagging behind block 0 (the seam:
+ffi/step/lane_start.h, whose rule a host-compiled test checks); a rank that never arrives (NaN
+in h and every logit, SifarError naming the rank and the phase, within the timeout; exact
+after re-init); the trace-time errors. The GPU tests at the end need GPUs in this process;
+test_step_multiprocess.py runs the same scenarios with one process per rank, also two sharing
+one GPU.
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import faulthandler
+import shutil
+import subprocess
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -44,10 +51,10 @@ def hang_guard(seconds: float):
         faulthandler.cancel_dump_traceback_later()
 
 
-def step_operands(wdt=E4M3, layers=LAYERS, seed=0):
+def step_operands(wdt=E4M3, layers=LAYERS, seed=0, hidden=HIDDEN):
     """A random TP=1 model's step operands: (x, rope, final_norm, layers, cache, head), every
     projection of weight type wdt (per-channel scales on qkv, o, gate_up and the head, a
-    per-tensor one on down)."""
+    per-tensor one on down); `hidden` rows in the residual stream."""
     r = np.random.default_rng(seed)
     spread = 0.5 if wdt == E4M3 else 0.05
 
@@ -59,18 +66,18 @@ def step_operands(wdt=E4M3, layers=LAYERS, seed=0):
                            jnp.float32)
 
     def norm():
-        return jnp.asarray(r.uniform(0.5, 1.5, HIDDEN), jnp.bfloat16)
+        return jnp.asarray(r.uniform(0.5, 1.5, hidden), jnp.bfloat16)
 
     out = []
     for _ in range(layers):
-        out.append(sifar_jax.LlamaLayer(norm(), w(KV * (GROUP + 2) * D, HIDDEN),
-                                        sc(KV * (GROUP + 2) * D), w(HIDDEN, KV * GROUP * D),
-                                        sc(HIDDEN), norm(), w(2 * FFN, HIDDEN), sc(2 * FFN),
-                                        w(HIDDEN, FFN), sc(1)))
-    x = jnp.asarray(r.normal(size=HIDDEN), jnp.bfloat16)
+        out.append(sifar_jax.LlamaLayer(norm(), w(KV * (GROUP + 2) * D, hidden),
+                                        sc(KV * (GROUP + 2) * D), w(hidden, KV * GROUP * D),
+                                        sc(hidden), norm(), w(2 * FFN, hidden), sc(2 * FFN),
+                                        w(hidden, FFN), sc(1)))
+    x = jnp.asarray(r.normal(size=hidden), jnp.bfloat16)
     rope = jnp.asarray(r.uniform(-1, 1, (2, D)), jnp.float32)
     cache = jnp.asarray(r.normal(size=(layers, 2, 1, KV, SLOTS, D)), jnp.bfloat16)
-    return x, rope, norm(), out, cache, (w(VOCAB, HIDDEN), sc(VOCAB))
+    return x, rope, norm(), out, cache, (w(VOCAB, hidden), sc(VOCAB))
 
 
 def tp_step_fn(mesh, allreduce="sifar", head=True, axis="tp"):
@@ -397,6 +404,254 @@ def test_the_step_clears_the_lane_at_the_tag_wrap(clean, allreduce):
     np.testing.assert_array_equal(np.asarray(p2), b2[0] + b2[1])
 
 
+# ------------------------------------------------ the seam with plain calls ----
+# On GPUs the plain all-reduce keeps an epoch per protocol block and a call advances only the
+# blocks it launches (one per 256 lines of its payload); a step continues from block 0's
+# epoch and stores its last one into all 64 (ffi/step/lane_start.h: a barrier across the ranks
+# first where a block whose lines the step writes lags block 0 by an odd count, the tagged
+# words cleared where a block lags into an earlier tag cycle). These scenarios make the other
+# blocks lag between steps: a small psum (block 0 alone), then larger ones, the last one of an
+# algorithm that reads the region the step writes (sifar: the tagged words; oneshot: the plain
+# partials), over a model whose rows reach protocol block 1 (H = 4096: sifar's rows 512..1023,
+# oneshot's 2048..4095). On the CPU (one epoch a lane) they check the same results.
+
+SEAM_HIDDEN = 4096
+# The plain calls between two steps: (algorithm, float32 elements).
+SEAM_PSUMS = {
+    # 32 B (block 0), 8 KB oneshot_db (blocks 0-1), 4 KB sifar (blocks 0-1): block 1 lags
+    # block 0 by one, and its last call read the tagged words the sifar step writes.
+    "sifar": (("sifar", 8), ("oneshot_db", 2048), ("sifar", 1024)),
+    # 32 B, 8 KB sifar (blocks 0-3), 8 KB oneshot_db and sifar_flag (blocks 0-1): block 1 lags
+    # by one, and its last call read the plain partials the oneshot step writes.
+    "oneshot": (("sifar", 8), ("sifar", 2048), ("oneshot_db", 2048), ("sifar_flag", 2048)),
+}
+
+
+def seam_operands(wdt=E4M3, seed=31):
+    """A 1-layer model of SEAM_HIDDEN rows (step_operands)."""
+    return step_operands(wdt, layers=1, seed=seed, hidden=SEAM_HIDDEN)
+
+
+def seam_inputs(ranks, total, seed=0):
+    """[ranks, total] integer-valued float32 psum inputs and their sum over the ranks: any
+    order of the additions gives the same float32 sum, also times a small integer."""
+    r = np.random.default_rng(seed)
+    extra = r.integers(-500, 500, (ranks, total)).astype(np.float32)
+    return extra, extra.sum(axis=0, dtype=np.float32)
+
+
+def _u(a):
+    return jax.lax.bitcast_convert_type(a, jnp.uint16 if a.dtype.itemsize == 2 else jnp.uint32)
+
+
+def seam_loop_fn(mesh, allreduce, steps, head):
+    """jit(shard_map) of `steps` iterations of [the step at pos, SEAM_PSUMS[allreduce] of the
+    same lane] in one fori_loop. Operands: tp_layout's (x, rope, pos, fnorm, layers, cache,
+    head), then h0 and lg0 (the step's expected h and logits), extra (P("tp"): each rank's
+    psum inputs, [1, total]) and their sum (replicated). Psum j of iteration i sums its slice of
+    extra times i + 1. Returns [ranks, 2]: per rank the steps whose h or logits differ from
+    (h0, lg0) in any bit, and the psums whose sum is not exact."""
+    psums = SEAM_PSUMS[allreduce]
+
+    def body_all(x, rope, pos, fnorm, layers, cache, hd, h0, lg0, extra, total):
+        def body(i, carry):
+            cache, bad_steps, bad_sums = carry
+            h, cache, lg = sifar_jax.llama_step(x, rope, pos, fnorm, layers, cache, head=hd,
+                                                axis_name="tp", allreduce=allreduce, **KW)
+            same = jnp.all(_u(h) == _u(h0)) & jnp.all(_u(lg) == _u(lg0))
+            bad_steps = bad_steps + (~same).astype(jnp.int32)
+            k = (i + 1).astype(jnp.float32)
+            at = 0
+            for alg, n in psums:
+                s = sifar_jax.sifar_psum(extra[0, at:at + n] * k, "tp", algorithm=alg)
+                bad_sums = bad_sums + jnp.any(s != total[at:at + n] * k).astype(jnp.int32)
+                at += n
+            return cache, bad_steps, bad_sums
+
+        zero = jax.lax.pcast(jnp.int32(0), ("tp",), to="varying")
+        _, bad_steps, bad_sums = jax.lax.fori_loop(0, steps, body, (cache, zero, zero))
+        return jnp.stack([bad_steps, bad_sums])[None]
+
+    def specs(lt):
+        return tpm.tp_in_specs(lt, "tp", head) + (P(), P("tp"), P("tp"), P())
+
+    def run(x, rope, pos, fnorm, layers, cache, hd, h0, lg0, extra, total):
+        g = jax.shard_map(body_all, mesh=mesh, in_specs=specs(layers), out_specs=P("tp"))
+        return g(x, rope, pos, fnorm, layers, cache, hd, h0, lg0, extra, total)
+
+    return jax.jit(run), specs
+
+
+def seam_total(allreduce):
+    return sum(n for _, n in SEAM_PSUMS[allreduce])
+
+
+# Review F2's interleaving, from a fresh communicator with 3 epoch bits (epochs 1..7, 10..15):
+# the step (1 layer) at epochs 1 and 2; a 4 KB sifar psum at 3 (blocks 0 and 1: tag-3 words in
+# block 1's lines, rows 512..1023, of slot 1); five 32-byte psums at 4, 5, 6, 7 and 10 (block 0
+# alone crosses the wrap and clears its own lines only); the step again. Its first phase would
+# be epoch 11: slot 1, tag 3 again, so a reader that gets there before the peer has published
+# would take the psum's words as the peer's partials of rows 512..1023; the step clears first.
+SEAM_WRAP_SMALL = 5
+
+
+def seam_wrap_fn(mesh, allreduce, head):
+    """jit(shard_map) of the sequence above. Operands: tp_layout's (x, rope, pos, fnorm,
+    layers, cache, head), then big (P("tp"): [1, 1024] each rank's) and small (P("tp"): [1, 8]).
+    Returns (h1, lg1, h2, lg2, the big psum, the small ones [5, 8])."""
+    def body(x, rope, pos, fnorm, layers, cache, hd, big, small):
+        step = functools.partial(sifar_jax.llama_step, head=hd, axis_name="tp",
+                                 allreduce=allreduce, **KW)
+        psum = functools.partial(sifar_jax.sifar_psum, axis_name="tp", algorithm="sifar")
+        h1, cache, lg1 = step(x, rope, pos, fnorm, layers, cache)
+        b = psum(big[0])
+        s = [psum(small[0] * k) for k in range(1, SEAM_WRAP_SMALL + 1)]
+        h2, _, lg2 = step(x, rope, pos, fnorm, layers, cache)
+        return h1, lg1, h2, lg2, b, jnp.stack(s)
+
+    def specs(lt):
+        return tpm.tp_in_specs(lt, "tp", head) + (P("tp"), P("tp"))
+
+    def run(x, rope, pos, fnorm, layers, cache, hd, big, small):
+        g = jax.shard_map(body, mesh=mesh, in_specs=specs(layers),
+                          out_specs=(P(), P("tp"), P(), P("tp"), P(), P()))
+        return g(x, rope, pos, fnorm, layers, cache, hd, big, small)
+
+    return jax.jit(run), specs
+
+
+SEAM_POS = (9, 2)  # 8 keys: one key range of the attention whatever the grid
+
+
+@pytest.mark.parametrize("allreduce", ["sifar", "oneshot"])
+def test_steps_between_plain_calls_of_other_sizes(clean, allreduce):
+    """Steps with plain psums of several sizes and algorithms between them (SEAM_PSUMS), under
+    skew and 3 epoch bits (wraps in the steps and in the plain calls): every step's h and
+    logits the virtual ranks' bits, every psum exact."""
+    ranks, steps = 2, 8
+    x, rope, fnorm, layers, cache, head = seam_operands()
+    pos = jnp.array(SEAM_POS, jnp.int32)
+    want = sifar_jax.llama_step_virtual_ranks(x, rope, pos, fnorm, layers, cache, head=head,
+                                              ranks=ranks, allreduce=allreduce, **KW)
+    mesh = make_mesh(ranks)
+    f, _ = seam_loop_fn(mesh, allreduce, steps, head)
+    extra, total = seam_inputs(ranks, seam_total(allreduce))
+    with hang_guard(600), testing.inject_skew(300, seed=5), testing.epoch_bits("tp", 3):
+        bad = jax.block_until_ready(f(x, rope, pos, fnorm, tpm.tp_layout(layers, ranks), cache,
+                                      head, want[0], want[2], extra, total))
+    sifar_jax.check()
+    np.testing.assert_array_equal(np.asarray(bad), 0, err_msg="[mismatching steps, psums]")
+
+
+@pytest.mark.parametrize("allreduce", ["sifar", "oneshot"])
+def test_the_step_after_block_0_wrapped_in_a_plain_call(clean, allreduce):
+    """SEAM_WRAP's sequence: both steps the virtual ranks' bits, every psum exact (rank 1
+    publishes the second step's first phase well after rank 0 reads it)."""
+    ranks = 2
+    x, rope, fnorm, layers, cache, head = seam_operands(seed=32)
+    pos = jnp.array(SEAM_POS, jnp.int32)
+    want = sifar_jax.llama_step_virtual_ranks(x, rope, pos, fnorm, layers, cache, head=head,
+                                              ranks=ranks, allreduce=allreduce, **KW)
+    mesh = make_mesh(ranks)
+    f, _ = seam_wrap_fn(mesh, allreduce, head)
+    big, big_sum = seam_inputs(ranks, 1024, seed=1)
+    small, small_sum = seam_inputs(ranks, 8, seed=2)
+    max_ns = 50_000_000
+    seed = next(s for s in range(1000)
+                if _skew_ns(max_ns, s, 1, 11) - _skew_ns(max_ns, s, 0, 11) > 40_000_000)
+    with hang_guard(300), testing.epoch_bits("tp", 3), testing.inject_skew(max_ns / 1000, seed):
+        h1, lg1, h2, lg2, b, s = jax.block_until_ready(
+            f(x, rope, pos, fnorm, tpm.tp_layout(layers, ranks), cache, head, big, small))
+    sifar_jax.check()
+    assert_same_bits((h1, lg1), want[:3:2], "the first step")
+    assert_same_bits((h2, lg2), want[:3:2], "the step after the plain wrap")
+    np.testing.assert_array_equal(np.asarray(b), big_sum)
+    np.testing.assert_array_equal(
+        np.asarray(s), small_sum * np.arange(1, SEAM_WRAP_SMALL + 1, dtype=np.float32)[:, None])
+
+
+# ------------------------------------------------------ the lane's start ----
+# ffi/step/lane_start.h: where a step begins on its lane when the plain all-reduce's protocol
+# blocks lag behind block 0 (GPUs), compiled alone with the host's C++ compiler.
+
+def _compile_lane_start(tmp_path):
+    """The C++ test program of ffi/step/lane_start.h (the lane's start rule both backends
+    share), built with the host's C++ compiler."""
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    ffi = Path(__file__).resolve().parents[2] / "ffi"
+    src = tmp_path / "lane_start_test.cc"
+    src.write_text(r'''
+#include <cstdio>
+#include "step/lane_start.h"
+using namespace sifar;
+int main() {
+  unsigned mask, n, written, e[kMaxBlocks];
+  while (std::scanf("%u %u %u", &mask, &n, &written) == 3) {
+    for (unsigned b = 0; b < n; ++b) std::scanf("%u", &e[b]);
+    const step::LaneStart s = step::StepLaneStart(e, static_cast<int>(n), static_cast<int>(written), mask);
+    std::printf("%u %d %d %u %u\n", s.epoch, s.barrier, s.clear, s.barrier_value, s.clear_value);
+  }
+  const int hs[] = {256, 512, 1024, 2048, 4096, 8192, 32768, 65536};
+  for (int hh : hs) std::printf("W %d %d %d\n", hh, step::StepBlocksWritten(hh, kSifar),
+                                step::StepBlocksWritten(hh, kOneshot));
+  return 0;
+}
+''')
+    exe = tmp_path / "lane_start_test"
+    p = subprocess.run([cxx, "-std=c++17", "-O1", "-I", str(ffi), str(src), "-o", str(exe)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return exe
+
+
+def test_the_lane_start_rule(tmp_path):
+    """lane_start.h on the host: where a step begins from the lane's per-block epochs, and
+    the protocol blocks one phase writes (sifar: 512 rows a block, oneshot: 2048)."""
+    exe = _compile_lane_start(tmp_path)
+    M24, M3 = (1 << 24) - 1, 7
+
+    def bv(e):  # BarrierValue(e, top)
+        return (4 * e + 1) & 0xFFFFFFFF
+
+    E = 1000
+    rest = [E] * 62
+    cases = [
+        # (mask, epochs, written) -> (epoch, barrier, clear, barrier value, clear value)
+        ((M24, [E] * 64, 8), (E, 0, 0, 0, 0)),  # no lag: no barrier
+        # block 1 lags by one (a small psum, then a 4 KB one), its lines written: barrier,
+        # two epochs skipped
+        ((M24, [E + 2, E + 1] + rest, 2), (E + 4, 1, 0, bv(E + 3), 0)),
+        # ... by two (the other slot): nothing
+        ((M24, [E + 2, E] + rest, 2), (E + 2, 0, 0, 0, 0)),
+        # ... by one, its lines not written by the step (H = 256): nothing
+        ((M24, [E + 1, E] + rest, 1), (E + 1, 0, 0, 0, 0)),
+        # a block lags into the previous cycle (block 0 wrapped in a plain call: 7 -> 10; block
+        # 1 at 3, the same parity as 10): the clearing, between barriers at 11 and 12
+        ((M3, [10, 3] + [2] * 62, 2), (12, 1, 1, bv(11), bv(12))),
+        # ... even where no block the step writes lags (block 5 only)
+        ((M3, [10] * 5 + [6] + [10] * 58, 2), (12, 1, 1, bv(11), bv(12))),
+        # the two skipped epochs cross the wrap (6 -> 7 -> 10): the clearing too
+        ((M3, [6, 5] + [6] * 62, 2), (10, 1, 1, bv(7), bv(10))),
+        # the 32-bit counter wraps with the tag (0xffffffff -> 2): another cycle
+        ((M24, [2, 0xFFFFFFFE] + [2] * 62, 1), (4, 1, 1, bv(3), bv(4))),
+        # the CPU: one block, never a lag
+        ((M24, [E], 1), (E, 0, 0, 0, 0)),
+    ]
+    text = "".join(f"{m} {len(e)} {w} {' '.join(map(str, e))}\n" for (m, e, w), _ in cases)
+    out = subprocess.run([str(exe)], input=text, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    got = [tuple(int(v) for v in ln.split()) for ln in lines if not ln.startswith("W")]
+    for (args, want), g in zip(cases, got, strict=True):
+        assert g == want, (args[0], args[1][:2], args[2], g, want)
+    written = {int(ln.split()[1]): tuple(int(v) for v in ln.split()[2:])
+               for ln in lines if ln.startswith("W")}
+    assert written == {256: (1, 1), 512: (1, 1), 1024: (2, 1), 2048: (4, 1), 4096: (8, 2),
+                       8192: (16, 4), 32768: (64, 16), 65536: (64, 32)}
+
+
 # ---------------------------------------------------------------- GPUs ----
 # Ranks on the GPUs of this process (peer access); the two-process ways (one GPU per process,
 # two processes sharing one GPU) are test_step_multiprocess.py's.
@@ -483,3 +738,56 @@ def test_gpu_absent_rank_fails_within_the_timeout(clean, allreduce):
     again = jax.block_until_ready(f(x, rope, pos, fnorm, lt, cache, head))
     sifar_jax.check()
     assert_same_bits(again, good, "GPUs: after re-init")
+
+def _gpu_seam_want(mesh, allreduce, seed):
+    x, rope, fnorm, layers, cache, head = seam_operands(seed=seed)
+    pos = jnp.array(SEAM_POS, jnp.int32)
+    ops = jax.device_put((x, rope, pos, fnorm, layers, cache, head), mesh.devices.flat[0])
+    want = sifar_jax.llama_step_virtual_ranks(*ops[:6], head=ops[6], ranks=2,
+                                              allreduce=allreduce, **KW)
+    assert not sifar_jax.check_step_status(want[3]).failed
+    return (x, rope, pos, fnorm, tpm.tp_layout(layers, 2), cache, head), want
+
+
+@pytest.mark.parametrize("allreduce", ["sifar", "oneshot"])
+def test_gpu_steps_between_plain_calls_of_other_sizes(clean, allreduce):
+    """The seam between the plain all-reduce's per-block epochs and the step (review F1, F2)
+    on 2 GPUs: SIFAR_STEP_STRESS_STEPS iterations (default 500) of [the step, SEAM_PSUMS]
+    under 20 us of skew and 3 epoch bits: no timeout, every step the virtual-rank kernel's
+    bits, every psum exact (before the fix: the sifar step timed out now and then, the
+    oneshot step's last psum could be wrong)."""
+    import os
+
+    steps = int(os.environ.get("SIFAR_STEP_STRESS_STEPS", "500"))
+    mesh = _gpu_mesh(2)
+    ops, want = _gpu_seam_want(mesh, allreduce, seed=31)
+    f, _ = seam_loop_fn(mesh, allreduce, steps, ops[6])
+    extra, total = seam_inputs(2, seam_total(allreduce))
+    with testing.inject_skew(20, seed=3), testing.epoch_bits("tp", 3):
+        bad = jax.block_until_ready(f(*ops, want[0], want[2], extra, total))
+    sifar_jax.check()
+    np.testing.assert_array_equal(np.asarray(bad), 0, err_msg="[mismatching steps, psums]")
+
+
+@pytest.mark.parametrize("allreduce", ["sifar", "oneshot"])
+def test_gpu_the_step_after_block_0_wrapped_in_a_plain_call(clean, allreduce):
+    """SEAM_WRAP's sequence on 2 GPUs from a fresh communicator, up to 5 ms of skew per (rank,
+    epoch, block): both steps the virtual-rank kernel's bits, every psum exact (before the
+    fix the second step could take the 4 KB psum's words of protocol block 1 for the peer's
+    partials: a wrong h without an error)."""
+    mesh = _gpu_mesh(2)
+    ops, want = _gpu_seam_want(mesh, allreduce, seed=32)
+    f, _ = seam_wrap_fn(mesh, allreduce, ops[6])
+    big, big_sum = seam_inputs(2, 1024, seed=1)
+    small, small_sum = seam_inputs(2, 8, seed=2)
+    for seed in range(3):  # the skew draws differ: three chances for a reader to come early
+        sifar_jax.shutdown()
+        sifar_jax.init(mesh)
+        with testing.epoch_bits("tp", 3), testing.inject_skew(5000, seed):
+            h1, lg1, h2, lg2, b, s = jax.block_until_ready(f(*ops, big, small))
+        sifar_jax.check()
+        assert_same_bits((h1, lg1), want[:3:2], f"the first step (seed {seed})")
+        assert_same_bits((h2, lg2), want[:3:2], f"the step after the plain wrap (seed {seed})")
+        np.testing.assert_array_equal(np.asarray(b), big_sum)
+        np.testing.assert_array_equal(np.asarray(s), small_sum * np.arange(
+            1, SEAM_WRAP_SMALL + 1, dtype=np.float32)[:, None])
