@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 
 from ..core.sharding import leaf_name
 from . import fp8_checkpoint
+from .fp8_checkpoint import CheckpointError  # noqa: F401 - the loaders' error type
 
 FLOAT8 = (fp8_checkpoint.DTYPES["F8_E4M3"], fp8_checkpoint.DTYPES["F8_E5M2"])
 

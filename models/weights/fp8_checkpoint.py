@@ -44,7 +44,15 @@ DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_d
 NAMES = {v: k for k, v in DTYPES.items()}
 
 
-class Fp8CheckpointError(ValueError):
+class CheckpointError(ValueError):
+    """A checkpoint's files are not what its config.json describes: a file that is not
+    safetensors or is truncated, an index that is not JSON or maps a tensor to a file that
+    lacks it, a tensor missing or of the wrong shape. The message names the file (relative to
+    the checkpoint's directory) and the tensor at fault. (Defined here, the lowest of the
+    weights modules that read files; checkpoint.py exports it.)"""
+
+
+class Fp8CheckpointError(CheckpointError):
     """A checkpoint's FP8 tensors or quantization_config are not what the loader expects."""
 
 
