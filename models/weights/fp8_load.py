@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 from typing import Optional
@@ -31,9 +30,8 @@ import numpy as np
 from ..core.sharding import leaf_name
 from . import checkpoint, fp8_placement
 from .fp8_checkpoint import (DTYPES, E4M3_MAX, Fp8CheckpointError, Fp8Scheme, channel_scale,
-                             parse_quantization_config, quantization_config, read_checkpoint_dir,
-                             read_fp8_weight, read_safetensors, scheme_from_spec,
-                             write_fp8_weight)
+                             parse_quantization_config, quantization_config, read_fp8_weight,
+                             read_safetensors, scheme_from_spec, write_fp8_weight)
 from .hf import hf_name
 from .types import Fp8Weight, is_fp8, is_quantized
 
@@ -46,23 +44,18 @@ class MemmapCheckpoint:
     """Name -> slice reader over a folder's .safetensors files, memory-mapped (float8 too)."""
 
     def __init__(self, path: str):
-        index = os.path.join(path, checkpoint.INDEX_FILE)
-        if os.path.exists(index):  # only the files the index names (a folder may hold others)
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-            self.tensors = {k: v for fn in files
-                            for k, v in read_safetensors(os.path.join(path, fn)).items()}
-        else:
-            self.tensors = read_checkpoint_dir(path)
-        if not self.tensors:
-            raise FileNotFoundError(f"no *.safetensors in {path}")
+        # with an index, the tensors it maps, each from the file it names (a folder may hold
+        # other files); every header checked first (checkpoint.read_index)
+        self.index = checkpoint.read_index(path)
+        files = {fn: read_safetensors(os.path.join(path, fn)) for fn in self.index.headers}
+        self.tensors = {k: files[fn][k] for k, fn in self.index.weight_map.items()}
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
     def read(self, name: str, dim: int = 0, lo: Optional[int] = None, hi: Optional[int] = None):
         if name not in self.tensors:
-            raise KeyError(f"checkpoint has no tensor {name!r}")
+            raise self.index.missing(name)
         a = self.tensors[name]
         return np.array(a if lo is None else a[(slice(None),) * dim + (slice(lo, hi),)])
 
@@ -254,6 +247,12 @@ def load_fp8(family, path: str, mesh, layout, axis_name: str, quantize: Optional
     hf = checkpoint.read_hf_config(path)
     with contextlib.ExitStack() as stack:
         ck, scheme, quantizing = _open(path, stack, hf, quantize)
+        _, abstract = family.abstract_model(layout.shapes)  # the e4m3 weights have these shapes
+        checkpoint.check_reads(
+            ck.ck.index if quantizing else ck.index, family.hf_shapes(layout), abstract,
+            family.param_shardings(layout, mesh, axis_name), family.tp_dims,
+            lambda reader: family.loader.hf_builders(layout.shapes, reader, layout.kv_replicas),
+            float8=not quantizing)
         head = _lm_head_fp8(family, layout, ck, scheme, quantizing)
         plan = _plan(family, layout, head)
         modules = {m for _, mods in plan.values() for m in mods}
