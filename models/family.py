@@ -159,6 +159,8 @@ class _Parameters:
         (weights/transforms.py), the LM head included."""
         check_quantize(quantize)
         layout = self.layout(config, mesh.shape[axis_name])
+        if quantize is not None:  # a TP the FP8 GEMV cannot take: named before anything is made
+            fp8_load.check_local_k(self, layout, mesh, axis_name)
         _, abstract = self.abstract_model(config)
         params = random_weights.random_params(
             abstract, self.param_shardings(layout, mesh, axis_name), seed, self.fan_in,

@@ -216,6 +216,32 @@ def check_k_blocks(plan: dict, grids: dict, tensors: dict, tp: int) -> None:
                 f"the FP8 GEMV takes multiples of 16): load it at another TP size")
 
 
+def check_local_k(family, layout, mesh, axis_name: str, paths=None) -> None:
+    """Each FP8 projection of the tp layout (those at `paths`, param path keys; all of the
+    family's table when None) must leave a rank a multiple of the FP8 GEMV's 16 contracted
+    columns (sifar_jax.fp8_matvec): checked on the layout's shapes and shardings, before
+    anything is read or made, so a TP that cannot run it is one ValueError, not a failed trace."""
+    from sifar_jax.fp8_matvec import CHUNK
+
+    _, abstract = family.abstract_model(layout.shapes)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    for (path, sds), sh in zip(flat, treedef.flatten_up_to(
+            family.param_shardings(layout, mesh, axis_name))):
+        name = leaf_name(path)
+        if name not in family.projections or (
+                paths is not None and fp8_placement.path_keys(path) not in paths):
+            continue
+        proj = family.projections[name]
+        contracted = slice(proj.lead, proj.lead + proj.n_in)
+        k = math.prod(sh.shard_shape(sds.shape)[contracted])
+        if k % CHUNK:
+            raise ValueError(f"FP8 weights: {name!r} has {k} contracted columns per rank at "
+                             f"TP={layout.tp} (in dims {tuple(sds.shape[contracted])}), not a "
+                             f"multiple of {CHUNK}, the FP8 GEMV's unit: use a tensor-parallel "
+                             f"size that leaves each rank a multiple of {CHUNK}, or dense "
+                             f"weights")
+
+
 def _lm_head_fp8(family, layout, ck, scheme: Fp8Scheme, quantizing: bool) -> bool:
     """Whether the LM head loads in FP8: with quantize="fp8" always (untied); from an FP8
     checkpoint where its layout quantizes it (fine-grained FP8 leaves the head in bf16 unless
@@ -255,6 +281,7 @@ def load_fp8(family, path: str, mesh, layout, axis_name: str, quantize: Optional
             float8=not quantizing)
         head = _lm_head_fp8(family, layout, ck, scheme, quantizing)
         plan = _plan(family, layout, head)
+        check_local_k(family, layout, mesh, axis_name, plan)
         modules = {m for _, mods in plan.values() for m in mods}
         if quantizing:
             ck.modules = modules
