@@ -139,6 +139,11 @@ def _run(args, sifar_why, started: float) -> int:
     check_args(args)
     if "sifar" in args.allreduce and sifar_why:
         raise UserError(f"--allreduce {args.allreduce}: {sifar_why}")
+    if args.algorithm == "multicast":  # opt-in, by the environment (sifar_jax.multicast's guard)
+        from sifar_jax import multicast
+
+        if multicast.refusal():
+            raise UserError(f"--algorithm multicast: {multicast.refusal()}")
     ensure_host_devices(args.tp)
 
     import jax

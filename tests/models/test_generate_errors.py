@@ -121,3 +121,17 @@ def test_an_unexpected_exception_stays_a_traceback(monkeypatch):
     monkeypatch.setattr(type(QWEN3_MOE), "random_params", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         generate.main(["--preset", "qwen3_moe_tiny", *BASE])
+
+
+def test_multicast_where_the_environment_refuses_it_is_one_line(capsys, monkeypatch):
+    """--algorithm multicast without SIFAR_ENABLE_MULTICAST=1: sifar_jax's guard refuses it (a
+    RuntimeError, from the first trace: a traceback, warm-up or not); named before jax compiles
+    anything."""
+    from sifar_jax import multicast
+
+    monkeypatch.delenv(multicast.ENABLE_VAR, raising=False)
+    for warmup in ([], ["--no-warmup"]):
+        line = _error(capsys, ["--tp", "2", "--tokens", "2", "--algorithm", "multicast",
+                               *warmup])
+        assert line.startswith("error: --algorithm multicast: ") and \
+            multicast.refusal() in line, line
