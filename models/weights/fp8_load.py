@@ -281,17 +281,18 @@ def load_fp8(family, path: str, mesh, layout, axis_name: str, quantize: Optional
             float8=not quantizing)
         head = _lm_head_fp8(family, layout, ck, scheme, quantizing)
         plan = _plan(family, layout, head)
-        check_local_k(family, layout, mesh, axis_name, plan)
         modules = {m for _, mods in plan.values() for m in mods}
         if quantizing:
             ck.modules = modules
+            check_local_k(family, layout, mesh, axis_name, plan)  # before the scales' pass
         else:
             check_float8(ck.tensors, modules)
         scales = read_scales(ck, plan, scheme)
         grids = {k: scale_grid(name, mods, layout, k[1] if len(k) > 1 else None, scales)
                  for k, (name, mods) in plan.items()}
-        if not quantizing:
+        if not quantizing:  # the blocks first: their message is the more specific
             check_k_blocks(plan, grids, ck.tensors, layout.tp)
+            check_local_k(family, layout, mesh, axis_name, plan)
         builders = family.loader.hf_builders(layout.shapes, ck, layout.kv_replicas)
         params = fp8_placement.place(family, layout, mesh, axis_name, builders, grids)
     return layout.config.replace(quantization=scheme.spec), params
