@@ -159,6 +159,8 @@ class _Parameters:
         (weights/transforms.py), the LM head included."""
         check_quantize(quantize)
         layout = self.layout(config, mesh.shape[axis_name])
+        if quantize is not None:  # a TP the FP8 GEMV cannot take: named before anything is made
+            fp8_load.check_local_k(self, layout, mesh, axis_name)
         _, abstract = self.abstract_model(config)
         params = random_weights.random_params(
             abstract, self.param_shardings(layout, mesh, axis_name), seed, self.fan_in,
@@ -246,8 +248,16 @@ class _HFCheckpoints:
         _, abstract = self.abstract_model(layout.shapes)
         params = checkpoint.load_sharded(
             path, abstract, self.param_shardings(layout, mesh, axis_name), self.tp_dims,
-            lambda ck: self.loader.hf_builders(layout.shapes, ck, layout.kv_replicas))
+            lambda ck: self.loader.hf_builders(layout.shapes, ck, layout.kv_replicas),
+            expected=self.hf_shapes(layout))
         return config, params
+
+    def hf_shapes(self, layout: Layout) -> dict[str, tuple[int, ...]]:
+        """HF tensor name -> shape, of a checkpoint of layout.config as save_hf_checkpoint
+        writes it (dense, each KV head once; the loader checks a checkpoint's against it before
+        reading): nothing allocated."""
+        _, abstract = self.abstract_model(layout.shapes)
+        return checkpoint.hf_shapes(self.loader.to_hf_tensors, abstract, layout.config)
 
     def to_hf_tensors(self, params: dict, config: Any) -> dict:
         """Our (global) parameters -> HF-named numpy tensors (RowWeight leaves as the dense

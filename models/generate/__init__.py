@@ -24,6 +24,7 @@ Nothing here imports jax at import time: XLA_FLAGS is set first.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -138,6 +139,11 @@ def _run(args, sifar_why, started: float) -> int:
     check_args(args)
     if "sifar" in args.allreduce and sifar_why:
         raise UserError(f"--allreduce {args.allreduce}: {sifar_why}")
+    if args.algorithm == "multicast":  # opt-in, by the environment (sifar_jax.multicast's guard)
+        from sifar_jax import multicast
+
+        if multicast.refusal():
+            raise UserError(f"--algorithm multicast: {multicast.refusal()}")
     ensure_host_devices(args.tp)
 
     import jax
@@ -158,13 +164,30 @@ def _run(args, sifar_why, started: float) -> int:
                    reserve=cache_reserve(args.tokens, args.loop))
     warmup, cache_use = _warmup(args, dec, prompt)
     _print_setup(args, sifar_why, family, dec, cache_dir, warmup, cache_use, stops, prompt)
-    ttft = _time_to_first_token(dec, prompt, request)
+    with _compiling(args):
+        ttft = _time_to_first_token(dec, prompt, request)
     print(f"process start to first token: {time.perf_counter() - started - weights_s:.1f} s "
           f"(+ {weights_s:.1f} s making or loading the weights)")
-    first_token_at, stamps = _decode_request(args, dec, prompt, request, stops, tok)
+    with _compiling(args):
+        first_token_at, stamps = _decode_request(args, dec, prompt, request, stops, tok)
     _report_times(ttft, first_token_at, stamps, prompt.size, args.loop,
                   dec.prefill_allreduce(prompt.size))
     return 0
+
+
+@contextlib.contextmanager
+def _compiling(args):
+    """With --no-warmup the request compiles its executables as it goes, and a ValueError raised
+    as one is traced is a combination of arguments the model refuses (e.g. a named sifar
+    algorithm and the prefill's payload): one error line, as _warmup makes it when the warm-up
+    compiles them. After a warm-up nothing compiles here: whatever is raised stays a
+    traceback."""
+    try:
+        yield
+    except ValueError as e:
+        if args.warmup:
+            raise
+        raise UserError(str(e)) from None
 
 
 def _rng(seed: int):
@@ -217,14 +240,19 @@ def _decoder(args, family, config):
         try:  # a bf16 checkpoint is quantized shard by shard as it loads
             config, params = family.load_hf_checkpoint(args.checkpoint, mesh, config=config,
                                                        quantize=args.quantize)
-        except (ValueError, OSError) as e:  # a bad checkpoint (Fp8CheckpointError among them)
-            raise UserError(f"--checkpoint {args.checkpoint}: {e}") from None
-        if args.quantize:  # an FP8 checkpoint's dense leftovers (a bf16 LM head)
-            from ..weights.transforms import quantize_params
+            if args.quantize:  # an FP8 checkpoint's dense leftovers (a bf16 LM head)
+                from ..weights.transforms import quantize_params
 
-            params = quantize_params(params, family, donate=True)
+                params = quantize_params(params, family, donate=True)
+        # a bad checkpoint (CheckpointError, Fp8CheckpointError), or one the arguments cannot
+        # run (FP8 weights at a TP that leaves a rank too few columns)
+        except (ValueError, OSError) as e:
+            raise UserError(f"--checkpoint {args.checkpoint}: {e}") from None
     else:
-        params = family.random_params(config, mesh, seed=args.seed, quantize=args.quantize)
+        try:
+            params = family.random_params(config, mesh, seed=args.seed, quantize=args.quantize)
+        except ValueError as e:  # e.g. --quantize fp8 at a TP the FP8 GEMV cannot take
+            raise UserError(str(e)) from None
     jax.block_until_ready(params)
     weights_s = time.perf_counter() - t_weights
     try:

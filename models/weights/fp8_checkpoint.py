@@ -44,18 +44,78 @@ DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_d
 NAMES = {v: k for k, v in DTYPES.items()}
 
 
-class Fp8CheckpointError(ValueError):
+class CheckpointError(ValueError):
+    """A checkpoint's files are not what its config.json describes: a file that is not
+    safetensors or is truncated, an index that is not JSON or maps a tensor to a file that
+    lacks it, a tensor missing or of the wrong shape. The message names the file (relative to
+    the checkpoint's directory) and the tensor at fault. (Defined here, the lowest of the
+    weights modules that read files; checkpoint.py exports it.)"""
+
+
+class Fp8CheckpointError(CheckpointError):
     """A checkpoint's FP8 tensors or quantization_config are not what the loader expects."""
 
 
 # ---- safetensors with float8 -------------------------------------------------------------------
 
+# bytes per element of each safetensors dtype (the format's own names)
+ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+            "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def read_header(path: str) -> tuple[dict[str, dict], int]:
+    """(name -> {"dtype", "shape", "data_offsets"}, the offset of the data) of one .safetensors
+    file, without reading its tensors; checked, so that a file that is not safetensors or is
+    truncated is a CheckpointError naming it (and the tensor past its end), not a reader's
+    error mid-load: the header must be JSON of entries with a dtype, a shape and offsets that
+    hold that many elements, and the data must end where the last tensor does."""
+    fn = os.path.basename(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else None
+        if n is None or n > size - 8:
+            raise CheckpointError(f"{fn}: not a safetensors file (or truncated in its header): "
+                                  f"its first 8 bytes give a header of {n} bytes, the file has "
+                                  f"{size}")
+        text = f.read(n)
+    try:
+        header = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{fn}: not a safetensors file (its header is not JSON: "
+                              f"{e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{fn}: not a safetensors file (its header is not a JSON object)")
+    header.pop("__metadata__", None)
+    data, end = size - 8 - n, 0
+    for name, info in header.items():
+        try:
+            dtype, shape, (lo, hi) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            ok = (all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(lo, int)
+                  and isinstance(hi, int) and 0 <= lo <= hi)
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise CheckpointError(f"{fn}: not a safetensors file (tensor {name!r}: {info!r} is "
+                                  f"not a dtype, a shape and data_offsets)")
+        if dtype in ITEMSIZE and hi - lo != math.prod(shape) * ITEMSIZE[dtype]:
+            raise CheckpointError(f"{fn}: tensor {name!r}: {dtype} {list(shape)} is "
+                                  f"{math.prod(shape) * ITEMSIZE[dtype]} bytes, its "
+                                  f"data_offsets give {hi - lo}")
+        if hi > data:
+            raise CheckpointError(f"{fn}: truncated: tensor {name!r} ends at byte {hi} of the "
+                                  f"data, the file holds {data} bytes of data")
+        end = max(end, hi)
+    if end != data:
+        raise CheckpointError(f"{fn}: not a safetensors file: {data - end} bytes after its last "
+                              f"tensor")
+    return header, 8 + n
+
+
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
     """Every tensor of one .safetensors file, memory-mapped (read-only numpy views)."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
+    header, start = read_header(path)
+    n = start - 8
     mm = np.memmap(path, np.uint8, "r")
     out = {}
     for name, info in header.items():

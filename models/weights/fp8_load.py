@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 from typing import Optional
@@ -31,9 +30,8 @@ import numpy as np
 from ..core.sharding import leaf_name
 from . import checkpoint, fp8_placement
 from .fp8_checkpoint import (DTYPES, E4M3_MAX, Fp8CheckpointError, Fp8Scheme, channel_scale,
-                             parse_quantization_config, quantization_config, read_checkpoint_dir,
-                             read_fp8_weight, read_safetensors, scheme_from_spec,
-                             write_fp8_weight)
+                             parse_quantization_config, quantization_config, read_fp8_weight,
+                             read_safetensors, scheme_from_spec, write_fp8_weight)
 from .hf import hf_name
 from .types import Fp8Weight, is_fp8, is_quantized
 
@@ -46,23 +44,18 @@ class MemmapCheckpoint:
     """Name -> slice reader over a folder's .safetensors files, memory-mapped (float8 too)."""
 
     def __init__(self, path: str):
-        index = os.path.join(path, checkpoint.INDEX_FILE)
-        if os.path.exists(index):  # only the files the index names (a folder may hold others)
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-            self.tensors = {k: v for fn in files
-                            for k, v in read_safetensors(os.path.join(path, fn)).items()}
-        else:
-            self.tensors = read_checkpoint_dir(path)
-        if not self.tensors:
-            raise FileNotFoundError(f"no *.safetensors in {path}")
+        # with an index, the tensors it maps, each from the file it names (a folder may hold
+        # other files); every header checked first (checkpoint.read_index)
+        self.index = checkpoint.read_index(path)
+        files = {fn: read_safetensors(os.path.join(path, fn)) for fn in self.index.headers}
+        self.tensors = {k: files[fn][k] for k, fn in self.index.weight_map.items()}
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
     def read(self, name: str, dim: int = 0, lo: Optional[int] = None, hi: Optional[int] = None):
         if name not in self.tensors:
-            raise KeyError(f"checkpoint has no tensor {name!r}")
+            raise self.index.missing(name)
         a = self.tensors[name]
         return np.array(a if lo is None else a[(slice(None),) * dim + (slice(lo, hi),)])
 
@@ -223,6 +216,32 @@ def check_k_blocks(plan: dict, grids: dict, tensors: dict, tp: int) -> None:
                 f"the FP8 GEMV takes multiples of 16): load it at another TP size")
 
 
+def check_local_k(family, layout, mesh, axis_name: str, paths=None) -> None:
+    """Each FP8 projection of the tp layout (those at `paths`, param path keys; all of the
+    family's table when None) must leave a rank a multiple of the FP8 GEMV's 16 contracted
+    columns (sifar_jax.fp8_matvec): checked on the layout's shapes and shardings, before
+    anything is read or made, so a TP that cannot run it is one ValueError, not a failed trace."""
+    from sifar_jax.fp8_matvec import CHUNK
+
+    _, abstract = family.abstract_model(layout.shapes)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    for (path, sds), sh in zip(flat, treedef.flatten_up_to(
+            family.param_shardings(layout, mesh, axis_name))):
+        name = leaf_name(path)
+        if name not in family.projections or (
+                paths is not None and fp8_placement.path_keys(path) not in paths):
+            continue
+        proj = family.projections[name]
+        contracted = slice(proj.lead, proj.lead + proj.n_in)
+        k = math.prod(sh.shard_shape(sds.shape)[contracted])
+        if k % CHUNK:
+            raise ValueError(f"FP8 weights: {name!r} has {k} contracted columns per rank at "
+                             f"TP={layout.tp} (in dims {tuple(sds.shape[contracted])}), not a "
+                             f"multiple of {CHUNK}, the FP8 GEMV's unit: use a tensor-parallel "
+                             f"size that leaves each rank a multiple of {CHUNK}, or dense "
+                             f"weights")
+
+
 def _lm_head_fp8(family, layout, ck, scheme: Fp8Scheme, quantizing: bool) -> bool:
     """Whether the LM head loads in FP8: with quantize="fp8" always (untied); from an FP8
     checkpoint where its layout quantizes it (fine-grained FP8 leaves the head in bf16 unless
@@ -254,18 +273,26 @@ def load_fp8(family, path: str, mesh, layout, axis_name: str, quantize: Optional
     hf = checkpoint.read_hf_config(path)
     with contextlib.ExitStack() as stack:
         ck, scheme, quantizing = _open(path, stack, hf, quantize)
+        _, abstract = family.abstract_model(layout.shapes)  # the e4m3 weights have these shapes
+        checkpoint.check_reads(
+            ck.ck.index if quantizing else ck.index, family.hf_shapes(layout), abstract,
+            family.param_shardings(layout, mesh, axis_name), family.tp_dims,
+            lambda reader: family.loader.hf_builders(layout.shapes, reader, layout.kv_replicas),
+            float8=not quantizing)
         head = _lm_head_fp8(family, layout, ck, scheme, quantizing)
         plan = _plan(family, layout, head)
         modules = {m for _, mods in plan.values() for m in mods}
         if quantizing:
             ck.modules = modules
+            check_local_k(family, layout, mesh, axis_name, plan)  # before the scales' pass
         else:
             check_float8(ck.tensors, modules)
         scales = read_scales(ck, plan, scheme)
         grids = {k: scale_grid(name, mods, layout, k[1] if len(k) > 1 else None, scales)
                  for k, (name, mods) in plan.items()}
-        if not quantizing:
+        if not quantizing:  # the blocks first: their message is the more specific
             check_k_blocks(plan, grids, ck.tensors, layout.tp)
+            check_local_k(family, layout, mesh, axis_name, plan)
         builders = family.loader.hf_builders(layout.shapes, ck, layout.kv_replicas)
         params = fp8_placement.place(family, layout, mesh, axis_name, builders, grids)
     return layout.config.replace(quantization=scheme.spec), params

@@ -166,7 +166,10 @@ def test_missing_tensor_is_named(tmp_path, tiny_tp2):
     from safetensors.numpy import save_file
 
     save_file(t, str(tmp_path / "model.safetensors"))
-    with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
+    from models.weights.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no tensor 'model.layers.1.mlp.up_proj.weight' in "
+                                              "model.safetensors"):
         load_hf_checkpoint(str(tmp_path), mesh)
 
 
