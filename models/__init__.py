@@ -14,6 +14,7 @@ _EXPORTS = {  # public name -> the module (under models) that defines it
     "LlamaConfig": "llama", "Llama": "llama", "LLAMA": "llama", "check_tp": "llama",
     "Qwen3MoeConfig": "qwen3_moe", "QWEN3_MOE": "qwen3_moe",
     "ModelFamily": "family", "Layout": "family", "FastStep": "family",
+    "CheckpointError": "weights.checkpoint",
     # finding a family (by config, preset or checkpoint) and running its own method
     "FAMILIES": "registry", "family_of": "registry", "presets": "registry", "preset": "registry",
     "family_for_checkpoint": "registry",
