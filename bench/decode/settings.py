@@ -25,7 +25,8 @@ PRESETS = {name: family.presets[name] for name, family in api.presets().items()}
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One row of the tables: its label ("psum", "sifar:oneshot", "sifar+fused", "persistent",
-    "persistent:oneshot") and the options it runs (the run's kv_layout, gemm_rows and attn_impl filled in)."""
+    "persistent:oneshot") and the options it runs (the run's kv_layout, gemm_rows and attn_impl
+    filled in)."""
     label: str
     options: models.DecodeOptions
 

@@ -81,7 +81,8 @@ def reason(family, layout, mesh: Mesh, options, params: Any, *,
     if why:
         return why
     if tp > sifar_jax.decode_step.MAX_RANKS:
-        return f"tp={tp}: the persistent step runs on at most {sifar_jax.decode_step.MAX_RANKS} ranks"
+        return (f"tp={tp}: the persistent step runs on at most "
+                f"{sifar_jax.decode_step.MAX_RANKS} ranks")
     if options.batch_size != 1:
         return f"batch_size={options.batch_size}: the persistent step decodes one sequence"
     if options.kv_layout != "bhsd":
