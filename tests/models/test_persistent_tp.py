@@ -197,7 +197,7 @@ def test_nothing_compiles_after_warmup(monkeypatch):
     (dict(dtype="float32"), "dtype=float32"),
     (dict(options=dict(batch_size=2)), "batch_size=2: the persistent step decodes one sequence"),
     (dict(options=dict(kv_layout="bshd")), "kv_layout='bshd'"),
-    (dict(options=dict(slot_bytes=1024)), "slot_bytes=1024"),
+    (dict(options=dict(slot_bytes=1024, allreduce="sifar")), "slot_bytes=1024"),
     (dict(weights="einsum"), "models.to_rows"),
     (dict(num_heads=32, num_kv_heads=1), "16 query heads per KV head (tp=2 > num_kv_heads=1"),
 ])
