@@ -4,9 +4,16 @@
 #   bash bench/gpu_host_run.sh                  # build, bench.allreduce (peers, trace), bench.decode
 #   bash bench/gpu_host_run.sh build tests mp   # the GPU tests and one process per GPU
 #   bash bench/gpu_host_run.sh --quick ...      # the same on a CPU machine (quick variants)
-# Steps: build tests allreduce decode mp. Environment: OUT (/tmp/sifar-out), PYTHON (python3),
-# ALLREDUCE_ARGS, DECODE_ARGS, MP_ARGS, TESTS_ARGS (pytest arguments in place of the GPU tests),
-# BUILD_/TESTS_/ALLREDUCE_/DECODE_/MP_TIMEOUT (seconds per step), SUITE_BUDGET_S (570: every
+#   bash bench/gpu_host_run.sh steptp           # >= 2 GPUs: the persistent step across them,
+#   bash bench/gpu_host_run.sh steptp-rows      # FP8 / bf16 rows; one 10-minute call each
+# Steps: build tests allreduce decode mp steptp steptp-rows. steptp: bench.decode --preset
+# llama3_8b --quantize fp8 --step both at TP = 2, 4, 8 as the GPUs allow: the persistent step
+# with sifar and with oneshot inside beside the XLA decoders psum / sifar / sifar+fused, batch 1,
+# the loops' point only (pipelined, KV length 1024); steptp-rows: the same with --to-rows (bf16
+# projections held as rows). With --quick (a CPU): llama_step_tiny at TP=2 on host devices, the
+# op's CPU reference. Environment: OUT (/tmp/sifar-out), PYTHON (python3), ALLREDUCE_ARGS,
+# DECODE_ARGS, MP_ARGS, STEPTP_ARGS, TESTS_ARGS (pytest arguments in place of the GPU tests),
+# BUILD_/TESTS_/ALLREDUCE_/DECODE_/MP_/STEPTP_TIMEOUT (seconds per step), SUITE_BUDGET_S (570: every
 # step's timeout is cut to what is left; a step that cannot start in time is skipped, saying so).
 # NVLink multicast stays off: its three switches are forced off, logged as found and as used.
 set -uo pipefail
@@ -84,6 +91,27 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 
 quick_arg=()
 [[ $quick == 1 ]] && quick_arg=(--quick)
+# steptp: the TP sizes the GPUs allow (>= 2), or TP=2 on host devices with --quick
+steptp_tps=()
+for t in 2 4 8; do (( t <= n_gpus )) && steptp_tps+=("$t"); done
+[[ $quick == 1 && ${#steptp_tps[@]} -eq 0 ]] && steptp_tps=(2)
+steptp() {  # steptp NAME WEIGHTS_FLAG...: one bench.decode run of the persistent rows
+  local name="$1"
+  shift
+  if (( ${#steptp_tps[@]} == 0 )); then
+    log "$name: SKIPPED, needs >= 2 GPUs (found $n_gpus)"
+    return
+  fi
+  local preset=(--preset llama3_8b --context 1024 --samples 4 --tokens 32)
+  # (--kv-layout bhsd: XLA:CPU's default is bshd; one layout gives every row the same cache)
+  [[ $quick == 1 ]] && preset=(--quick --preset llama_step_tiny --context 256 --samples 2 \
+    --kv-layout bhsd)
+  # shellcheck disable=SC2086
+  run_step "$name" "${STEPTP_TIMEOUT:-540}" \
+    "$PYTHON" -m bench.decode "${preset[@]}" "$@" --step both --step-allreduce sifar,oneshot \
+    --tp "${steptp_tps[@]}" --batch 1 --loops pipelined --no-sweep --allreduce psum,sifar \
+    --baselines none --fused auto --no-trace --out "$OUT/$name" ${STEPTP_ARGS:-}
+}
 for step in "${steps[@]}"; do
   case "$step" in
     build)
@@ -128,8 +156,12 @@ for step in "${steps[@]}"; do
       run_step "bench.decode, $nproc_mp processes" "${MP_TIMEOUT:-240}" \
         "$PYTHON" -m sifar_jax.launch -n "$nproc_mp" -- "$PYTHON" -m bench.decode \
         ${quick_arg[@]+"${quick_arg[@]}"} --no-sweep --fused off --out "$OUT/mp" ;;
+    steptp)
+      steptp steptp --quantize fp8 ;;
+    steptp-rows)
+      steptp steptp-rows --to-rows ;;
     *)
-      log "unknown step '$step' (build, tests, allreduce, decode, mp)" ;;
+      log "unknown step '$step' (build, tests, allreduce, decode, mp, steptp, steptp-rows)" ;;
   esac
 done
 

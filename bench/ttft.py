@@ -128,7 +128,7 @@ def run(config, devices, tps: Sequence[int], variants: Sequence, lengths: Sequen
     for tp in tps:
         mesh = models.make_mesh(tp, devices=devices)
         params = common.block(models.random_params(config, mesh, seed=seed))
-        here = ([("psum", models.DecodeOptions())] if tp == 1
+        here = ([("psum", models.DecodeOptions(step="xla"))] if tp == 1
                 else [(v.label, v.options) for v in variants])
         for label, options in here:
             recs = measure_variant(config, mesh, params, label, options, lengths, samples, seed,

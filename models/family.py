@@ -69,15 +69,20 @@ class FastStep(Protocol):
     name: str  # the DecodeOptions.step value that asks for it ("persistent")
 
     def reason(self, family: "ModelFamily", layout: "Layout", mesh: Mesh, options: Any,
-               params: Any) -> Optional[str]:
+               params: Any, *, reference: bool = False) -> Optional[str]:
         """None when this step can run a decoder of `layout` on `mesh` with `options` (resolved)
-        and `params`, else why not (one sentence)."""
+        and `params`, else why not (one sentence). reference: a slow reference of the step (a
+        CPU handler) counts as serving it (step="persistent" asks for it by name; "auto"
+        never runs it)."""
 
-    def make_forward(self, family: "ModelFamily", layout: "Layout", options: Any,
-                     **kw) -> Callable:
+    def make_forward(self, family: "ModelFamily", layout: "Layout", options: Any, *,
+                     mesh: Optional[Mesh] = None, **kw) -> Callable:
         """forward(params, cache, tokens [1, 1], positions [1], ar, start=None) -> (logits,
-        cache, ar): the contract of ModelFamily.make_forward's forward, for one token (check
-        `reason` first)."""
+        cache, ar): the contract of ModelFamily.make_forward's forward, for one token, on
+        `mesh` (check `reason` first)."""
+
+    def describe(self, layout: "Layout", mesh: Mesh, options: Any) -> str:
+        """How the step runs here, in a few words (the CLI's device line)."""
 
     def prepare_params(self, family: "ModelFamily", config: Any, mesh: Mesh, options: Any,
                        params: Any) -> Any:
@@ -295,7 +300,7 @@ class ModelFamily(_Parameters, _Sizes, _HFCheckpoints):
     # and how many dims each contracts (weights/transforms.py, sharding.fp8_spec)
     projections: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     # the family's fast one-token step, if it has one (decoder/step_choice.py runs it where
-    # DecodeOptions.step names it and its reason() allows)
+    # DecodeOptions.step names it, or is "auto", and its reason() allows)
     fast_step: Optional[FastStep] = None
 
     # ---- configs -------------------------------------------------------------------------------

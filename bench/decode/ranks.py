@@ -4,7 +4,7 @@ of blocks of one launch, the all-reduces after o and down phases of the kernel) 
 and "oneshot" inside, on the same weights and cache. Per R and all-reduce: the step's time
 (bench.decode.timers.back_to_back) and the cost of one all-reduce phase, (t_R - t_1) / phases,
 phases = 2 x layers. Where the persistent step cannot run the model, one record says why (the
-Decoder's step_reason). Written as ranks-<host>.{json,md}; a CPU run (the op's reference)
+Decoder's ValueError). Written as ranks-<host>.{json,md}; a CPU run (the op's reference)
 prints and writes no timing figure."""
 
 from __future__ import annotations
@@ -47,15 +47,18 @@ def run(s: Settings, devices, copy_bytes_per_s: float) -> list[dict]:
     mesh = models.make_mesh(1, devices=devices)
     context = s.context[0]
     options = s.options.replace(step="persistent", kv_layout="bhsd")  # the cache it reads
-    dec = make_decoder(s.config, mesh, model_params(s, mesh, 1), options, 1, context, s.seed)
-    fields = decoder_fields(dec, context)
     layers = s.config.num_layers
     base = {"kind": "virtual_ranks", "preset": s.preset, "weights": s.weights, "tp": 1,
-            "batch": 1, "context": context, "layers": layers, "step": dec.step_kind,
-            "step_reason": dec.step_reason, "weights_bytes_per_rank":
-                fields["weights_bytes_per_rank"], "kv_bytes_per_rank": fields["kv_bytes_per_rank"]}
-    if dec.step_kind != "persistent":
-        return report.cpu_flagged([dict(base, skipped=dec.step_reason)], not s.gpu)
+            "batch": 1, "context": context, "layers": layers}
+    try:
+        dec = make_decoder(s.config, mesh, model_params(s, mesh, 1), options, 1, context, s.seed)
+    except ValueError as e:  # the step cannot serve this model: step="persistent" says why
+        return report.cpu_flagged([dict(base, step="xla", step_reason=str(e), skipped=str(e))],
+                                  not s.gpu)
+    fields = decoder_fields(dec, context)
+    base.update({"step": dec.step_kind, "step_reason": dec.step_reason,
+                 "weights_bytes_per_rank": fields["weights_bytes_per_rank"],
+                 "kv_bytes_per_rank": fields["kv_bytes_per_rank"]})
     state = {"cache": dec.state["cache"], "ar": dec.state["ar"], "position": context - 2}
     out, t1 = [], None
     for ranks in sorted(set(s.virtual_ranks) | {1}):

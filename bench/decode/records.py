@@ -55,6 +55,16 @@ def weight_layout(params) -> str:
 
 
 # ------------------------------------------------------------------- set-up --
+class NotServed(ValueError):
+    """A persistent row's Decoder refused: the step cannot serve this model (the reason)."""
+
+
+def uses_sifar(options: models.DecodeOptions, tp: int) -> bool:
+    """Whether a variant runs sifar_jax's all-reduces: a sifar kind, or the persistent step at
+    TP >= 2 (its all-reduce phase, counted in sifar_jax.stats())."""
+    return options.allreduce in api.SIFAR_KINDS or (options.step == "persistent" and tp > 1)
+
+
 def make_decoder(config, mesh, params, options: models.DecodeOptions, batch: int, context: int,
                  seed: int) -> models.Decoder:
     """A Decoder running `options` with a random cache of `context` positions; sifar's slot
@@ -90,6 +100,8 @@ def decoder_fields(dec: models.Decoder, context: int) -> dict:
     return {"kind": o.allreduce, "algorithm": o.algorithm, "fused": bool(o.fused),
             "prefetch_bytes": prefetch, "kv_layout": dec.kv_layout, "step": dec.step_kind,
             "step_reason": dec.step_reason, "weight_layout": weight_layout(dec.params),
+            "step_allreduce": o.step_allreduce if dec.step_kind == "persistent" and dec.tp > 1
+            else None,
             "rows": dec.rows, "gemm_rows": dec.gemm_rows, "attn_impl": dec.attn_impl,
             "pack_params": dec.pack_params, "arrays_per_call": len(dec.weights.leaves),
             "weights_bytes_per_rank": dec.family.step_weight_bytes(dec.layout, dec.params),
@@ -141,7 +153,7 @@ def sifar_fields(before) -> dict:
 def run_variant(config, mesh, params, case, s: Settings, bar, copy_bytes_per_s) -> list[dict]:
     """Set up one variant at one (batch, context), time each of its loops, one record each."""
     tp, batch, context, variant, loops = case
-    sifar = variant.options.allreduce in api.SIFAR_KINDS
+    sifar = uses_sifar(variant.options, tp)
     where = f"TP={tp} b={batch} ctx={context} {variant.label}"
     before = None
     if sifar:
@@ -150,7 +162,12 @@ def run_variant(config, mesh, params, case, s: Settings, bar, copy_bytes_per_s) 
         before = sifar_jax.stats()
     t0 = time.perf_counter()
     bar.set_postfix_str(f"{where}: set-up")
-    dec = make_decoder(config, mesh, params, variant.options, batch, context, s.seed)
+    try:
+        dec = make_decoder(config, mesh, params, variant.options, batch, context, s.seed)
+    except ValueError as e:
+        if variant.options.step == "persistent":
+            raise NotServed(str(e)) from None
+        raise
     first = start_tokens(config, batch, s.seed)
     fields = dict(decoder_fields(dec, context), setup_s=round(time.perf_counter() - t0, 2))
     timed = []
@@ -161,7 +178,7 @@ def run_variant(config, mesh, params, case, s: Settings, bar, copy_bytes_per_s) 
         t1 = time.perf_counter()
         seconds, tokens = TIMERS[loop](dec, s)
         timed.append((loop, seconds, tokens, time.perf_counter() - t1, copies))
-    if sifar and s.trace:
+    if sifar and s.trace and variant.options.step != "persistent":  # sifar_psum's calls
         fields["allreduce_trace"] = trace_allreduces(dec, context, first)
     if s.breakdown and (batch, context) == (1, s.context[0]):
         bar.set_postfix_str(f"{where}: breakdown")
@@ -248,8 +265,14 @@ def run(s: Settings, devices, copy_bytes_per_s: float, on_record) -> list[dict]:
         bar.set_postfix_str(f"TP={tp}: random weights")
         params = model_params(s, mesh, tp)
         for case in mine:
-            recs = report.cpu_flagged(run_variant(s.config, mesh, params, case, s, bar,
-                                                  copy_bytes_per_s), not s.gpu)
+            try:
+                recs = report.cpu_flagged(run_variant(s.config, mesh, params, case, s, bar,
+                                                      copy_bytes_per_s), not s.gpu)
+            except NotServed as e:
+                bar.write(f"TP={tp} batch {case[1]} context {case[2]} {case[3].label}: not run: "
+                          f"{e}")
+                bar.update(1)
+                continue
             records += recs
             for r in (r for r in recs if r["cache_copies"]):
                 bar.write(f"KV CACHE COPIED: TP={tp} {r['allreduce']} {r['loop']}: "
@@ -260,7 +283,7 @@ def run(s: Settings, devices, copy_bytes_per_s: float, on_record) -> list[dict]:
             bar.update(1)
             on_record(records)
         del params  # free this TP size's weights before the next one allocates its own
-        if any(c[3].options.allreduce in api.SIFAR_KINDS for c in mine):
+        if any(uses_sifar(c[3].options, tp) for c in mine):
             import sifar_jax
 
             sifar_jax.shutdown()

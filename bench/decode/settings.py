@@ -18,13 +18,15 @@ PIPELINE_STEPS = (4, 20)  # back-to-back runs whose difference gives one pipelin
 BASELINE_ALGORITHMS = ("oneshot", "twoshot")  # the paper's baseline, run inside our decoder
 SHAPES = ("full", "tp2_rank")  # as the preset says, or one rank's share at TP=2 on one device
 VIRTUAL_RANKS = (1, 2, 4)  # --virtual-ranks: the persistent step's ranks on one device
+STEP_ALLREDUCES = ("sifar", "oneshot")  # --step-allreduce: the persistent rows at TP >= 2
 PRESETS = {name: family.presets[name] for name, family in api.presets().items()}
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One row of the tables: its label ("psum", "sifar:oneshot", "sifar+fused", "persistent")
-    and the options it runs (the run's kv_layout, gemm_rows and attn_impl filled in)."""
+    """One row of the tables: its label ("psum", "sifar:oneshot", "sifar+fused", "persistent",
+    "persistent:oneshot") and the options it runs (the run's kv_layout, gemm_rows and attn_impl
+    filled in)."""
     label: str
     options: models.DecodeOptions
 
@@ -52,7 +54,7 @@ class Settings:
     chunk: int
     in_flight: int
     seed: int
-    step: str  # "xla", "persistent" or "both" (TP=1, batch 1)
+    step: str  # "xla", "persistent" or "both" (the persistent rows: batch 1, every TP)
     fused_tp1: bool
     sweep_all: bool
     breakdown: bool
@@ -64,6 +66,7 @@ class Settings:
     out: Optional[str]
     compile_cache: bool
     warmup: int = 2
+    step_allreduces: tuple[str, ...] = STEP_ALLREDUCES  # the persistent rows' at TP >= 2
 
     @property
     def gpu(self) -> bool:
@@ -145,8 +148,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--gemm-rows", type=int, default=None, help="DecodeOptions(gemm_rows=)")
     add("--attn-impl", choices=api.ATTN_IMPLS, default=None, help="DecodeOptions(attn_impl=)")
     add("--step", choices=("xla", "persistent", "both"), default="xla",
-        help="TP=1, batch 1: DecodeOptions(step=) of the rows (both: a 'persistent' row beside "
-             "psum's XLA step; records say which step ran)")
+        help="batch 1, every TP: DecodeOptions(step=) of the rows (xla: the XLA decoders' rows; "
+             "persistent: the persistent step's rows only; both: them beside the XLA rows). "
+             "The persistent rows: 'persistent' (at TP >= 2 sifar inside) and "
+             "'persistent:<all-reduce>' for the others of --step-allreduce; where the step "
+             "cannot serve the model the row is not run and the log says why")
+    add("--step-allreduce", default=",".join(STEP_ALLREDUCES),
+        help="comma list of the all-reduces inside the persistent step at TP >= 2 (sifar, "
+             "oneshot): one row each (DecodeOptions(step_allreduce=))")
     add("--virtual-ranks", nargs="?", const=",".join(map(str, VIRTUAL_RANKS)), default=None,
         metavar="R", help="also time the persistent step at R virtual ranks on one device (default "
                           "1,2,4) with sifar and oneshot inside: the cost per all-reduce phase "
@@ -282,7 +291,7 @@ def settings(args, platform: str, n_devices: int) -> Settings:
     context = _ints(args.context) if args.context else (256, 512) if quick else (1024, 4096, 16384)
     config = _config(args, preset, dtype, context)
     base = models.DecodeOptions(kv_layout=None if args.kv_layout == "auto" else args.kv_layout,
-                                gemm_rows=args.gemm_rows, attn_impl=args.attn_impl)
+                                gemm_rows=args.gemm_rows, attn_impl=args.attn_impl, step="xla")
     variants = tuple(parse_variants(args, base))
     wanted = {f"sifar:{a}" for a in _names(args.baselines)}
     lengths = () if args.ttft is None and not args.ttft_only else ttft.parse_lengths(
@@ -301,7 +310,16 @@ def settings(args, platform: str, n_devices: int) -> Settings:
         breakdown=args.breakdown and gpu, breakdown_asked=args.breakdown,
         trace=not args.no_trace, ttft=tuple(lengths), ttft_only=args.ttft_only,
         virtual_ranks=_ints([args.virtual_ranks]) if args.virtual_ranks else (),
-        out=args.out, compile_cache=not args.no_compile_cache))
+        out=args.out, compile_cache=not args.no_compile_cache,
+        step_allreduces=_step_allreduces(args.step_allreduce)))
+
+
+def _step_allreduces(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(_names(text)))
+    bad = [n for n in names if n not in STEP_ALLREDUCES]
+    if bad or not names:
+        raise SystemExit(f"--step-allreduce {text!r}: a comma list of {', '.join(STEP_ALLREDUCES)}")
+    return names
 
 
 def tp_sizes(args, config, platform: str, n_devices: int) -> list[int]:
@@ -336,26 +354,35 @@ def tp_sizes(args, config, platform: str, n_devices: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------- cases --
+def persistent_variants(s: Settings, tp: int) -> list[Variant]:
+    """The persistent step's rows at `tp`: one ("persistent") at TP=1, one per
+    --step-allreduce at TP >= 2 ("persistent" with sifar inside, "persistent:oneshot")."""
+    opts = s.options.replace(step="persistent")
+    if tp == 1:
+        return [Variant("persistent", opts)]
+    return [Variant("persistent" if a == "sifar" else f"persistent:{a}",
+                    opts.replace(step_allreduce=a)) for a in s.step_allreduces]
+
+
 def cases(s: Settings) -> list[tuple[int, int, int, Variant, tuple[str, ...]]]:
     """[(tp, batch, context, variant, loops)]: the loops at batch 1 and the first context, the
     sweep elsewhere. TP=1 runs lax.psum (and the fused rows with --fused on); the fused and
     baseline rows run at the loops' point only unless --sweep-all-variants; the persistent
-    row (--step) at TP=1, batch 1."""
+    rows (--step, persistent_variants) at batch 1, every TP."""
     base = (1, s.context[0])
     points = [base] + [(b, c) for c in s.context for b in s.batch if (b, c) != base]
-    persistent = Variant("persistent", s.options.replace(step="persistent"))
     out = []
     for tp in s.tp:
         variants = list(s.variants) if tp > 1 else [Variant("psum", s.options)] + [
             v for v in s.variants if s.fused_tp1 and v.options.fused]
-        if tp == 1 and s.step != "xla":
-            variants = (variants if s.step == "both" else []) + [persistent]
+        if s.step != "xla":
+            variants = (variants if s.step == "both" else []) + persistent_variants(s, tp)
         for b, c in points:
             loops = s.loops + tuple(x for x in s.sweep_loops if x not in s.loops) \
                 if (b, c) == base else s.sweep_loops
             here = [v for v in variants if ((b, c) == base or s.sweep_all
                     or not (v.options.fused or v.label in s.baselines))
-                    and (b == 1 or v.label != "persistent")]
+                    and (b == 1 or v.options.step != "persistent")]
             if loops:
                 out += [(tp, b, c, v, loops) for v in here]
     return out

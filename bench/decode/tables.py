@@ -106,7 +106,7 @@ def protocol_rows(records, order) -> tuple[list[str], list[list]]:
     rows, seen = [], set()
     for r in _sorted(records, order):
         point = (r["tp"], r["batch"], r["context"], r["allreduce"])
-        if point in seen or r["kind"] == "psum":
+        if point in seen or r["allreduce"] == "psum":
             continue
         seen.add(point)
         mine = [x for x in records if (x["tp"], x["batch"], x["context"], x["allreduce"]) == point]
@@ -115,7 +115,7 @@ def protocol_rows(records, order) -> tuple[list[str], list[list]]:
         stats = r.get("sifar_stats") or {}
         total = {f: sum(v.get(f, 0) for v in stats.values()) for f in ("calls", "retries",
                                                                        "timeouts")}
-        sifar = r["kind"] in api.SIFAR_KINDS
+        sifar = r["kind"] in api.SIFAR_KINDS or "sifar_stats" in r  # the persistent step's too
         rows.append([r["tp"], r["batch"], r["context"], r["allreduce"],
                      r.get("algorithm_used") or "none (no all-reduce)",
                      *(total[f] if sifar else "-" for f in ("calls", "retries", "timeouts")),

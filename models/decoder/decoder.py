@@ -57,7 +57,8 @@ class Decoder:
     models.registry.family_of(config)), run as `options` say (options.DecodeOptions; the
     allreduce, batch_size and max_seq_len keywords replace the options' fields). The model's
     layout (family.layout(config, tp)) and the step its one-token calls run (`step_choice`,
-    step_choice.choose_step) are computed here, once, and handed to all that needs them.
+    step_choice.choose_step: ValueError where options.step="persistent" cannot serve it) are
+    computed here, once, and handed to all that needs them.
     Components: `seq` (state.DecodeState), `exes` (executables.Executables), `weights`
     (param_pack.PackedParams)."""
 
@@ -102,9 +103,9 @@ class Decoder:
 
     @property
     def step_reason(self) -> Optional[str]:
-        """Why a one-token step runs on the XLA step though options.step is "persistent" (the
-        sentence also logged once per process), or None: the persistent step runs it, or
-        options.step is "xla" (step_choice)."""
+        """Why the step that runs a one-token call runs, where options.step did not name it:
+        with step="auto", why the persistent step does or does not serve this decoder; None
+        where the step named ("xla" or "persistent") runs (step_choice)."""
         return self.step_choice.reason
 
     @property

@@ -25,7 +25,8 @@ def check_attn_impl(attn_impl: str) -> None:
         raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
 
 
-STEPS = ("xla", "persistent")  # how a one-token step runs (step_choice.py)
+STEPS = ("auto", "xla", "persistent")  # how a one-token step runs (step_choice.py)
+STEP_ALLREDUCES = ("sifar", "oneshot")  # the all-reduce inside the persistent step at TP >= 2
 SIFAR_KINDS = ("sifar", "sifar_buffers")  # all-reduce kinds that run sifar_jax (and call init)
 
 
@@ -54,7 +55,8 @@ class DecodeOptions:
       slot_bytes=slot_bytes)), "sifar_buffers" (sifar with explicit dual buffers carried in the
       decode state) or "identity" (no all-reduce: wrong numbers, the timing upper bound).
     algorithm: sifar's ("auto": a payload past sifar's slot falls back to lax.psum; a named
-      algorithm raises instead). slot_bytes: sifar's slot size (None: sifar_jax's default).
+      algorithm raises instead). slot_bytes: sifar's slot size (None: sifar_jax's default), for the
+      sifar kinds and the persistent step's all-reduce phase (step="persistent").
     fused: (sifar only) all-reduce, residual add and RMSNorm as one sifar_jax.psum_add_rmsnorm
       call, prefetching the first prefetch_bytes of the next matmul's weight into L2 while it
       waits (None: sifar_jax's default, 0: none).
@@ -70,10 +72,10 @@ class DecodeOptions:
       (decoder/param_pack.py): fewer arguments per call; fused, the norm scales the fused call
       takes stay arrays of their own (a custom call's operand).
     axis_name: the mesh axis the model is split over.
-    step: how a one-token step runs: "xla" (the model's forward, XLA's kernels) or
-      "persistent" (Llama's fast_step, llama/step.py: the whole step as one
-      sifar_jax.llama_step call, a persistent kernel on CUDA GPUs; where it cannot serve the
-      decoder, the XLA step runs and the reason is logged: step_choice.py).
+    step: how a one-token step runs (step_choice.py): "auto" (the fast step where it serves the
+      decoder on a GPU, else XLA's), "xla", or "persistent" (llama/step.py, at TP >= 2 one rank
+      per device; on CPU host devices the op's C++ reference; else ValueError saying why; a
+      kv_layout left None is then "bhsd"). step_allreduce: the all-reduce inside it at TP >= 2.
     """
 
     allreduce: str = "psum"
@@ -89,7 +91,8 @@ class DecodeOptions:
     compiler_options: Any = ()
     pack_params: bool = True
     axis_name: str = "tp"
-    step: str = "xla"
+    step: str = "auto"
+    step_allreduce: str = "sifar"
 
     def __post_init__(self):
         _check(self)
@@ -116,8 +119,9 @@ class DecodeOptions:
             make_fused_add_norm(self.allreduce, self.algorithm, self.prefetch_bytes)
         if self.resolved:
             return self
-        return self.replace(
-            kv_layout=self.kv_layout or default_kv_layout(mesh),
+        return self.replace(  # the persistent step reads the "bhsd" cache
+            kv_layout=self.kv_layout or ("bhsd" if self.step == "persistent" else
+                                         default_kv_layout(mesh)),
             gemm_rows=self.gemm_rows or default_gemm_rows(mesh),
             attn_impl=self.attn_impl or default_attn_impl(mesh))
 
@@ -130,8 +134,10 @@ def _check(o: "DecodeOptions") -> None:
     """A clear error for each option out of range, when the options are made."""
     if o.allreduce not in ALLREDUCE_KINDS:
         raise ValueError(f"allreduce must be one of {ALLREDUCE_KINDS}, got {o.allreduce!r}")
-    if o.slot_bytes is not None and o.allreduce not in SIFAR_KINDS:
-        raise ValueError(f"slot_bytes is sifar's slot size; allreduce={o.allreduce!r} has none")
+    if o.slot_bytes is not None and o.allreduce not in SIFAR_KINDS and o.step != "persistent":
+        raise ValueError(f"slot_bytes is sifar's slot size; allreduce={o.allreduce!r} uses none "
+                         f"(nor does step={o.step!r}: the persistent step's all-reduce phase "
+                         f"does, asked for with step='persistent')")
     if o.fused not in FUSED_MODES:
         raise ValueError(f"fused must be one of {FUSED_MODES}, got {o.fused!r}")
     if o.prefetch_bytes and not o.fused:
@@ -146,3 +152,6 @@ def _check(o: "DecodeOptions") -> None:
         check_attn_impl(o.attn_impl)
     if o.step not in STEPS:
         raise ValueError(f"step must be one of {STEPS}, got {o.step!r}")
+    if o.step_allreduce not in STEP_ALLREDUCES:
+        raise ValueError(f"step_allreduce must be one of {STEP_ALLREDUCES}, got "
+                         f"{o.step_allreduce!r}")

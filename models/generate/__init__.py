@@ -258,8 +258,10 @@ def _decoder(args, family, config):
     try:
         options = DecodeOptions(allreduce=args.allreduce, algorithm=args.algorithm,
                                 fused=args.fused, slot_bytes=args.slot_bytes,
-                                max_seq_len=args.max_seq_len, step=args.step)
-        # --step persistent on dense bf16 weights: the projections as rows, read by both steps
+                                max_seq_len=args.max_seq_len, step=args.step,
+                                step_allreduce=args.step_allreduce)
+        # the persistent step (asked, or "auto" where it serves) on dense bf16 weights: the
+        # projections as rows, read by both steps
         params = step_choice.params_for_step(family, config, mesh, options, params)
         return Decoder(config, mesh, params, options), weights_s, cache_dir
     except (ValueError, NotImplementedError) as e:
@@ -285,8 +287,7 @@ def _print_setup(args, sifar_why, family, dec, cache_dir, warmup, cache_use, sto
     import jax
 
     config = dec.config
-    choice = dec.step_choice  # the step its one-token calls run (decoder/step_choice.py)
-    step = f"xla ({args.step} asked: {choice.reason})" if choice.reason else choice.kind
+    step = dec.step_choice.describe()  # the step its one-token calls run, how and why
     fp8_checkpoint = getattr(config, "quantization", None) is not None  # an FP8 checkpoint's
     ar = args.allreduce + (f"/{args.algorithm}" if "sifar" in args.allreduce else "")
     if args.allreduce == "identity":

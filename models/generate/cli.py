@@ -31,7 +31,8 @@ def make_parser(algorithms: tuple, sifar_why: str | None,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # (the names are checked after jax is imported: every family's presets, models.registry)
     p.add_argument("--preset", default="tiny",
-                   help="model shapes, random weights: tiny, qwen3_moe_tiny, llama3_8b, qwen3_30b_a3b")
+                   help="model shapes, random weights: tiny, llama_step_tiny (one the persistent "
+                        "step serves), qwen3_moe_tiny, llama3_8b, qwen3_30b_a3b")
     p.add_argument("--checkpoint", help="Hugging Face checkpoint dir (config.json + safetensors; "
                                         "its model_type picks the family); overrides --preset")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")
@@ -71,11 +72,16 @@ def make_parser(algorithms: tuple, sifar_why: str | None,
                         "e4m3 per output channel after the weights are made or loaded "
                         "(models/weights/transforms.py); norms, embedding and router stay in "
                         "--dtype")
-    p.add_argument("--step", default="xla", choices=("xla", "persistent"),
-                   help="persistent: each one-token step as one sifar_jax.llama_step call (a "
-                        "persistent kernel; Llama, TP=1, on a GPU, FP8 weights or bf16 ones "
-                        "held as rows, which both steps read; elsewhere the XLA step runs and "
-                        "says why)")
+    p.add_argument("--step", default="auto", choices=("auto", "xla", "persistent"),
+                   help="how a one-token step runs. persistent: as one sifar_jax.llama_step call "
+                        "(a persistent kernel on CUDA GPUs; Llama, bf16, head_dim 128, batch 1, "
+                        "TP 1-8, FP8 weights or bf16 ones held as rows, which both steps read; "
+                        "on CPU host devices the op's C++ reference, slowly; an error where it "
+                        "cannot serve the model); xla: XLA's kernels; auto: persistent where it "
+                        "serves the model on a GPU, else xla (the device line says which and "
+                        "why)")
+    p.add_argument("--step-allreduce", default="sifar", choices=("sifar", "oneshot"),
+                   help="the all-reduce inside the persistent step at --tp >= 2")
     p.add_argument("--max-seq-len", type=int, help="KV cache length (default: the request, "
                                                    "rounded up to a power of two)")
     p.add_argument("--seed", type=int, default=0, help="random weights, prompt and sampling")

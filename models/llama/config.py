@@ -62,6 +62,19 @@ class LlamaConfig(AttentionConfig):
         base.update(kw)
         return cls(**base)
 
+    @classmethod
+    def llama_step_tiny(cls, **kw) -> "LlamaConfig":
+        """A small model the persistent step serves (bf16, head_dim 128, GQA group 2, FFN and
+        vocabulary split by 4), so that its CPU reference runs it in tests and on host devices
+        (models.generate --step persistent) at TP = 1, 2 and 4."""
+        base = dict(
+            vocab_size=1024, hidden_size=512, intermediate_size=1024, num_layers=2,
+            num_heads=8, num_kv_heads=4, head_dim=128, rope_theta=10000.0,
+            rope_scaling=RopeScaling(4.0, 1.0, 4.0, 64), rms_norm_eps=1e-5,
+            tie_word_embeddings=False, max_seq_len=512, dtype="bfloat16")
+        base.update(kw)
+        return cls(**base)
+
     # ---- Hugging Face --------------------------------------------------------------------------
 
     @classmethod

@@ -91,6 +91,7 @@ def check_tp(config: LlamaConfig, tp: int) -> None:
 
 LLAMA = ModelFamily(
     name="llama", config_type=LlamaConfig,
-    presets={"tiny": LlamaConfig.tiny, "llama3_8b": LlamaConfig.llama3_8b},
+    presets={"tiny": LlamaConfig.tiny, "llama_step_tiny": LlamaConfig.llama_step_tiny,
+             "llama3_8b": LlamaConfig.llama3_8b},
     model=Llama, tp_dims=TP_DIM, check_tp=check_tp, fan_in=FAN_IN, projections=PROJECTIONS,
     loader=hf, hf_model_types=("llama",), fast_step=PERSISTENT)

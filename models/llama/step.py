@@ -1,22 +1,32 @@
-"""The persistent decode step (DecodeOptions(step="persistent")), LLAMA's fast_step: a Llama
-model's batch-1 step of one token as ONE op, sifar_jax.llama_step (on CUDA GPUs one
-cooperative launch of a persistent kernel, no kernel boundary between the layers), with an
-untied LM head of the layers' weight type inside it (a tied head, or one of another type, runs
-in XLA on the op's output).
+"""The persistent decode step (DecodeOptions(step="persistent"), or "auto" on a GPU), LLAMA's
+fast_step: a Llama model's batch-1 step of one token as ONE op, sifar_jax.llama_step (on CUDA
+GPUs one cooperative launch of a persistent kernel, no kernel boundary between the layers), with
+an untied LM head of the layers' weight type inside it (a tied head, or one of another type,
+runs in XLA on the op's output, split over the vocabulary as the XLA decoder splits it).
 
-It serves what its kernel serves: the Llama family, TP=1 (the all-reduce phase of a TP model
-runs only between virtual ranks on one GPU: make_step_forward's virtual_ranks), batch 1, the
-"bhsd" cache in bf16, head_dim 128, 1-4 or 8 query heads per KV head, and projections that are
-all FP8 (Fp8Weight, per-channel or per-tensor scales) or all bf16 rows (RowWeight:
-models.to_rows; a dense model's [K, N] einsum weights are the XLA step's layout, and the op
-reads [N, K] rows, so the decoder does not hold both: both steps read the rows). Anything else
-(and any GPU-less platform, where the op's CPU handler is a reference, not a speed-up) runs the
-XLA step; `reason` says why (decoder/step_choice.py decides which step runs, and logs the reason
-once). Prefills and chunks of several tokens always run the XLA forward. The two steps write the
-same cache: a decoder may switch between them at any token.
+It serves what its kernel serves: the Llama family, TP = 1 to the op's MAX_RANKS ranks, batch
+1, the "bhsd" cache in bf16, head_dim 128, 1-4 or 8 query heads per KV head (per KV head of a
+rank's shard: with tp > num_kv_heads, the replicated layout's), and projections that are all FP8
+(Fp8Weight, per-channel or per-tensor scales) or all bf16 rows (RowWeight: models.to_rows; a
+dense model's [K, N] einsum weights are the XLA step's layout, and the op reads [N, K] rows, so
+the decoder does not hold both: both steps read the rows). On CUDA GPUs it runs the kernel; on
+CPU host devices the op's C++ reference, only where it is asked for by name (`reference`: CI,
+a user without a GPU); anything else runs the XLA step under "auto" and is a ValueError under
+"persistent"; `reason` says why (decoder/step_choice.py decides). Prefills and chunks of
+several tokens always run the XLA forward. The two steps write the same cache: a decoder may
+switch between them at any token.
 
-PERSISTENT is this step as a FastStep (family.py): reason, make_forward (make_step_forward) and
-prepare_params (rows_for_step).
+At TP >= 2 the step runs inside jax.shard_map over the decoder's mesh, one rank per device,
+each on its shard of the decoder's own parameters and cache as they are placed
+(sifar_jax.decode_step_tp's layout is the decoder's: qkv's rows of the rank's KV heads, o's
+columns of their query heads, gate_up's [2, F/R, H] shard = its gate rows then its up rows,
+down's columns, the head's vocabulary rows; no re-layout), the all-reduce after o and down a
+phase of the op (options.step_allreduce: "sifar" or "oneshot") through sifar_jax's
+communicator on the mesh, which `reason` sets up (sifar_jax.init, idempotent) whatever
+options.allreduce is.
+
+PERSISTENT is this step as a FastStep (family.py): reason, make_forward (make_step_forward),
+describe and prepare_params (rows_for_step).
 """
 
 from __future__ import annotations
@@ -28,6 +38,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from jax.sharding import PartitionSpec as P
+
+from ..core import sharding
 from ..core.attention import rope_cos_sin, rope_inv_freq
 from ..core.tp import project
 from ..weights.transforms import to_rows
@@ -37,32 +50,39 @@ KERNEL_GROUPS = (1, 2, 3, 4, 8)  # query heads per KV head the kernel is built f
 _PROJECTIONS = (("attn", "qkv"), ("attn", "o"), ("mlp", "gate_up"), ("mlp", "down"))
 
 
-def backend_reason(mesh: Mesh) -> Optional[str]:
-    """None on a CUDA GPU with sifar_jax's CUDA backend, else why not. (Tests replace it to run
-    the step through the op's CPU reference.)"""
+def backend_reason(mesh: Mesh, reference: bool = False) -> Optional[str]:
+    """None on a CUDA GPU with sifar_jax's CUDA backend, or on CPU host devices where the op's
+    C++ reference may run (`reference`), else why not."""
     import sifar_jax
 
     platform = mesh.devices.flat[0].platform
+    if platform == "cpu" and reference:
+        return None
     if platform != "gpu":
-        return f"the persistent step is a CUDA kernel; this mesh is on {platform!r}"
+        return (f"the persistent step is a CUDA kernel; this mesh is on {platform!r} (the op's "
+                f"CPU reference runs there only when asked for by name, step='persistent')"
+                if platform == "cpu" else
+                f"the persistent step is a CUDA kernel; this mesh is on {platform!r}")
     if "cuda" not in sifar_jax._ext.PLATFORMS:
         return "sifar_jax was built without its CUDA backend"
     return None
 
 
-def reason(family, layout, mesh: Mesh, options, params: Any) -> Optional[str]:
-    """None when the persistent step can run this decoder of a Llama model (options: resolved),
-    else why not (one sentence)."""
+def reason(family, layout, mesh: Mesh, options, params: Any, *,
+           reference: bool = False) -> Optional[str]:
+    """None when the persistent step can run this decoder of a Llama model (options: resolved;
+    reference: the op's CPU reference counts, on CPU host devices), else why not (one
+    sentence). At TP >= 2 it sets up sifar_jax's communicator on the mesh (sifar_jax.init,
+    idempotent), which the step's all-reduce phase reads the peers through."""
     import sifar_jax
 
-    c = layout.config
-    why = backend_reason(mesh)
+    c, s, tp = layout.config, layout.shapes, layout.tp
+    why = backend_reason(mesh, reference)
     if why:
         return why
-    if layout.tp != 1:
-        return (f"tp={layout.tp}: the persistent step's all-reduce phase runs between virtual "
-                f"ranks on one GPU (sifar_jax.llama_step_virtual_ranks); ranks on separate GPUs "
-                f"are not built, so it runs at tp=1")
+    if tp > sifar_jax.decode_step.MAX_RANKS:
+        return (f"tp={tp}: the persistent step runs on at most "
+                f"{sifar_jax.decode_step.MAX_RANKS} ranks")
     if options.batch_size != 1:
         return f"batch_size={options.batch_size}: the persistent step decodes one sequence"
     if options.kv_layout != "bhsd":
@@ -71,12 +91,24 @@ def reason(family, layout, mesh: Mesh, options, params: Any) -> Optional[str]:
         return f"dtype={c.dtype}: the persistent step's activations and cache are bfloat16"
     if c.head_dim != sifar_jax.decode_step.HEAD_DIM:
         return f"head_dim={c.head_dim}: the kernel is built for {sifar_jax.decode_step.HEAD_DIM}"
-    if c.group_size not in KERNEL_GROUPS:
-        return f"{c.group_size} query heads per KV head: the kernel is built for {KERNEL_GROUPS}"
+    if s.group_size not in KERNEL_GROUPS:
+        where = (f" (tp={tp} > num_kv_heads={c.num_kv_heads}: each rank holds a copy of one KV "
+                 f"head with {s.group_size} of its query heads)" if layout.kv_replicas > 1 else "")
+        return (f"{s.group_size} query heads per KV head{where}: the kernel is built for "
+                f"{KERNEL_GROUPS}")
     if c.num_layers > sifar_jax.decode_step.MAX_LAYERS:
         return f"{c.num_layers} layers: the kernel takes at most {sifar_jax.decode_step.MAX_LAYERS}"
-    if c.hidden_size % 16 or c.intermediate_size % 16:
-        return "hidden_size and intermediate_size must be multiples of 16 (the FP8 GEMV's unit)"
+    if c.hidden_size % 16 or (c.intermediate_size // tp) % 16:
+        return (f"hidden_size={c.hidden_size} and intermediate_size/tp="
+                f"{c.intermediate_size // tp} must be multiples of 16 (the FP8 GEMV's unit)")
+    why = _params_reason(c, params)
+    if why is None and tp > 1:
+        why = _communicator_reason(mesh, options, c.hidden_size)
+    return why
+
+
+def _params_reason(c, params: Any) -> Optional[str]:
+    """Why the kernel cannot stream the projections of `params`, or None."""
     layers = params.get("layers", {})
     kinds = set()
     for i in range(c.num_layers):
@@ -97,6 +129,31 @@ def reason(family, layout, mesh: Mesh, options, params: Any) -> Optional[str]:
     if len(kinds) > 1:
         return ("the projections mix FP8 and bf16 rows: the persistent step streams one weight "
                 "type")
+    return None
+
+
+def _communicator_reason(mesh: Mesh, options, hidden: int) -> Optional[str]:
+    """sifar_jax's communicator on the mesh's axis set up (sifar_jax.init, idempotent; the
+    options' slot_bytes, else the library's default or the slot already set up), or why the
+    step's all-reduce phase cannot have one."""
+    import sifar_jax
+
+    axis = options.axis_name
+    need = int(sifar_jax._ext.lib.llama_step_tp_slot_bytes(hidden))
+    if options.slot_bytes is not None and options.slot_bytes < need:
+        return (f"slot_bytes={options.slot_bytes}: the persistent step's all-reduce phase at "
+                f"hidden_size={hidden} needs a slot of {need} bytes")
+    sifar_jax.init(mesh, slot_bytes=options.slot_bytes)
+    comms = sifar_jax.communicators(axis)
+    if not comms:
+        why = "; ".join(u.reason for u in sifar_jax.unsupported(axis)) or "none was set up"
+        return (f"sifar_jax has no communicator on the {axis!r} axis ({why}): the persistent "
+                f"step's all-reduce phase reads the peers through it")
+    slot = min(comm.slot_bytes for comm in comms)
+    if slot < need:
+        return (f"sifar_jax's communicator on the {axis!r} axis has a slot of {slot} bytes; the "
+                f"persistent step's all-reduce phase at hidden_size={hidden} needs {need} "
+                f"(DecodeOptions(slot_bytes={need}) or more)")
     return None
 
 
@@ -140,26 +197,54 @@ def _head_operands(model, c):
     return None
 
 
-def make_step_forward(family, layout, options, virtual_ranks: int = 1, allreduce: str = "sifar"):
+def _step_operands(model, c, tokens, positions, start, inv_freq):
+    """The op's operands but the layers and cache: (x, rope, pos, final_norm) for tokens [1, 1]
+    at positions [1], the row's first slot `start` ([1]; None: 0)."""
+    pos = positions[0].astype(jnp.int32)
+    first = jnp.int32(0) if start is None else start[0].astype(jnp.int32)
+    cos, sin = rope_cos_sin((pos - first)[None], inv_freq)
+    x = jnp.take(model.embed[...], tokens[0, 0], axis=0)
+    return x, jnp.concatenate([cos, sin]), jnp.stack([pos, first]), model.norm.weight[...]
+
+
+def _xla_head(model, c, h, rows: int, rank=None, ranks: int = 1):
+    """Logits [1, 1, vocab / ranks] float32 of h [H] in XLA: the untied head's shard, or the
+    tied embedding's vocabulary rows of this rank (the XLA decoder's split)."""
+    h = h[None, None]
+    if not c.tie_word_embeddings:
+        return project("bth,hv->btv", h, model.lm_head[...], rows,
+                       preferred_element_type=jnp.float32)
+    w = model.embed[...]
+    if ranks > 1:
+        n = c.vocab_size // ranks
+        w = jax.lax.dynamic_slice_in_dim(w, rank * n, n, axis=0)
+    return project("bth,vh->btv", h, w, rows, preferred_element_type=jnp.float32)
+
+
+def make_step_forward(family, layout, options, virtual_ranks: int = 1, allreduce: str = "sifar",
+                      *, mesh: Optional[Mesh] = None):
     """forward(params, cache, tokens [1, 1], positions [1], ar, start=None) -> (logits [1, 1,
     vocab] float32, cache, ar), the XLA forward's contract for one token, as the persistent
-    step (check `reason` first). virtual_ranks > 1 (tests, benchmarks): the step of a TP model
-    of that many ranks, run as sets of blocks of the one launch with `allreduce` ("sifar" or
-    "oneshot") inside it (sifar_jax.llama_step_virtual_ranks)."""
+    step (check `reason` first). At layout.tp >= 2 (`mesh`: the decoder's) the step across the
+    mesh's devices, options.step_allreduce inside (_tp_forward). virtual_ranks > 1 (tests,
+    benchmarks; tp = 1): the step of a TP model of that many ranks, run as sets of blocks of
+    the one launch with `allreduce` ("sifar" or "oneshot") inside it
+    (sifar_jax.llama_step_virtual_ranks)."""
     import sifar_jax
 
+    if layout.tp > 1:
+        if mesh is None or virtual_ranks > 1:
+            raise ValueError(f"the persistent step at tp={layout.tp} runs across the decoder's "
+                             f"mesh (mesh=), without virtual ranks")
+        return _tp_forward(family, layout, mesh, options)
     c = layout.config
     graphdef, _ = family.abstract_model(layout.shapes)
     inv_freq = rope_inv_freq(c)
 
     def forward(params, cache, tokens, positions, ar, start=None):
         model = nnx.merge(graphdef, params)
-        pos = positions[0].astype(jnp.int32)
-        first = jnp.int32(0) if start is None else start[0].astype(jnp.int32)
-        cos, sin = rope_cos_sin((pos - first)[None], inv_freq)
-        x = jnp.take(model.embed[...], tokens[0, 0], axis=0)
         head = _head_operands(model, c)
-        args = (x, jnp.concatenate([cos, sin]), jnp.stack([pos, first]), model.norm.weight[...],
+        args = (*_step_operands(model, c, tokens, positions, start, inv_freq),
                 [_layer_operands(b) for b in model.layers], cache)
         kw = dict(kv_heads=c.num_kv_heads, group=c.group_size, eps=c.rms_norm_eps, head=head)
         if virtual_ranks > 1:
@@ -170,13 +255,45 @@ def make_step_forward(family, layout, options, virtual_ranks: int = 1, allreduce
             logits = logits[0] if logits else None
         if head is not None:  # the kernel streamed the head too
             return logits[None, None], cache, ar
-        h = h[None, None]
-        if c.tie_word_embeddings:
-            logits = project("bth,vh->btv", h, model.embed[...], options.gemm_rows,
-                             preferred_element_type=jnp.float32)
-        else:
-            logits = project("bth,hv->btv", h, model.lm_head[...], options.gemm_rows,
-                             preferred_element_type=jnp.float32)
+        return _xla_head(model, c, h, options.gemm_rows), cache, ar
+
+    return forward
+
+
+def _tp_forward(family, layout, mesh: Mesh, options):
+    """The persistent step of a tp >= 2 layout: sifar_jax.llama_step(axis_name=) inside
+    jax.shard_map over `mesh`, each rank on its shard of the decoder's params and cache as
+    placed (param_specs, cache_spec: the op's per-rank layout, see the module docstring); kv_heads
+    and group are the layout's (with tp > num_kv_heads, its replicated KV heads). h comes back
+    the same on every rank; the logits [1, 1, vocab] split over the vocabulary, as the XLA
+    forward's."""
+    import sifar_jax
+
+    c, s, axis, tp = layout.config, layout.shapes, options.axis_name, layout.tp
+    graphdef, _ = family.abstract_model(s)
+    inv_freq = rope_inv_freq(c)
+    cspec = sharding.cache_spec(axis, options.kv_layout)
+    kw = dict(kv_heads=s.num_kv_heads, group=s.group_size, eps=c.rms_norm_eps,
+              axis_name=axis, allreduce=options.step_allreduce)
+
+    def forward(params, cache, tokens, positions, ar, start=None):
+        pspecs = family.param_specs(params, axis, tp)
+
+        def per_rank(params, cache, tokens, positions, start):
+            model = nnx.merge(graphdef, sharding.local_fp8(params, pspecs, axis))
+            head = _head_operands(model, c)
+            out = sifar_jax.llama_step(
+                *_step_operands(model, c, tokens, positions, start, inv_freq),
+                [_layer_operands(b) for b in model.layers], cache, head=head, **kw)
+            if head is not None:  # the kernel streamed the rank's vocabulary rows
+                return out[2][None, None], out[1]
+            return _xla_head(model, c, out[0], options.gemm_rows,
+                             jax.lax.axis_index(axis), tp), out[1]
+
+        step = jax.shard_map(per_rank, mesh=mesh, in_specs=(pspecs, cspec, P(), P(), P()),
+                             out_specs=(P(None, None, axis), cspec))
+        logits, cache = step(params, cache, tokens, positions,
+                             jnp.zeros((1,), jnp.int32) if start is None else start)
         return logits, cache, ar
 
     return forward
@@ -186,20 +303,33 @@ def rows_for_step(family, config, mesh: Mesh, options, params: Any) -> Any:
     """params as the persistent step wants them: where the step would run on the projections
     as rows but not as they are (dense bf16 [K, N]), the projections moved to rows in place
     (weights.transforms.to_rows, donate=True: the einsum-layout weights are deleted); else
-    params as they are. For callers that own the params (the CLI, through
-    decoder/step_choice.params_for_step, where options.step asks for this step); a Decoder
-    never changes the params it is given."""
+    params as they are. "Would run": options.step "persistent" (the CPU reference counting),
+    or "auto" on a GPU. For callers that own the params (the CLI, through
+    decoder/step_choice.params_for_step); a Decoder never changes the params it is given."""
     layout = family.layout(config, mesh.shape[options.axis_name])
     opts = options.resolve(mesh)
-    if reason(family, layout, mesh, opts, params) is None:
+    ref = options.step == "persistent"
+    if reason(family, layout, mesh, opts, params, reference=ref) is None:
         return params
     try:
         rows = jax.eval_shape(lambda p: to_rows(p, family), params)
     except ValueError:  # FP8 weights, an MoE's stacks: not for rows
         return params
-    if reason(family, layout, mesh, opts, rows) is not None:
+    if reason(family, layout, mesh, opts, rows, reference=ref) is not None:
         return params
     return to_rows(params, family, axis_name=options.axis_name, donate=True)
+
+
+def describe(layout, mesh: Mesh, options) -> str:
+    """How the step runs on `mesh`: the kernel or the CPU reference, and at tp >= 2 the ranks
+    and the all-reduce inside."""
+    platform = mesh.devices.flat[0].platform
+    where = ("CUDA kernel" if platform == "gpu" else
+             f"sifar_jax.llama_step's {platform.upper()} reference on host devices, slow")
+    if layout.tp > 1:
+        where += (f", TP={layout.tp} one rank per device, {options.step_allreduce} all-reduce "
+                  f"inside")
+    return where
 
 
 class PersistentStep:
@@ -209,11 +339,15 @@ class PersistentStep:
 
     name = "persistent"  # the DecodeOptions.step that asks for it
 
-    def reason(self, family, layout, mesh: Mesh, options, params: Any) -> Optional[str]:
-        return reason(family, layout, mesh, options, params)  # the module's reason()
+    def reason(self, family, layout, mesh: Mesh, options, params: Any, *,
+               reference: bool = False) -> Optional[str]:
+        return reason(family, layout, mesh, options, params, reference=reference)
 
     def make_forward(self, family, layout, options, **kw):
         return make_step_forward(family, layout, options, **kw)
+
+    def describe(self, layout, mesh: Mesh, options) -> str:
+        return describe(layout, mesh, options)
 
     def prepare_params(self, family, config, mesh: Mesh, options, params: Any) -> Any:
         return rows_for_step(family, config, mesh, options, params)

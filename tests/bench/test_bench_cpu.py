@@ -155,6 +155,31 @@ def test_gpu_host_suite_script_runs_its_steps_on_the_cpu(tmp_path):
     assert baseline_rows and all(r["batch"] == 1 for r in baseline_rows)  # so are the baselines
 
 
+def test_gpu_host_suite_steptp_runs_the_persistent_rows_on_the_cpu(tmp_path):
+    """bench/gpu_host_run.sh --quick steptp steptp-rows: the multi-GPU evaluation's command on
+    host devices (llama_step_tiny at TP=2, the op's CPU reference): FP8 and bf16 rows, the
+    persistent step with sifar and oneshot inside beside psum / sifar (/ sifar+fused where the
+    library has it), each row the step it says."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    r = subprocess.run(["bash", "bench/gpu_host_run.sh", "--quick", "steptp", "steptp-rows"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    log = (tmp_path / "run.log").read_text()
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "exit code" not in log and "TIMED OUT" not in log and "SKIPPED" not in log, log[-3000:]
+    for name, stem, weights in (("steptp", "decode-fp8", "fp8"),
+                                ("steptp-rows", "decode-rows", "bfloat16")):
+        (path,) = (tmp_path / name).glob(f"{stem}-*.json")
+        recs = json.loads(path.read_text())
+        by = {rec["allreduce"]: rec for rec in recs}
+        assert {"psum", "sifar", "persistent", "persistent:oneshot"} <= set(by), set(by)
+        assert {rec["tp"] for rec in recs} == {2} and all(rec["weights"] == weights for rec in recs)
+        assert by["persistent"]["step"] == by["persistent:oneshot"]["step"] == "persistent"
+        assert by["psum"]["step"] == by["sifar"]["step"] == "xla"
+        assert by["persistent:oneshot"]["step_allreduce"] == "oneshot"
+
+
 def test_cpu_results_default_to_an_ignored_directory():
     assert report.default_out("gpu") == REPO / "bench" / "results"
     local = report.default_out("cpu")
@@ -492,11 +517,23 @@ def test_decode_settings_are_one_frozen_value_and_the_variants_decode_options():
         s.tokens = 3
     fused = next(v for v in s.variants if v.label == "sifar+fused")
     assert fused.options == DecodeOptions(allreduce="sifar", fused=True, kv_layout="bhsd",
-                                          gemm_rows=2)
-    assert all(v.options.kv_layout == "bhsd" and v.options.gemm_rows == 2 for v in s.variants)
-    persistent = [v for *_, v, _ in st.cases(dataclasses.replace(s, step="both", tp=(1,)))
-                  if v.label == "persistent"]
-    assert persistent and persistent[0].options.step == "persistent"
+                                          gemm_rows=2, step="xla")
+    assert all(v.options.kv_layout == "bhsd" and v.options.gemm_rows == 2
+               and v.options.step == "xla" for v in s.variants)  # the XLA decoders' rows
+    both = st.cases(dataclasses.replace(s, step="both", tp=(2, 1)))
+    persistent = {(tp, b, v.label): v.options for tp, b, c, v, _ in both
+                  if v.options.step == "persistent"}
+    assert set(persistent) == {(1, 1, "persistent"), (2, 1, "persistent"),
+                               (2, 1, "persistent:oneshot")}  # batch 1, every TP
+    assert persistent[(2, 1, "persistent")].step_allreduce == "sifar"
+    assert persistent[(2, 1, "persistent:oneshot")].step_allreduce == "oneshot"
+    assert {v.label for *_, v, _ in both} >= {"psum", "sifar", "sifar+fused"}
+    only = st.settings(st.parse_args(["--quick", "--step", "persistent", "--step-allreduce",
+                                      "oneshot"]), "cpu", 8)
+    assert {(tp, v.label) for tp, b, c, v, _ in st.cases(only)} == {
+        (2, "persistent:oneshot"), (1, "persistent")}
+    with pytest.raises(SystemExit, match="--step-allreduce"):
+        st.settings(st.parse_args(["--quick", "--step-allreduce", "twoshot"]), "cpu", 8)
 
 
 def test_decode_quantize_is_the_fp8_flag_and_weights_its_deprecated_alias(capsys):
@@ -705,25 +742,57 @@ def test_floor_note_names_the_baselines_and_the_measured_rate_or_says_none_ran()
     assert "the in-decoder rows sifar:oneshot or sifar:twoshot at the same TP" in two
 
 
-def test_decode_step_both_labels_the_step_that_ran(tmp_path, timing_figures):
-    """bench.decode --step both: a 'persistent' row beside psum's at TP=1; on a CPU the
-    persistent step cannot run, so its record says the XLA step ran ("step": "xla") and why (the
-    Decoder's step_reason); the old --weights fp8 spelling still runs FP8. Nothing printed is a
-    timing figure."""
-    cmd = [sys.executable, "-m", "bench.decode", "--quick", "--tp", "1", "--batch", "1",
-           "--context", "256", "--loops", "pipelined", "--no-sweep", "--allreduce", "psum",
-           "--fused", "off", "--baselines", "none", "--no-trace", "--step", "both",
-           "--weights", "fp8", "--out", str(tmp_path)]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+def test_decode_step_both_runs_the_persistent_rows_at_every_tp(tmp_path, timing_figures):
+    """bench.decode --step both on the small preset the persistent step serves: the
+    'persistent' rows beside the XLA decoders' at TP=1 and 2 (TP=2: sifar and oneshot inside),
+    on a CPU the op's C++ reference across the host devices; the records say which step ran
+    and the all-reduce inside; their tokens are psum's (random cache, sequence 0); the step's
+    all-reduce phases ran through sifar_jax (its stats and check). The old --weights fp8
+    spelling still runs FP8. Nothing printed is a timing figure."""
+    cmd = [sys.executable, "-m", "bench.decode", "--quick", "--preset", "llama_step_tiny",
+           "--tp", "2", "1", "--batch", "1", "--context", "256", "--loops", "pipelined",
+           "--no-sweep", "--allreduce", "psum", "--fused", "off", "--baselines", "none",
+           "--no-trace", "--step", "both", "--weights", "fp8", "--kv-layout", "bhsd",
+           "--out", str(tmp_path)]  # one cache layout: the same random cache in every row
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert timing_figures(r.stdout) == [] and "deprecated" in r.stderr
     (json_path,) = tmp_path.glob("decode-fp8-*.json")
-    by = {rec["allreduce"]: rec for rec in json.loads(json_path.read_text())}
-    assert set(by) == {"psum", "persistent"}
-    assert by["psum"]["step"] == "xla" and by["persistent"]["step"] == "xla"
-    assert by["psum"]["step_reason"] is None and "CUDA kernel" in by["persistent"]["step_reason"]
-    assert by["persistent"]["generated"] == by["psum"]["generated"]
-    assert by["psum"]["weights"] == "fp8"
+    by = {(rec["tp"], rec["allreduce"]): rec for rec in json.loads(json_path.read_text())}
+    assert set(by) == {(1, "psum"), (1, "persistent"), (2, "psum"), (2, "persistent"),
+                       (2, "persistent:oneshot")}
+    for (tp, label), rec in by.items():
+        assert rec["weights"] == "fp8"
+        assert rec["step"] == ("persistent" if label.startswith("persistent") else "xla")
+        assert rec["step_reason"] is None
+        assert rec["generated"] == by[(tp, "psum")]["generated"], (tp, label)
+    assert by[(2, "persistent")]["step_allreduce"] == "sifar"
+    assert by[(2, "persistent:oneshot")]["step_allreduce"] == "oneshot"
+    assert by[(1, "persistent")]["step_allreduce"] is None
+    for label in ("persistent", "persistent:oneshot"):
+        rec = by[(2, label)]
+        assert rec["sifar_check"] == "ok" and rec["sifar_stats"][rec["step_allreduce"]]["calls"]
+
+
+def test_decode_persistent_rows_where_the_step_cannot_serve_say_why(tmp_path, monkeypatch):
+    """--step persistent on the tiny preset (float32, head_dim 16), which the step does not
+    serve: no row runs and the log says why (the Decoder's ValueError)."""
+    import types
+
+    import jax
+
+    from bench.decode import records, settings as st
+
+    s = st.settings(st.parse_args(["--quick", "--tp", "1", "--batch", "1", "--context", "256",
+                                   "--loops", "pipelined", "--no-sweep", "--step",
+                                   "persistent", "--out", str(tmp_path)]), "cpu", 8)
+    lines = []
+    bar = types.SimpleNamespace(write=lines.append, set_postfix_str=lambda *a: None,
+                                update=lambda *a: None, close=lambda: None)
+    monkeypatch.setattr(common, "progress", lambda *a, **k: bar)
+    assert records.run(s, jax.devices("cpu"), 1e9, lambda rs: None) == []
+    assert any("persistent: not run: step='persistent' cannot run this decoder: dtype=float32"
+               in ln for ln in lines), lines
 
 
 def test_decode_rows_weights_are_labelled_and_read_like_dense(tmp_path):
@@ -747,30 +816,27 @@ def test_decode_rows_weights_are_labelled_and_read_like_dense(tmp_path):
 def test_decode_virtual_ranks_time_the_persistent_step_at_r_ranks(tmp_path, monkeypatch, capsys,
                                                                    timing_figures):
     """--virtual-ranks on a model the persistent step serves (bf16, head_dim 128, FP8), the op's
-    CPU reference standing in for the kernel (persistent.backend_reason replaced, as in
-    tests/models/test_persistent_ranks.py): R = 1, 2, 4 with sifar and oneshot inside, one
-    record each, the cost per all-reduce phase from t_R - t_1 over 2 x layers. Without the
-    replacement the Decoder says why the step cannot run and no row runs. Nothing printed or in
-    the markdown is a timing figure."""
+    CPU reference on a CPU (step="persistent" asks for it by name): R = 1, 2, 4 with sifar and
+    oneshot inside, one record each, the cost per all-reduce phase from t_R - t_1 over 2 x
+    layers. On a model the step does not serve (the quick run's float32 tiny preset), one record
+    says why and no row runs. Nothing printed or in the markdown is a timing figure."""
     import dataclasses
 
     import jax
 
     from bench.decode import cli, ranks, records, settings as st
-    from models.llama import step as persistent
 
     s = st.settings(st.parse_args(["--quick", "--tp", "1", "--quantize", "fp8", "--context",
                                    "256", "--samples", "1", "--virtual-ranks",
                                    "--out", str(tmp_path)]), "cpu", 8)
     assert s.virtual_ranks == (1, 2, 4)
+    cpus = jax.devices("cpu")
+    (skipped,) = ranks.run(s, cpus, 1e9)
+    assert skipped["step"] == "xla" and "dtype=float32" in skipped["skipped"]
     config = st.PRESETS["tiny"](dtype="bfloat16", hidden_size=256, num_heads=8, num_kv_heads=4,
                                 head_dim=128, intermediate_size=512, num_layers=2,
                                 vocab_size=512, max_seq_len=256)
     s = dataclasses.replace(s, config=config, dtype="bfloat16")
-    cpus = jax.devices("cpu")
-    (skipped,) = ranks.run(s, cpus, 1e9)
-    assert skipped["step"] == "xla" and "CUDA kernel" in skipped["skipped"]
-    monkeypatch.setattr(persistent, "backend_reason", lambda mesh: None)
     calls = []
     real = sifar_jax.llama_step_virtual_ranks
     monkeypatch.setattr(sifar_jax, "llama_step_virtual_ranks",

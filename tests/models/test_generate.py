@@ -174,20 +174,37 @@ def test_quantize_fp8_decodes_with_fp8_weights(capsys, monkeypatch):
     assert asked and asked[0][-1] == "fp8"
 
 
-def test_step_persistent_on_a_cpu_runs_the_xla_step_and_says_why(capsys, caplog, monkeypatch):
-    """--step persistent where the kernel cannot run (a CPU): the request still completes, on
-    the XLA step, and the reason is logged."""
-    from models.decoder import step_choice
+def test_step_persistent_runs_the_cpu_reference_on_host_devices(capsys, monkeypatch):
+    """--step persistent on host devices, TP=2, FP8: the op's CPU reference runs each step
+    across the devices (the device line says so), with the tokens of --step xla; the default
+    step ("auto") runs the XLA step there and says why."""
+    import sifar_jax
 
-    monkeypatch.setattr(step_choice, "_LOGGED", set())
-    with caplog.at_level("WARNING", logger="models.decoder.step_choice"):
-        assert generate.main(["--tokens", "4", "--quantize", "fp8", "--step", "persistent",
-                              "--no-warmup"]) == 0
-    assert "step='persistent' runs the XLA step" in caplog.text
-    out = capsys.readouterr().out
-    assert len([ln for ln in out.splitlines() if ln.startswith("tokens:")][0].split()) == 1 + 4
-    device = [ln for ln in out.splitlines() if ln.startswith("device:")][0]
-    assert "step=xla (persistent asked: the persistent step is a CUDA kernel" in device, device
+    calls, real = [], sifar_jax.llama_step
+    monkeypatch.setattr(sifar_jax, "llama_step", lambda *a, **k: calls.append(k) or real(*a, **k))
+    argv = ["--preset", "llama_step_tiny", "--tp", "2", "--quantize", "fp8", "--tokens", "6",
+            "--no-warmup"]
+    out = {}
+    for step in ("persistent", "xla", None):
+        assert generate.main(argv + (["--step", step] if step else [])) == 0
+        lines = capsys.readouterr().out.splitlines()
+        out[step] = ([ln for ln in lines if ln.startswith("device:")][0],
+                     [ln for ln in lines if ln.startswith("tokens:")][0])
+    assert "step=persistent (sifar_jax.llama_step's CPU reference" in out["persistent"][0]
+    assert "TP=2 one rank per device, sifar all-reduce inside" in out["persistent"][0]
+    assert calls and all(k["axis_name"] == "tp" for k in calls)
+    assert out["xla"][0].endswith("step=xla")
+    assert "step=xla (auto: the persistent step is a CUDA kernel" in out[None][0]
+    assert out["persistent"][1] == out["xla"][1] == out[None][1]
+    assert len(out["xla"][1].split()) == 1 + 6
+
+
+def test_step_persistent_where_it_cannot_serve_is_one_error_line(capsys):
+    """--step persistent on a model the step does not serve (the tiny preset: float32,
+    head_dim 16): one error line saying why, no silent fallback."""
+    line = _error(capsys, ["--tokens", "4", "--quantize", "fp8", "--step", "persistent",
+                           "--no-warmup"])
+    assert "step='persistent' cannot run this decoder: dtype=float32" in line, line
 
 
 @pytest.mark.parametrize("loop", LOOPS)

@@ -1,9 +1,11 @@
-"""The persistent decode step (DecodeOptions(step="persistent"), models/llama/step.py) against
-the XLA step on the same FP8 weights, and when it declines.
+"""The persistent decode step (DecodeOptions(step="persistent"), models/llama/step.py) at TP=1
+against the XLA step on the same FP8 weights, and when it cannot serve a decoder (a ValueError
+for step="persistent", the XLA step for step="auto"). TP >= 2: test_persistent_tp.py.
 
 On the CPU the op runs its C++ reference (ffi/step/llama_step.cc) through the same decoder
-wiring (backend_reason replaced: the CPU is no place for the kernel, but the operands, the
-cache layout, the rotary position and the head are the same); on a GPU the kernel. Measured
+wiring, as step="persistent" asks on host devices (the CPU is no place for the kernel, so
+"auto" never runs it there, but the operands, the cache layout, the rotary position and the
+head are the same); on a GPU the kernel. Measured
 on this config (random weights, bf16, FP8 per-channel, 2 layers), as a share of the largest
 logit over 20 teacher-forced steps: CPU reference vs XLA 0.83e-2 at most (2026-12-04; the
 roundings of XLA's fused bf16 arithmetic and of the softmax differ, the GEMV bits are the
@@ -11,8 +13,6 @@ same); bound 2e-2. Greedy tokens are equal.
 """
 
 from __future__ import annotations
-
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -57,13 +57,6 @@ def fp8_model():
     return cfg, mesh, LLAMA.random_params(cfg, mesh, seed=1, quantize="fp8")
 
 
-@pytest.fixture
-def cpu_reference(monkeypatch):
-    """The persistent step through the op's CPU handler where there is no GPU."""
-    if not _on_gpu():
-        monkeypatch.setattr(persistent, "backend_reason", lambda mesh: None)
-
-
 def _decoder(cfg, mesh, params, step, **kw):
     return Decoder(cfg, mesh, params, DecodeOptions(kv_layout="bhsd", step=step, **kw))
 
@@ -75,7 +68,7 @@ def _traced_steps(monkeypatch):
     return calls
 
 
-def test_persistent_matches_xla_step(fp8_model, cpu_reference, monkeypatch):
+def test_persistent_matches_xla_step(fp8_model, monkeypatch):
     cfg, mesh, params = fp8_model
     seq = np.random.default_rng(3).integers(0, cfg.vocab_size, 20, dtype=np.int32)
     ref = _decoder(cfg, mesh, params, "xla")
@@ -91,7 +84,7 @@ def test_persistent_matches_xla_step(fp8_model, cpu_reference, monkeypatch):
     np.testing.assert_array_equal(dec.generate(seq[:4], 12), ref.generate(seq[:4], 12))
 
 
-def test_persistent_writes_the_xla_cache(fp8_model, cpu_reference):
+def test_persistent_writes_the_xla_cache(fp8_model):
     """Switching steps mid-sequence: the persistent step's cache slots are the XLA step's."""
     cfg, mesh, params = fp8_model
     seq = np.random.default_rng(5).integers(0, cfg.vocab_size, 6, dtype=np.int32)
@@ -105,7 +98,7 @@ def test_persistent_writes_the_xla_cache(fp8_model, cpu_reference):
     assert np.abs(ka - kb).max() <= BOUND * np.abs(ka).max()
 
 
-def test_nothing_compiles_after_warmup(fp8_model, cpu_reference, monkeypatch):
+def test_nothing_compiles_after_warmup(fp8_model, monkeypatch):
     """Decoder.warmup compiles the persistent step with the rest: requests within its limits
     compile nothing more and trace no further step."""
     cfg, mesh, params = fp8_model
@@ -127,9 +120,9 @@ def test_nothing_compiles_after_warmup(fp8_model, cpu_reference, monkeypatch):
     (dict(batch_size=2), "one sequence"),
     (dict(head_dim=64, num_heads=8), "head_dim=64"),
 ])
-def test_reasons(change, words, monkeypatch):
-    """Each condition the kernel does not serve gives the XLA step and says why."""
-    monkeypatch.setattr(persistent, "backend_reason", lambda mesh: None)
+def test_reasons(change, words):
+    """Each condition the kernel does not serve: step="persistent" is a ValueError saying why;
+    "auto" runs the XLA step and says the same."""
     change = dict(change)
     weights = change.pop("weights", "fp8")
     options = dict(kv_layout=change.pop("kv_layout", "bhsd"), batch_size=change.pop("batch_size", 1))
@@ -137,59 +130,83 @@ def test_reasons(change, words, monkeypatch):
     mesh = make_mesh(1)
     params = LLAMA.random_params(cfg, mesh, seed=0, quantize="fp8" if weights == "fp8" else None)
     opts = DecodeOptions(step="persistent", **options).resolve(mesh)
-    why = persistent.reason(LLAMA, LLAMA.layout(cfg, 1), mesh, opts, params)
+    why = persistent.reason(LLAMA, LLAMA.layout(cfg, 1), mesh, opts, params, reference=True)
     assert why and words in why, why
+    with pytest.raises(ValueError, match="step='persistent' cannot run this decoder") as e:
+        Decoder(cfg, mesh, params, opts)
+    assert why in str(e.value)
+    auto = Decoder(cfg, mesh, params, opts.replace(step="auto"))
+    assert auto.step_kind == "xla" and auto.step_reason.startswith("auto: ")
 
 
-def test_tp2_says_where_the_allreduce_phase_runs(fp8_model, monkeypatch):
-    monkeypatch.setattr(persistent, "backend_reason", lambda mesh: None)
-    cfg, mesh, params = fp8_model  # a one-device mesh: reason() reads the TP from the layout
-    opts = DecodeOptions(step="persistent", kv_layout="bhsd").resolve(mesh)
-    why = persistent.reason(LLAMA, LLAMA.layout(cfg, 2), mesh, opts, params)
-    assert why and "tp=2" in why and "virtual ranks" in why, why
-
-
-def test_cpu_mesh_runs_the_xla_step_and_says_why(fp8_model, caplog, monkeypatch):
+def test_cpu_mesh_auto_runs_the_xla_step_and_says_why(fp8_model, monkeypatch):
+    """"auto" (the default) never runs the op's CPU reference: on a CPU mesh the XLA step runs
+    and the Decoder says why; "persistent" asks for the reference by name and runs it."""
     if _on_gpu():
         pytest.skip("a GPU runs the persistent step")
     cfg, mesh, params = fp8_model
     calls = _traced_steps(monkeypatch)
-    monkeypatch.setattr(step_choice, "_LOGGED", set())
-    with caplog.at_level(logging.WARNING, logger="models.decoder.step_choice"):
-        dec = _decoder(cfg, mesh, params, "persistent")
-        dec.generate(np.array([1, 2, 3], np.int32), 2)
+    dec = _decoder(cfg, mesh, params, "auto")
+    dec.generate(np.array([1, 2, 3], np.int32), 2)
     assert not calls
-    assert "runs the XLA step" in caplog.text and "CUDA kernel" in caplog.text
-    assert dec.step_kind == "xla" and "CUDA kernel" in dec.step_reason  # asked after the log too
+    assert dec.step_kind == "xla" and "CUDA kernel" in dec.step_reason
+    assert dec.step_reason.startswith("auto: ")
+    why = persistent.reason(LLAMA, dec.layout, mesh, dec.options, params)  # reference=False
+    assert why and "CUDA kernel" in why
+    assert persistent.reason(LLAMA, dec.layout, mesh, dec.options, params, reference=True) is None
     assert _decoder(cfg, mesh, params, "xla").step_reason is None
+    assert Decoder(cfg, mesh, params).options.step == "auto"
 
 
-def test_step_kind_says_what_runs(fp8_model, cpu_reference):
-    """Where the persistent step can run (on the CPU: through the op's reference handler),
-    step_kind says so and step_reason is None."""
+def test_step_kind_says_what_runs(fp8_model):
+    """Where the persistent step can run (on the CPU: through the op's reference handler, as
+    step="persistent" asks), step_kind says so and step_reason is None; the CLI's line says how
+    it runs."""
     cfg, mesh, params = fp8_model
     dec = _decoder(cfg, mesh, params, "persistent")
     assert (dec.step_kind, dec.step_reason) == ("persistent", None)
+    where = "CUDA kernel" if _on_gpu() else "CPU reference"
+    assert dec.step_choice.describe().startswith("persistent (") and where in \
+        dec.step_choice.describe()
+
+
+def test_persistent_resolves_the_cache_it_reads(fp8_model):
+    """step="persistent" with kv_layout left to the platform: the 'bhsd' cache the step reads
+    (XLA:CPU's own default is 'bshd')."""
+    cfg, mesh, params = fp8_model
+    assert DecodeOptions(step="persistent").resolve(mesh).kv_layout == "bhsd"
+    dec = Decoder(cfg, mesh, params, DecodeOptions(step="persistent"))
+    assert dec.step_kind == "persistent" and dec.kv_layout == "bhsd"
 
 
 def test_step_option_is_checked():
     with pytest.raises(ValueError, match="step must be one of"):
         DecodeOptions(step="megakernel")
+    with pytest.raises(ValueError, match="step_allreduce must be one of"):
+        DecodeOptions(step_allreduce="twoshot")
+    with pytest.raises(ValueError, match="slot_bytes is sifar's slot size"):
+        DecodeOptions(step="xla", allreduce="psum", slot_bytes=4096)
+    # the persistent step's all-reduce phase uses sifar's slot whatever `allreduce` is
+    assert DecodeOptions(step="persistent", allreduce="psum", slot_bytes=4096).slot_bytes == 4096
 
 
-def test_a_family_without_the_step_runs_the_xla_step_and_says_so(monkeypatch):
+def test_a_family_without_the_step(monkeypatch):
     """The step is the family's (ModelFamily.fast_step): Qwen3-MoE has none, so
-    step="persistent" runs the XLA step and says why, as the choice made once per decoder."""
-    monkeypatch.setattr(persistent, "backend_reason", lambda mesh: None)
+    step="persistent" is a ValueError saying so, and "auto" runs the XLA step and says why,
+    as the choice made once per decoder."""
     family = FAMILIES["qwen3_moe"]
     assert family.fast_step is None and LLAMA.fast_step is persistent.PERSISTENT
     cfg, mesh = family.preset("qwen3_moe_tiny"), make_mesh(1)
     params = family.random_params(cfg, mesh, seed=0)
-    dec = _decoder(cfg, mesh, params, "persistent")
+    with pytest.raises(ValueError, match="the qwen3_moe family has no 'persistent' step"):
+        _decoder(cfg, mesh, params, "persistent")
+    dec = _decoder(cfg, mesh, params, "auto")
     assert dec.step_choice == step_choice.StepChoice("xla", dec.step_reason)
     assert dec.step_kind == "xla"
-    assert dec.step_reason == "the qwen3_moe family has no 'persistent' step"
+    assert dec.step_reason == "auto: the qwen3_moe family has no fast one-token step"
     assert step_choice.params_for_step(family, cfg, mesh, dec.options, params) is params
+    persistent_opts = dec.options.replace(step="persistent")
+    assert step_choice.params_for_step(family, cfg, mesh, persistent_opts, params) is params
     assert _decoder(cfg, mesh, params, "xla").step_choice is step_choice.XLA
 
 

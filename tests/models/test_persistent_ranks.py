@@ -76,7 +76,6 @@ def test_matches_the_tp_decoder(model, ranks, monkeypatch):
     want = Decoder(cfg, mesh_r, params_r, DecodeOptions(kv_layout="bhsd", step="xla",
                                                         allreduce="sifar"))
     want = np.asarray(want.teacher_forced_logits(seq[None])[0], np.float32)
-    monkeypatch.setattr(persistent, "backend_reason", lambda mesh: None)
     monkeypatch.setattr(persistent, "make_step_forward",
                         functools.partial(persistent.make_step_forward, virtual_ranks=ranks))
     calls = []

@@ -1,7 +1,7 @@
 """Dense projections held as rows (models.to_rows, quant.RowWeight): the [N, K] layout the
 persistent step streams, read by the XLA step and prefill too, so a bf16 decoder holds one copy
-of its weights for both steps. On the CPU the persistent step runs the op's C++ reference
-(backend_reason replaced, as in test_persistent.py); on a GPU the kernel.
+of its weights for both steps. On the CPU the persistent step runs the op's C++ reference (as
+step="persistent" asks on host devices, test_persistent.py); on a GPU the kernel.
 """
 
 from __future__ import annotations
@@ -38,12 +38,6 @@ def dense():
     cfg = _config()
     mesh = make_mesh(1)
     return cfg, mesh, LLAMA.random_params(cfg, mesh, seed=2)
-
-
-@pytest.fixture
-def cpu_reference(monkeypatch):
-    if jax.devices()[0].platform != "gpu":
-        monkeypatch.setattr(persistent, "backend_reason", lambda mesh: None)
 
 
 def _decoder(cfg, mesh, params, step):
@@ -123,7 +117,7 @@ def test_xla_step_on_rows_is_the_dense_step(dense):
         _decoder(cfg, mesh, to_rows(params, cfg), "xla").generate(seq[:4], 8))
 
 
-def test_persistent_step_on_bf16_rows(dense, cpu_reference, monkeypatch):
+def test_persistent_step_on_bf16_rows(dense, monkeypatch):
     cfg, mesh, params = dense
     rows = to_rows(params, cfg)
     seq = np.random.default_rng(5).integers(0, cfg.vocab_size, 12, dtype=np.int32)
@@ -157,7 +151,7 @@ def test_persistent_step_on_bf16_rows(dense, cpu_reference, monkeypatch):
         assert top[1] - top[0] <= BOUND * np.abs(lx).max(), (diff[0], top, np.abs(lx).max())
 
 
-def test_nothing_compiles_after_warmup_on_rows(dense, cpu_reference, monkeypatch):
+def test_nothing_compiles_after_warmup_on_rows(dense, monkeypatch):
     """Decoder.warmup compiles the persistent step on rows with the prefills: streams within
     its limits compile nothing more and trace no further step."""
     cfg, mesh, params = dense
@@ -173,24 +167,29 @@ def test_nothing_compiles_after_warmup_on_rows(dense, cpu_reference, monkeypatch
     assert dec.compiles_after_warmup == 0 and len(calls) == traced
 
 
-def test_dense_weights_say_how_to_hold_rows(dense, monkeypatch):
-    monkeypatch.setattr(persistent, "backend_reason", lambda mesh: None)
+def test_dense_weights_say_how_to_hold_rows(dense):
     cfg, mesh, params = dense
     opts = DecodeOptions(kv_layout="bhsd", step="persistent").resolve(mesh)
-    why = persistent.reason(LLAMA, LLAMA.layout(cfg, 1), mesh, opts, params)
+    why = persistent.reason(LLAMA, LLAMA.layout(cfg, 1), mesh, opts, params, reference=True)
     assert why and "models.to_rows" in why, why
-    assert persistent.reason(LLAMA, LLAMA.layout(cfg, 1), mesh, opts, to_rows(params, cfg)) is None
+    with pytest.raises(ValueError, match="models.to_rows"):
+        Decoder(cfg, mesh, params, opts)
+    assert persistent.reason(LLAMA, LLAMA.layout(cfg, 1), mesh, opts, to_rows(params, cfg),
+                             reference=True) is None
 
 
-def test_params_for_step_moves_only_what_the_step_will_read(monkeypatch):
+def test_params_for_step_moves_only_what_the_step_will_read():
     """The CLI's conversion (step_choice.params_for_step, the persistent step's rows_for_step):
-    rows where step="persistent" would then run, the params untouched otherwise (the XLA step
-    asked, or a step that declines for another reason)."""
-    monkeypatch.setattr(persistent, "backend_reason", lambda mesh: None)
+    rows where step="persistent" (or "auto", on a GPU) would then run, the params untouched
+    otherwise (the XLA step asked, "auto" on a CPU, or a step that declines for another
+    reason)."""
     cfg, mesh = _config(), make_mesh(1)
     params = LLAMA.random_params(cfg, mesh, seed=6)
-    xla = DecodeOptions(kv_layout="bhsd")
+    xla = DecodeOptions(kv_layout="bhsd", step="xla")
     assert step_choice.params_for_step(LLAMA, cfg, mesh, xla, params) is params
+    if jax.devices()[0].platform != "gpu":  # "auto" never runs the CPU reference
+        auto = DecodeOptions(kv_layout="bhsd", step="auto")
+        assert step_choice.params_for_step(LLAMA, cfg, mesh, auto, params) is params
     bshd = DecodeOptions(kv_layout="bshd", step="persistent")
     assert step_choice.params_for_step(LLAMA, cfg, mesh, bshd, params) is params
     qkv = params["layers"][0]["attn"]["qkv"]
