@@ -560,7 +560,7 @@ def test_decode_quantize_is_the_fp8_flag_and_weights_its_deprecated_alias(capsys
 def test_decode_names_a_model_this_tp_size_cannot_quantize_without_a_traceback():
     from bench import decode as bd
 
-    with pytest.raises(SystemExit, match=r"bench.decode: TP=4: quantize='fp8': 'down' has 8 "
+    with pytest.raises(SystemExit, match=r"bench.decode: TP=4: FP8 weights: 'down' has 8 "
                                          r"contracted columns"):
         bd.main(["--preset", "qwen3_moe_tiny", "--tp", "4", "--quantize", "fp8", "--quick",
                  "--out", "/tmp/sifar-test-decode-fp8-tp4"])

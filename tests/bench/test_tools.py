@@ -61,11 +61,12 @@ def test_bench_holds_no_cuda():
 
 
 def test_bench_holds_what_a_user_runs_within_its_line_budget():
-    """bench/ outside results/: at most 4,000 lines in all tracked files (3,500 until issues 58
+    """bench/ outside results/: at most 4,100 lines in all tracked files (3,500 until issues 58
     and 60 split bench.decode and bench.allreduce into modules of one concern each and added
-    the measured floor, the CPU rule and the virtual-ranks rows)."""
+    the measured floor, the CPU rule and the virtual-ranks rows; 4,000 until issue 59's
+    persistent rows at every TP and gpu_host_run.sh's steptp steps)."""
     lines = sum(len((common.REPO_ROOT / f).read_text().splitlines()) for f in _bench_files())
-    assert lines <= 4000, lines
+    assert lines <= 4100, lines
 
 
 def test_bench_modules_and_functions_stay_small():
