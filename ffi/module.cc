@@ -123,42 +123,6 @@ NB_MODULE(_sifar, m) {
       "Device memory one rank of one communicator reserves");
   // llama_step: the op's limits (step/llama_step.h), which sifar_jax.decode_step checks before
   // calling it, so that no limit is written twice.
-  m.def("llama_step_limits", [] {
-    nb::dict d;
-    d["head_dim"] = step::kHeadDim;
-    d["max_group"] = step::kMaxGroup;
-    d["max_splits"] = step::kMaxSplits;
-    d["max_layers"] = step::kMaxLayers;
-    d["max_ranks"] = step::kMaxRanks;
-    d["status_words"] = static_cast<int>(step::kStatusWords);
-    d["chunk"] = step::kChunk;
-    d["max_timeout_ns"] = step::kMaxTimeoutNs;
-    d["default_timeout_ns"] = step::kDefaultTimeoutNs;
-    return d;
-  });
-  // llama_step: the bytes of the workspace result (StepWorkspace's layout, which the op checks
-  // the size it is given against).
-  m.def(
-      "llama_step_workspace_bytes",
-      [](int hidden, int kv_heads, int group, int ffn, int layers, int ranks) {
-        if (hidden < 1 || kv_heads < 1 || ffn < 1 || group < 1 || group > step::kMaxGroup ||
-            layers < 1 || layers > step::kMaxLayers || ranks < 1 || ranks > step::kMaxRanks)
-          throw std::invalid_argument(
-              "sifar_jax: llama_step_workspace_bytes: hidden, kv_heads, ffn >= 1, group in [1, " +
-              std::to_string(step::kMaxGroup) + "], layers in [1, " +
-              std::to_string(step::kMaxLayers) + "], ranks in [1, " +
-              std::to_string(step::kMaxRanks) + "] needed");
-        step::Shape s;
-        s.hidden = hidden;
-        s.kv_heads = kv_heads;
-        s.group = group;
-        s.ffn = ffn;
-        s.layers = layers;
-        s.ranks = ranks;
-        return step::StepWorkspace(s).total;
-      },
-      nb::arg("hidden"), nb::arg("kv_heads"), nb::arg("group"), nb::arg("ffn"),
-      nb::arg("layers"), nb::arg("ranks") = 1);
   // The one list of algorithms (protocol.h): Python reads names and ids here.
   m.def("algorithms", [] {
     nb::list out;

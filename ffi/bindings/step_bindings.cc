@@ -1,7 +1,8 @@
-// The step across devices' numbers Python asks for (src/sifar_jax/decode_step_tp.py): its
-// workspace size (StepWorkspace of this rank's shard, Shape::devices) and the slot its tagged
-// words need.
+// The step's numbers Python asks for (src/sifar_jax/decode_step.py, decode_step_tp.py): its limits
+// (llama_step.h), its workspace size on one device and across devices (StepWorkspace of the
+// shape, the op checks the size it is given against it), and the slot its tagged words need.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
 #include <stdexcept>
 #include <string>
@@ -12,7 +13,53 @@ namespace nb = nanobind;
 
 namespace sifar {
 
+namespace {
+
+// The shape whose StepWorkspace the bindings size (ranks or devices set by the caller).
+step::Shape WorkspaceShape(int hidden, int kv_heads, int group, int ffn, int layers) {
+  step::Shape s;
+  s.hidden = hidden;
+  s.kv_heads = kv_heads;
+  s.group = group;
+  s.ffn = ffn;
+  s.layers = layers;
+  return s;
+}
+
+}  // namespace
+
 void RegisterStepBindings(nb::module_& m) {
+  m.def("llama_step_limits", [] {
+    nb::dict d;
+    d["head_dim"] = step::kHeadDim;
+    d["max_group"] = step::kMaxGroup;
+    d["max_splits"] = step::kMaxSplits;
+    d["max_layers"] = step::kMaxLayers;
+    d["max_ranks"] = step::kMaxRanks;
+    d["status_words"] = static_cast<int>(step::kStatusWords);
+    d["chunk"] = step::kChunk;
+    d["max_timeout_ns"] = step::kMaxTimeoutNs;
+    d["default_timeout_ns"] = step::kDefaultTimeoutNs;
+    return d;
+  });
+  // llama_step: the bytes of the workspace result (StepWorkspace's layout, which the op checks
+  // the size it is given against).
+  m.def(
+      "llama_step_workspace_bytes",
+      [](int hidden, int kv_heads, int group, int ffn, int layers, int ranks) {
+        if (hidden < 1 || kv_heads < 1 || ffn < 1 || group < 1 || group > step::kMaxGroup ||
+            layers < 1 || layers > step::kMaxLayers || ranks < 1 || ranks > step::kMaxRanks)
+          throw std::invalid_argument(
+              "sifar_jax: llama_step_workspace_bytes: hidden, kv_heads, ffn >= 1, group in [1, " +
+              std::to_string(step::kMaxGroup) + "], layers in [1, " +
+              std::to_string(step::kMaxLayers) + "], ranks in [1, " +
+              std::to_string(step::kMaxRanks) + "] needed");
+        step::Shape s = WorkspaceShape(hidden, kv_heads, group, ffn, layers);
+        s.ranks = ranks;
+        return step::StepWorkspace(s).total;
+      },
+      nb::arg("hidden"), nb::arg("kv_heads"), nb::arg("group"), nb::arg("ffn"),
+      nb::arg("layers"), nb::arg("ranks") = 1);
   m.def(
       "llama_step_tp_workspace_bytes",
       [](int hidden, int kv_heads, int group, int ffn, int layers, int devices) {
@@ -20,12 +67,7 @@ void RegisterStepBindings(nb::module_& m) {
             devices > step::kMaxRanks)
           throw std::invalid_argument("sifar_jax: llama_step_tp_workspace_bytes: positive sizes "
                                       "and 2.." + std::to_string(step::kMaxRanks) + " devices");
-        step::Shape s;
-        s.hidden = hidden;
-        s.kv_heads = kv_heads;
-        s.group = group;
-        s.ffn = ffn;
-        s.layers = layers;
+        step::Shape s = WorkspaceShape(hidden, kv_heads, group, ffn, layers);
         s.devices = devices;
         return step::StepWorkspace(s).total;
       },
