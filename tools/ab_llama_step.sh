@@ -4,6 +4,8 @@
 #   git archive <commit> | gzip > .before/A.tar.gz     (one tarball per variant: A, B, ...)
 #   OUT=/tmp/ab bash tools/ab_llama_step.sh A [B ...]  (on the device: carry .before)
 #   OUT=/tmp/ab bash tools/ab_llama_step.sh            (this tree alone)
+#   OUT=/tmp/ab bash tools/ab_llama_step.sh SIFAR_STEP_L2_AHEAD=0   (a variant NAME=VALUE: this
+#                                                       tree run with that environment setting)
 # Each .before/<V>.tar.gz and this tree (variant "this") are built for sm_90 in .validate/
 # (in parallel, always: a warm device keeps the last call's module in src/sifar_jax), then
 # timed in AB_ROUNDS rounds of alternating processes: the op alone at Llama-8B FP8 shapes with
@@ -25,9 +27,10 @@ variants=("$@" this)
 JOBS=$(( $(nproc) / ${#variants[@]} )); (( JOBS > 0 )) || JOBS=1
 
 source tools/build_tree.sh  # build_tree SRC BUILD_DIR
-src_of() { [[ $1 == this ]] && echo "$PWD" || echo "$W/ab-$1"; }
+src_of() { [[ $1 == this || $1 == *=* ]] && echo "$PWD" || echo "$W/ab-$1"; }
 log "building ${variants[*]}"
 for v in "${variants[@]}"; do
+  [[ $v == *=* ]] && continue  # this tree, another environment
   if [[ $v != this ]]; then
     rm -rf "$W/ab-$v" && mkdir -p "$W/ab-$v" && tar -xzf ".before/$v.tar.gz" -C "$W/ab-$v" ||
       { log "no .before/$v.tar.gz"; exit 1; }
@@ -38,7 +41,8 @@ wait
 for rnd in $(seq "${AB_ROUNDS:-2}"); do
   for v in "${variants[@]}"; do
     s=$(src_of "$v")
-    AB_TAG=$v AB_OUT=$OUT timeout 300 env PYTHONPATH="$s/src:$s" "$PY" - <<'PY' 2>&1 |
+    setting=(); [[ $v == *=* ]] && setting=("$v")
+    AB_TAG=${v//=/-} AB_OUT=$OUT timeout 300 env ${setting[@]+"${setting[@]}"} PYTHONPATH="$s/src:$s" "$PY" - <<'PY' 2>&1 |
 import os, time
 import jax, jax.numpy as jnp, numpy as np
 import sifar_jax
@@ -110,7 +114,7 @@ PY
       grep --line-buffered -E "^ab|Error|error" | tee -a "$LOG"
   done
 done
-"$PY" - "$OUT" "${variants[@]}" <<'PY' 2>&1 | tee -a "$LOG"
+"$PY" - "$OUT" "${variants[@]//=/-}" <<'PY' 2>&1 | tee -a "$LOG"
 import os, sys
 import numpy as np
 out, vs = sys.argv[1], sys.argv[2:]
