@@ -155,7 +155,7 @@ def run_skew(args) -> None:
     n = mesh.size
     sifar_jax.init(mesh, timeout_s=args.timeout)
     steps = args.steps
-    for allreduce in ("sifar", "oneshot"):
+    for allreduce in args.skew_allreduce.split(","):
         local, tp = operands(mesh, E4M3, seed=20 + n)
         x, rope, pos, fnorm, lt, cache, head = tp
         h0, _, lg0 = jax.block_until_ready(step_fn(mesh, allreduce)(*tp))
@@ -338,6 +338,8 @@ def main() -> None:
     p.add_argument("scenarios", nargs="+", choices=tuple(SCENARIOS))
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--skew-us", type=float, default=200.0)
+    p.add_argument("--skew-allreduce", default="sifar,oneshot",
+                   help="skew: the all-reduces inside the step it runs, in order")
     p.add_argument("--wrap-skew-us", type=float, default=5000.0,
                    help="seam: the skew of the wrap's sequence (one pair of steps)")
     p.add_argument("--timeout", type=float, default=5.0)
