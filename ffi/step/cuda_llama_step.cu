@@ -84,7 +84,6 @@ struct Params {
   int head_per_channel, vocab;
   float* logits;
   int stages;     // ring stages per block
-  int l2_ahead;   // the producer's L2 run-ahead in stages (ring_gemv.cuh, RunAhead; 0 off)
   int xs_bytes;   // shared memory before the ring: the GEMV input or the attention's scratch
   step::StepComm comm;  // kDevices: the communicator's memory (every rank's)
   step::LayerWeights layer[step::kMaxLayers];
@@ -166,8 +165,7 @@ __device__ __forceinline__ void GateUpGemv(const Params& P, const step::LayerWei
 // epilogues of o and down. kB: bf16 weights (else e4m3).
 template <int G, bool kB>
 __device__ __forceinline__ void Tp1Step(const Params& P, Ring& ring, unsigned char* smem,
-                                        float* red, int* flag, volatile int* idle, int pos,
-                                        int start) {
+                                        float* red, int* flag, int pos, int start) {
   float4* xs = reinterpret_cast<float4*>(smem);
   const step::Shape& s = P.s;
   const int b = blockIdx.x, g = gridDim.x;
@@ -179,11 +177,9 @@ __device__ __forceinline__ void Tp1Step(const Params& P, Ring& ring, unsigned ch
     const bf16* rin = l == 0 ? P.x : P.resid;  // the residual stream before this layer
     StageNorm(xs, rin, L.input_norm, s.hidden, s.eps, red);
     QkvGemv<kB>(P, L, mats(l, 0), ring, xs, 0);
-    if (threadIdx.x == 0) *idle = 1;  // no weights read until o: the producer may run ahead
     sync();
     Attention<G>(P, l, reinterpret_cast<float*>(smem), flag, pos, start, 0, s.kv_heads, b, g);
     sync();
-    if (threadIdx.x == 0) *idle = 0;
     StageX(xs, P.attn, s.q_dim());
     RingGemv<kB>(
         mats(l, 1), ring, xs,
@@ -255,8 +251,8 @@ struct DevicePhases {
 // and the phases across the devices (ar: DevicePhases).
 template <int G, bool kB, typename Phases>
 __device__ __forceinline__ void RanksStep(const Params& P, Ring& ring, unsigned char* smem,
-                                          float* red, int* flag, volatile int* idle, int pos,
-                                          int start, int rank, int b, int nb, Phases& ar) {
+                                          float* red, int* flag, int pos, int start, int rank,
+                                          int b, int nb, Phases& ar) {
   float4* xs = reinterpret_cast<float4*>(smem);
   const step::Shape& s = P.s;
   const int R = s.ranks, H = s.hidden;
@@ -271,12 +267,10 @@ __device__ __forceinline__ void RanksStep(const Params& P, Ring& ring, unsigned 
   for (int l = 0; l < s.layers; ++l) {
     const step::LayerWeights& L = P.layer[l];
     QkvGemv<kB>(P, L, mats(l, 0), ring, xs, rank * qr);
-    if (threadIdx.x == 0) *idle = 1;  // no weights read until o: the producer may run ahead
     sync();
     Attention<G>(P, l, reinterpret_cast<float*>(smem), flag, pos, start,
                  rank * (s.kv_heads / R), s.kv_heads / R, b, nb);
     sync();
-    if (threadIdx.x == 0) *idle = 0;
     StageX(xs, P.attn + rank * kr, kr);
     ar.Begin(++k);
     RingGemv<kB>(
@@ -306,7 +300,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float red[kWarps];
   __shared__ int flag;
-  __shared__ int idle;  // the consumers read no weights now (RunAhead)
   const step::Shape& s = P.s;
   const int pos = P.pos[0], start = P.pos[1];
   if (pos < 0 || pos >= s.capacity || start < 0 || start > pos) return NanOut(P);
@@ -332,23 +325,20 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
   unsigned char* ring_buf = smem + P.xs_bytes;
   uint64_t* bars = reinterpret_cast<uint64_t*>(ring_buf + static_cast<size_t>(P.stages) * kStageBytes);
   Ring ring{ring_buf, bars, bars + P.stages, P.stages, 0};
-  if (threadIdx.x == 0) {
-    RingInit(ring);
-    idle = 0;
-  }
+  if (threadIdx.x == 0) RingInit(ring);
   __syncthreads();  // the last barrier of all kBlockThreads threads
   const int nb = kTP ? static_cast<int>(gridDim.x) / s.ranks : static_cast<int>(gridDim.x);
   const int rank = kTP ? static_cast<int>(blockIdx.x) / nb : 0;
   const int b = static_cast<int>(blockIdx.x) - rank * nb;
   if (threadIdx.x >= kThreads) {
     Produce([&](int l, int p) { return LayerMat(P, l, p, rank, b, nb); },
-            s.layers + (P.vocab > 0), ring, RunAhead{&idle, P.l2_ahead});
+            s.layers + (P.vocab > 0), ring);
     return;
   }
   if constexpr (kMode == kVirtual) {
     VirtualPhases ar{ArCtx{P.ar, P.status, P.barriers + s.ranks, s.ranks, rank, nb, s.hidden,
                            P.oneshot, P.absent_rank, P.timeout_ns, P.skew_ns}};
-    RanksStep<G, kB>(P, ring, smem, red, &flag, &idle, pos, start, rank, b, nb, ar);
+    RanksStep<G, kB>(P, ring, smem, red, &flag, pos, start, rank, b, nb, ar);
   } else if constexpr (kMode == kDevices) {
     DevicePhases ar;
     ar.a.m = &P.comm;
@@ -361,10 +351,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) LlamaStepKernel(const __grid
     ar.a.skew_max = dstart.skew_max;
     ar.a.skew_seed = dstart.skew_seed;
     ar.a.timeout_ns = dstart.timeout_ns;
-    RanksStep<G, kB>(P, ring, smem, red, &flag, &idle, pos, start, 0, b, nb, ar);
+    RanksStep<G, kB>(P, ring, smem, red, &flag, pos, start, 0, b, nb, ar);
     DevCommit(ar.a, dcalls);
   } else {
-    Tp1Step<G, kB>(P, ring, smem, red, &flag, &idle, pos, start);
+    Tp1Step<G, kB>(P, ring, smem, red, &flag, pos, start);
   }
 }
 
@@ -450,17 +440,6 @@ int StepMaxBlocks() {
   return cap;
 }
 
-// SIFAR_STEP_L2_AHEAD (read once per process): the producer's L2 run-ahead in ring stages
-// (ring_gemv.cuh, RunAhead; unset: kL2Ahead, 0: off).
-constexpr int kL2Ahead = 0;
-int StepL2Ahead() {
-  static const int ahead = [] {
-    const char* v = std::getenv("SIFAR_STEP_L2_AHEAD");
-    return v ? std::max(0, std::atoi(v)) : kL2Ahead;
-  }();
-  return ahead;
-}
-
 // The launch of a planned step on the handler's device (its current one); comm: the
 // communicator's memory of a step across devices (Shape::devices > 1), else null.
 ffi::Error LaunchStep(cudaStream_t stream, const step::StepCall& call, const step::StepComm* comm) {
@@ -515,7 +494,6 @@ ffi::Error LaunchStep(cudaStream_t stream, const step::StepCall& call, const ste
   p->vocab = call.vocab;
   p->logits = call.logits;
   p->stages = sm.stages;
-  p->l2_ahead = StepL2Ahead();
   p->xs_bytes = static_cast<int>(sm.xs);
   if (comm) p->comm = *comm;
   std::copy(call.layers.begin(), call.layers.end(), p->layer);

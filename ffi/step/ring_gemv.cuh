@@ -91,61 +91,13 @@ __device__ __forceinline__ int SlotRow(const Mat& m, int item, int q) {
   return m.rows == 2 ? item + (q & 1) * m.pair : item;
 }
 
-// Where the producer's copies are in their sequence: projection pj of layer l, round r, slab s
-// (stage n of the block's whole stream). The L2 run-ahead walks a second one ahead of the copies.
-struct Cursor {
-  int l = 0, pj = 0, r = 0, s = 0;
-  unsigned n = 0;
-  Mat m;
-  Part p;
-  template <class MatAt>
-  __device__ __forceinline__ bool Settle(MatAt mat_at, int layers) {  // skip empty parts
-    while (l < layers && (p = PartOf(m = mat_at(l, pj))).rounds == 0) {
-      if (++pj == 4) pj = 0, ++l;
-    }
-    return l < layers;
-  }
-  template <class MatAt>
-  __device__ __forceinline__ bool Next(MatAt mat_at, int layers) {
-    ++n;
-    if (++s < p.slabs) return true;
-    s = 0;
-    if (++r < p.rounds) return true;
-    r = 0;
-    if (++pj == 4) pj = 0, ++l;
-    return Settle(mat_at, layers);
-  }
-};
-
-// Non-blocking: whether the phase of `bar` with this parity has completed.
-__device__ __forceinline__ bool MbarTest(uint64_t* bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile(
-      "{ .reg .pred p; mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-      : "=r"(ok) : "r"(SmemAddr(bar)), "r"(parity) : "memory");
-  return ok != 0;
-}
-
-// The L2 run-ahead: while the consumers run a phase that reads no weights (`*idle` set: the
-// attention and the barriers around it) and the ring is full, the memory would idle; the
-// producer then prefetches the stages after the ring's into L2 (cp.async.bulk.prefetch.L2), at
-// most `stages` of them past its copies, so that the stream goes on and the copies that follow
-// read L2. stages 0: off.
-struct RunAhead {
-  const volatile int* idle;
-  int stages;
-};
-
 // The producer warp: every stage of every projection mat_at(l, p), l < layers, p < 4, in the
 // consumers' order. Lane q < kRingRows copies slot q's row.
 template <class MatAt>
-__device__ __forceinline__ void Produce(MatAt mat_at, int layers, Ring& ring,
-                                        RunAhead ahead = {nullptr, 0}) {
+__device__ __forceinline__ void Produce(MatAt mat_at, int layers, Ring& ring) {
   const int lane = threadIdx.x % 32;
   uint64_t policy;  // weights are read once per step: first out of L2
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  Cursor pre;  // the run-ahead's next stage
-  bool more = ahead.stages > 0 && pre.Settle(mat_at, layers);
   for (int l = 0; l < layers; ++l) {
     for (int pj = 0; pj < 4; ++pj) {
       const Mat m = mat_at(l, pj);
@@ -157,24 +109,7 @@ __device__ __forceinline__ void Produce(MatAt mat_at, int layers, Ring& ring,
         const unsigned rows = __popc(__ballot_sync(0xffffffffu, item >= 0));
         for (int s = 0; s < p.slabs; ++s, ++ring.n) {
           const int st = static_cast<int>(ring.n % ring.stages);
-          const uint32_t parity = ((ring.n / ring.stages) & 1) ^ 1;
-          // The ring full while the consumers read no weights: prefetch ahead instead of waiting.
-          // (lane 0 decides for the warp: the flag and the barrier may change between lanes' reads)
-          while (more && __shfl_sync(0xffffffffu, lane == 0 && *ahead.idle &&
-                                                      !MbarTest(ring.empty + st, parity), 0)) {
-            while (more && pre.n <= ring.n) more = pre.Next(mat_at, layers);
-            if (!more || pre.n > ring.n + ahead.stages) break;
-            const int it = lane < kRingRows ? SlotItem(pre.m, pre.p, pre.r, lane) : -1;
-            if (it >= 0)
-              asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(
-                               pre.m.w + static_cast<size_t>(SlotRow(pre.m, it, lane)) * pre.m.ld +
-                               pre.s * kSlab),
-                           "r"(static_cast<uint32_t>(min(kSlab, pre.m.k - pre.s * kSlab)))
-                           : "memory");
-            more = pre.Next(mat_at, layers);
-            __syncwarp();
-          }
-          MbarWait(ring.empty + st, parity);
+          MbarWait(ring.empty + st, ((ring.n / ring.stages) & 1) ^ 1);
           const uint32_t bytes = static_cast<uint32_t>(min(kSlab, m.k - s * kSlab));
           const uint32_t full = SmemAddr(ring.full + st);
           if (lane == 0)
