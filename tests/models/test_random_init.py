@@ -1,6 +1,7 @@
 """Random weights made one weight at a time (models/weights/random.py), FP8 ones quantized as each
 is made (transforms.quantize_one): the same bits as the former single jit over the whole tree
-(then quantize_params over the whole tree), and no jit that holds more than one weight dense."""
+(then quantize_params over the whole tree), and no jit that holds more than one weight dense; the
+memory check counts the FP8 model plus that one weight (decoder/footprint.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ import pytest
 from models import make_mesh, quantize_params
 from models.core.attention import KV_PARAM
 from models.core.sharding import leaf_name, replicate_kv
+from models.decoder import footprint
 from models.registry import FAMILIES
 from models.weights import random as random_weights, transforms
 from models.weights.random import hash_uniform
 from models.weights.types import is_projection
+
+
+GB = 10 ** 9
 
 
 def _config(name, dtype):
@@ -151,3 +156,17 @@ def test_peak_is_one_weight(name, monkeypatch):
     assert max(rec.sizes) < dense  # the whole-tree jit's outputs alone were the dense model
     assert held < dense / 1.5
 
+
+def test_footprint_of_qwen3_30b_fp8_fits_an_80gb_card():
+    """Arithmetic on ShapeDtypeStructs only: Qwen3-30B-A3B FP8 at TP=1 (a 4k KV cache) fits
+    HEADROOM of an 80 GB card; the former init (the dense model and its FP8 at once) did not."""
+    family = FAMILIES["qwen3_moe"]
+    config = family.preset("qwen3_30b_a3b")
+    fp8 = footprint.estimate(family, config, 1, 1, 4096, quantize="fp8")
+    dense = footprint.estimate(family, config, 1, 1, 4096)
+    assert fp8.total <= footprint.HEADROOM * 80 * GB
+    assert 28 * GB < fp8.weights < 33 * GB
+    assert dense.weights + fp8.weights > 80 * GB  # the whole-tree path's peak: 90.7 GB measured
+    # the transient: the largest weight (an expert stack) in float32 and bf16
+    assert fp8.transient == 6 * config.num_experts * config.hidden_size * 2 * \
+        config.moe_intermediate_size
