@@ -129,9 +129,10 @@ class _Recorder:
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
 def test_peak_is_one_weight(name, monkeypatch):
-    """No jit of an FP8 random init takes or makes more than the largest weight dense plus the
-    FP8 model (here: more than the largest weight dense + its FP8); the former whole-tree jit
-    held the whole dense model."""
+    """No jit of an FP8 random init takes and makes more than one weight dense plus one weight in
+    FP8 (well under the largest weight dense + the FP8 model, the bound that matters), measured
+    from each executable's memory_analysis; the former whole-tree jit made the whole dense
+    model (here 722 KB for the tiny Llama against at most 199 KB a jit now)."""
     family, config = _config(name, "bfloat16")
     mesh = make_mesh(1)
     _, abstract = family.abstract_model(config)
@@ -151,8 +152,11 @@ def test_peak_is_one_weight(name, monkeypatch):
     if any(s <= 0 for s in rec.sizes):
         pytest.skip("this backend's memory_analysis does not report argument/output sizes")
     held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(fp8))
+    one_fp8 = max(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(w))
+                  for w in jax.tree.leaves(fp8, is_leaf=is_projection) if is_projection(w))
     assert len(rec.sizes) >= len(jax.tree.leaves(abstract))  # at least one jit per leaf
-    assert max(rec.sizes) <= largest + held
+    slack = 64  # what XLA:CPU counts beyond the buffers (a tuple's pointers: 16 bytes seen)
+    assert max(rec.sizes) <= largest + one_fp8 + slack <= largest + held
     assert max(rec.sizes) < dense  # the whole-tree jit's outputs alone were the dense model
     assert held < dense / 1.5
 
@@ -166,7 +170,7 @@ def test_footprint_of_qwen3_30b_fp8_fits_an_80gb_card():
     dense = footprint.estimate(family, config, 1, 1, 4096)
     assert fp8.total <= footprint.HEADROOM * 80 * GB
     assert 28 * GB < fp8.weights < 33 * GB
-    assert dense.weights + fp8.weights > 80 * GB  # the whole-tree path's peak: 90.7 GB measured
+    assert dense.weights + fp8.weights > 80 * GB  # the former peak (issue 61: 90.7 GB of arguments)
     # the transient: the largest weight (an expert stack) in float32 and bf16
     assert fp8.transient == 6 * config.num_experts * config.hidden_size * 2 * \
         config.moe_intermediate_size
