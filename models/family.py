@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from .core import forward, sharding
 from .weights import checkpoint, fp8_load, random as random_weights
-from .weights.transforms import check_quantize, from_rows, quantize_params
+from .weights.transforms import check_quantize, from_rows, quantize_one
 from .weights.types import Fp8Weight, RowWeight, is_projection
 
 
@@ -160,19 +160,19 @@ class _Parameters:
                       axis_name: str = "tp", quantize: Optional[str] = None) -> dict:
         """Random parameters (never zero) created directly sharded on the devices. The values
         depend on (config, seed) only, not on the mesh (see weights/random.py).
-        quantize="fp8": the projections then quantized per output channel where they lie
-        (weights/transforms.py), the LM head included."""
+        quantize="fp8": each projection quantized per output channel where it lies as soon as
+        it is made (weights/transforms.py, quantize_one), the LM head included, so the model is
+        never held dense: the peak is the FP8 model plus one weight dense."""
         check_quantize(quantize)
         layout = self.layout(config, mesh.shape[axis_name])
         if quantize is not None:  # a TP the FP8 GEMV cannot take: named before anything is made
             fp8_load.check_local_k(self, layout, mesh, axis_name)
         _, abstract = self.abstract_model(config)
-        params = random_weights.random_params(
+        then = None if quantize is None else (
+            lambda name, w: quantize_one(name, w, self, axis_name, donate=True))
+        return random_weights.random_params(
             abstract, self.param_shardings(layout, mesh, axis_name), seed, self.fan_in,
-            layout.kv_replicas)
-        if quantize is None:
-            return params
-        return quantize_params(params, self, axis_name=axis_name, donate=True)
+            layout.kv_replicas, then)
 
 
 class _Sizes:

@@ -5,7 +5,10 @@ with the numbers instead of being killed by the kernel half-way through its rand
 The estimate: the parameters of the tp layout (split ones divided by tp, replicated ones whole),
 the KV cache (rows x capacity positions, this rank's KV heads), and a transient: the largest
 parameter in float32 (random init and checkpoint conversion compute a tensor in float32 before
-casting it) plus a prefill's activations (float32, a generous bound). Compared with what a GPU
+casting it) plus a prefill's activations (float32, a generous bound). With quantize="fp8" the
+weights are the FP8 model's and the transient also holds the largest parameter in the model's
+dtype: random init makes and quantizes one weight at a time (weights/random.py), so its peak is
+the FP8 weights plus one weight dense, never the dense model. Compared with what a GPU
 reports free (memory_stats' bytes_limit - bytes_in_use). On the CPU every host device shares
 the host's ONE memory: the sum over the tp devices is compared with the host's available memory,
 with what XLA:CPU adds there: it runs a bfloat16/float16 matmul in float32 and, measured at
@@ -59,7 +62,8 @@ def estimate(family, config: Any, tp: int, rows: int, capacity: int,
     """The footprint per device of `config` split tp ways with a KV cache of rows x capacity
     positions and a prefill of prompt_len tokens (family.layout raises if tp does not split it).
     quantize="fp8": the projections held as FP8 (1 byte a weight, plus their float32 scales;
-    models/weights/transforms.py); the transient still holds the largest one in float32."""
+    models/weights/transforms.py); the transient holds the largest one in float32 and in the
+    model's dtype (the one weight made dense before it is quantized: weights/random.py)."""
     check_quantize(quantize)
     layout = family.layout(config, tp).shapes
     _, abstract = family.abstract_model(layout)
@@ -80,7 +84,8 @@ def estimate(family, config: Any, tp: int, rows: int, capacity: int,
     kv = 2 * layout.num_layers * rows * capacity * (layout.num_kv_heads // tp) * layout.head_dim * item
     ffn = getattr(config, "intermediate_size", 4 * config.hidden_size)
     act = rows * prompt_len * (4 * config.hidden_size + 3 * ffn // tp) * 4
-    return Footprint(weights, kv, 4 * largest + act, 4 * matmul if item < 4 else 0)
+    made = (4 + (item if quantize else 0)) * largest  # one weight in float32 (+ dense, FP8)
+    return Footprint(weights, kv, made + act, 4 * matmul if item < 4 else 0)
 
 
 def _host_available() -> Optional[int]:

@@ -11,10 +11,14 @@ Sharded parameters are quantized where they lie: one jit per weight with the Fp8
 shardings as out_shardings (sharding.fp8_spec), so nothing is gathered; a row-parallel weight
 (o, down: the contracted dim split) takes its channels' max over the shards (an all-reduce of
 one float per channel). The result equals quantizing the unsharded weight bit for bit.
+quantize_one does it to one weight by a jit cached per (projection, shape, sharding), the dense
+weight deleted once its Fp8Weight exists: random init (random.py) and quantize_params(donate=True)
+quantize so, one weight at a time, never holding the model dense and FP8 at once.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional
 
@@ -106,12 +110,42 @@ def _check_local_k(name: str, w, proj: Projection, axis_name: str) -> None:
                          f"dense")
 
 
+@functools.lru_cache(maxsize=None)
+def _quantize_jit(proj: Projection, shape: tuple, dtype: str, dim: Optional[int],
+                  axis_name: str, mesh) -> Any:
+    """quantize_weight of one [shape] dtype weight split along dim (None: replicated) on mesh,
+    jitted with its Fp8Weight's shardings (sharding.fp8_spec): compiled once per key."""
+    fn = lambda w: quantize_weight(w, proj)  # noqa: E731
+    res = jax.eval_shape(fn, jax.ShapeDtypeStruct(shape, dtype))
+    spec = sharding.fp8_spec(res, dim, proj, axis_name, mesh.shape[axis_name])
+    return jax.jit(fn, out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), spec))
+
+
+def quantize_one(name: str, w, family, axis_name: str = "tp", *, donate: bool = False):
+    """The weight `w` of parameter `name` as an Fp8Weight per output channel where it lies (a
+    jit cached per projection, shape and sharding: a model's repeated shapes compile once), or
+    w as it is where `name` is not in the family's projections table. donate: w (a jax.Array)
+    deleted once its Fp8Weight exists (the peak: one weight dense and FP8 at once)."""
+    proj = family.projections.get(name)
+    if proj is None:
+        return w
+    sh, concrete = getattr(w, "sharding", None), not isinstance(w, jax.core.Tracer)
+    q = (_quantize_jit(proj, tuple(w.shape), jnp.dtype(w.dtype).name, family.tp_dims.get(name),
+                       axis_name, sh.mesh)(w)
+         if isinstance(sh, NamedSharding) and concrete else quantize_weight(w, proj))
+    if donate and concrete and isinstance(w, jax.Array):
+        jax.block_until_ready(q)
+        w.delete()
+    return q
+
+
 def quantize_params(params: dict, family, *, lm_head: bool = True,
                     axis_name: str = "tp", donate: bool = False) -> dict:
     """`params` (dense, as random_params or load_hf_checkpoint make them, sharded or not) with
     every projection of the family's table an Fp8Weight per output channel; the LM head too
-    unless lm_head=False. Weights already FP8 stay as they are. donate: delete the dense
-    weights once quantized (the model's peak memory: its dense and FP8 weights at once)."""
+    unless lm_head=False. Weights already FP8 stay as they are. donate: one weight at a time
+    (quantize_one), each dense weight deleted once quantized (the peak: the params and one
+    weight's FP8 more); else all in one jit."""
     proj = family.projections
 
     def pick(name, w):
@@ -131,15 +165,15 @@ def quantize_params(params: dict, family, *, lm_head: bool = True,
         return [sharding.fp8_spec(w, family.tp_dims.get(n), proj[n], axis_name,
                                   mesh.shape[axis_name]) for w, n in zip(res, names)]
 
-    out = _map_projections(params, family, pick,
-                           lambda ws, names: [quantize_weight(w, proj[n]) for w, n in
-                                              zip(ws, names)], specs)
-    if donate:
-        for a, b in zip(jax.tree.leaves(params, is_leaf=is_projection),
-                        jax.tree.leaves(out, is_leaf=is_projection)):
-            if a is not b and isinstance(a, jax.Array):
-                a.delete()
-    return out
+    if donate:  # every weight checked (pick) before the first is quantized and deleted
+        flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_projection)
+        todo = [pick(sharding.leaf_name(path), w) for path, w in flat]
+        return jax.tree_util.tree_unflatten(treedef, [
+            quantize_one(sharding.leaf_name(path), w, family, axis_name, donate=True) if do
+            else w for (path, w), do in zip(flat, todo)])
+    return _map_projections(params, family, pick,
+                            lambda ws, names: [quantize_weight(w, proj[n]) for w, n in
+                                               zip(ws, names)], specs)
 
 
 def to_rows(params: dict, family, *, axis_name: str = "tp",
