@@ -1,0 +1,229 @@
+"""sifar_jax.qwen3_moe_step (its CPU reference, ffi/step/qwen3_moe_step.cc) against a float64
+numpy reference of the same step, with FP8 and bf16 weights and every kind of expert scale;
+its top-k tie rule against jax.lax.top_k's; its checks and workspace size.
+
+The numpy reference rounds to bf16 where the XLA decoder does (each projection's output, the
+norms, the roped q and k, the attention output, the SwiGLU product, the router logits and
+weights, the MoE sum, the residual stream) and computes everything else in float64; the op sums
+in float32 in its kernels' orders. Measured (2026-12-07, these seeds, FP8 and bf16): h equal to
+the reference's, logits within 1e-7 of the largest logit (the bf16 roundings absorb the float32
+sums' differences); bound 1e-2 of the largest value (BOUND; skipping the q/k norms in the
+reference gives 0.13). The chosen experts are the reference's; the test refuses a seed where the
+reference's k-th and (k+1)-th probabilities are within bf16 rounding of each other (then the two
+may rightly choose differently).
+
+The cache's slots outside [start, pos] hold NaN: a read of one spreads to h.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import sifar_jax
+from sifar_jax import moe_step
+from sifar_jax.decode_step import HEAD_DIM
+
+H, KV, G, I, E, K, L, S = 256, 2, 2, 128, 8, 2, 2, 16
+POS, START = 6, 1
+EPS = 1e-6
+BOUND = 1e-2
+D = HEAD_DIM
+E4M3 = jnp.float8_e4m3fn
+
+
+def rb(a):
+    """Rounded to bf16, as float64."""
+    return np.asarray(a, np.float64).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _weights(rng, n, k, wdt, scale_kind, stack=0):
+    """(weight [*(E,) n, k] of wdt, float32 scale, dense float64 [*(E,) n, k] = weight x scale)."""
+    shape = ((stack,) if stack else ()) + (n, k)
+    w = rng.uniform(-1, 1, shape) * (k ** -0.5)
+    if wdt == "bf16":
+        q = jnp.asarray(w, jnp.bfloat16)
+        return q, jnp.ones((1,), jnp.float32), np.asarray(q, np.float64)
+    count = {"tensor": 1, "expert": stack, "channel": (stack or 1) * n}[scale_kind]
+    sc = rng.uniform(0.5, 1.5, count).astype(np.float32) * np.float32(8 / 448 / k ** 0.5)
+    rows = shape[:-1] + (1,)  # one scale per row
+    full = np.broadcast_to(sc.reshape((stack, 1, 1) if scale_kind == "expert" else
+                                      rows if scale_kind == "channel" else (1,) * len(rows)),
+                           rows).astype(np.float64)
+    q = jnp.asarray(np.clip(w / full, -448, 448), E4M3)
+    return q, jnp.asarray(sc), np.asarray(q, np.float64) * full
+
+
+def _model(seed, wdt="fp8", scale_kind="channel", head=True):
+    """(operands, dense float64 copies) of a random model."""
+    rng = np.random.default_rng(seed)
+    nb = lambda n: jnp.asarray(rng.uniform(0.5, 1.5, n), jnp.bfloat16)  # noqa: E731
+    layers, dense = [], []
+    for _ in range(L):
+        qkv, qkv_s, qkv_d = _weights(rng, KV * (G + 2) * D, H, wdt, "channel")
+        o, o_s, o_d = _weights(rng, H, KV * G * D, wdt, "tensor")
+        gu, gu_s, gu_d = _weights(rng, 2 * I, H, wdt, scale_kind, E)
+        dn, dn_s, dn_d = _weights(rng, H, I, wdt, scale_kind, E)
+        router = jnp.asarray(rng.normal(0, 2 * H ** -0.5, (E, H)), jnp.bfloat16)
+        layer = moe_step.Qwen3MoeLayer(nb(H), qkv, qkv_s, nb(D), nb(D), o, o_s, nb(H), router,
+                                       gu, gu_s, dn, dn_s)
+        layers.append(layer)
+        dense.append(dict(qkv=qkv_d, o=o_d, gu=gu_d, dn=dn_d))
+    angle = rng.uniform(0, 3, D // 2)
+    angle = np.concatenate([angle, angle])
+    rope = jnp.asarray(np.stack([np.cos(angle), np.sin(angle)]), jnp.float32)
+    cache = rng.normal(0, 1, (L, 2, 1, KV, S, D))
+    cache[..., :START, :] = np.nan
+    cache[..., POS:, :] = np.nan
+    x = jnp.asarray(rng.normal(0, 1, H), jnp.bfloat16)
+    hd = None
+    if head:
+        hw, hs, hdense = _weights(rng, 64, H, wdt, "channel")
+        hd, dense_head = (hw, hs), hdense
+    ops = (x, rope, jnp.asarray([POS, START], jnp.int32), nb(H), layers,
+           jnp.asarray(cache, jnp.bfloat16))
+    return ops, hd, dense, (dense_head if head else None)
+
+
+def _norm(v, w):
+    v = np.asarray(v, np.float64)
+    inv = 1 / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + EPS)
+    return rb(rb(v * inv) * np.asarray(w, np.float64))
+
+
+def _rope(v, rope):
+    c, s = np.asarray(rope, np.float64)
+    rot = np.concatenate([-v[..., D // 2:], v[..., :D // 2]], axis=-1)
+    return rb(v * c + rot * s)
+
+
+def _select(logits):
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    ids = order[:K]
+    w = p[ids] / p[ids].sum()
+    tie = abs(p[order[K - 1]] - p[order[K]]) <= 2 ** -8 * p[order[K - 1]]
+    return ids, rb(w), tie
+
+
+def reference(ops, dense, head):
+    """h [H], logits [V] (or None), new cache, ids [L, K], near-ties [L] in float64."""
+    x, rope, _, fnorm, layers, cache = ops
+    cache = np.asarray(cache, np.float64).copy()
+    r = np.asarray(x, np.float64)
+    ids_all, ties = [], []
+    for li, (lay, dn) in enumerate(zip(layers, dense)):
+        qkv = rb(dn["qkv"] @ _norm(r, lay.input_norm)).reshape(KV, G + 2, D)
+        q = _rope(_norm(qkv[:, :G], lay.q_norm), rope)
+        k = _rope(_norm(qkv[:, G], lay.k_norm), rope)
+        cache[li, 0, 0, :, POS] = k
+        cache[li, 1, 0, :, POS] = rb(qkv[:, G + 1])
+        ks, vs = cache[li, 0, 0, :, START:POS + 1], cache[li, 1, 0, :, START:POS + 1]
+        sc = np.einsum("kgd,ksd->kgs", q, ks) / np.sqrt(D)
+        p = np.exp(sc - sc.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        att = rb(np.einsum("kgs,ksd->kgd", p, vs)).reshape(-1)
+        r = rb(r + rb(dn["o"] @ att))
+        xm = _norm(r, lay.post_norm)
+        logits = rb(np.asarray(lay.router, np.float64) @ xm)
+        ids, w, tie = _select(logits)
+        moe = np.zeros(H)
+        for e, we in zip(ids, w):
+            gu = rb(dn["gu"][e] @ xm)
+            g, u = gu[:I], gu[I:]
+            act = rb(g / (1 + np.exp(-g)) * u)
+            moe += rb(dn["dn"][e] @ act) * we
+        r = rb(r + rb(moe))
+        ids_all.append(ids)
+        ties.append(tie)
+    h = _norm(r, fnorm)
+    return h, (None if head is None else head @ h), cache, np.array(ids_all), np.array(ties)
+
+
+def _run(ops, head):
+    x, rope, pos, fnorm, layers, cache = ops
+    return sifar_jax.qwen3_moe_step(x, rope, pos, fnorm, layers, cache, kv_heads=KV, group=G,
+                                    top_k=K, norm_topk_prob=True, eps=EPS, head=head,
+                                    routing=True)
+
+
+@pytest.mark.parametrize("wdt,scale_kind,seed", [
+    ("fp8", "channel", 0), ("fp8", "expert", 1), ("fp8", "tensor", 2), ("bf16", "tensor", 3)])
+def test_matches_float64_reference(wdt, scale_kind, seed):
+    ops, hw, dense, dense_head = _model(seed, wdt, scale_kind)
+    h, cache, logits, ids, weights = _run(ops, hw)
+    want_h, want_logits, want_cache, want_ids, ties = reference(ops, dense, dense_head)
+    assert not ties.any(), "a near-tie in the router at this seed: pick another"
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_allclose(np.asarray(weights).sum(-1), 1, atol=2 ** -7)
+    h = np.asarray(h, np.float64)
+    assert np.isfinite(h).all()
+    err = np.abs(h - want_h).max() / np.abs(want_h).max()
+    assert err <= BOUND, err
+    lg = np.asarray(logits, np.float64)
+    assert np.abs(lg - want_logits).max() <= BOUND * np.abs(want_logits).max()
+    got_cache = np.asarray(cache, np.float64)
+    # the slot written is the reference's; every other slot (NaN poison included) as it was
+    written = got_cache[..., POS, :]
+    assert np.abs(written - want_cache[..., POS, :]).max() <= BOUND * np.abs(want_cache[..., POS, :]).max()
+    keep = np.ones(S, bool)
+    keep[POS] = False
+    np.testing.assert_array_equal(got_cache[..., keep, :], np.asarray(ops[5], np.float64)[..., keep, :])
+
+
+def test_without_head_and_ids_are_in_range():
+    ops, _, dense, _ = _model(4, head=False)
+    h, cache, ids, weights = _run(ops, None)
+    assert ids.shape == (L, K) and weights.shape == (L, K)
+    assert ((0 <= np.asarray(ids)) & (np.asarray(ids) < E)).all()
+    want_h = reference(ops, dense, None)[0]
+    assert np.abs(np.asarray(h, np.float64) - want_h).max() <= BOUND * np.abs(want_h).max()
+
+
+def _with_router(ops, make):
+    layers = [lay._replace(router=jnp.asarray(make(np.asarray(lay.router, np.float32)),
+                                              jnp.bfloat16)) for lay in ops[4]]
+    return (*ops[:4], layers, ops[5])
+
+
+def test_ties_go_to_the_lower_expert_as_lax_top_k():
+    """Experts with the same router row have the same probability: the lower index takes the
+    earlier slot, as jax.lax.top_k orders equal values."""
+    ops, _, _, _ = _model(5, head=False)
+    same = _with_router(ops, lambda r: np.broadcast_to(r[0], r.shape))  # all E tie
+    _, _, ids, weights = _run(same, None)
+    np.testing.assert_array_equal(np.asarray(ids), [[0, 1]] * L)
+    np.testing.assert_array_equal(np.asarray(weights), 0.5)
+    # experts 3 and 6 the same row, every other expert its negation: {3, 6} or {0, 1, 2, 4,
+    # 5, 7} tie on top, whichever side x . row is on
+    pair = _with_router(ops, lambda r: np.where(np.isin(np.arange(E), [3, 6])[:, None], r[0], -r[0]))
+    _, _, ids, weights = _run(pair, None)
+    for row in np.asarray(ids).tolist():
+        assert row in ([3, 6], [0, 1]), row
+    np.testing.assert_array_equal(np.asarray(weights), 0.5)
+    for top in (np.isin(np.arange(E), [3, 6]), ~np.isin(np.arange(E), [3, 6])):
+        _, lax_ids = jax.lax.top_k(jnp.asarray(np.where(top, 0.4, 0.1)), K)
+        assert np.asarray(lax_ids).tolist() in ([3, 6], [0, 1])
+
+
+def test_workspace_and_checks():
+    ops, _, _, _ = _model(6, head=False)
+    want = moe_step.workspace_bytes(H, KV, G, I, L, E, K)
+    base = sifar_jax.decode_step.workspace_bytes(H, KV, G, K * I, L)
+    assert want == base + 256 + 256 + 4 * K * H  # logits [E], sel [2][L][K], y [K][H]
+    with pytest.raises(ValueError, match="top_k"):
+        _run_k(ops, E + 1)
+    bad = list(ops[4])
+    bad[1] = bad[1]._replace(router=bad[1].router[:, :H // 2])
+    with pytest.raises(ValueError, match="layer 1 router"):
+        _run((*ops[:4], bad, ops[5]), None)
+
+
+def _run_k(ops, top_k):
+    x, rope, pos, fnorm, layers, cache = ops
+    return sifar_jax.qwen3_moe_step(x, rope, pos, fnorm, layers, cache, kv_heads=KV, group=G,
+                                    top_k=top_k, norm_topk_prob=True, eps=EPS)
