@@ -413,11 +413,16 @@ ffi::Error CudaQwen3MoeStepImpl(cudaStream_t stream, int32_t ordinal, ffi::Remai
                                 ffi::Result<ffi::AnyBuffer> work,
                                 ffi::Result<ffi::AnyBuffer> logits, int64_t layers,
                                 int64_t kv_heads, int64_t group, int64_t top_k,
-                                int64_t norm_topk_prob, float eps) {
+                                int64_t norm_topk_prob, float eps, int64_t ranks,
+                                int64_t oneshot, int64_t timeout_ns) {
   step::MoeCall call;
-  const step::MoeAttrs attrs{layers, kv_heads, group, top_k, norm_topk_prob, eps};
+  const step::MoeAttrs attrs{layers, kv_heads, group, top_k, norm_topk_prob, eps,
+                             ranks,  oneshot,  timeout_ns};
   ffi::Error err = step::PlanQwen3MoeStep(args, *h, *cache, *work, *logits, attrs, &call);
   if (err.failure()) return err;
+  if (ranks != 1)
+    return Invalid("qwen3_moe_step: virtual ranks are the CPU reference's only; the kernel "
+                   "runs TP = 1");
   err = UseDevice(ordinal);
   if (err.failure()) return err;
   return LaunchMoeStep(stream, call);

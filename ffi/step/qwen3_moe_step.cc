@@ -26,11 +26,11 @@ MoeWorkspace Qwen3MoeWorkspace(const MoeShape& m) {
   s.ffn = m.top_k * m.s.ffn;  // act: the k experts' SwiGLU outputs
   MoeWorkspace w;
   w.base = StepWorkspace(s);
-  const size_t k = static_cast<size_t>(m.top_k);
+  const size_t k = static_cast<size_t>(m.top_k), R = static_cast<size_t>(m.s.ranks);
   w.logits = w.base.total;
-  w.sel = w.logits + up(4 * static_cast<size_t>(m.experts));
+  w.sel = w.logits + up(4 * R * static_cast<size_t>(m.experts));
   w.y = w.sel + up(4 * 2 * static_cast<size_t>(m.s.layers) * k);
-  w.total = w.y + up(4 * k * m.s.hidden);
+  w.total = w.y + up(4 * R * k * m.s.hidden);
   return w;
 }
 
@@ -115,6 +115,15 @@ ffi::Error PlanQwen3MoeStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyB
     return Invalid(name + "top_k in [1, " + std::to_string(kMaxTopK) +
                    "] and norm_topk_prob 0 or 1 needed, got " + std::to_string(attrs.top_k) +
                    ", " + std::to_string(attrs.norm_topk_prob));
+  const int64_t ranks = attrs.ranks;
+  if (ranks < 1 || ranks > kMaxRanks || kv_heads % ranks)
+    return Invalid(name + "ranks must be in [1, " + std::to_string(kMaxRanks) +
+                   "] and split the KV heads, got " + std::to_string(ranks) + " for " +
+                   std::to_string(kv_heads) + " KV heads");
+  if (attrs.timeout_ns < 1 || attrs.timeout_ns > kMaxTimeoutNs ||
+      (attrs.oneshot != 0 && attrs.oneshot != 1))
+    return Invalid(name + "timeout_ns in [1, " + std::to_string(kMaxTimeoutNs) +
+                   "] and oneshot 0 or 1 needed");
   const size_t want = kLeadOperands + kMoeOperandsPerLayer * layers + 1, nargs = args.size();
   if (nargs != want && nargs != want + 2)
     return Invalid(name + "expected " + std::to_string(want) + " operands for " +
@@ -131,6 +140,7 @@ ffi::Error PlanQwen3MoeStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyB
   s.group = static_cast<int>(group);
   s.layers = static_cast<int>(layers);
   s.eps = attrs.eps;
+  s.ranks = static_cast<int>(ranks);
   m.top_k = static_cast<int>(attrs.top_k);
   m.norm_topk = static_cast<int>(attrs.norm_topk_prob);
   // E and I from layer 0's gate_up [E, 2I, H].
@@ -144,6 +154,9 @@ ffi::Error PlanQwen3MoeStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyB
                    std::to_string(kMaxExperts) + " needed");
   if (s.ffn < 1 || s.ffn % kChunk || s.q_dim() % kChunk)
     return Invalid(name + "I and the heads' width must be multiples of " + std::to_string(kChunk));
+  if (s.ffn % (kChunk * s.ranks))
+    return Invalid(name + "I=" + std::to_string(s.ffn) + " must split over " +
+                   std::to_string(s.ranks) + " ranks in multiples of " + std::to_string(kChunk));
   s.wbytes = WeightBytes(arg(kLeadOperands + 1).element_type());
   if (s.wbytes == 0)
     return Invalid(name + "layer 0 qkv must be float8_e4m3fn or bfloat16 (the step's weight "
@@ -167,6 +180,8 @@ ffi::Error PlanQwen3MoeStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyB
   c.head_scale = t.head_scale;
   c.head_per_channel = t.head_per_channel;
   c.logits = t.logits;
+  c.oneshot = static_cast<int>(attrs.oneshot);
+  c.timeout_ns = attrs.timeout_ns;
   c.ws = Qwen3MoeWorkspace(m);
   if (work.size_bytes() != c.ws.total)
     return Invalid(name + "the workspace must be " + std::to_string(c.ws.total) + " bytes, got " +
@@ -217,18 +232,35 @@ namespace {
 using cpu::Bf16ToF32;
 using cpu::F32ToBf16;
 
+// Row n of w [N, K] over columns [c0, c0 + kc) times x[c0, ...), rounded to bf16.
+float PartRow(const uint8_t* w, int n, int K, int c0, int kc, const float* x, float scale, int wb) {
+  return Rb(Row(w + (static_cast<size_t>(n) * K + c0) * wb, kc, x + c0, scale, wb));
+}
+
+// resid += the sum over ranks of part(r, n) (rank order, float32, rounded once): sifar's rule;
+// at R = 1 bf16(resid + part(0, n)).
+template <class Part>
+void AddRanks(int H, int R, std::vector<float>& resid, Part part) {
+  for (int n = 0; n < H; ++n) {
+    float acc = 0.0f;
+    for (int r = 0; r < R; ++r) acc = r == 0 ? part(0, n) : acc + part(r, n);
+    resid[n] = Rb(resid[n] + Rb(acc));
+  }
+}
+
 // resid += the MoE block of layer L on xm (post-norm), recording the selection at sel_ids,
-// sel_w.
+// sel_w. Rank r's partial: its columns of each chosen expert's down.
 void CpuMoe(const MoeCall& c, const MoeLayerWeights& L, const std::vector<float>& xm,
             std::vector<float>& resid, int* sel_ids, float* sel_w) {
   const MoeShape& m = c.shape;
   const int H = m.s.hidden, I = m.s.ffn, E = m.experts, K = m.top_k, wb = m.s.wbytes;
+  const int R = m.s.ranks, Ir = I / R;
   std::vector<float> logits(E);
   const uint8_t* router = reinterpret_cast<const uint8_t*>(L.router);
   for (int e = 0; e < E; ++e)
     logits[e] = Rb(Row(router + static_cast<size_t>(e) * H * 2, H, xm.data(), 1.0f, 2));
   SelectExperts(logits.data(), E, K, m.norm_topk, sel_ids, sel_w);
-  std::vector<float> moe(H, 0.0f);
+  std::vector<std::vector<float>> part(R, std::vector<float>(H, 0.0f));  // [R][H]
   std::vector<float> act(I);
   for (int i = 0; i < K; ++i) {
     const int e = sel_ids[i];
@@ -243,13 +275,14 @@ void CpuMoe(const MoeCall& c, const MoeLayerWeights& L, const std::vector<float>
                              wb));
       act[j] = Rb(g / (1.0f + std::exp(-g)) * u);
     }
-    for (int n = 0; n < H; ++n) {
-      const float y = Rb(Row(dn + static_cast<size_t>(n) * I * wb, I, act.data(),
-                             ExpertRowScale(L.down_scale, L.down_scale_kind, e, H, n), wb));
-      moe[n] = moe[n] + y * sel_w[i];
-    }
+    for (int r = 0; r < R; ++r)
+      for (int n = 0; n < H; ++n) {
+        const float y = PartRow(dn, n, I, r * Ir, Ir, act.data(),
+                                ExpertRowScale(L.down_scale, L.down_scale_kind, e, H, n), wb);
+        part[r][n] = part[r][n] + y * sel_w[i];
+      }
   }
-  for (int n = 0; n < H; ++n) resid[n] = Rb(resid[n] + Rb(moe[n]));
+  AddRanks(H, R, resid, [&](int r, int n) { return Rb(part[r][n]); });
 }
 
 }  // namespace
@@ -272,9 +305,11 @@ void RunCpuQwen3MoeStep(const MoeCall& c) {
     CpuAttention at{c.rope, c.cache + static_cast<size_t>(l) * 2 * KV * S * D, KV, s.group, S,
                     c.pos[0], c.pos[1], s.eps, L.q_norm, L.k_norm};
     const std::vector<float> att = AttendLayer(at, qkv);
-    const std::vector<float> o = Gemv(L.o, L.o_scale, L.scale_per_channel & 2, H, s.q_dim(), att,
-                                      s.wbytes);
-    for (int j = 0; j < H; ++j) resid[j] = Rb(resid[j] + o[j]);
+    const int Q = s.q_dim(), Qr = Q / s.ranks;
+    AddRanks(H, s.ranks, resid, [&](int r, int n) {
+      return PartRow(L.o, n, Q, r * Qr, Qr, att.data(),
+                     L.scale_per_channel & 2 ? L.o_scale[n] : L.o_scale[0], s.wbytes);
+    });
     const std::vector<float> xm = Norm(resid, L.post_norm, s.eps);
     CpuMoe(c, L, xm, resid, sel_ids + static_cast<size_t>(l) * m.top_k,
            sel_w + static_cast<size_t>(l) * m.top_k);
@@ -294,9 +329,11 @@ ffi::Error CpuQwen3MoeStepImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuff
                                ffi::Result<ffi::AnyBuffer> cache, ffi::Result<ffi::AnyBuffer> work,
                                ffi::Result<ffi::AnyBuffer> logits, int64_t layers,
                                int64_t kv_heads, int64_t group, int64_t top_k,
-                               int64_t norm_topk_prob, float eps) {
+                               int64_t norm_topk_prob, float eps, int64_t ranks,
+                               int64_t oneshot, int64_t timeout_ns) {
   step::MoeCall call;
-  const step::MoeAttrs attrs{layers, kv_heads, group, top_k, norm_topk_prob, eps};
+  const step::MoeAttrs attrs{layers, kv_heads, group, top_k, norm_topk_prob, eps,
+                             ranks,  oneshot,  timeout_ns};
   ffi::Error err = step::PlanQwen3MoeStep(args, *h, *cache, *work, *logits, attrs, &call);
   if (err.failure()) return err;
   const int pos = call.pos[0], start = call.pos[1];

@@ -37,7 +37,14 @@
 //     weights to the activations' dtype).
 //   - expert i: act = bf16(silu(g) * u) of bf16(gate_up rows . xm), y_i = bf16(down . act);
 //     moe = bf16(sum over slots in order of y_i * w_i, float32), resid = bf16(resid + moe).
-// Virtual ranks and the step across devices are not implemented for this op (TP = 1 only).
+// Virtual ranks (attribute ranks = R > 1; the CPU reference only, so far: the CUDA handler
+// refuses them): the step of a TP=R model as llama_step.h's, rank r holding KV heads
+// [r kv/R, (r+1) kv/R) and every expert's FFN rows [r I/R, (r+1) I/R) (gate_up's rows, down's
+// columns); every rank routes itself (the router is replicated: the same bits, the same experts).
+// o's and the MoE block's outputs are partial sums: o's rounded to bf16; the MoE's
+// bf16(sum over slots of bf16(rank's down rows . act) * w_i), as the XLA decoder's per-rank
+// experts; then all-reduced by sifar's rule (rank order in float32, rounded once) before the
+// residual add. The step across devices is not implemented for this op.
 #pragma once
 
 #include <cstddef>
@@ -86,9 +93,10 @@ struct MoeShape {
 };
 
 // The workspace: the Llama step's (StepWorkspace of the shape with ffn = top_k * I: its act
-// holds the k experts' SwiGLU outputs one after another) followed by the router's logits [E]
-// f32, the selection record `sel` ([layers][top_k] int32 ids, then [layers][top_k] f32
-// weights), and the experts' down outputs y [top_k][H] f32 (bf16 values).
+// holds the k experts' SwiGLU outputs, [R][top_k][I / R]; with ranks its all-reduce words and
+// residual streams) followed by the router's logits [R][E] f32, the selection record `sel`
+// ([layers][top_k] int32 ids, then [layers][top_k] f32 weights: rank 0's), and the experts' down
+// outputs y [R][top_k][H] f32 (bf16 values).
 struct MoeWorkspace {
   Workspace base;
   size_t logits = 0, sel = 0, y = 0, total = 0;
@@ -111,6 +119,8 @@ struct MoeCall {
   bool head_per_channel = false;
   int vocab = 0;
   float* logits = nullptr;
+  int oneshot = 0;
+  long long timeout_ns = 0;
   MoeWorkspace ws;
   std::vector<MoeLayerWeights> layers;
 };
@@ -118,6 +128,7 @@ struct MoeCall {
 struct MoeAttrs {
   int64_t layers, kv_heads, group, top_k, norm_topk_prob;
   float eps;
+  int64_t ranks, oneshot, timeout_ns;  // virtual ranks (1: TP=1), llama_step.h's meanings
 };
 
 // Checks every operand (dtype, shape, alignment) against the attributes; fills *call.
@@ -148,7 +159,10 @@ auto WithQwen3MoeStepOperands(Binding binding) {
       .template Attr<int64_t>("group")
       .template Attr<int64_t>("top_k")
       .template Attr<int64_t>("norm_topk_prob")
-      .template Attr<float>("eps");
+      .template Attr<float>("eps")
+      .template Attr<int64_t>("ranks")        // virtual ranks (1: TP=1)
+      .template Attr<int64_t>("oneshot")      // ranks > 1: 1 oneshot, 0 sifar (the kernel's)
+      .template Attr<int64_t>("timeout_ns");  // an all-reduce wait's bound (the kernel's)
 }
 
 }  // namespace sifar

@@ -111,10 +111,12 @@ def _layer_operands(block) -> "sifar_jax.Qwen3MoeLayer":
         moe.router[...].T.astype(jnp.bfloat16), gu, gu_s, dn, dn_s)
 
 
-def make_step_forward(family, layout, options, *, mesh: Optional[Mesh] = None):
+def make_step_forward(family, layout, options, virtual_ranks: int = 1, *,
+                      mesh: Optional[Mesh] = None):
     """forward(params, cache, tokens [1, 1], positions [1], ar, start=None) -> (logits [1, 1,
     vocab] float32, cache, ar), the XLA forward's contract for one token, as the persistent
-    step (check `reason` first)."""
+    step (check `reason` first). virtual_ranks > 1 (tests; tp = 1): the step of a TP model of
+    that many ranks (sifar_jax.qwen3_moe_step_virtual_ranks: the CPU reference only)."""
     import sifar_jax
 
     c = layout.config
@@ -124,11 +126,15 @@ def make_step_forward(family, layout, options, *, mesh: Optional[Mesh] = None):
     def forward(params, cache, tokens, positions, ar, start=None):
         model = nnx.merge(graphdef, params)
         head = llama._head_operands(model, c)
-        h, cache, *logits = sifar_jax.qwen3_moe_step(
-            *llama._step_operands(model, c, tokens, positions, start, inv_freq),
-            [_layer_operands(b) for b in model.layers], cache, kv_heads=c.num_kv_heads,
-            group=c.group_size, top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
-            eps=c.rms_norm_eps, head=head)
+        args = (*llama._step_operands(model, c, tokens, positions, start, inv_freq),
+                [_layer_operands(b) for b in model.layers], cache)
+        kw = dict(kv_heads=c.num_kv_heads, group=c.group_size, top_k=c.num_experts_per_tok,
+                  norm_topk_prob=c.norm_topk_prob, eps=c.rms_norm_eps, head=head)
+        if virtual_ranks > 1:
+            h, cache, *logits = sifar_jax.qwen3_moe_step_virtual_ranks(
+                *args, ranks=virtual_ranks, **kw)
+        else:
+            h, cache, *logits = sifar_jax.qwen3_moe_step(*args, **kw)
         if head is not None:  # the kernel streamed the head too
             return logits[0][None, None], cache, ar
         return llama._xla_head(model, c, h, options.gemm_rows), cache, ar

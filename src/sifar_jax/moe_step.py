@@ -22,9 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ext
-from .decode_step import BF16, CHUNK, HEAD_DIM, MAX_GROUP, MAX_LAYERS, WEIGHT_DTYPES
+from .decode_step import (ALLREDUCE_PHASES, BF16, CHUNK, DEFAULT_TIMEOUT_S, HEAD_DIM, MAX_GROUP,
+                          MAX_LAYERS, MAX_RANKS, WEIGHT_DTYPES)
 
-__all__ = ["Qwen3MoeLayer", "qwen3_moe_step", "workspace_bytes", "MAX_EXPERTS", "MAX_TOP_K"]
+__all__ = ["Qwen3MoeLayer", "qwen3_moe_step", "qwen3_moe_step_virtual_ranks", "workspace_bytes",
+           "MAX_EXPERTS", "MAX_TOP_K"]
 
 _limits = _ext.lib.qwen3_moe_step_limits()
 MAX_EXPERTS = _limits["max_experts"]
@@ -55,16 +57,16 @@ class Qwen3MoeLayer(NamedTuple):
     down_scale: jax.Array
 
 
-def _workspace(hidden, kv_heads, group, inter, layers, experts, top_k) -> dict:
+def _workspace(hidden, kv_heads, group, inter, layers, experts, top_k, ranks=1) -> dict:
     return _ext.lib.qwen3_moe_step_workspace(int(hidden), int(kv_heads), int(group), int(inter),
-                                             int(layers), int(experts), int(top_k))
+                                             int(layers), int(experts), int(top_k), int(ranks))
 
 
 def workspace_bytes(hidden: int, kv_heads: int, group: int, inter: int, layers: int,
-                    experts: int, top_k: int) -> int:
+                    experts: int, top_k: int, ranks: int = 1) -> int:
     """The bytes of the op's workspace (ffi/step/qwen3_moe_step.cc, Qwen3MoeWorkspace; the op
     checks the size it is given against it). ValueError outside the op's limits."""
-    return int(_workspace(hidden, kv_heads, group, inter, layers, experts, top_k)["total"])
+    return int(_workspace(hidden, kv_heads, group, inter, layers, experts, top_k, ranks)["total"])
 
 
 def _check(x, rope, pos, final_norm, layers, cache, kv_heads, group, top_k):
@@ -124,6 +126,35 @@ def qwen3_moe_step(x: jax.Array, rope: jax.Array, pos: jax.Array, final_norm: ja
     layer. top_k: experts per token; norm_topk_prob: the chosen weights renormalised to sum to
     1. eps: every RMSNorm's epsilon (the q/k norms' too). A slot outside the cache is an error
     on the CPU and NaN on GPUs."""
+    return _call(x, rope, pos, final_norm, layers, cache, kv_heads=kv_heads, group=group,
+                 top_k=top_k, norm_topk_prob=norm_topk_prob, eps=eps, head=head, routing=routing)
+
+
+def qwen3_moe_step_virtual_ranks(x: jax.Array, rope: jax.Array, pos: jax.Array,
+                                 final_norm: jax.Array, layers: Sequence[Qwen3MoeLayer],
+                                 cache: jax.Array, *, kv_heads: int, group: int, top_k: int,
+                                 norm_topk_prob: bool, eps: float, ranks: int,
+                                 allreduce: str = "sifar",
+                                 head: Optional[tuple[jax.Array, jax.Array]] = None,
+                                 routing: bool = False) -> tuple:
+    """`qwen3_moe_step` as a TP=`ranks` model (the TP=1 operands; rank r reads KV heads
+    [r kv/R, (r+1) kv/R) and every expert's FFN rows [r I/R, (r+1) I/R)), o's and the MoE
+    block's per-rank outputs rounded to bf16 and added in rank order in float32, rounded once,
+    as a TP decoder with sifar_psum computes them. Returns what qwen3_moe_step returns. The CPU
+    reference only, so far: the CUDA kernel refuses ranks > 1 (an error from the op)."""
+    if not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS or kv_heads % ranks:
+        raise ValueError(f"{_NAME}: ranks must be an int in [1, {MAX_RANKS}] splitting "
+                         f"{kv_heads} KV heads, got {ranks!r}")
+    if allreduce not in ALLREDUCE_PHASES:
+        raise ValueError(f"{_NAME}: allreduce must be one of {ALLREDUCE_PHASES}, got "
+                         f"{allreduce!r}")
+    return _call(x, rope, pos, final_norm, layers, cache, kv_heads=kv_heads, group=group,
+                 top_k=top_k, norm_topk_prob=norm_topk_prob, eps=eps, head=head, routing=routing,
+                 ranks=ranks, oneshot=allreduce == "oneshot")
+
+
+def _call(x, rope, pos, final_norm, layers, cache, *, kv_heads, group, top_k, norm_topk_prob,
+          eps, head, routing, ranks=1, oneshot=False):
     e, inter, wdt = _check(x, rope, pos, final_norm, layers, cache, kv_heads, group, top_k)
     vocab = 0
     if head is not None:
@@ -132,7 +163,10 @@ def qwen3_moe_step(x: jax.Array, rope: jax.Array, pos: jax.Array, final_norm: ja
             raise ValueError(f"{_NAME}: head must be {wdt} [V, {x.shape[0]}] (the layers' "
                              f"weight type), got {w.dtype} {list(w.shape)}")
         vocab = int(w.shape[0])
-    ws = _workspace(x.shape[0], kv_heads, group, inter, len(layers), e, top_k)
+    if inter % (CHUNK * ranks):
+        raise ValueError(f"{_NAME}: I={inter} must split over {ranks} ranks in multiples of "
+                         f"{CHUNK}")
+    ws = _workspace(x.shape[0], kv_heads, group, inter, len(layers), e, top_k, ranks)
     operands = [x, rope, pos, final_norm]
     for layer in layers:
         operands.extend(layer)
@@ -149,7 +183,8 @@ def qwen3_moe_step(x: jax.Array, rope: jax.Array, pos: jax.Array, final_norm: ja
     h, new_cache, work, logits = call(
         *operands, layers=np.int64(len(layers)), kv_heads=np.int64(kv_heads),
         group=np.int64(group), top_k=np.int64(top_k), norm_topk_prob=np.int64(bool(norm_topk_prob)),
-        eps=np.float32(eps))
+        eps=np.float32(eps), ranks=np.int64(ranks), oneshot=np.int64(oneshot),
+        timeout_ns=np.int64(int(DEFAULT_TIMEOUT_S * 1e9)))
     out = (h, new_cache) if head is None else (h, new_cache, logits)
     if routing:
         n = len(layers) * top_k

@@ -57,35 +57,39 @@ def _weights(rng, n, k, wdt, scale_kind, stack=0):
     return q, jnp.asarray(sc), np.asarray(q, np.float64) * full
 
 
-def _model(seed, wdt="fp8", scale_kind="channel", head=True):
-    """(operands, dense float64 copies) of a random model."""
+def _model(seed, wdt="fp8", scale_kind="channel", head=True, **dims):
+    """(operands, head, dense float64 copies, dense head) of a random model; dims override the
+    module's H, KV, G, I, E, L, S, POS, START."""
+    d = dict(H=H, KV=KV, G=G, I=I, E=E, L=L, S=S, POS=POS, START=START, **dims)
+    h_, kv, g, inter, e, n, s, pos, start = (d[k] for k in ("H", "KV", "G", "I", "E", "L", "S",
+                                                            "POS", "START"))
     rng = np.random.default_rng(seed)
     nb = lambda n: jnp.asarray(rng.uniform(0.5, 1.5, n), jnp.bfloat16)  # noqa: E731
     layers, dense = [], []
-    for _ in range(L):
-        qkv, qkv_s, qkv_d = _weights(rng, KV * (G + 2) * D, H, wdt, "channel")
-        o, o_s, o_d = _weights(rng, H, KV * G * D, wdt, "tensor")
-        gu, gu_s, gu_d = _weights(rng, 2 * I, H, wdt, scale_kind, E)
-        dn, dn_s, dn_d = _weights(rng, H, I, wdt, scale_kind, E)
-        router = jnp.asarray(rng.normal(0, 2 * H ** -0.5, (E, H)), jnp.bfloat16)
-        layer = moe_step.Qwen3MoeLayer(nb(H), qkv, qkv_s, nb(D), nb(D), o, o_s, nb(H), router,
+    for _ in range(n):
+        qkv, qkv_s, qkv_d = _weights(rng, kv * (g + 2) * D, h_, wdt, "channel")
+        o, o_s, o_d = _weights(rng, h_, kv * g * D, wdt, "tensor")
+        gu, gu_s, gu_d = _weights(rng, 2 * inter, h_, wdt, scale_kind, e)
+        dn, dn_s, dn_d = _weights(rng, h_, inter, wdt, scale_kind, e)
+        router = jnp.asarray(rng.normal(0, 2 * h_ ** -0.5, (e, h_)), jnp.bfloat16)
+        layer = moe_step.Qwen3MoeLayer(nb(h_), qkv, qkv_s, nb(D), nb(D), o, o_s, nb(h_), router,
                                        gu, gu_s, dn, dn_s)
         layers.append(layer)
         dense.append(dict(qkv=qkv_d, o=o_d, gu=gu_d, dn=dn_d))
     angle = rng.uniform(0, 3, D // 2)
     angle = np.concatenate([angle, angle])
     rope = jnp.asarray(np.stack([np.cos(angle), np.sin(angle)]), jnp.float32)
-    cache = rng.normal(0, 1, (L, 2, 1, KV, S, D))
-    cache[..., :START, :] = np.nan
-    cache[..., POS:, :] = np.nan
-    x = jnp.asarray(rng.normal(0, 1, H), jnp.bfloat16)
-    hd = None
+    cache = rng.normal(0, 1, (n, 2, 1, kv, s, D))
+    cache[..., :start, :] = np.nan
+    cache[..., pos:, :] = np.nan
+    x = jnp.asarray(rng.normal(0, 1, h_), jnp.bfloat16)
+    hd = dense_head = None
     if head:
-        hw, hs, hdense = _weights(rng, 64, H, wdt, "channel")
-        hd, dense_head = (hw, hs), hdense
-    ops = (x, rope, jnp.asarray([POS, START], jnp.int32), nb(H), layers,
+        hw, hs, dense_head = _weights(rng, 64, h_, wdt, "channel")
+        hd = (hw, hs)
+    ops = (x, rope, jnp.asarray([pos, start], jnp.int32), nb(h_), layers,
            jnp.asarray(cache, jnp.bfloat16))
-    return ops, hd, dense, (dense_head if head else None)
+    return ops, hd, dense, dense_head
 
 
 def _norm(v, w):
@@ -110,8 +114,15 @@ def _select(logits):
     return ids, rb(w), tie
 
 
-def reference(ops, dense, head):
-    """h [H], logits [V] (or None), new cache, ids [L, K], near-ties [L] in float64."""
+def _ranks_sum(parts):
+    """sifar's rule on per-rank partials [R, H] (each already a bf16 value): the rank-order sum,
+    rounded to bf16 (in float64 here)."""
+    return rb(np.sum(parts, axis=0))
+
+
+def reference(ops, dense, head, ranks=1):
+    """h [H], logits [V] (or None), new cache, ids [L, K], near-ties [L] in float64; ranks: a
+    TP=ranks model's per-rank partials of o and the MoE block, summed by sifar's rule."""
     x, rope, _, fnorm, layers, cache = ops
     cache = np.asarray(cache, np.float64).copy()
     r = np.asarray(x, np.float64)
@@ -127,17 +138,22 @@ def reference(ops, dense, head):
         p = np.exp(sc - sc.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
         att = rb(np.einsum("kgs,ksd->kgd", p, vs)).reshape(-1)
-        r = rb(r + rb(dn["o"] @ att))
+        q_r = att.size // ranks
+        r = rb(r + _ranks_sum([rb(dn["o"][:, j * q_r:(j + 1) * q_r] @ att[j * q_r:(j + 1) * q_r])
+                               for j in range(ranks)]))
         xm = _norm(r, lay.post_norm)
         logits = rb(np.asarray(lay.router, np.float64) @ xm)
         ids, w, tie = _select(logits)
-        moe = np.zeros(H)
+        i_r = I // ranks
+        moe = np.zeros((ranks, H))
         for e, we in zip(ids, w):
             gu = rb(dn["gu"][e] @ xm)
             g, u = gu[:I], gu[I:]
             act = rb(g / (1 + np.exp(-g)) * u)
-            moe += rb(dn["dn"][e] @ act) * we
-        r = rb(r + rb(moe))
+            for j in range(ranks):
+                cols = slice(j * i_r, (j + 1) * i_r)
+                moe[j] += rb(dn["dn"][e][:, cols] @ act[cols]) * we
+        r = rb(r + _ranks_sum(rb(moe)))
         ids_all.append(ids)
         ties.append(tie)
     h = _norm(r, fnorm)
@@ -227,3 +243,62 @@ def _run_k(ops, top_k):
     x, rope, pos, fnorm, layers, cache = ops
     return sifar_jax.qwen3_moe_step(x, rope, pos, fnorm, layers, cache, kv_heads=KV, group=G,
                                     top_k=top_k, norm_topk_prob=True, eps=EPS)
+
+
+@pytest.mark.skipif(not any(d.platform == "gpu" for d in jax.devices()), reason="needs a GPU")
+@pytest.mark.parametrize("wdt", ["fp8", "bf16"])
+def test_gpu_kernel_against_cpu_reference(wdt):
+    """The CUDA kernel against the CPU reference on the same operands (written 2026-12-07, not
+    yet run: no GPU where it was written). Shapes that give the ring whole slabs (H 2048), a
+    partial one (I 384), more experts than lanes (E 64) and top-8. Layer 0's new key and value
+    are norms, a GEMV, the q/k norm and the RoPE: bit for bit. The chosen experts are the CPU's
+    (expf may differ from the C library's by an ulp: only a near-tie could flip one, which a
+    failure here would have to be checked for); h and the logits within 1e-2 of their largest."""
+    dims = dict(H=2048, KV=2, G=4, I=384, E=64, L=2, S=300, POS=257, START=3)
+    ops, hw, _, _ = _model(7, wdt, "channel", **dims)
+    out = {}
+    for dev in (jax.devices("gpu")[0], jax.devices("cpu")[0]):
+        x, rope, pos, fnorm, layers, cache, hd = jax.device_put((*ops, hw), dev)
+        res = sifar_jax.qwen3_moe_step(x, rope, pos, fnorm, layers, cache, kv_heads=2, group=4,
+                                       top_k=8, norm_topk_prob=True, eps=EPS, head=hd,
+                                       routing=True)
+        out[dev.platform] = [np.asarray(a) for a in res]
+    (h_g, c_g, lg_g, ids_g, w_g), (h_c, c_c, lg_c, ids_c, w_c) = out["gpu"], out["cpu"]
+    np.testing.assert_array_equal(c_g[0, :, :, :, 257].view(np.uint16),
+                                  c_c[0, :, :, :, 257].view(np.uint16))
+    # a difference here is a bug unless the two experts' probabilities are within an ulp or two
+    np.testing.assert_array_equal(ids_g, ids_c)
+    h_g, h_c = h_g.astype(np.float32), h_c.astype(np.float32)
+    assert np.isfinite(h_c).all()
+    assert np.abs(h_g - h_c).max() <= 1e-2 * np.abs(h_c).max()
+    assert np.abs(lg_g - lg_c).max() <= 1e-2 * np.abs(lg_c).max()
+    np.testing.assert_array_equal(w_g, w_c)
+
+
+@pytest.mark.parametrize("ranks", [2])
+def test_virtual_ranks_match_float64_reference(ranks):
+    """A TP=R model's step (the CPU reference's rank-order sums) against the float64 reference
+    with per-rank partials; layer 0's new key and value are TP=1's bit for bit."""
+    ops, hw, dense, dense_head = _model(8)
+    x, rope, pos, fnorm, layers, cache = ops
+    h, cache_r, logits, ids, _ = sifar_jax.qwen3_moe_step_virtual_ranks(
+        x, rope, pos, fnorm, layers, cache, kv_heads=KV, group=G, top_k=K, norm_topk_prob=True,
+        eps=EPS, ranks=ranks, head=hw, routing=True)
+    want_h, want_logits, _, want_ids, ties = reference(ops, dense, dense_head, ranks)
+    assert not ties.any()
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    h = np.asarray(h, np.float64)
+    assert np.abs(h - want_h).max() <= BOUND * np.abs(want_h).max()
+    cache_1 = _run(ops, None)[1]
+    np.testing.assert_array_equal(np.asarray(cache_r)[0, :, :, :, POS],
+                                  np.asarray(cache_1)[0, :, :, :, POS])
+
+
+def test_virtual_ranks_checks():
+    ops, _, _, _ = _model(9, head=False)
+    x, rope, pos, fnorm, layers, cache = ops
+    kw = dict(kv_heads=KV, group=G, top_k=K, norm_topk_prob=True, eps=EPS)
+    with pytest.raises(ValueError, match="ranks must be"):
+        sifar_jax.qwen3_moe_step_virtual_ranks(x, rope, pos, fnorm, layers, cache, ranks=3, **kw)
+    assert moe_step.workspace_bytes(H, KV, G, I, L, E, K, 2) > moe_step.workspace_bytes(
+        H, KV, G, I, L, E, K)

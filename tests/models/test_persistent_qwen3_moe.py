@@ -182,3 +182,36 @@ def test_tp2_is_refused(monkeypatch):
     layout = QWEN.layout(cfg, 1)
     two = type(layout)(layout.config, 2, layout.shapes, layout.kv_replicas)
     assert "TP = 1 only" in moe_step.reason(QWEN, two, mesh, opts, params, reference=True)
+
+
+@pytest.mark.parametrize("ranks", [2])
+def test_virtual_ranks_match_the_tp_decoder(ranks, monkeypatch):
+    """The persistent step at R virtual ranks (the CPU reference's rank-order sums) against the
+    XLA decoder at TP=R with sifar_psum on R CPU devices (the same rule: bf16 partials, rank
+    order in float32, rounded once). FP8 weights made on each mesh (the same values at every
+    TP)."""
+    import functools
+
+    cfg = _config()
+    if len(jax.devices("cpu")) < ranks:
+        pytest.skip(f"needs {ranks} CPU devices")
+    seq = np.random.default_rng(4).integers(0, cfg.vocab_size, 12, dtype=np.int32)
+    mesh_r = jax.sharding.Mesh(np.array(jax.devices("cpu")[:ranks]), ("tp",))
+    params_r = QWEN.random_params(cfg, mesh_r, seed=2, quantize="fp8")
+    ref = Decoder(cfg, mesh_r, params_r, DecodeOptions(kv_layout="bhsd", step="xla",
+                                                       allreduce="sifar"))
+    want = np.asarray(ref.teacher_forced_logits(seq[None])[0], np.float32)
+    monkeypatch.setattr(moe_step, "make_step_forward",
+                        functools.partial(moe_step.make_step_forward, virtual_ranks=ranks))
+    calls = []
+    real = sifar_jax.qwen3_moe_step_virtual_ranks
+    monkeypatch.setattr(sifar_jax, "qwen3_moe_step_virtual_ranks",
+                        lambda *a, **k: calls.append(k["ranks"]) or real(*a, **k))
+    params = QWEN.random_params(cfg, make_mesh(1), seed=2, quantize="fp8")
+    dec = _decoder(cfg, make_mesh(1), params, "persistent")
+    got = np.asarray(dec.teacher_forced_logits(seq[None])[0], np.float32)
+    assert calls and set(calls) == {ranks}, "the virtual-rank step did not run"
+    assert np.isfinite(got).all()
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err <= BOUND, err
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
