@@ -25,7 +25,8 @@
 // items for every expert, so the thread that finishes row n of the last expert sums the k
 // outputs it wrote itself (y, workspace) in slot order and adds the residual.
 //
-// TP = 1 only (no virtual ranks, no step across devices). It compiles for the build's
+// TP = 1, or R virtual ranks (MoeRanksStep: the all-reduce phase after o and after the MoE
+// block, as the Llama step's); no step across devices. It compiles for the build's
 // architectures; it has never run here (no GPU where it was written).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -40,6 +41,7 @@
 #include "allreduce/launch.h"
 #include "allreduce/plan.h"
 #include "core/cuda_check.h"
+#include "step/allreduce_phase.cuh"
 #include "step/attention_phase.cuh"
 #include "step/device_math.cuh"
 #include "step/grid_sync.cuh"
@@ -68,17 +70,21 @@ struct MoeParams {
   const bf16* final_norm;
   bf16* cache;
   bf16* h;
-  unsigned* barriers;  // [0]: the grid barrier's counter
+  unsigned* status;    // step::StepStatus
+  unsigned* barriers;  // [ranks] each rank's barrier, then [ranks] oneshot's arrivals
   unsigned* heads;     // [layers][kv] the attention's counts
+  uint32_t* ar;        // [2][ranks][H] the all-reduce's tagged words (ranks > 1)
+  int oneshot;
+  long long timeout_ns;
   bf16* qkv;
   bf16* attn;
-  bf16* act;    // [top_k][I] the chosen experts' SwiGLU outputs
-  bf16* resid;  // [H]
+  bf16* act;    // [ranks][top_k][I / ranks] the chosen experts' SwiGLU outputs
+  bf16* resid;  // [H]; [ranks][2][H] with ranks
   float* part;
-  float* router_logits;  // [E]
+  float* router_logits;  // [ranks][E]
   int32_t* sel_ids;      // [layers][top_k] (block 0 writes them)
   float* sel_w;          // [layers][top_k]
-  float* y;              // [top_k][H] the experts' down outputs (bf16 values)
+  float* y;              // [ranks][top_k][H] the experts' down outputs (bf16 values)
   const uint8_t* head;
   const float* head_scale;
   int head_per_channel, vocab;
@@ -97,32 +103,41 @@ struct Selection {
 
 constexpr int kFixed = 3;  // qkv, o, router: the projections before a layer's experts
 
-// Projection p of layer l for block b of g: 0 qkv, 1 o, 2 the router, 3 + i gate_up of slot i,
-// 3 + k + i down of slot i (expert ids: sel); the head as "layer" s.layers, p 0.
-__device__ __forceinline__ Mat MoeMat(const MoeParams& P, int l, int p, const int* sel, int b,
-                                      int g) {
+// Projection p of layer l for block b of the g blocks of rank `rank`: 0 qkv, 1 o, 2 the
+// router, 3 + i gate_up of slot i, 3 + k + i down of slot i (expert ids: sel), each the rank's
+// slice (qkv's rows of its KV heads, o's columns, every expert's FFN rows [rank I/R, ...): its
+// gate and up rows, its down columns; the router whole); the head as "layer" s.layers, p 0, on
+// every block of the grid.
+__device__ __forceinline__ Mat MoeMat(const MoeParams& P, int l, int p, const int* sel, int rank,
+                                      int b, int g) {
   const step::Shape& s = P.s;
-  const int H = s.hidden, I = s.ffn, wb = s.wbytes, k = P.top_k;
-  if (l == s.layers) return {P.head, P.vocab, H * wb, 1, 0, H * wb, b, g};
+  const int H = s.hidden, I = s.ffn, wb = s.wbytes, k = P.top_k, R = s.ranks;
+  const int qr = s.qkv_rows() / R, kr = s.q_dim() / R, ir = I / R;
+  if (l == s.layers)
+    return {P.head, P.vocab, H * wb, 1, 0, H * wb, static_cast<int>(blockIdx.x),
+            static_cast<int>(gridDim.x)};
   const step::MoeLayerWeights& L = P.layer[l];
-  if (p == 0) return {L.qkv, s.qkv_rows(), H * wb, 1, 0, H * wb, b, g};
-  if (p == 1) return {L.o, H, s.q_dim() * wb, 1, 0, s.q_dim() * wb, b, g};
+  if (p == 0) return {L.qkv + static_cast<size_t>(rank) * qr * H * wb, qr, H * wb, 1, 0, H * wb, b, g};
+  if (p == 1) return {L.o + rank * kr * wb, H, kr * wb, 1, 0, s.q_dim() * wb, b, g};
   if (p == 2)
     return {reinterpret_cast<const uint8_t*>(L.router), P.experts, H * 2, 1, 0, H * 2, b, g};
   const int i = (p - kFixed) % k;
   const size_t e = static_cast<size_t>(sel[i]);
-  if (p < kFixed + k) return {L.gate_up + e * 2 * I * H * wb, I, H * wb, 2, I, H * wb, b, g};
-  return {L.down + e * H * I * wb, H, I * wb, 1, 0, I * wb, b, g};
+  if (p < kFixed + k)
+    return {L.gate_up + (e * 2 * I + static_cast<size_t>(rank) * ir) * H * wb, ir, H * wb, 2, I,
+            H * wb, b, g};
+  return {L.down + e * H * I * wb + rank * ir * wb, H, ir * wb, 1, 0, I * wb, b, g};
 }
 
 // The producer warp: layer by layer, qkv, o and the router, then (after the block's selection
 // of the layer: Selection::epoch) the chosen experts' gate_up and down; the head last.
-__device__ void ProduceMoe(const MoeParams& P, Ring& ring, volatile Selection* sel) {
+__device__ void ProduceMoe(const MoeParams& P, Ring& ring, volatile Selection* sel, int rank,
+                           int b, int g) {
   const uint64_t policy = EvictFirst();
-  const int b = blockIdx.x, g = gridDim.x, lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32;
   int ids[step::kMaxTopK];
   for (int l = 0; l < P.s.layers; ++l) {
-    for (int p = 0; p < kFixed; ++p) ProduceMat(MoeMat(P, l, p, ids, b, g), ring, policy);
+    for (int p = 0; p < kFixed; ++p) ProduceMat(MoeMat(P, l, p, ids, rank, b, g), ring, policy);
     if (lane == 0) {
       Deadline d;
       while (sel->epoch < l + 1) d.Tick();
@@ -131,15 +146,16 @@ __device__ void ProduceMoe(const MoeParams& P, Ring& ring, volatile Selection* s
     __threadfence_block();  // the ids after the epoch (the consumers fenced between them)
     for (int i = 0; i < P.top_k; ++i) ids[i] = sel->ids[i];
     for (int p = kFixed; p < kFixed + 2 * P.top_k; ++p)
-      ProduceMat(MoeMat(P, l, p, ids, b, g), ring, policy);
+      ProduceMat(MoeMat(P, l, p, ids, rank, b, g), ring, policy);
   }
-  if (P.vocab > 0) ProduceMat(MoeMat(P, P.s.layers, 0, ids, b, g), ring, policy);
+  if (P.vocab > 0) ProduceMat(MoeMat(P, P.s.layers, 0, ids, rank, b, g), ring, policy);
 }
 
 // Warp 0 of the consumers: the top-k of the router logits (qwen3_moe_step.h's rule, the CPU's
 // SelectExperts in the same order) into sel, then the epoch; block 0 also records it.
-__device__ void SelectTopK(const MoeParams& P, int l, volatile Selection* sel) {
+__device__ void SelectTopK(const MoeParams& P, int l, volatile Selection* sel, int rank) {
   if (threadIdx.x >= 32) return;
+  const float* logits = P.router_logits + static_cast<size_t>(rank) * P.experts;
   constexpr int kPer = step::kMaxExperts / 32;
   const int lane = threadIdx.x, E = P.experts;
   float p[kPer];
@@ -147,7 +163,7 @@ __device__ void SelectTopK(const MoeParams& P, int l, volatile Selection* sel) {
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     const int e = lane + 32 * j;
-    p[j] = e < E ? __ldcg(P.router_logits + e) : -INFINITY;
+    p[j] = e < E ? __ldcg(logits + e) : -INFINITY;
     m = fmaxf(m, p[j]);
   }
 #pragma unroll
@@ -203,69 +219,183 @@ __device__ void SelectTopK(const MoeParams& P, int l, volatile Selection* sel) {
 template <bool kB>
 __device__ __forceinline__ void MoeHead(const MoeParams& P, Ring& ring, const float4* xs) {
   RingGemv<kB>(
-      MoeMat(P, P.s.layers, 0, nullptr, blockIdx.x, gridDim.x), ring, xs,
+      MoeMat(P, P.s.layers, 0, nullptr, 0, 0, 0), ring, xs,
       [&](int n) { return make_float2(Scale(P.head_scale, P.head_per_channel, n), 0.0f); },
       [&](int n, float r0, float, float2 pre) { P.logits[n] = __fmul_rn(r0, pre.x); });
 }
 
-// The MoE block of layer l (xs: the post-norm stream, staged): the router, the top-k, the
-// experts, the weighted sum and the residual add. sync: the grid barrier.
-template <bool kB, class Sync>
+// The MoE block of layer l on rank `rank`'s blocks (b of g; xs: the post-norm stream,
+// staged): the router, the top-k, the rank's rows of the chosen experts, their weighted sum,
+// handed row by row to finish(n, sum over slots of y_i * w_i in float32, pre's residual value):
+// TP=1 adds it to the residual stream, ranks publish it as the rank's partial. sync: the
+// rank's barrier; the last one is the caller's (a grid barrier, or the all-reduce phase).
+template <bool kB, bool kResid, class Sync, class Finish>
 __device__ __forceinline__ void MoeBlock(const MoeParams& P, int l, Ring& ring, float4* xs,
-                                         volatile Selection* sel, Sync sync) {
+                                         volatile Selection* sel, int rank, int b, int g,
+                                         Sync sync, Finish finish) {
   const step::MoeLayerWeights& L = P.layer[l];
-  const int H = P.s.hidden, I = P.s.ffn, k = P.top_k, b = blockIdx.x, g = gridDim.x;
+  const int H = P.s.hidden, I = P.s.ffn, k = P.top_k, ir = I / P.s.ranks;
+  float* logits = P.router_logits + static_cast<size_t>(rank) * P.experts;
   RingGemv<true>(  // the router: bf16 rows, whatever the experts' type
-      MoeMat(P, l, 2, nullptr, b, g), ring, xs, [&](int) { return make_float2(1.0f, 0.0f); },
-      [&](int e, float r0, float, float2) { P.router_logits[e] = Rb(r0); });
+      MoeMat(P, l, 2, nullptr, rank, b, g), ring, xs, [&](int) { return make_float2(1.0f, 0.0f); },
+      [&](int e, float r0, float, float2) { logits[e] = Rb(r0); });
   sync();
-  SelectTopK(P, l, sel);
+  SelectTopK(P, l, sel, rank);
   BlockSync();
   int ids[step::kMaxTopK];
   float w[step::kMaxTopK];
   for (int i = 0; i < k; ++i) ids[i] = sel->ids[i], w[i] = sel->w[i];
-  for (int i = 0; i < k; ++i) {  // gate_up and the SwiGLU of each chosen expert
-    const int e = ids[i];
+  bf16* act = P.act + static_cast<size_t>(rank) * k * ir;  // [k][ir]
+  float* y = P.y + static_cast<size_t>(rank) * k * H;       // [k][H]
+  for (int i = 0; i < k; ++i) {  // gate_up and the SwiGLU of each chosen expert's rows
+    const int e = ids[i], j0 = rank * ir;
     RingGemv<kB>(
-        MoeMat(P, l, kFixed + i, ids, b, g), ring, xs,
+        MoeMat(P, l, kFixed + i, ids, rank, b, g), ring, xs,
         [&](int j) {
-          return make_float2(step::ExpertRowScale(L.gate_up_scale, L.gate_up_scale_kind, e, 2 * I, j),
-                             step::ExpertRowScale(L.gate_up_scale, L.gate_up_scale_kind, e, 2 * I, I + j));
+          const int kind = L.gate_up_scale_kind;
+          return make_float2(step::ExpertRowScale(L.gate_up_scale, kind, e, 2 * I, j0 + j),
+                             step::ExpertRowScale(L.gate_up_scale, kind, e, 2 * I, I + j0 + j));
         },
         [&](int j, float r0, float r1, float2 pre) {
           const float gt = Rb(__fmul_rn(r0, pre.x)), u = Rb(__fmul_rn(r1, pre.y));
-          P.act[i * I + j] =
+          act[i * ir + j] =
               __float2bfloat16_rn(__fmul_rn(__fdiv_rn(gt, __fadd_rn(1.0f, expf(-gt))), u));
         });
   }
   sync();
-  for (int i = 0; i < k; ++i) {  // down of each, then (last) the weighted sum and the residual
+  // ranks: the all-reduce words read before (phase 2l + 1's) ordered before this phase's
+  // partials, which the last expert's epilogue publishes (allreduce_phase.cuh's argument)
+  if constexpr (!kResid) FenceAcqRel();
+  for (int i = 0; i < k; ++i) {  // down of each, then (last) the weighted sum
     const int e = ids[i];
     const bool last = i + 1 == k;
     BlockSync();  // every warp done with xs
-    StageX(xs, P.act + i * I, I);
+    StageX(xs, act + i * ir, ir);
     RingGemv<kB>(
-        MoeMat(P, l, kFixed + k + i, ids, b, g), ring, xs,
+        MoeMat(P, l, kFixed + k + i, ids, rank, b, g), ring, xs,
         [&](int n) {
           return make_float2(step::ExpertRowScale(L.down_scale, L.down_scale_kind, e, H, n),
-                             last ? LoadBf(P.resid + n) : 0.0f);
+                             kResid && last ? LoadBf(P.resid + n) : 0.0f);
         },
         [&](int n, float r0, float, float2 pre) {
           const float yi = Rb(__fmul_rn(r0, pre.x));
           if (!last) {
-            P.y[i * H + n] = yi;  // read back below by this same thread
+            y[i * H + n] = yi;  // read back below by this same thread
             return;
           }
           float acc = 0.0f;
           for (int q = 0; q < k; ++q)
-            acc = __fadd_rn(acc, __fmul_rn(q + 1 == k ? yi : P.y[q * H + n], w[q]));
-          P.resid[n] = __float2bfloat16_rn(__fadd_rn(pre.y, Rb(acc)));
+            acc = __fadd_rn(acc, __fmul_rn(q + 1 == k ? yi : y[q * H + n], w[q]));
+          finish(n, acc, pre.y);
         });
   }
-  sync();
 }
 
+// TP=1: grid barriers between the phases, the residual adds in the epilogues of o and of the
+// last expert's down.
 template <int G, bool kB>
+__device__ __forceinline__ void MoeTp1Step(const MoeParams& P, Ring& ring, unsigned char* smem,
+                                           float* red, int* flag, volatile Selection* sel,
+                                           int pos, int start) {
+  float4* xs = reinterpret_cast<float4*>(smem);
+  const step::Shape& s = P.s;
+  const int b = blockIdx.x, g = gridDim.x;
+  unsigned nbar = 0;
+  auto sync = [&]() { GridSync(P.barriers, ++nbar * gridDim.x); };
+  for (int l = 0; l < s.layers; ++l) {
+    const step::MoeLayerWeights& L = P.layer[l];
+    const bf16* rin = l == 0 ? P.x : P.resid;
+    StageNorm(xs, rin, L.input_norm, s.hidden, s.eps, red);
+    RingGemv<kB>(
+        MoeMat(P, l, 0, nullptr, 0, b, g), ring, xs,
+        [&](int n) { return make_float2(Scale(L.qkv_scale, L.scale_per_channel & 1, n), 0.0f); },
+        [&](int n, float r0, float, float2 pre) { P.qkv[n] = __float2bfloat16_rn(__fmul_rn(r0, pre.x)); });
+    sync();
+    Attention<G, MoeParams, true>(P, l, reinterpret_cast<float*>(smem), flag, pos, start, 0,
+                                  s.kv_heads, b, g, L.q_norm, L.k_norm);
+    sync();
+    StageX(xs, P.attn, s.q_dim());
+    RingGemv<kB>(
+        MoeMat(P, l, 1, nullptr, 0, b, g), ring, xs,
+        [&](int n) {
+          return make_float2(Scale(L.o_scale, L.scale_per_channel & 2, n), LoadBf(rin + n));
+        },
+        [&](int n, float r0, float, float2 pre) {
+          P.resid[n] = __float2bfloat16_rn(__fadd_rn(pre.y, Rb(__fmul_rn(r0, pre.x))));
+        });
+    sync();
+    StageNorm(xs, P.resid, L.post_norm, s.hidden, s.eps, red);
+    MoeBlock<kB, true>(P, l, ring, xs, sel, 0, b, g, sync, [&](int n, float acc, float old) {
+      P.resid[n] = __float2bfloat16_rn(__fadd_rn(old, Rb(acc)));
+    });
+    sync();
+  }
+  if (blockIdx.x == 0) {
+    const float inv = InvRms(P.resid, s.hidden, s.eps, red);
+    for (int j = threadIdx.x; j < s.hidden; j += kThreads)
+      P.h[j] = __float2bfloat16_rn(__fmul_rn(Rb(__fmul_rn(LoadBf(P.resid + j), inv)), F(P.final_norm[j])));
+  }
+  if (P.vocab > 0) {  // the head: every block norms the residual stream itself (no barrier)
+    StageNorm(xs, P.resid, reinterpret_cast<const uint16_t*>(P.final_norm), s.hidden, s.eps, red);
+    MoeHead<kB>(P, ring, xs);
+  }
+}
+
+// Virtual ranks: this block is block b of rank `rank`'s nb. Barriers of the rank's blocks
+// after qkv, the attention, the router and gate_up; after o and after the MoE block the
+// all-reduce phase (allreduce_phase.cuh: phase 2l + 1 and 2l + 2, as the Llama step's), which
+// adds the residual and stages the next norm (the last: the final norm, h and the head's input).
+template <int G, bool kB>
+__device__ __forceinline__ void MoeRanksStep(const MoeParams& P, Ring& ring, unsigned char* smem,
+                                             float* red, int* flag, volatile Selection* sel,
+                                             int pos, int start, int rank, int b, int nb) {
+  float4* xs = reinterpret_cast<float4*>(smem);
+  const step::Shape& s = P.s;
+  const int R = s.ranks, H = s.hidden;
+  const int qr = s.qkv_rows() / R, kr = s.q_dim() / R;
+  const ArCtx a{P.ar, P.status, P.barriers + R, R, rank, nb, H, P.oneshot, -1, P.timeout_ns, 0};
+  unsigned nbar = 0;
+  auto sync = [&]() { GridSync(P.barriers + rank, ++nbar * nb); };
+  bf16* resid = P.resid + static_cast<size_t>(rank) * 2 * H;  // [2][H], phase k writes k & 1
+  const int qlo = b * (H / 4) / nb, qhi = (b + 1) * (H / 4) / nb;
+  unsigned k = 0;  // all-reduce phases so far
+  StageNorm(xs, P.x, P.layer[0].input_norm, H, s.eps, red);
+  for (int l = 0; l < s.layers; ++l) {
+    const step::MoeLayerWeights& L = P.layer[l];
+    RingGemv<kB>(
+        MoeMat(P, l, 0, nullptr, rank, b, nb), ring, xs,
+        [&](int n) {
+          return make_float2(Scale(L.qkv_scale, L.scale_per_channel & 1, rank * qr + n), 0.0f);
+        },
+        [&](int n, float r0, float, float2 pre) {
+          P.qkv[rank * qr + n] = __float2bfloat16_rn(__fmul_rn(r0, pre.x));
+        });
+    sync();
+    Attention<G, MoeParams, true>(P, l, reinterpret_cast<float*>(smem), flag, pos, start,
+                                  rank * (s.kv_heads / R), s.kv_heads / R, b, nb, L.q_norm,
+                                  L.k_norm);
+    sync();
+    StageX(xs, P.attn + rank * kr, kr);
+    ++k;
+    FenceAcqRel();  // the words read before (the previous phases) ordered before these
+    RingGemv<kB>(
+        MoeMat(P, l, 1, nullptr, rank, b, nb), ring, xs,
+        [&](int n) { return make_float2(Scale(L.o_scale, L.scale_per_channel & 2, n), 0.0f); },
+        [&](int n, float r0, float, float2 pre) { ArPut(a, k, n, __fmul_rn(r0, pre.x)); });
+    ArReduce(a, k, k == 1 ? P.x : resid + ((k - 1) & 1) * H, resid + (k & 1) * H, qlo, qhi,
+             L.post_norm, s.eps, xs, red, nullptr);
+    ++k;
+    MoeBlock<kB, false>(P, l, ring, xs, sel, rank, b, nb, sync,
+                        [&](int n, float acc, float) { ArPut(a, k, n, acc); });
+    const bool last = l + 1 == s.layers;
+    ArReduce(a, k, resid + ((k - 1) & 1) * H, last ? nullptr : resid + (k & 1) * H, qlo, qhi,
+             last ? reinterpret_cast<const uint16_t*>(P.final_norm) : P.layer[l + 1].input_norm,
+             s.eps, xs, red, last && blockIdx.x == 0 ? P.h : nullptr);
+  }
+  if (P.vocab > 0) MoeHead<kB>(P, ring, xs);
+}
+
+template <int G, bool kB, bool kV>
 __global__ void __launch_bounds__(kBlockThreads, 1) Qwen3MoeStepKernel(const __grid_constant__ MoeParams P) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float red[kWarps];
@@ -290,66 +420,34 @@ __global__ void __launch_bounds__(kBlockThreads, 1) Qwen3MoeStepKernel(const __g
     sel->epoch = 0;
   }
   __syncthreads();  // the last barrier of all kBlockThreads threads
-  if (threadIdx.x >= kThreads) return ProduceMoe(P, ring, sel);
-  float4* xs = reinterpret_cast<float4*>(smem);
-  const int b = blockIdx.x, g = gridDim.x;
-  unsigned nbar = 0;
-  auto sync = [&]() { GridSync(P.barriers, ++nbar * gridDim.x); };
-  for (int l = 0; l < s.layers; ++l) {
-    const step::MoeLayerWeights& L = P.layer[l];
-    const bf16* rin = l == 0 ? P.x : P.resid;
-    StageNorm(xs, rin, L.input_norm, s.hidden, s.eps, red);
-    RingGemv<kB>(
-        MoeMat(P, l, 0, nullptr, b, g), ring, xs,
-        [&](int n) { return make_float2(Scale(L.qkv_scale, L.scale_per_channel & 1, n), 0.0f); },
-        [&](int n, float r0, float, float2 pre) { P.qkv[n] = __float2bfloat16_rn(__fmul_rn(r0, pre.x)); });
-    sync();
-    Attention<G, MoeParams, true>(P, l, reinterpret_cast<float*>(smem), &flag, pos, start, 0,
-                                  s.kv_heads, b, g, L.q_norm, L.k_norm);
-    sync();
-    StageX(xs, P.attn, s.q_dim());
-    RingGemv<kB>(
-        MoeMat(P, l, 1, nullptr, b, g), ring, xs,
-        [&](int n) {
-          return make_float2(Scale(L.o_scale, L.scale_per_channel & 2, n), LoadBf(rin + n));
-        },
-        [&](int n, float r0, float, float2 pre) {
-          P.resid[n] = __float2bfloat16_rn(__fadd_rn(pre.y, Rb(__fmul_rn(r0, pre.x))));
-        });
-    sync();
-    StageNorm(xs, P.resid, L.post_norm, s.hidden, s.eps, red);
-    MoeBlock<kB>(P, l, ring, xs, sel, sync);
-  }
-  if (blockIdx.x == 0) {
-    const float inv = InvRms(P.resid, s.hidden, s.eps, red);
-    for (int j = threadIdx.x; j < s.hidden; j += kThreads)
-      P.h[j] = __float2bfloat16_rn(__fmul_rn(Rb(__fmul_rn(LoadBf(P.resid + j), inv)), F(P.final_norm[j])));
-  }
-  if (P.vocab > 0) {  // the head: every block norms the residual stream itself (no barrier)
-    StageNorm(xs, P.resid, reinterpret_cast<const uint16_t*>(P.final_norm), s.hidden, s.eps, red);
-    MoeHead<kB>(P, ring, xs);
-  }
+  const int nb = kV ? static_cast<int>(gridDim.x) / s.ranks : static_cast<int>(gridDim.x);
+  const int rank = kV ? static_cast<int>(blockIdx.x) / nb : 0;
+  const int b = static_cast<int>(blockIdx.x) - rank * nb;
+  if (threadIdx.x >= kThreads) return ProduceMoe(P, ring, sel, rank, b, nb);
+  if constexpr (kV) MoeRanksStep<G, kB>(P, ring, smem, red, &flag, sel, pos, start, rank, b, nb);
+  else MoeTp1Step<G, kB>(P, ring, smem, red, &flag, sel, pos, start);
 }
 
 using MoeKernelFn = void (*)(MoeParams);
-template <bool kB>
+template <bool kB, bool kV>
 MoeKernelFn MoeKernelOf(int group) {
   switch (group) {
-    case 1: return Qwen3MoeStepKernel<1, kB>;
-    case 2: return Qwen3MoeStepKernel<2, kB>;
-    case 3: return Qwen3MoeStepKernel<3, kB>;
-    case 4: return Qwen3MoeStepKernel<4, kB>;
-    case 8: return Qwen3MoeStepKernel<8, kB>;
+    case 1: return Qwen3MoeStepKernel<1, kB, kV>;
+    case 2: return Qwen3MoeStepKernel<2, kB, kV>;
+    case 3: return Qwen3MoeStepKernel<3, kB, kV>;
+    case 4: return Qwen3MoeStepKernel<4, kB, kV>;
+    case 8: return Qwen3MoeStepKernel<8, kB, kV>;
     default: return nullptr;
   }
 }
-MoeKernelFn MoeKernelFor(int group, int wbytes) {
-  return wbytes == 2 ? MoeKernelOf<true>(group) : MoeKernelOf<false>(group);
+MoeKernelFn MoeKernelFor(int group, int wbytes, int ranks) {
+  if (ranks > 1) return wbytes == 2 ? MoeKernelOf<true, true>(group) : MoeKernelOf<false, true>(group);
+  return wbytes == 2 ? MoeKernelOf<true, false>(group) : MoeKernelOf<false, false>(group);
 }
 
 ffi::Error LaunchMoeStep(cudaStream_t stream, const step::MoeCall& call) {
   const step::Shape& s = call.shape.s;
-  const MoeKernelFn kernel = MoeKernelFor(s.group, s.wbytes);
+  const MoeKernelFn kernel = MoeKernelFor(s.group, s.wbytes, s.ranks);
   if (!kernel)
     return Invalid("qwen3_moe_step: " + std::to_string(s.group) + " query heads per KV head; "
                    "the kernel is built for 1, 2, 3, 4 and 8");
@@ -358,7 +456,8 @@ ffi::Error LaunchMoeStep(cudaStream_t stream, const step::MoeCall& call) {
   cudaError_t e = GridBlocks(kernel, s, &sm, &blocks);
   if (e != cudaSuccess) return Launched(e);
   const int cap = StepMaxBlocks();
-  if (cap > 0 && blocks > cap) blocks = cap;
+  if (cap > 0 && blocks > cap) blocks = std::max(cap, s.ranks);
+  blocks = blocks / s.ranks * s.ranks;  // virtual ranks: equal sets of blocks
   if (blocks < 1)
     return Invalid("qwen3_moe_step: this GPU cannot run the persistent step (no cooperative "
                    "launch, or no room for its input (" + std::to_string(sm.xs) + " bytes) and "
@@ -384,7 +483,11 @@ ffi::Error LaunchMoeStep(cudaStream_t stream, const step::MoeCall& call) {
   p->final_norm = reinterpret_cast<const bf16*>(call.final_norm);
   p->cache = reinterpret_cast<bf16*>(call.cache);
   p->h = reinterpret_cast<bf16*>(call.h);
+  p->status = reinterpret_cast<unsigned*>(call.work + ws.base.status);
   p->barriers = reinterpret_cast<unsigned*>(call.work + ws.base.barriers);
+  p->ar = reinterpret_cast<uint32_t*>(call.work + ws.base.ar);
+  p->oneshot = call.oneshot;
+  p->timeout_ns = call.timeout_ns;
   p->heads = reinterpret_cast<unsigned*>(call.work + ws.base.heads);
   p->qkv = reinterpret_cast<bf16*>(call.work + ws.base.qkv);
   p->attn = reinterpret_cast<bf16*>(call.work + ws.base.attn);
@@ -420,9 +523,6 @@ ffi::Error CudaQwen3MoeStepImpl(cudaStream_t stream, int32_t ordinal, ffi::Remai
                              ranks,  oneshot,  timeout_ns};
   ffi::Error err = step::PlanQwen3MoeStep(args, *h, *cache, *work, *logits, attrs, &call);
   if (err.failure()) return err;
-  if (ranks != 1)
-    return Invalid("qwen3_moe_step: virtual ranks are the CPU reference's only; the kernel "
-                   "runs TP = 1");
   err = UseDevice(ordinal);
   if (err.failure()) return err;
   return LaunchMoeStep(stream, call);
@@ -435,7 +535,8 @@ void PreloadQwen3MoeStepKernels() {
   cudaFuncAttributes attr;
   for (int g : {1, 2, 3, 4, 8})
     for (int wbytes : {1, 2})
-      SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::MoeKernelFor(g, wbytes)));
+      for (int ranks : {1, 2})
+        SIFAR_CUDA_CHECK(cudaFuncGetAttributes(&attr, cuda::MoeKernelFor(g, wbytes, ranks)));
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaQwen3MoeStep, cuda::CudaQwen3MoeStepImpl,

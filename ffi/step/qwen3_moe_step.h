@@ -37,8 +37,8 @@
 //     weights to the activations' dtype).
 //   - expert i: act = bf16(silu(g) * u) of bf16(gate_up rows . xm), y_i = bf16(down . act);
 //     moe = bf16(sum over slots in order of y_i * w_i, float32), resid = bf16(resid + moe).
-// Virtual ranks (attribute ranks = R > 1; the CPU reference only, so far: the CUDA handler
-// refuses them): the step of a TP=R model as llama_step.h's, rank r holding KV heads
+// Virtual ranks (attribute ranks = R > 1; on CUDA R equal sets of blocks of the one launch
+// with llama_step's all-reduce phase between them): the step of a TP=R model as llama_step.h's, rank r holding KV heads
 // [r kv/R, (r+1) kv/R) and every expert's FFN rows [r I/R, (r+1) I/R) (gate_up's rows, down's
 // columns); every rank routes itself (the router is replicated: the same bits, the same experts).
 // o's and the MoE block's outputs are partial sums: o's rounded to bf16; the MoE's

@@ -116,7 +116,7 @@ def make_step_forward(family, layout, options, virtual_ranks: int = 1, *,
     """forward(params, cache, tokens [1, 1], positions [1], ar, start=None) -> (logits [1, 1,
     vocab] float32, cache, ar), the XLA forward's contract for one token, as the persistent
     step (check `reason` first). virtual_ranks > 1 (tests; tp = 1): the step of a TP model of
-    that many ranks (sifar_jax.qwen3_moe_step_virtual_ranks: the CPU reference only)."""
+    that many ranks (sifar_jax.qwen3_moe_step_virtual_ranks)."""
     import sifar_jax
 
     c = layout.config

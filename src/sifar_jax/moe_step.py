@@ -8,8 +8,8 @@ optionally the LM head, in one call: on CUDA GPUs one cooperative launch of a pe
 (ffi/step/cuda_qwen3_moe_step.cu, whose weight-streaming warp waits for each layer's expert
 selection before streaming the chosen experts' rows), on the CPU a reference of the same phases
 (ffi/step/qwen3_moe_step.cc). What is rounded where, the top-k's tie rule (the lower expert
-index, as jax.lax.top_k) and the softmax's summation order: ffi/step/qwen3_moe_step.h. TP = 1
-only (no virtual ranks, no step across devices). models/qwen3_moe/step.py builds a decoder step
+index, as jax.lax.top_k) and the softmax's summation order: ffi/step/qwen3_moe_step.h. TP = 1, or R
+virtual ranks on one device (no step across devices). models/qwen3_moe/step.py builds a decoder step
 on it.
 """
 
@@ -140,8 +140,9 @@ def qwen3_moe_step_virtual_ranks(x: jax.Array, rope: jax.Array, pos: jax.Array,
     """`qwen3_moe_step` as a TP=`ranks` model (the TP=1 operands; rank r reads KV heads
     [r kv/R, (r+1) kv/R) and every expert's FFN rows [r I/R, (r+1) I/R)), o's and the MoE
     block's per-rank outputs rounded to bf16 and added in rank order in float32, rounded once,
-    as a TP decoder with sifar_psum computes them. Returns what qwen3_moe_step returns. The CPU
-    reference only, so far: the CUDA kernel refuses ranks > 1 (an error from the op)."""
+    as a TP decoder with sifar_psum computes them. Returns what qwen3_moe_step returns. On a GPU
+    the ranks are R equal sets of blocks of the one launch, the all-reduce phase between them
+    (`allreduce`: "sifar" or "oneshot", as llama_step_virtual_ranks)."""
     if not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS or kv_heads % ranks:
         raise ValueError(f"{_NAME}: ranks must be an int in [1, {MAX_RANKS}] splitting "
                          f"{kv_heads} KV heads, got {ranks!r}")
