@@ -33,7 +33,12 @@
   /* the same step, one rank per device of a communicator's axis: this rank's shard, the */    \
   /* all-reduce of o and down a phase reading the peers' memory (step/llama_step_tp.h) */      \
   X(llama_step_tp, "sifar_llama_step_tp", CpuLlamaStepTp, CudaLlamaStepTp,                    \
-    PreloadLlamaStepKernels)
+    PreloadLlamaStepKernels)                                                                  \
+  /* (x, rope, pos, final_norm, 13 per layer, cache[, head, head scale]) -> (h, cache, */     \
+  /* workspace, logits): a Qwen3-MoE decode step, the experts chosen inside (TP = 1), one */   \
+  /* persistent kernel on CUDA (step/qwen3_moe_step.h) */                                     \
+  X(qwen3_moe_step, "sifar_qwen3_moe_step", CpuQwen3MoeStep, CudaQwen3MoeStep,                \
+    PreloadQwen3MoeStepKernels)
 
 namespace sifar {
 

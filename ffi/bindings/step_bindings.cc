@@ -8,6 +8,7 @@
 #include <string>
 
 #include "step/llama_step.h"
+#include "step/qwen3_moe_step.h"
 
 namespace nb = nanobind;
 
@@ -74,6 +75,42 @@ void RegisterStepBindings(nb::module_& m) {
       nb::arg("hidden"), nb::arg("kv_heads"), nb::arg("group"), nb::arg("ffn"),
       nb::arg("layers"), nb::arg("devices"),
       "The workspace of one rank of llama_step across devices (this rank's kv_heads and ffn)");
+  m.def("qwen3_moe_step_limits", [] {
+    nb::dict d;
+    d["max_experts"] = step::kMaxExperts;
+    d["max_top_k"] = step::kMaxTopK;
+    return d;
+  });
+  // qwen3_moe_step: the bytes of its workspace (Qwen3MoeWorkspace) and where in it the
+  // selection record lies (sel: [layers][top_k] int32 ids, then as many float32 weights).
+  m.def(
+      "qwen3_moe_step_workspace",
+      [](int hidden, int kv_heads, int group, int inter, int layers, int experts, int top_k,
+         int ranks) {
+        if (hidden < 1 || kv_heads < 1 || inter < 1 || group < 1 || group > step::kMaxGroup ||
+            layers < 1 || layers > step::kMaxLayers || top_k < 1 || top_k > step::kMaxTopK ||
+            experts < top_k || experts > step::kMaxExperts || ranks < 1 ||
+            ranks > step::kMaxRanks)
+          throw std::invalid_argument(
+              "sifar_jax: qwen3_moe_step_workspace: hidden, kv_heads, inter >= 1, group in [1, " +
+              std::to_string(step::kMaxGroup) + "], layers in [1, " +
+              std::to_string(step::kMaxLayers) + "], top_k in [1, " +
+              std::to_string(step::kMaxTopK) + "], experts in [top_k, " +
+              std::to_string(step::kMaxExperts) + "], ranks in [1, " +
+              std::to_string(step::kMaxRanks) + "] needed");
+        step::MoeShape m;
+        m.s = WorkspaceShape(hidden, kv_heads, group, inter, layers);
+        m.s.ranks = ranks;
+        m.experts = experts;
+        m.top_k = top_k;
+        const step::MoeWorkspace w = step::Qwen3MoeWorkspace(m);
+        nb::dict d;
+        d["total"] = w.total;
+        d["sel"] = w.sel;
+        return d;
+      },
+      nb::arg("hidden"), nb::arg("kv_heads"), nb::arg("group"), nb::arg("inter"),
+      nb::arg("layers"), nb::arg("experts"), nb::arg("top_k"), nb::arg("ranks") = 1);
   m.def(
       "llama_step_tp_slot_bytes", [](int hidden) { return 4 * static_cast<size_t>(hidden); },
       nb::arg("hidden"),

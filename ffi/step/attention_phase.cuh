@@ -39,12 +39,53 @@ __device__ __forceinline__ void SplitKeys(int kv, int g, int pos, int start, int
   *nsplit = (nkeys + *per - 1) / *per;  // no empty range
 }
 
+// Qwen3's q/k path of one KV head (base: its G query rows, key, value in P.qkv): warp w takes
+// rows w, w + kWarps, ... of the G + 1 normed ones: lane l's quad of the row, its sum of squares
+// (fma, in order), the butterfly; bf16(bf16(v * inv) * scale) into qf / kn; after a barrier the
+// RoPE in place, each thread a (d, d + D/2) pair; the value row as it is.
+template <int G>
+__device__ __forceinline__ void QkNormRope(const bf16* base, float* qf, float* kn, float* vn,
+                                           const float* cs, const uint16_t* q_norm,
+                                           const uint16_t* k_norm, float eps) {
+  constexpr int D = kHeadDim;
+  static_assert(D == 4 * 32, "a head is one warp's quads");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int row = warp; row <= G; row += kWarps) {
+    const uint2 v = __ldcg(reinterpret_cast<const uint2*>(base + row * D) + lane);
+    const float e[4] = {__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                        __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u)};
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) ss = __fmaf_rn(e[k], e[k], ss);
+    ss = __shfl_sync(0xffffffffu, WarpSum(ss), 0);  // lane 0's butterfly, as the CPU's
+    const float inv = __frcp_rn(__fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(D)), eps)));
+    const bf16* sc = reinterpret_cast<const bf16*>(row < G ? q_norm : k_norm);
+    float* out = row < G ? qf + row * D : kn;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) out[4 * lane + k] = Rb(__fmul_rn(Rb(__fmul_rn(e[k], inv)), F(sc[4 * lane + k])));
+  }
+  for (int d = threadIdx.x; d < D; d += kThreads) vn[d] = LoadBf(base + (G + 1) * D + d);
+  BlockSync();
+  for (int idx = threadIdx.x; idx < (G + 1) * (D / 2); idx += kThreads) {
+    const int row = idx / (D / 2), d = idx % (D / 2);
+    float* v = row < G ? qf + row * D : kn;
+    const float a = v[d], c = v[d + D / 2];
+    v[d] = Rb(__fadd_rn(__fmul_rn(a, __ldg(cs + d)), __fmul_rn(-c, __ldg(cs + D + d))));
+    v[d + D / 2] = Rb(__fadd_rn(__fmul_rn(c, __ldg(cs + d + D / 2)), __fmul_rn(a, __ldg(cs + D + d + D / 2))));
+  }
+}
+
 // The attention of layer l for the query heads of KV heads [h0, h0 + nh) (llama_step.h), on
 // the g blocks of a rank (b: this block among them); sm: the block's shared memory (its GEMV
 // input is dead here).
-template <int G, class StepParams>
+// kQkNorm (Qwen3): each query and key head RMSNormed over its kHeadDim values before the RoPE
+// (q_norm, k_norm: bf16 [kHeadDim] scales; the sum of squares one warp's, a lane's quad in order,
+// the butterfly: step_common.h's SumSquares of a head), bf16(bf16(v * inv) * scale).
+template <int G, class StepParams, bool kQkNorm = false>
 __device__ __forceinline__ void Attention(const StepParams& P, int l, float* sm, int* flag, int pos,
-                                          int start, int h0, int nh, int b, int g) {
+                                          int start, int h0, int nh, int b, int g,
+                                          const uint16_t* q_norm = nullptr,
+                                          const uint16_t* k_norm = nullptr) {
   const int KV = P.s.kv_heads, D = kHeadDim, DP = D + 2;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int nsplit, per;
@@ -57,15 +98,19 @@ __device__ __forceinline__ void Attention(const StepParams& P, int l, float* sm,
   for (int item = b; item < nh * nsplit; item += g) {
     const int h = h0 + item / nsplit, sp = item % nsplit;
     const bf16* base = P.qkv + static_cast<size_t>(h) * (G + 2) * D;
-    for (int idx = threadIdx.x; idx < (G + 2) * D; idx += kThreads) {
-      const int row = idx / D, d = idx % D;
-      const float v = LoadBf(base + idx);
-      float val = v;
-      if (row <= G) {
-        const float rot = d < D / 2 ? -LoadBf(base + idx + D / 2) : LoadBf(base + idx - D / 2);
-        val = Rb(__fadd_rn(__fmul_rn(v, __ldg(cs + d)), __fmul_rn(rot, __ldg(cs + D + d))));
+    if constexpr (kQkNorm) {
+      QkNormRope<G>(base, qf, kn, vn, cs, q_norm, k_norm, P.s.eps);
+    } else {
+      for (int idx = threadIdx.x; idx < (G + 2) * D; idx += kThreads) {
+        const int row = idx / D, d = idx % D;
+        const float v = LoadBf(base + idx);
+        float val = v;
+        if (row <= G) {
+          const float rot = d < D / 2 ? -LoadBf(base + idx + D / 2) : LoadBf(base + idx - D / 2);
+          val = Rb(__fadd_rn(__fmul_rn(v, __ldg(cs + d)), __fmul_rn(rot, __ldg(cs + D + d))));
+        }
+        (row < G ? qf + row * D : row == G ? kn : vn)[d] = val;
       }
-      (row < G ? qf + row * D : row == G ? kn : vn)[d] = val;
     }
     BlockSync();
     if (sp == nsplit - 1) {  // the range holding the new slot writes it, then reads it back

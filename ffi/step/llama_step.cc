@@ -4,6 +4,7 @@
 // in the kernel's block order; the attention in one pass per head (the kernel splits it: not
 // the same bits).
 #include "step/llama_step.h"
+#include "step/step_common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -41,31 +42,9 @@ Workspace StepWorkspace(const Shape& s) {
   return w;
 }
 
+
 namespace {
-
-std::string Dims(ffi::AnyBuffer b) {
-  std::string s = "[";
-  for (int64_t d : b.dimensions()) s += (s.size() > 1 ? ", " : "") + std::to_string(d);
-  return s + "]";
-}
-
-bool HasDims(ffi::AnyBuffer b, std::initializer_list<int64_t> want) {
-  auto d = b.dimensions();
-  if (d.size() != want.size()) return false;
-  size_t i = 0;
-  for (int64_t w : want)
-    if (d[i++] != w) return false;
-  return true;
-}
-
 const char* kProjNames[4] = {"qkv", "o", "gate_up", "down"};
-
-// The step's weight type, from layer 0's qkv: bytes per weight (1 e4m3, 2 bf16), 0 neither.
-int WeightBytes(ffi::DataType t) {
-  return t == ffi::DataType::F8E4M3FN ? 1 : t == ffi::DataType::BF16 ? 2 : 0;
-}
-const char* WeightName(int wbytes) { return wbytes == 2 ? "bfloat16" : "float8_e4m3fn"; }
-
 }  // namespace
 
 ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuffer cache,
@@ -107,24 +86,14 @@ ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuff
   ffi::AnyBuffer cache_in = arg(want - 1);
   StepCall& c = *call;
   Shape& s = c.shape;
-  if (x.element_type() != ffi::DataType::BF16 || x.dimensions().size() != 1)
-    return Invalid(name + "x must be bf16 [H], got " + Dims(x));
-  s.hidden = static_cast<int>(x.dimensions()[0]);
+  ffi::Error err = PlanLead(name, x, rope, pos, fnorm, &s.hidden);
+  if (err.failure()) return err;
   s.kv_heads = static_cast<int>(kv_heads);
   s.group = static_cast<int>(group);
   s.layers = static_cast<int>(layers);
   s.ranks = static_cast<int>(ranks);
   s.devices = devices;
   s.eps = eps;
-  if (s.hidden % kChunk)
-    return Invalid(name + "H must be a multiple of " + std::to_string(kChunk));
-  if (rope.element_type() != ffi::DataType::F32 || !HasDims(rope, {2, kHeadDim}))
-    return Invalid(name + "rope must be float32 [2, " + std::to_string(kHeadDim) + "], got " +
-                   Dims(rope));
-  if (pos.element_type() != ffi::DataType::S32 || !HasDims(pos, {2}))
-    return Invalid(name + "pos must be int32 [2] (slot, first slot), got " + Dims(pos));
-  if (fnorm.element_type() != ffi::DataType::BF16 || !HasDims(fnorm, {s.hidden}))
-    return Invalid(name + "final_norm must be bf16 [H], got " + Dims(fnorm));
   // The FFN width from the first gate_up.
   ffi::AnyBuffer gu0 = arg(kLeadOperands + 6);
   if (gu0.dimensions().size() != 2)
@@ -174,36 +143,18 @@ ffi::Error PlanLlamaStep(ffi::RemainingArgs args, ffi::AnyBuffer h, ffi::AnyBuff
       if (sc.element_count() == ns[p] && ns[p] > 1) L.scale_per_channel |= 1u << p;
     }
   }
-  auto cd = cache_in.dimensions();
-  if (cache_in.element_type() != ffi::DataType::BF16 || cd.size() != 6 || cd[0] != layers ||
-      cd[1] != 2 || cd[2] != 1 || cd[3] != kv_heads || cd[5] != kHeadDim)
-    return Invalid(name + "cache must be bf16 [layers, 2, 1, kv_heads, S, " +
-                   std::to_string(kHeadDim) + "] (bhsd, batch 1), got " + Dims(cache_in));
-  s.capacity = static_cast<int>(cd[4]);
-  if (cache.size_bytes() != cache_in.size_bytes()) return Invalid(name + "cache result size");
-  if (h.element_type() != ffi::DataType::BF16 || !HasDims(h, {s.hidden}))
-    return Invalid(name + "h must be bf16 [H], got " + Dims(h));
-  if (nargs == want + 2) {
-    ffi::AnyBuffer hw = arg(want), hs = arg(want + 1);
-    if (WeightBytes(hw.element_type()) != s.wbytes || hw.dimensions().size() != 2 ||
-        hw.dimensions()[1] != s.hidden || hw.dimensions()[0] < 1)
-      return Invalid(name + "head must be " + wname + " [V, H] (the layers' weight type), got " +
-                     Dims(hw));
-    c.vocab = static_cast<int>(hw.dimensions()[0]);
-    if (hs.element_type() != ffi::DataType::F32 ||
-        (hs.element_count() != 1 && hs.element_count() != c.vocab))
-      return Invalid(name + "head's scale must be float32 with 1 (per tensor) or " +
-                     std::to_string(c.vocab) + " (per row) values, got " + Dims(hs));
-    if (reinterpret_cast<uintptr_t>(hw.untyped_data()) % 16)
-      return Invalid(name + "head must be 16-byte aligned");
-    c.head = static_cast<const uint8_t*>(hw.untyped_data());
-    c.head_scale = static_cast<const float*>(hs.untyped_data());
-    c.head_per_channel = hs.element_count() == c.vocab && c.vocab > 1;
-  }
-  if (logits.element_type() != ffi::DataType::F32 || !HasDims(logits, {c.vocab}))
-    return Invalid(name + "logits must be float32 [" + std::to_string(c.vocab) + "], got " +
-                   Dims(logits));
-  c.logits = static_cast<float*>(logits.untyped_data());
+  const bool has_head = nargs == want + 2;
+  const ffi::AnyBuffer hw = arg(has_head ? want : 0), hs = arg(has_head ? want + 1 : 0);
+  StepTail t;
+  err = PlanTail(name, cache_in, cache, h, has_head ? &hw : nullptr, has_head ? &hs : nullptr,
+                 logits, layers, kv_heads, s.hidden, s.wbytes, &t);
+  if (err.failure()) return err;
+  s.capacity = t.capacity;
+  c.vocab = t.vocab;
+  c.head = t.head;
+  c.head_scale = t.head_scale;
+  c.head_per_channel = t.head_per_channel;
+  c.logits = t.logits;
   c.oneshot = static_cast<int>(attrs.oneshot);
   c.timeout_ns = attrs.timeout_ns;
   c.skew_ns = attrs.skew_ns;
@@ -231,67 +182,10 @@ namespace {
 using cpu::Bf16ToF32;
 using cpu::F32ToBf16;
 using step::kHeadDim;
-using step::kThreads;
-
-float Rb(float v) { return Bf16ToF32(F32ToBf16(v)); }  // rounded to bf16
-
-// The kernel's sum of squares: thread t adds the quads t, t + 256, ... (each quad's 4 in
-// order, fma); each warp's lanes by a butterfly (lane 0's value); the 8 warps' values in order.
-float SumSquares(const std::vector<float>& v) {
-  float t[kThreads] = {};
-  for (size_t j = 0; j < v.size(); ++j) {
-    float& a = t[(j / 4) % kThreads];
-    a = std::fma(v[j], v[j], a);
-  }
-  float total = 0.0f;
-  for (int w = 0; w < kThreads / 32; ++w) {
-    float* lane = t + 32 * w;
-    for (int off = 16; off >= 1; off /= 2)
-      for (int i = 0; i < off; ++i) lane[i] = lane[i] + lane[i + off];
-    total += lane[0];
-  }
-  return total;
-}
-
-// x [H] (as floats) -> bf16(bf16(x * inv) * scale) as floats.
-std::vector<float> Norm(const std::vector<float>& x, const uint16_t* scale, float eps) {
-  const float inv = 1.0f / std::sqrt(SumSquares(x) / static_cast<float>(x.size()) + eps);
-  std::vector<float> y(x.size());
-  for (size_t j = 0; j < x.size(); ++j) y[j] = Rb(Rb(x[j] * inv) * Bf16ToF32(scale[j]));
-  return y;
-}
-
-// Weight j of a row of wb-byte weights (1 e4m3, 2 bf16) as a float.
-float Weight(const uint8_t* w, int j, int wb) {
-  if (wb == 1) return cpu::E4m3ToF32(w[j]);
-  uint16_t v;
-  std::memcpy(&v, w + 2 * static_cast<size_t>(j), 2);
-  return Bf16ToF32(v);
-}
-
-// One output row of k weights: fp8_matvec's lanes-32 order (16-byte chunks: 16 e4m3 or 8
-// bf16 weights, one fma chain each; lane l takes chunks l + 32 i, the lanes added by a
-// butterfly), times the row's scale.
-float Row(const uint8_t* w, int k, const float* x, float scale, int wb) {
-  const int per = 16 / wb;  // weights per chunk
-  float lane[32] = {};
-  for (int ch = 0; ch < k / per; ++ch) {
-    float p = 0.0f;
-    for (int j = 0; j < per; ++j) p = std::fma(x[per * ch + j], Weight(w, per * ch + j, wb), p);
-    lane[ch % 32] = lane[ch % 32] + p;
-  }
-  for (int off = 16; off >= 1; off /= 2)
-    for (int i = 0; i < off; ++i) lane[i] = lane[i] + lane[i + off];
-  return lane[0] * scale;
-}
-
-std::vector<float> Gemv(const uint8_t* w, const float* s, bool per_channel, int n, int k,
-                        const std::vector<float>& x, int wb) {
-  std::vector<float> y(n);
-  for (int r = 0; r < n; ++r)
-    y[r] = Rb(Row(w + static_cast<size_t>(r) * k * wb, k, x.data(), per_channel ? s[r] : s[0], wb));
-  return y;
-}
+using step::Gemv;
+using step::Norm;
+using step::Rb;
+using step::Row;
 
 // resid += w [H, K] x in, as TP=R ranks compute it: rank r's partial (columns [r K/R,
 // (r+1) K/R)) rounded to bf16, the partials added in rank order in float32 and rounded once
@@ -339,53 +233,14 @@ void step::RunCpuLlamaStep(const step::StepCall& c, step::CpuAcross* across) {
   }
   std::vector<float> resid(H);
   for (int j = 0; j < H; ++j) resid[j] = Bf16ToF32(c.x[j]);
-  auto slot = [&](int l, int kv01, int h, int j) {
-    return c.cache + ((((static_cast<size_t>(l) * 2 + kv01) * KV + h) * S + j) * D);
-  };
-  auto rope = [&](const float* v, float* out) {
-    for (int d = 0; d < D; ++d) {
-      const float rot = d < D / 2 ? -v[d + D / 2] : v[d - D / 2];
-      out[d] = Rb(v[d] * c.rope[d] + rot * c.rope[D + d]);
-    }
-  };
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   for (int l = 0; l < s.layers; ++l) {
     const step::LayerWeights& L = c.layers[l];
     const std::vector<float> xn = Norm(resid, L.input_norm, s.eps);
     const std::vector<float> qkv = Gemv(L.qkv, L.qkv_scale, L.scale_per_channel & 1,
                                         s.qkv_rows(), H, xn, s.wbytes);
-    std::vector<float> att(s.q_dim());
-    for (int h = 0; h < KV; ++h) {
-      const float* base = qkv.data() + static_cast<size_t>(h) * (G + 2) * D;
-      std::vector<float> q(G * D), k(D), v(D);
-      for (int g = 0; g < G; ++g) rope(base + g * D, q.data() + g * D);
-      rope(base + G * D, k.data());
-      for (int d = 0; d < D; ++d) v[d] = base[(G + 1) * D + d];
-      for (int d = 0; d < D; ++d) {
-        slot(l, 0, h, pos)[d] = F32ToBf16(k[d]);
-        slot(l, 1, h, pos)[d] = F32ToBf16(v[d]);
-      }
-      for (int g = 0; g < G; ++g) {
-        std::vector<float> sc(pos + 1 - start);
-        float m = -INFINITY;
-        for (int j = start; j <= pos; ++j) {
-          const uint16_t* kj = slot(l, 0, h, j);
-          float dot = 0.0f;
-          for (int d = 0; d < D; ++d) dot += q[g * D + d] * Bf16ToF32(kj[d]);
-          sc[j - start] = dot * scale;
-          m = std::max(m, sc[j - start]);
-        }
-        float den = 0.0f;
-        std::vector<float> num(D, 0.0f);
-        for (int j = start; j <= pos; ++j) {
-          const float p = std::exp(sc[j - start] - m);
-          den += p;
-          const uint16_t* vj = slot(l, 1, h, j);
-          for (int d = 0; d < D; ++d) num[d] += p * Bf16ToF32(vj[d]);
-        }
-        for (int d = 0; d < D; ++d) att[(static_cast<size_t>(h) * G + g) * D + d] = Rb(num[d] / den);
-      }
-    }
+    step::CpuAttention at{c.rope, c.cache + static_cast<size_t>(l) * 2 * KV * S * D, KV, G, S,
+                          pos, start};
+    const std::vector<float> att = step::AttendLayer(at, qkv);
     ReduceAdd(c, L.o, L.o_scale, L.scale_per_channel & 2, s.q_dim(), att, resid, across,
               2 * l + 1);
     const std::vector<float> xm = Norm(resid, L.post_norm, s.eps);

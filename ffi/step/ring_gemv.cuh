@@ -91,40 +91,48 @@ __device__ __forceinline__ int SlotRow(const Mat& m, int item, int q) {
   return m.rows == 2 ? item + (q & 1) * m.pair : item;
 }
 
-// The producer warp: every stage of every projection mat_at(l, p), l < layers, p < 4, in the
-// consumers' order. Lane q < kRingRows copies slot q's row.
-template <class MatAt>
-__device__ __forceinline__ void Produce(MatAt mat_at, int layers, Ring& ring) {
-  const int lane = threadIdx.x % 32;
-  uint64_t policy;  // weights are read once per step: first out of L2
+// The producer warp's L2 policy for the weights: read once per step, first out of L2.
+__device__ __forceinline__ uint64_t EvictFirst() {
+  uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  for (int l = 0; l < layers; ++l) {
-    for (int pj = 0; pj < 4; ++pj) {
-      const Mat m = mat_at(l, pj);
-      const Part p = PartOf(m);
-      for (int r = 0; r < p.rounds; ++r) {
-        const int item = lane < kRingRows ? SlotItem(m, p, r, lane) : -1;
-        const uint8_t* src = item >= 0 ? m.w + static_cast<size_t>(SlotRow(m, item, lane)) * m.ld
-                                       : nullptr;
-        const unsigned rows = __popc(__ballot_sync(0xffffffffu, item >= 0));
-        for (int s = 0; s < p.slabs; ++s, ++ring.n) {
-          const int st = static_cast<int>(ring.n % ring.stages);
-          MbarWait(ring.empty + st, ((ring.n / ring.stages) & 1) ^ 1);
-          const uint32_t bytes = static_cast<uint32_t>(min(kSlab, m.k - s * kSlab));
-          const uint32_t full = SmemAddr(ring.full + st);
-          if (lane == 0)
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(full),
-                         "r"(rows * bytes) : "memory");
-          __syncwarp();
-          if (item >= 0)
-            asm volatile(
-                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-                " [%0], [%1], %2, [%3], %4;" ::"r"(SmemAddr(ring.buf + st * kStageBytes + lane * kSlab)),
-                "l"(src + s * kSlab), "r"(bytes), "r"(full), "l"(policy) : "memory");
-        }
-      }
+  return policy;
+}
+
+// The producer warp: every stage of projection m, in the consumers' order. Lane q < kRingRows
+// copies slot q's row.
+__device__ __forceinline__ void ProduceMat(const Mat& m, Ring& ring, uint64_t policy) {
+  const int lane = threadIdx.x % 32;
+  const Part p = PartOf(m);
+  for (int r = 0; r < p.rounds; ++r) {
+    const int item = lane < kRingRows ? SlotItem(m, p, r, lane) : -1;
+    const uint8_t* src = item >= 0 ? m.w + static_cast<size_t>(SlotRow(m, item, lane)) * m.ld
+                                   : nullptr;
+    const unsigned rows = __popc(__ballot_sync(0xffffffffu, item >= 0));
+    for (int s = 0; s < p.slabs; ++s, ++ring.n) {
+      const int st = static_cast<int>(ring.n % ring.stages);
+      MbarWait(ring.empty + st, ((ring.n / ring.stages) & 1) ^ 1);
+      const uint32_t bytes = static_cast<uint32_t>(min(kSlab, m.k - s * kSlab));
+      const uint32_t full = SmemAddr(ring.full + st);
+      if (lane == 0)
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(full),
+                     "r"(rows * bytes) : "memory");
+      __syncwarp();
+      if (item >= 0)
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+            " [%0], [%1], %2, [%3], %4;" ::"r"(SmemAddr(ring.buf + st * kStageBytes + lane * kSlab)),
+            "l"(src + s * kSlab), "r"(bytes), "r"(full), "l"(policy) : "memory");
     }
   }
+}
+
+// The producer warp: every stage of every projection mat_at(l, p), l < layers, p < 4, in the
+// consumers' order.
+template <class MatAt>
+__device__ __forceinline__ void Produce(MatAt mat_at, int layers, Ring& ring) {
+  const uint64_t policy = EvictFirst();
+  for (int l = 0; l < layers; ++l)
+    for (int pj = 0; pj < 4; ++pj) ProduceMat(mat_at(l, pj), ring, policy);
 }
 
 // A consumer GEMV phase: projection m times xs (swizzled floats, XQuad) from the ring, its

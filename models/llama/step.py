@@ -83,6 +83,28 @@ def reason(family, layout, mesh: Mesh, options, params: Any, *,
     if tp > sifar_jax.decode_step.MAX_RANKS:
         return (f"tp={tp}: the persistent step runs on at most "
                 f"{sifar_jax.decode_step.MAX_RANKS} ranks")
+    why = options_reason(c, options, s.group_size)
+    if why is not None:
+        if layout.kv_replicas > 1 and s.group_size not in KERNEL_GROUPS:
+            why = why.replace(" per KV head:", f" per KV head (tp={tp} > num_kv_heads="
+                              f"{c.num_kv_heads}: each rank holds a copy of one KV head with "
+                              f"{s.group_size} of its query heads):")
+        return why
+    if c.hidden_size % 16 or (c.intermediate_size // tp) % 16:
+        return (f"hidden_size={c.hidden_size} and intermediate_size/tp="
+                f"{c.intermediate_size // tp} must be multiples of 16 (the FP8 GEMV's unit)")
+    why = _params_reason(c, params)
+    if why is None and tp > 1:
+        why = _communicator_reason(mesh, options, c.hidden_size)
+    return why
+
+
+def options_reason(c, options, group: int) -> Optional[str]:
+    """Why the persistent steps' kernels (sifar_jax.llama_step, qwen3_moe_step) cannot take a
+    model of config c with `group` query heads per KV head (a rank's) under `options`, or None:
+    batch 1, the bf16 'bhsd' cache, head_dim 128, the kernels' groups and layers."""
+    import sifar_jax
+
     if options.batch_size != 1:
         return f"batch_size={options.batch_size}: the persistent step decodes one sequence"
     if options.kv_layout != "bhsd":
@@ -91,20 +113,11 @@ def reason(family, layout, mesh: Mesh, options, params: Any, *,
         return f"dtype={c.dtype}: the persistent step's activations and cache are bfloat16"
     if c.head_dim != sifar_jax.decode_step.HEAD_DIM:
         return f"head_dim={c.head_dim}: the kernel is built for {sifar_jax.decode_step.HEAD_DIM}"
-    if s.group_size not in KERNEL_GROUPS:
-        where = (f" (tp={tp} > num_kv_heads={c.num_kv_heads}: each rank holds a copy of one KV "
-                 f"head with {s.group_size} of its query heads)" if layout.kv_replicas > 1 else "")
-        return (f"{s.group_size} query heads per KV head{where}: the kernel is built for "
-                f"{KERNEL_GROUPS}")
+    if group not in KERNEL_GROUPS:
+        return f"{group} query heads per KV head: the kernel is built for {KERNEL_GROUPS}"
     if c.num_layers > sifar_jax.decode_step.MAX_LAYERS:
         return f"{c.num_layers} layers: the kernel takes at most {sifar_jax.decode_step.MAX_LAYERS}"
-    if c.hidden_size % 16 or (c.intermediate_size // tp) % 16:
-        return (f"hidden_size={c.hidden_size} and intermediate_size/tp="
-                f"{c.intermediate_size // tp} must be multiples of 16 (the FP8 GEMV's unit)")
-    why = _params_reason(c, params)
-    if why is None and tp > 1:
-        why = _communicator_reason(mesh, options, c.hidden_size)
-    return why
+    return None
 
 
 def _params_reason(c, params: Any) -> Optional[str]:

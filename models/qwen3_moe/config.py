@@ -67,6 +67,19 @@ class Qwen3MoeConfig(AttentionConfig):
         base.update(kw)
         return cls(**base)
 
+    @classmethod
+    def qwen3_moe_step_tiny(cls, **kw) -> "Qwen3MoeConfig":
+        """A small model the persistent step serves (bf16, head_dim 128, GQA group 2, 8 experts,
+        top-2), so that its CPU reference runs it in tests and on host devices
+        (models.generate --quantize fp8 --step persistent) at TP = 1."""
+        base = dict(
+            vocab_size=512, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+            head_dim=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+            norm_topk_prob=True, rope_theta=10000.0, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, max_seq_len=256, dtype="bfloat16")
+        base.update(kw)
+        return cls(**base)
+
     # ---- Hugging Face --------------------------------------------------------------------------
 
     @classmethod

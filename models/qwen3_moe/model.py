@@ -45,6 +45,7 @@ from ..family import ModelFamily
 from ..weights.types import Fp8Weight, Projection, matvec_fp8
 from . import hf
 from .config import MOE_IMPLS, Qwen3MoeConfig
+from .step import PERSISTENT
 
 
 # ---- the experts ------------------------------------------------------------------------------------
@@ -193,7 +194,8 @@ def _routed_share(config: Qwen3MoeConfig) -> float:
 
 QWEN3_MOE = ModelFamily(
     name="qwen3_moe", config_type=Qwen3MoeConfig,
-    presets={"qwen3_moe_tiny": Qwen3MoeConfig.tiny, "qwen3_30b_a3b": Qwen3MoeConfig.qwen3_30b_a3b},
+    presets={"qwen3_moe_tiny": Qwen3MoeConfig.tiny, "qwen3_30b_a3b": Qwen3MoeConfig.qwen3_30b_a3b,
+             "qwen3_moe_step_tiny": Qwen3MoeConfig.qwen3_moe_step_tiny},
     model=Qwen3Moe, tp_dims=TP_DIM, check_tp=check_tp, fan_in=FAN_IN, projections=PROJECTIONS,
     loader=hf, hf_model_types=("qwen3_moe",),
-    step_read_fraction={"gate_up": _routed_share, "down": _routed_share})
+    step_read_fraction={"gate_up": _routed_share, "down": _routed_share}, fast_step=PERSISTENT)

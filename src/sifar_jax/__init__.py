@@ -15,6 +15,7 @@ from .errors import NotInitializedError, SifarError, UnboundAxisError
 from .fused import *  # noqa: F403 - the fused ops: fused.__all__ (psum_add_rmsnorm)
 from .decode_step import LlamaLayer, StepStatus, check_step_status, llama_step_virtual_ranks
 from .decode_step_tp import llama_step  # one device, or with axis_name= across a mesh axis
+from .moe_step import Qwen3MoeLayer, qwen3_moe_step, qwen3_moe_step_virtual_ranks
 from .info import info  # the function (python -m sifar_jax.info prints the same)
 from .multicast import MulticastDisabledError
 from .ordering import dispatch_lock
@@ -32,6 +33,7 @@ __all__ = [
     "DEFAULT_SLOT_BYTES",
     "DualBuffers",
     "MulticastDisabledError",
+    "Qwen3MoeLayer",
     "NotInitializedError",
     "SUPPORTED_DTYPES",
     "SifarError",
@@ -49,6 +51,8 @@ __all__ = [
     "info",
     "init",
     "make_buffers",
+    "qwen3_moe_step",
+    "qwen3_moe_step_virtual_ranks",
     "replace_psum",
     "row_parallel",
     "row_parallel_add_rmsnorm",

@@ -191,11 +191,17 @@ def test_step_option_is_checked():
 
 
 def test_a_family_without_the_step(monkeypatch):
-    """The step is the family's (ModelFamily.fast_step): Qwen3-MoE has none, so
-    step="persistent" is a ValueError saying so, and "auto" runs the XLA step and says why,
-    as the choice made once per decoder."""
-    family = FAMILIES["qwen3_moe"]
-    assert family.fast_step is None and LLAMA.fast_step is persistent.PERSISTENT
+    """The step is the family's (ModelFamily.fast_step): a family without one (Qwen3-MoE's
+    without its own, models/qwen3_moe/step.py), step="persistent" is a ValueError saying so,
+    and "auto" runs the XLA step and says why, as the choice made once per decoder."""
+    import dataclasses
+
+    from models.qwen3_moe import step as moe_step
+
+    assert FAMILIES["qwen3_moe"].fast_step is moe_step.PERSISTENT
+    assert LLAMA.fast_step is persistent.PERSISTENT
+    family = dataclasses.replace(FAMILIES["qwen3_moe"], fast_step=None)
+    monkeypatch.setitem(FAMILIES, "qwen3_moe", family)
     cfg, mesh = family.preset("qwen3_moe_tiny"), make_mesh(1)
     params = family.random_params(cfg, mesh, seed=0)
     with pytest.raises(ValueError, match="the qwen3_moe family has no 'persistent' step"):
