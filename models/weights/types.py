@@ -140,16 +140,18 @@ class RowWeight:
         return self.w.reshape(math.prod(self.out_dims), math.prod(self.in_dims))
 
 
-def to_row_weight(w, n_in: int) -> RowWeight:
-    """An einsum-layout weight [*in, *out] (n_in leading contracted dims) -> RowWeight."""
+def to_row_weight(w, n_in: int, lead: int = 0) -> RowWeight:
+    """An einsum-layout weight [*lead, *in, *out] (n_in contracted dims after `lead` stacked
+    ones: an MoE's experts) -> RowWeight [*lead, *out, *in], an Fp8Weight stack's q layout (its
+    out dims then start with the stacked ones, as that q's do)."""
     xp = np if isinstance(w, np.ndarray) else jnp
-    return RowWeight(xp.transpose(w, tuple(range(n_in, w.ndim)) + tuple(range(n_in))), n_in)
+    return RowWeight(xp.transpose(w, Projection(n_in, lead).q_perm(w.ndim)), n_in)
 
 
-def from_row_weight(w: RowWeight) -> jax.Array:
-    """The einsum-layout weight [*in, *out] of a RowWeight."""
-    n_out = w.w.ndim - w.n_in
-    return jnp.transpose(w.w, tuple(range(n_out, w.w.ndim)) + tuple(range(n_out)))
+def from_row_weight(w: RowWeight, lead: int = 0) -> jax.Array:
+    """The einsum-layout weight [*lead, *in, *out] of a RowWeight (lead: its stacked dims)."""
+    perm = Projection(w.n_in, lead).q_perm(w.w.ndim)
+    return jnp.transpose(w.w, tuple(np.argsort(perm)))
 
 
 def stored_equation(equation: str, w: RowWeight) -> str:
