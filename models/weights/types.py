@@ -14,7 +14,8 @@ XLA's dequantize-and-dot (the same product, float32 sums).
 `RowWeight` is a dense projection in the same output-major layout, without scales: the [N, K]
 rows the persistent step (sifar_jax.llama_step) streams, held once for both steps. `project`
 reads it as an einsum over its dims in their stored order: XLA's dot takes the contracted dims
-last. (XLA:CPU transposes some of them back inside its fused dots on every step;
+last. An MoE's expert stack keeps its expert dim first, as an Fp8Weight stack's q ([E, *out,
+*in]: out dims (E, ...)), the layout sifar_jax.qwen3_moe_step streams. (XLA:CPU transposes some of them back inside its fused dots on every step;
 tests/models/test_row_weights.py checks that XLA:GPU writes no copy of them.)
 """
 
@@ -107,7 +108,7 @@ class Projection:
 @dataclass(frozen=True)
 class RowWeight:
     """A dense projection stored output-major: w [*out, *in] in the model's dtype (transforms.py,
-    to_rows), the layout of an Fp8Weight's q."""
+    to_rows), the layout of an Fp8Weight's q (a stack's out dims start with its experts)."""
     w: jax.Array  # [*out, *in]
     n_in: int  # how many trailing dims of w are contracted
 
