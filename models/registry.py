@@ -110,8 +110,9 @@ def dequantize_params(params: dict, family_or_config: Any, dtype: Any = None,
 
 def to_rows(params: dict, family_or_config: Any, *, axis_name: str = "tp",
             donate: bool = False) -> dict:
-    """weights.transforms.to_rows: a dense family's projections, the LM head included, as
-    RowWeight (the [N, K] rows the persistent step streams; the XLA step reads them too)."""
+    """weights.transforms.to_rows: a family's projections (an MoE's expert stacks too), the LM
+    head included, as RowWeight (the [N, K] rows the persistent step streams; the XLA step
+    reads them too)."""
     return transforms.to_rows(params, _family(family_or_config), axis_name=axis_name,
                               donate=donate)
 

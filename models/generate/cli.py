@@ -76,6 +76,7 @@ def make_parser(algorithms: tuple, sifar_why: str | None,
                    help="how a one-token step runs. persistent: as one sifar_jax.llama_step call "
                         "(a persistent kernel on CUDA GPUs; Llama, bf16, head_dim 128, batch 1, "
                         "TP 1-8, FP8 weights or bf16 ones held as rows, which both steps read; "
+                        "Qwen3-MoE likewise through sifar_jax.qwen3_moe_step at TP 1; "
                         "on CPU host devices the op's C++ reference, slowly; an error where it "
                         "cannot serve the model); xla: XLA's kernels; auto: persistent where it "
                         "serves the model on a GPU, else xla (the device line says which and "

@@ -312,23 +312,25 @@ def _tp_forward(family, layout, mesh: Mesh, options):
     return forward
 
 
-def rows_for_step(family, config, mesh: Mesh, options, params: Any) -> Any:
+def rows_for_step(family, config, mesh: Mesh, options, params: Any, why=None) -> Any:
     """params as the persistent step wants them: where the step would run on the projections
     as rows but not as they are (dense bf16 [K, N]), the projections moved to rows in place
     (weights.transforms.to_rows, donate=True: the einsum-layout weights are deleted); else
     params as they are. "Would run": options.step "persistent" (the CPU reference counting),
-    or "auto" on a GPU. For callers that own the params (the CLI, through
+    or "auto" on a GPU. why: the step's `reason` (None: this module's; the Qwen3-MoE step
+    passes its own). For callers that own the params (the CLI, through
     decoder/step_choice.params_for_step); a Decoder never changes the params it is given."""
+    why = why or reason
     layout = family.layout(config, mesh.shape[options.axis_name])
     opts = options.resolve(mesh)
     ref = options.step == "persistent"
-    if reason(family, layout, mesh, opts, params, reference=ref) is None:
+    if why(family, layout, mesh, opts, params, reference=ref) is None:
         return params
     try:
         rows = jax.eval_shape(lambda p: to_rows(p, family), params)
-    except ValueError:  # FP8 weights, an MoE's stacks: not for rows
+    except ValueError:  # FP8 weights: not for rows
         return params
-    if reason(family, layout, mesh, opts, rows, reference=ref) is not None:
+    if why(family, layout, mesh, opts, rows, reference=ref) is not None:
         return params
     return to_rows(params, family, axis_name=options.axis_name, donate=True)
 

@@ -27,7 +27,9 @@ model):
             weights where they lie, no gathered copy (CUDA; XLA's ops elsewhere: the same
             products as "gather"); more tokens: as "gather". A step is faster than with
             "gather" on GPUs (docs/performance.md).
-All give the same numbers up to float summation order.
+All give the same numbers up to float summation order. Expert stacks held as rows (RowWeight,
+models.to_rows: the persistent step's layout) are read in their stored order by "gather" and
+the many-token path; "matvec" takes the gather path for them (its kernel reads [E, K, N]).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from ..core import attention, sharding, transformer
 from ..core.attention import Attention, Step
 from ..core.tp import RMSNorm, TPContext, normal
 from ..family import ModelFamily
-from ..weights.types import Fp8Weight, Projection, matvec_fp8
+from ..weights.types import Fp8Weight, Projection, RowWeight, matvec_fp8
 from . import hf
 from .config import MOE_IMPLS, Qwen3MoeConfig
 from .step import PERSISTENT
@@ -66,19 +68,29 @@ def _swiglu(h: jax.Array) -> jax.Array:
     return jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
 
 
+def _stacks(gate_up, down):
+    """(gate_up, down, their per-expert einsum subscripts): the einsum layout's [E, hidden, 2, I]
+    and [E, I, hidden], or RowWeight stacks' stored order [E, 2, I, hidden] and [E, hidden, I]
+    (models.to_rows), read as they lie: the same products, each sum's order XLA's."""
+    if isinstance(gate_up, RowWeight):
+        return gate_up.w, down.w, "cfh", "hf"
+    return gate_up, down, "hcf", "fh"
+
+
 def experts_gather(x, weights, ids, gate_up, down, rows: int = 1):
     """The chosen experts only: each (token, slot)'s expert slices gathered and multiplied.
     x [N, hidden], weights/ids [N, k], gate_up [E, hidden, 2, I], down [E, I, hidden] (this
-    rank's I) -> this rank's partial output [N, hidden]. Reads N*k expert slices. rows: each
-    slice's one-row product runs as that many copies of the row, the first kept (tp.project
-    says why: XLA:GPU's one-row products stream their weights slowly)."""
+    rank's I; or both as RowWeight stacks) -> this rank's partial output [N, hidden]. Reads N*k
+    expert slices. rows: each slice's one-row product runs as that many copies of the row, the
+    first kept (tp.project says why: XLA:GPU's one-row products stream their weights slowly)."""
+    gate_up, down, gu, dn = _stacks(gate_up, down)
     n, k = ids.shape
     flat = ids.reshape(-1)
     xs = jnp.repeat(x, k, axis=0)[:, None]  # [N*k, 1, hidden], row m is token m // k
     xs = jnp.broadcast_to(xs, (xs.shape[0], rows, xs.shape[2]))
-    h = jnp.einsum("mrh,mhcf->mrcf", xs, jnp.take(gate_up, flat, axis=0, mode="clip"))
-    y = jnp.einsum("mrf,mfh->mrh", _swiglu(h), jnp.take(down, flat, axis=0, mode="clip"))[:, 0]
-    return jnp.einsum("nkh,nk->nh", y.reshape(n, k, -1), weights)
+    h = jnp.einsum(f"mrh,m{gu}->mrcf", xs, jnp.take(gate_up, flat, axis=0, mode="clip"))
+    y = jnp.einsum(f"mrf,m{dn}->mrh", _swiglu(h), jnp.take(down, flat, axis=0, mode="clip"))
+    return jnp.einsum("nkh,nk->nh", y[:, 0].reshape(n, k, -1), weights)
 
 
 def experts_matvec(x, weights, ids, gate_up, down):
@@ -97,12 +109,13 @@ def experts_matvec(x, weights, ids, gate_up, down):
 def experts_dense(x, weights, ids, gate_up, down):
     """Every expert on every token, the unchosen ones weighted 0 (as experts_gather). For many
     tokens: reads each expert's weights once, computes E/k times the useful work."""
+    gate_up, down, gu, dn = _stacks(gate_up, down)
     # [N, E]: each token's weight of every expert, 0 where not chosen (ids are distinct per row)
     combine = jnp.einsum("nke,nk->ne", jax.nn.one_hot(ids, gate_up.shape[0], dtype=x.dtype),
                          weights)
-    h = jnp.einsum("nh,ehcf->necf", x, gate_up)
+    h = jnp.einsum(f"nh,e{gu}->necf", x, gate_up)
     a = _swiglu(h) * combine[..., None]
-    return jnp.einsum("nef,efh->nh", a, down)
+    return jnp.einsum(f"nef,e{dn}->nh", a, down)
 
 
 def experts(x, weights, ids, gate_up, down, impl: str = "matvec", rows: int = 1):
@@ -115,8 +128,9 @@ def experts(x, weights, ids, gate_up, down, impl: str = "matvec", rows: int = 1)
         return jnp.einsum("nkh,nk->nh", y.reshape(n, k, -1), weights)
     if impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {impl!r}")
-    if ids.size < gate_up.shape[0]:  # fewer slices than experts: read only those
-        if impl == "matvec":
+    if ids.size < _stacks(gate_up, down)[0].shape[0]:  # fewer slices than experts: only those
+        # sifar_jax.matvec reads [E, K, N] weights, not rows: RowWeight stacks take the gather
+        if impl == "matvec" and not isinstance(gate_up, RowWeight):
             return experts_matvec(x, weights, ids, gate_up, down)
         return experts_gather(x, weights, ids, gate_up, down, rows)
     return experts_dense(x, weights, ids, gate_up, down)

@@ -8,17 +8,21 @@ type inside it (any other head runs in XLA on the op's output).
 It serves what its kernel serves: TP = 1 (the op has no ranks yet), batch 1, the "bhsd" cache
 in bf16, head_dim 128, 1-4 or 8 query heads per KV head, at most the op's MAX_EXPERTS experts
 and MAX_TOP_K per token, and projections (attention, experts, head) that are all FP8 with
-per-channel or per-tensor scales (Fp8Weight: load or make them with quantize="fp8"). A bf16
-model's dense projections are in the einsum layout and the op reads [N, K] rows: on CPU host
-devices (the reference) each step transposes them to rows (slow, for tests and small models);
-on a GPU `reason` refuses them (the kernel would copy every expert each step). The router is
-the model's dense [H, E], transposed to the op's [E, H] rows in each step (E x H values a
-layer). decoder/step_choice.py decides where it runs; prefills always run the XLA forward;
-both steps write the same cache.
+per-channel or per-tensor scales (Fp8Weight: load or make them with quantize="fp8") or all bf16
+rows (RowWeight: models.to_rows, the expert stacks as [E, 2, I, H] and [E, H, I], the op's
+gate_up [E, 2I, H] and down [E, H, I] as they lie; the XLA step and prefill read the same
+rows). A bf16 model's dense projections are in the einsum layout: on CPU host devices (the
+reference) each step transposes them to rows (slow, for tests and small models); on a GPU
+`reason` refuses them (the kernel would copy every expert each step). prepare_params
+(llama.rows_for_step) moves them to rows wherever the step would then run, for callers that
+own the params (the CLI). The router is the model's dense [H, E], transposed to the op's
+[E, H] rows in each step (E x H values a layer). decoder/step_choice.py decides where it runs;
+prefills always run the XLA forward; both steps write the same cache.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional
 
@@ -35,9 +39,10 @@ _PROJECTIONS = (("attn", "qkv"), ("attn", "o"), ("moe", "gate_up"), ("moe", "dow
 
 
 def reason(family, layout, mesh: Mesh, options, params: Any, *,
-           reference: bool = False) -> Optional[str]:
+           reference: bool = False, dense: bool = True) -> Optional[str]:
     """None when the persistent step can run this decoder of a Qwen3-MoE model (options:
-    resolved; reference: the op's CPU reference counts, on CPU host devices), else why not."""
+    resolved; reference: the op's CPU reference counts, on CPU host devices), else why not.
+    dense=False: dense bf16 projections do not count even there (prepare_params: rows then)."""
     from sifar_jax import moe_step
 
     c, s, tp = layout.config, layout.shapes, layout.tp
@@ -55,7 +60,8 @@ def reason(family, layout, mesh: Mesh, options, params: Any, *,
     if c.hidden_size % 16 or c.moe_intermediate_size % 16:
         return (f"hidden_size={c.hidden_size} and moe_intermediate_size="
                 f"{c.moe_intermediate_size} must be multiples of 16 (the GEMV's unit)")
-    return _params_reason(c, params, mesh.devices.flat[0].platform == "cpu" and reference)
+    return _params_reason(c, params,
+                          dense and mesh.devices.flat[0].platform == "cpu" and reference)
 
 
 def _params_reason(c, params: Any, dense_ok: bool) -> Optional[str]:
@@ -66,17 +72,20 @@ def _params_reason(c, params: Any, dense_ok: bool) -> Optional[str]:
     for i in range(c.num_layers):
         for group, name in _PROJECTIONS:
             w = layers[i][group][name]
-            if isinstance(w, RowWeight):
-                return f"layer {i} {group}.{name} is rows: the Qwen3-MoE step takes FP8 or dense"
-            if isinstance(w, Fp8Weight):
+            if isinstance(w, (Fp8Weight, RowWeight)):
                 if not llama._streamable(w):
-                    return (f"layer {i} {group}.{name} has block scales {w.block}: the "
+                    return (f"layer {i} {group}.{name} is {jnp.dtype(w.dtype).name} rows: the "
+                            f"persistent step streams bf16 or FP8 weights"
+                            if isinstance(w, RowWeight) else
+                            f"layer {i} {group}.{name} has block scales {w.block}: the "
                             f"persistent step takes per-channel or per-tensor scales")
             elif not dense_ok or jnp.dtype(w.dtype) != jnp.bfloat16:
                 return (f"layer {i} {group}.{name} is {jnp.dtype(w.dtype).name} in the einsum "
-                        f"layout; the kernel streams FP8 rows: load with quantize='fp8' (dense "
-                        f"bf16 runs only on the CPU reference, transposed in each step)")
-            kinds.add(type(w) is Fp8Weight)
+                        f"layout; the kernel streams [N, K] rows: hold the projections as rows "
+                        f"(models.to_rows(params, config, donate=True): both steps read them) "
+                        f"or as FP8 (load with quantize='fp8'); dense bf16 runs only on the "
+                        f"CPU reference, transposed in each step")
+            kinds.add(type(w) is Fp8Weight)  # dense bf16 and bf16 rows: the op's same rows
     if len(kinds) > 1:
         return "the projections mix FP8 and bf16: the persistent step streams one weight type"
     return None
@@ -85,7 +94,12 @@ def _params_reason(c, params: Any, dense_ok: bool) -> Optional[str]:
 def _rows(w, n_in: int, stack: bool = False):
     """(rows, float32 scale) of a projection as the op takes it: an Fp8Weight's e4m3 values as
     [N, K] (a stack: [E, N, K]) and its scales flattened (per row of every expert, or one); a
-    dense bf16 einsum weight [*(E,) *in, *out] transposed to rows, scale 1."""
+    RowWeight's bf16 rows as they lie, scale 1; a dense bf16 einsum weight [*(E,) *in, *out]
+    transposed to rows, scale 1."""
+    if isinstance(w, RowWeight):
+        if not stack:
+            return llama._operands(w)
+        return w.w.reshape(w.w.shape[0], -1, math.prod(w.in_dims)), jnp.ones((1,), jnp.float32)
     if isinstance(w, Fp8Weight):
         if not stack:
             return llama._operands(w)
@@ -160,7 +174,10 @@ class Qwen3MoePersistentStep:
                 f"sifar_jax.qwen3_moe_step's {platform.upper()} reference on host devices, slow")
 
     def prepare_params(self, family, config, mesh: Mesh, options, params: Any) -> Any:
-        return params
+        # rows wherever the step would run on them, the CPU reference too: it would transpose
+        # dense projections in every step
+        return llama.rows_for_step(family, config, mesh, options, params,
+                                   why=functools.partial(reason, dense=False))
 
 
 PERSISTENT = Qwen3MoePersistentStep()

@@ -2,7 +2,7 @@
 projections of a parameter tree (those in its family's `projections` table: the attention's qkv
 and o, an MLP's gate_up and down or an MoE's expert stacks, the LM head) into Fp8Weight
 (types.py) per output channel; norms, embeddings and an MoE's router stay as they are. to_rows /
-from_rows hold a dense family's projections as RowWeight and back.
+from_rows hold the same projections as RowWeight (bf16 rows) and back.
 
 Every function here takes the FAMILY (a ModelFamily: its `projections` and `tp_dims` tables);
 the models.<name> versions that also take a config find its family first (registry.py).
@@ -179,7 +179,8 @@ def quantize_params(params: dict, family, *, lm_head: bool = True,
 def to_rows(params: dict, family, *, axis_name: str = "tp",
             donate: bool = False) -> dict:
     """`params` (dense, sharded or not) with every projection of the family's table, the LM
-    head included, a RowWeight: the same values stored output-major, the [N, K] rows the
+    head included, a RowWeight (an MoE's expert stack too, its expert dim kept first: gate_up
+    [E, 2, I, H], down [E, H, I]): the same values stored output-major, the [N, K] rows the
     persistent step (DecodeOptions(step="persistent")) streams; the XLA step and prefill read
     the same arrays (tp.project). Weights already RowWeight stay as they are; an Fp8Weight
     raises. donate: one jit per weight, each einsum-layout weight deleted once its rows exist
@@ -192,10 +193,7 @@ def to_rows(params: dict, family, *, axis_name: str = "tp",
         if is_fp8(w):
             raise ValueError(f"to_rows: {name!r} is an Fp8Weight, already in the kernels' "
                              f"output-major layout")
-        if proj[name].lead:
-            raise ValueError(f"to_rows: {name!r} is a stack of {proj[name].lead} leading dims "
-                             f"(experts); RowWeight is for the dense families' projections")
-        if w.ndim <= proj[name].n_in:
+        if w.ndim <= proj[name].lead + proj[name].n_in:
             raise ValueError(f"to_rows: {name!r} has shape {tuple(w.shape)}, not a "
                              f"{family.name} projection's: are these params of another family?")
         return True
@@ -210,8 +208,8 @@ def to_rows(params: dict, family, *, axis_name: str = "tp",
             old.delete()
 
     return _map_projections(params, family, pick,
-                            lambda ws, names: [to_row_weight(w, proj[n].n_in) for w, n in
-                                               zip(ws, names)], specs,
+                            lambda ws, names: [to_row_weight(w, proj[n].n_in, proj[n].lead)
+                                               for w, n in zip(ws, names)], specs,
                             each=delete if donate else None)
 
 
@@ -224,7 +222,8 @@ def from_rows(params: dict, family, axis_name: str = "tp") -> dict:
                 for w, n in zip(res, names)]
 
     return _map_projections(params, family, lambda name, w: isinstance(w, RowWeight),
-                            lambda ws, names: [from_row_weight(w) for w in ws], specs)
+                            lambda ws, names: [from_row_weight(w, family.projections[n].lead)
+                                               for w, n in zip(ws, names)], specs)
 
 
 def dequantize_params(params: dict, family, dtype: Any = None, axis_name: str = "tp") -> dict:

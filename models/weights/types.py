@@ -14,7 +14,8 @@ XLA's dequantize-and-dot (the same product, float32 sums).
 `RowWeight` is a dense projection in the same output-major layout, without scales: the [N, K]
 rows the persistent step (sifar_jax.llama_step) streams, held once for both steps. `project`
 reads it as an einsum over its dims in their stored order: XLA's dot takes the contracted dims
-last. (XLA:CPU transposes some of them back inside its fused dots on every step;
+last. An MoE's expert stack keeps its expert dim first, as an Fp8Weight stack's q ([E, *out,
+*in]: out dims (E, ...)), the layout sifar_jax.qwen3_moe_step streams. (XLA:CPU transposes some of them back inside its fused dots on every step;
 tests/models/test_row_weights.py checks that XLA:GPU writes no copy of them.)
 """
 
@@ -107,7 +108,7 @@ class Projection:
 @dataclass(frozen=True)
 class RowWeight:
     """A dense projection stored output-major: w [*out, *in] in the model's dtype (transforms.py,
-    to_rows), the layout of an Fp8Weight's q."""
+    to_rows), the layout of an Fp8Weight's q (a stack's out dims start with its experts)."""
     w: jax.Array  # [*out, *in]
     n_in: int  # how many trailing dims of w are contracted
 
@@ -140,16 +141,18 @@ class RowWeight:
         return self.w.reshape(math.prod(self.out_dims), math.prod(self.in_dims))
 
 
-def to_row_weight(w, n_in: int) -> RowWeight:
-    """An einsum-layout weight [*in, *out] (n_in leading contracted dims) -> RowWeight."""
+def to_row_weight(w, n_in: int, lead: int = 0) -> RowWeight:
+    """An einsum-layout weight [*lead, *in, *out] (n_in contracted dims after `lead` stacked
+    ones: an MoE's experts) -> RowWeight [*lead, *out, *in], an Fp8Weight stack's q layout (its
+    out dims then start with the stacked ones, as that q's do)."""
     xp = np if isinstance(w, np.ndarray) else jnp
-    return RowWeight(xp.transpose(w, tuple(range(n_in, w.ndim)) + tuple(range(n_in))), n_in)
+    return RowWeight(xp.transpose(w, Projection(n_in, lead).q_perm(w.ndim)), n_in)
 
 
-def from_row_weight(w: RowWeight) -> jax.Array:
-    """The einsum-layout weight [*in, *out] of a RowWeight."""
-    n_out = w.w.ndim - w.n_in
-    return jnp.transpose(w.w, tuple(range(n_out, w.w.ndim)) + tuple(range(n_out)))
+def from_row_weight(w: RowWeight, lead: int = 0) -> jax.Array:
+    """The einsum-layout weight [*lead, *in, *out] of a RowWeight (lead: its stacked dims)."""
+    perm = Projection(w.n_in, lead).q_perm(w.w.ndim)
+    return jnp.transpose(w.w, tuple(np.argsort(perm)))
 
 
 def stored_equation(equation: str, w: RowWeight) -> str:
