@@ -71,7 +71,7 @@ __device__ __forceinline__ void ArPut(const ArCtx& a, unsigned k, int n, float v
 }
 
 // The first wait past the timeout records the failure; every wait gives up once one has.
-__device__ void ArFail(const ArCtx& a, unsigned k, int missing) {
+__device__ inline void ArFail(const ArCtx& a, unsigned k, int missing) {
   if (atomicCAS(a.status + step::kFailed, 0u, 1u) == 0u) {
     a.status[step::kFailedPhase] = k;
     a.status[step::kMissingRank] = static_cast<unsigned>(missing);
@@ -97,7 +97,7 @@ struct ArWait {
 
 // Tests: the block sleeps a pseudo-random time below skew_ns before phase k's partials (a hash
 // of the block, the phase and the clock: every launch, rank and block its own skew).
-__device__ void Skew(const ArCtx& a, unsigned k) {
+__device__ inline void Skew(const ArCtx& a, unsigned k) {
   if (a.skew_ns <= 0) return;
   if (threadIdx.x == 0) {
     const unsigned long long t0 = GlobalNs();
@@ -120,7 +120,7 @@ __device__ __forceinline__ bool BlockAny(bool v) {
 // oneshot's barrier across the ranks: every block of every rank has arrived `round` times
 // (the block's writes before it visible after it). False: the step failed. w: thread 0's wait
 // clock of this phase (both barriers of a phase share it).
-__device__ bool CrossBarrier(const ArCtx& a, unsigned round, unsigned k, ArWait& w) {
+__device__ inline bool CrossBarrier(const ArCtx& a, unsigned round, unsigned k, ArWait& w) {
   bool ok = true;
   BlockSync();  // the block's writes (or reads) are done before it arrives
   if (threadIdx.x == 0) {
@@ -143,7 +143,7 @@ __device__ bool CrossBarrier(const ArCtx& a, unsigned round, unsigned k, ArWait&
 // added to the residual stream `old` (bf16 [hidden]); xs <- the new stream's RMSNorm times
 // `scale` (StageNorm's values); this block's quads [qlo, qhi) of the new stream to `out`
 // (none: null); h (not null) <- the normed values as bf16. Block-wide.
-__device__ void ArReduce(const ArCtx& a, unsigned k, const bf16* old, bf16* out, int qlo,
+__device__ inline void ArReduce(const ArCtx& a, unsigned k, const bf16* old, bf16* out, int qlo,
                          int qhi, const uint16_t* scale, float eps, float4* xs, float* red,
                          bf16* h) {
   const int H = a.hidden, R = a.ranks;

@@ -111,7 +111,7 @@ __device__ __forceinline__ void ReadDevStart(const step::StepComm& m, DevStart& 
 // (this rank never arrives). Else where the step begins on the lane (lane_start.h) from every
 // protocol block's epoch. Stored before the block's first grid barrier (its release), read
 // by every block after it (DevStartLane).
-__device__ void DevDecide(const step::StepComm& m, int hidden, unsigned* words) {
+__device__ inline void DevDecide(const step::StepComm& m, int hidden, unsigned* words) {
   const Control* c = m.ctl[m.rank];
   const bool off = LoadRelaxedSys(&c->failed) || LoadRelaxedSys(&c->drop);
   const uint32_t mask = EpochMask(LoadRelaxedSys(&c->epoch_mask));
@@ -146,7 +146,7 @@ struct DevAr {
 
 // The first wait past the timeout records the failure: the step's status words, the rank's
 // error record (once per rank: error_claimed), every rank's Control.failed (they give up).
-__device__ void DevFail(const DevAr& a, unsigned k, int missing) {
+__device__ inline void DevFail(const DevAr& a, unsigned k, int missing) {
   const step::StepComm& m = *a.m;
   if (atomicCAS(a.status + step::kFailed, 0u, 1u) == 0u) {  // once per rank and launch
     a.status[step::kFailedPhase] = k;
@@ -190,7 +190,7 @@ struct DevWait {
 };
 
 // A barrier across the ranks at `value` (block-wide; see the header). False: the step failed.
-__device__ bool DevBarrier(DevAr& a, uint32_t value, unsigned k, DevWait& w) {
+__device__ inline bool DevBarrier(DevAr& a, uint32_t value, unsigned k, DevWait& w) {
   const step::StepComm& m = *a.m;
   const unsigned target = ++a.rounds * static_cast<unsigned>(a.nb);
   unsigned* arrive = a.words + kDevArrive;
@@ -230,7 +230,7 @@ __device__ bool DevBarrier(DevAr& a, uint32_t value, unsigned k, DevWait& w) {
 // second barrier (BlockSync, the arrival's red.release, block 0's st.release.sys into every
 // peer's word) orders the clearing before every later publication and read. A failed barrier
 // leaves the block off. Block-wide.
-__device__ void DevClearAcross(DevAr& a, uint32_t before, uint32_t after, unsigned k) {
+__device__ inline void DevClearAcross(DevAr& a, uint32_t before, uint32_t after, unsigned k) {
   DevWait w;
   if (!DevBarrier(a, before, k, w)) {
     a.off = true;
@@ -253,7 +253,7 @@ __device__ void DevClearAcross(DevAr& a, uint32_t before, uint32_t after, unsign
 // barrier across the ranks (every peer has left the lane's earlier kernels, so no block of
 // them still reads a slot this launch writes), with the clearing of the tagged words where a
 // lagging block lies in an earlier tag cycle. Block-wide.
-__device__ void DevStartLane(DevAr& a) {
+__device__ inline void DevStartLane(DevAr& a) {
   const unsigned flags = LoadRelaxed(a.words + kDevStartFlags);
   a.epoch = LoadRelaxed(a.words + kDevStartEpoch);
   a.mask = LoadRelaxed(a.words + kDevStartMask);
@@ -274,7 +274,7 @@ __device__ void DevStartLane(DevAr& a) {
 // values (DevClearAcross); the injected skew (testing.inject_skew: per rank, epoch and
 // block); sifar: the fence that orders the words this block read before (the earlier phases)
 // before the words it writes now. Block-wide.
-__device__ void DevBegin(DevAr& a, unsigned k) {
+__device__ inline void DevBegin(DevAr& a, unsigned k) {
   if (k == 1) DevStartLane(a);
   const unsigned prev = a.epoch;
   a.epoch = NextEpoch(prev, a.mask);
@@ -315,7 +315,7 @@ __device__ __forceinline__ void DevPut(const DevAr& a, int n, float v) {
 // float32, rounded once, added to the residual stream `old`; xs <- the new stream's RMSNorm
 // times `scale`; this block's quads [qlo, qhi) of the new stream to `out` (none: null); h (not
 // null) <- the normed values as bf16. Block-wide.
-__device__ void DevReduce(DevAr& a, const bf16* old, bf16* out, int qlo, int qhi,
+__device__ inline void DevReduce(DevAr& a, const bf16* old, bf16* out, int qlo, int qhi,
                           const uint16_t* scale, float eps, float4* xs, float* red, bf16* h) {
   const step::StepComm& m = *a.m;
   const int H = a.hidden, R = m.nranks;
@@ -407,7 +407,7 @@ __device__ void DevReduce(DevAr& a, const bf16* old, bf16* out, int qlo, int qhi
 // arrived (acquire), stores every protocol block's epoch of the lane and the lane's call
 // count, unless the step failed on any block, or this rank was off (a failed communicator is
 // re-initialised, its epochs zeroed, before anything uses them again).
-__device__ void DevCommit(const DevAr& a, uint64_t calls) {
+__device__ inline void DevCommit(const DevAr& a, uint64_t calls) {
   BlockSync();  // the block's phases (and the head) are done
   if (threadIdx.x != 0) return;
   unsigned* done = a.words + kDevDone;

@@ -16,7 +16,7 @@ namespace cuda {
 namespace phase {
 
 // xs <- in[0, k) (bf16 written by this launch: read through L2).
-__device__ void StageX(float4* xs, const bf16* in, int k) {
+__device__ inline void StageX(float4* xs, const bf16* in, int k) {
   for (int i = threadIdx.x; i < k / 4; i += kThreads) {
     const uint2 v = __ldcg(reinterpret_cast<const uint2*>(in) + i);
     xs[XQuad(i >> 2, i & 3)] =
@@ -28,7 +28,7 @@ __device__ void StageX(float4* xs, const bf16* in, int k) {
 
 // 1 / rms from each thread's partial sum of squares: each warp's butterfly, the warps in
 // order (the CPU handler's order).
-__device__ float FinishRms(float ss, int n, float eps, float* red) {
+__device__ inline float FinishRms(float ss, int n, float eps, float* red) {
   ss = WarpSum(ss);
   if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
   BlockSync();
@@ -40,7 +40,7 @@ __device__ float FinishRms(float ss, int n, float eps, float* red) {
 
 // 1 / rms(r[0, n)): thread t's fma sum over the quads t, t + 256, ... (each quad's 4 in
 // order), then FinishRms.
-__device__ float InvRms(const bf16* r, int n, float eps, float* red) {
+__device__ inline float InvRms(const bf16* r, int n, float eps, float* red) {
   float ss = 0.0f;
 #pragma unroll 4
   for (int i = threadIdx.x; i < n / 4; i += kThreads) {
@@ -54,7 +54,7 @@ __device__ float InvRms(const bf16* r, int n, float eps, float* red) {
 }
 
 // xs <- bf16(bf16(r * inv) * scale), models' RMSNorm.
-__device__ void StageNorm(float4* xs, const bf16* r, const uint16_t* scale, int n, float eps,
+__device__ inline void StageNorm(float4* xs, const bf16* r, const uint16_t* scale, int n, float eps,
                           float* red) {
   const float inv = InvRms(r, n, eps, red);
   const bf16* sc = reinterpret_cast<const bf16*>(scale);
