@@ -257,7 +257,11 @@ def test_gpu_kernel_against_cpu_reference(wdt):
     partial one (I 384), more experts than lanes (E 64) and top-8. Layer 0's new key and value
     are norms, a GEMV, the q/k norm and the RoPE: bit for bit. The chosen experts are the CPU's
     (expf may differ from the C library's by an ulp: only a near-tie could flip one, which a
-    failure here would have to be checked for); h and the logits within 1e-2 of their largest."""
+    failure here would have to be checked for); h and the logits within 1e-2 of their largest;
+    layer 0's expert weights bit for bit, later layers' within 5% of each weight: their router
+    logits come from a residual stream the two sum in different orders, so one bf16 rounding of
+    a logit can differ, and the softmax carries it (one H100, 2026-12-07, bf16 weights: layer 1's
+    weights 4 of 8 apart, by up to 2%; FP8: equal)."""
     dims = dict(H=2048, KV=2, G=4, I=384, E=64, L=2, S=300, POS=257, START=3)
     ops, hw, _, _ = _model(7, wdt, "channel", **dims)
     out = {}
@@ -276,7 +280,8 @@ def test_gpu_kernel_against_cpu_reference(wdt):
     assert np.isfinite(h_c).all()
     assert np.abs(h_g - h_c).max() <= 1e-2 * np.abs(h_c).max()
     assert np.abs(lg_g - lg_c).max() <= 1e-2 * np.abs(lg_c).max()
-    np.testing.assert_array_equal(w_g, w_c)
+    np.testing.assert_array_equal(w_g[0], w_c[0])
+    assert (np.abs(w_g - w_c) <= 0.05 * np.abs(w_c)).all()
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -337,7 +342,8 @@ def test_gpu_virtual_ranks_against_cpu_reference(ranks):
     np.testing.assert_array_equal(c_g[0, :, :, :, 257].view(np.uint16),
                                   c_c[0, :, :, :, 257].view(np.uint16))
     np.testing.assert_array_equal(ids_g, ids_c)
-    np.testing.assert_array_equal(w_g, w_c)
+    np.testing.assert_array_equal(w_g[0], w_c[0])
+    assert (np.abs(w_g - w_c) <= 0.05 * np.abs(w_c)).all()  # as the test above says
     h_g32, h_c32 = h_g.astype(np.float32), h_c.astype(np.float32)
     assert np.isfinite(h_c32).all() and np.isfinite(lg_g).all()
     assert np.abs(h_g32 - h_c32).max() <= 1e-2 * np.abs(h_c32).max()
