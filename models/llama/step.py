@@ -41,8 +41,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ..core import sharding
-from ..core.attention import rope_cos_sin, rope_inv_freq
-from ..core.tp import project
+from ..core.attention import rope_inv_freq
+from ..core.step_operands import (head_operands, operands, step_operands, streamable,
+                                  xla_head)
 from ..weights.transforms import to_rows
 from ..weights.types import Fp8Weight, RowWeight
 
@@ -132,7 +133,7 @@ def _params_reason(c, params: Any) -> Optional[str]:
                         f"einsum layout; the persistent step streams [N, K] rows: hold the "
                         f"projections as rows (models.to_rows(params, config, donate=True): "
                         f"both steps read them) or as FP8 (load with quantize='fp8')")
-            if not _streamable(w):
+            if not streamable(w):
                 return (f"layer {i} {group}.{name} is {jnp.dtype(w.dtype).name} rows: the "
                         f"persistent step streams bf16 or FP8 weights"
                         if isinstance(w, RowWeight) else
@@ -170,68 +171,25 @@ def _communicator_reason(mesh: Mesh, options, hidden: int) -> Optional[str]:
     return None
 
 
-def _streamable(w) -> bool:
-    """Whether the kernel streams projection w: bf16 rows, or FP8 whose scales are per output
-    row or per tensor (its two kinds of scale)."""
-    if isinstance(w, RowWeight):
-        return jnp.dtype(w.dtype) == jnp.bfloat16
-    return isinstance(w, Fp8Weight) and (
-        w.scale.size == 1 or (w.block[0] == 1 and w.scale.shape[-1] == 1))
 
 
-def _operands(w):
-    """(weight [N, K], float32 scale [N] or [1]): a projection as the op takes it (an
-    Fp8Weight's e4m3 values and scales; a RowWeight's bf16 rows and a scale of one)."""
-    if isinstance(w, RowWeight):
-        return w.rows(), jnp.ones((1,), jnp.float32)
-    q2, s2, _ = w.kernel_operands()
-    return q2, s2.reshape(-1).astype(jnp.float32)
 
 
 def _layer_operands(block) -> "sifar_jax.LlamaLayer":
     import sifar_jax
 
-    qkv, qkv_s = _operands(block.attn.qkv[...])
-    o, o_s = _operands(block.attn.o[...])
-    gu, gu_s = _operands(block.mlp.gate_up[...])
-    dn, dn_s = _operands(block.mlp.down[...])
+    qkv, qkv_s = operands(block.attn.qkv[...])
+    o, o_s = operands(block.attn.o[...])
+    gu, gu_s = operands(block.mlp.gate_up[...])
+    dn, dn_s = operands(block.mlp.down[...])
     return sifar_jax.LlamaLayer(block.input_norm.weight[...], qkv, qkv_s, o, o_s,
                                 block.post_norm.weight[...], gu, gu_s, dn, dn_s)
 
 
-def _head_operands(model, c):
-    """The op's head operands when the LM head is untied and of the layers' weight type (FP8
-    with per-row or per-tensor scales, or bf16 rows): the kernel streams it; else None (the
-    head runs in XLA on the op's h)."""
-    w = None if c.tie_word_embeddings else model.lm_head[...]
-    kind = type(model.layers[0].attn.qkv[...])
-    if isinstance(w, kind) and _streamable(w):
-        return _operands(w)
-    return None
 
 
-def _step_operands(model, c, tokens, positions, start, inv_freq):
-    """The op's operands but the layers and cache: (x, rope, pos, final_norm) for tokens [1, 1]
-    at positions [1], the row's first slot `start` ([1]; None: 0)."""
-    pos = positions[0].astype(jnp.int32)
-    first = jnp.int32(0) if start is None else start[0].astype(jnp.int32)
-    cos, sin = rope_cos_sin((pos - first)[None], inv_freq)
-    x = jnp.take(model.embed[...], tokens[0, 0], axis=0)
-    return x, jnp.concatenate([cos, sin]), jnp.stack([pos, first]), model.norm.weight[...]
 
 
-def _xla_head(model, c, h, rows: int, rank=None, ranks: int = 1):
-    """Logits [1, 1, vocab / ranks] float32 of h [H] in XLA: the untied head's shard, or the
-    tied embedding's vocabulary rows of this rank (the XLA decoder's split)."""
-    h = h[None, None]
-    if not c.tie_word_embeddings:
-        return project("bth,hv->btv", h, model.lm_head[...], rows,
-                       preferred_element_type=jnp.float32)
-    w = model.embed[...]
-    if ranks > 1:
-        n = c.vocab_size // ranks
-        w = jax.lax.dynamic_slice_in_dim(w, rank * n, n, axis=0)
-    return project("bth,vh->btv", h, w, rows, preferred_element_type=jnp.float32)
 
 
 def make_step_forward(family, layout, options, virtual_ranks: int = 1, allreduce: str = "sifar",
@@ -256,8 +214,8 @@ def make_step_forward(family, layout, options, virtual_ranks: int = 1, allreduce
 
     def forward(params, cache, tokens, positions, ar, start=None):
         model = nnx.merge(graphdef, params)
-        head = _head_operands(model, c)
-        args = (*_step_operands(model, c, tokens, positions, start, inv_freq),
+        head = head_operands(model, c)
+        args = (*step_operands(model, c, tokens, positions, start, inv_freq),
                 [_layer_operands(b) for b in model.layers], cache)
         kw = dict(kv_heads=c.num_kv_heads, group=c.group_size, eps=c.rms_norm_eps, head=head)
         if virtual_ranks > 1:
@@ -268,7 +226,7 @@ def make_step_forward(family, layout, options, virtual_ranks: int = 1, allreduce
             logits = logits[0] if logits else None
         if head is not None:  # the kernel streamed the head too
             return logits[None, None], cache, ar
-        return _xla_head(model, c, h, options.gemm_rows), cache, ar
+        return xla_head(model, c, h, options.gemm_rows), cache, ar
 
     return forward
 
@@ -294,13 +252,13 @@ def _tp_forward(family, layout, mesh: Mesh, options):
 
         def per_rank(params, cache, tokens, positions, start):
             model = nnx.merge(graphdef, sharding.local_fp8(params, pspecs, axis))
-            head = _head_operands(model, c)
+            head = head_operands(model, c)
             out = sifar_jax.llama_step(
-                *_step_operands(model, c, tokens, positions, start, inv_freq),
+                *step_operands(model, c, tokens, positions, start, inv_freq),
                 [_layer_operands(b) for b in model.layers], cache, head=head, **kw)
             if head is not None:  # the kernel streamed the rank's vocabulary rows
                 return out[2][None, None], out[1]
-            return _xla_head(model, c, out[0], options.gemm_rows,
+            return xla_head(model, c, out[0], options.gemm_rows,
                              jax.lax.axis_index(axis), tp), out[1]
 
         step = jax.shard_map(per_rank, mesh=mesh, in_specs=(pspecs, cspec, P(), P(), P()),

@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from ..core.attention import rope_inv_freq
+from ..core.step_operands import head_operands, operands, step_operands, streamable, xla_head
 from ..llama import step as llama
 from ..weights.types import Fp8Weight, RowWeight
 
@@ -73,7 +74,7 @@ def _params_reason(c, params: Any, dense_ok: bool) -> Optional[str]:
         for group, name in _PROJECTIONS:
             w = layers[i][group][name]
             if isinstance(w, (Fp8Weight, RowWeight)):
-                if not llama._streamable(w):
+                if not streamable(w):
                     return (f"layer {i} {group}.{name} is {jnp.dtype(w.dtype).name} rows: the "
                             f"persistent step streams bf16 or FP8 weights"
                             if isinstance(w, RowWeight) else
@@ -98,11 +99,11 @@ def _rows(w, n_in: int, stack: bool = False):
     transposed to rows, scale 1."""
     if isinstance(w, RowWeight):
         if not stack:
-            return llama._operands(w)
+            return operands(w)
         return w.w.reshape(w.w.shape[0], -1, math.prod(w.in_dims)), jnp.ones((1,), jnp.float32)
     if isinstance(w, Fp8Weight):
         if not stack:
-            return llama._operands(w)
+            return operands(w)
         k = math.prod(w.in_dims)
         return w.q.reshape(w.q.shape[0], -1, k), w.scale.reshape(-1).astype(jnp.float32)
     lead = w.shape[:1] if stack else ()
@@ -139,8 +140,8 @@ def make_step_forward(family, layout, options, virtual_ranks: int = 1, *,
 
     def forward(params, cache, tokens, positions, ar, start=None):
         model = nnx.merge(graphdef, params)
-        head = llama._head_operands(model, c)
-        args = (*llama._step_operands(model, c, tokens, positions, start, inv_freq),
+        head = head_operands(model, c)
+        args = (*step_operands(model, c, tokens, positions, start, inv_freq),
                 [_layer_operands(b) for b in model.layers], cache)
         kw = dict(kv_heads=c.num_kv_heads, group=c.group_size, top_k=c.num_experts_per_tok,
                   norm_topk_prob=c.norm_topk_prob, eps=c.rms_norm_eps, head=head)
@@ -151,7 +152,7 @@ def make_step_forward(family, layout, options, virtual_ranks: int = 1, *,
             h, cache, *logits = sifar_jax.qwen3_moe_step(*args, **kw)
         if head is not None:  # the kernel streamed the head too
             return logits[0][None, None], cache, ar
-        return llama._xla_head(model, c, h, options.gemm_rows), cache, ar
+        return xla_head(model, c, h, options.gemm_rows), cache, ar
 
     return forward
 

@@ -248,7 +248,7 @@ def _head(cfg, params):
     from flax import nnx
 
     model = nnx.merge(LLAMA.abstract_model(LLAMA.layout(cfg, 1).shapes)[0], params)
-    head = persistent._head_operands(model, cfg)
+    head = persistent.head_operands(model, cfg)
     assert head is not None, "quantize='fp8' gives an FP8 head with per-row scales"
     return head
 

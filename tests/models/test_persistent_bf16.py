@@ -39,7 +39,7 @@ def operands():
     params = LLAMA.random_params(cfg, make_mesh(1), seed=3, quantize="fp8")
     model = nnx.merge(LLAMA.abstract_model(LLAMA.layout(cfg, 1).shapes)[0], params)
     layers = [persistent._layer_operands(b) for b in model.layers]
-    head = persistent._head_operands(model, cfg)
+    head = persistent.head_operands(model, cfg)
     bf = lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float8_e4m3fn else a  # noqa: E731
     layers16 = [sifar_jax.LlamaLayer(*(bf(a) for a in layer)) for layer in layers]
     cache = jax.random.uniform(jax.random.key(5), (2, 2, 1, 2, 64, 128), jnp.float32, -1, 1)

@@ -55,7 +55,7 @@ def _operands(cfg, params, cache_len=16, seed=0):
     layers = [persistent._layer_operands(b) for b in m.layers]
     cache = jnp.asarray(np.random.default_rng(seed + 1).normal(
         size=(cfg.num_layers, 2, 1, cfg.num_kv_heads, cache_len, 128)), jnp.bfloat16)
-    return x, rope, m.norm.weight[...], layers, cache, persistent._head_operands(m, cfg)
+    return x, rope, m.norm.weight[...], layers, cache, persistent.head_operands(m, cfg)
 
 
 def _kw(cfg):

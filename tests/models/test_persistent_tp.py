@@ -77,7 +77,7 @@ def _virtual_ranks(cfg, layout, params, seq, cache_shape, ranks: int, allreduce:
     cpu = jax.devices("cpu")[0]
     model = nnx.merge(LLAMA.abstract_model(layout.shapes)[0], jax.device_put(params, cpu))
     layers = [persistent._layer_operands(b) for b in model.layers]
-    head = persistent._head_operands(model, cfg)
+    head = persistent.head_operands(model, cfg)
     inv_freq = rope_inv_freq(cfg)
     cache = jax.device_put(jnp.zeros(cache_shape, jnp.bfloat16), cpu)
     kw = dict(kv_heads=layout.shapes.num_kv_heads, group=layout.shapes.group_size,
