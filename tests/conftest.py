@@ -117,6 +117,32 @@ def gpu_devices():
 
 
 @pytest.fixture
+def peak_live_bytes(monkeypatch):
+    """peak_live_bytes(fn) -> (live device bytes before, their peak at any
+    jax.block_until_ready during fn() (models/weights/transforms.py waits there after each
+    weight), fn's result): how many weights a one-weight-at-a-time transform holds at once."""
+    def live() -> int:
+        return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted())
+
+    def run(fn):
+        import models.weights.transforms as transforms
+
+        peak, real = [0], jax.block_until_ready
+
+        def watch(x):
+            out = real(x)
+            peak[0] = max(peak[0], live())
+            return out
+
+        before = live()
+        monkeypatch.setattr(transforms.jax, "block_until_ready", watch)
+        out = fn()
+        return before, peak[0], out
+
+    return run
+
+
+@pytest.fixture
 def timing_figures():
     """tests/bench/timing_figures.find_timing_figures: what a CPU benchmark run must never print
     or write in markdown."""

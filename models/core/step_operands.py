@@ -5,6 +5,8 @@ Family-agnostic: a model with `embed`, `norm`, `lm_head` (untied) and `layers[i]
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
@@ -20,6 +22,18 @@ def streamable(w) -> bool:
         return jnp.dtype(w.dtype) == jnp.bfloat16
     return isinstance(w, Fp8Weight) and (
         w.scale.size == 1 or (w.block[0] == 1 and w.scale.shape[-1] == 1))
+
+
+def unstreamable(w, where: str) -> Optional[str]:
+    """Why the kernels cannot stream projection w (an Fp8Weight or a RowWeight; `where` names
+    it), or None."""
+    if streamable(w):
+        return None
+    if isinstance(w, RowWeight):
+        return (f"{where} is {jnp.dtype(w.dtype).name} rows: the persistent step streams bf16 or "
+                f"FP8 weights")
+    return (f"{where} has block scales {w.block}: the persistent step takes per-channel or "
+            f"per-tensor scales")
 
 
 def operands(w):

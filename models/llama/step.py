@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..core import sharding
 from ..core.attention import rope_inv_freq
-from ..core.step_operands import (head_operands, operands, step_operands, streamable,
+from ..core.step_operands import (head_operands, operands, step_operands, unstreamable,
                                   xla_head)
 from ..weights.transforms import to_rows
 from ..weights.types import Fp8Weight, RowWeight
@@ -133,12 +133,9 @@ def _params_reason(c, params: Any) -> Optional[str]:
                         f"einsum layout; the persistent step streams [N, K] rows: hold the "
                         f"projections as rows (models.to_rows(params, config, donate=True): "
                         f"both steps read them) or as FP8 (load with quantize='fp8')")
-            if not streamable(w):
-                return (f"layer {i} {group}.{name} is {jnp.dtype(w.dtype).name} rows: the "
-                        f"persistent step streams bf16 or FP8 weights"
-                        if isinstance(w, RowWeight) else
-                        f"layer {i} {group}.{name} has block scales {w.block}: the persistent "
-                        f"step takes per-channel or per-tensor scales")
+            why = unstreamable(w, f"layer {i} {group}.{name}")
+            if why:
+                return why
             kinds.add(type(w))
     if len(kinds) > 1:
         return ("the projections mix FP8 and bf16 rows: the persistent step streams one weight "
@@ -171,10 +168,6 @@ def _communicator_reason(mesh: Mesh, options, hidden: int) -> Optional[str]:
     return None
 
 
-
-
-
-
 def _layer_operands(block) -> "sifar_jax.LlamaLayer":
     import sifar_jax
 
@@ -184,12 +177,6 @@ def _layer_operands(block) -> "sifar_jax.LlamaLayer":
     dn, dn_s = operands(block.mlp.down[...])
     return sifar_jax.LlamaLayer(block.input_norm.weight[...], qkv, qkv_s, o, o_s,
                                 block.post_norm.weight[...], gu, gu_s, dn, dn_s)
-
-
-
-
-
-
 
 
 def make_step_forward(family, layout, options, virtual_ranks: int = 1, allreduce: str = "sifar",

@@ -5,8 +5,8 @@ routes each token and streams only the chosen experts' rows; on CPU host devices
 reference, only where it is asked for by name), with an untied LM head of the layers' weight
 type inside it (any other head runs in XLA on the op's output).
 
-It serves what its kernel serves: TP = 1 (the op has no ranks yet), batch 1, the "bhsd" cache
-in bf16, head_dim 128, 1-4 or 8 query heads per KV head, at most the op's MAX_EXPERTS experts
+It serves what its kernel serves: TP = 1 (the op's ranks are virtual ranks on one device),
+batch 1, the "bhsd" cache in bf16, head_dim 128, 1-4 or 8 query heads per KV head, at most the op's MAX_EXPERTS experts
 and MAX_TOP_K per token, and projections (attention, experts, head) that are all FP8 with
 per-channel or per-tensor scales (Fp8Weight: load or make them with quantize="fp8") or all bf16
 rows (RowWeight: models.to_rows, the expert stacks as [E, 2, I, H] and [E, H, I], the op's
@@ -26,13 +26,13 @@ import functools
 import math
 from typing import Any, Optional
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
 from ..core.attention import rope_inv_freq
-from ..core.step_operands import head_operands, operands, step_operands, streamable, xla_head
+from ..core.step_operands import (head_operands, operands, step_operands, unstreamable,
+                                  xla_head)
 from ..llama import step as llama
 from ..weights.types import Fp8Weight, RowWeight
 
@@ -74,12 +74,9 @@ def _params_reason(c, params: Any, dense_ok: bool) -> Optional[str]:
         for group, name in _PROJECTIONS:
             w = layers[i][group][name]
             if isinstance(w, (Fp8Weight, RowWeight)):
-                if not streamable(w):
-                    return (f"layer {i} {group}.{name} is {jnp.dtype(w.dtype).name} rows: the "
-                            f"persistent step streams bf16 or FP8 weights"
-                            if isinstance(w, RowWeight) else
-                            f"layer {i} {group}.{name} has block scales {w.block}: the "
-                            f"persistent step takes per-channel or per-tensor scales")
+                why = unstreamable(w, f"layer {i} {group}.{name}")
+                if why:
+                    return why
             elif not dense_ok or jnp.dtype(w.dtype) != jnp.bfloat16:
                 return (f"layer {i} {group}.{name} is {jnp.dtype(w.dtype).name} in the einsum "
                         f"layout; the kernel streams [N, K] rows: hold the projections as rows "

@@ -15,8 +15,9 @@ XLA's dequantize-and-dot (the same product, float32 sums).
 rows the persistent step (sifar_jax.llama_step) streams, held once for both steps. `project`
 reads it as an einsum over its dims in their stored order: XLA's dot takes the contracted dims
 last. An MoE's expert stack keeps its expert dim first, as an Fp8Weight stack's q ([E, *out,
-*in]: out dims (E, ...)), the layout sifar_jax.qwen3_moe_step streams. (XLA:CPU transposes some of them back inside its fused dots on every step;
-tests/models/test_row_weights.py checks that XLA:GPU writes no copy of them.)
+*in]: out dims (E, ...)), the layout sifar_jax.qwen3_moe_step streams. (XLA:CPU transposes
+some of them back inside its fused dots on every step; tests/models/test_row_weights.py checks
+that XLA:GPU writes no copy of them.)
 """
 
 from __future__ import annotations

@@ -118,32 +118,17 @@ def test_rows_stay_sharded_where_they_lie():
     assert back["layers"][0]["moe"]["down"].sharding.spec == P(None, "tp", None)
 
 
-def test_to_rows_donating_holds_one_weight_twice_at_most(monkeypatch):
+def test_to_rows_donating_holds_one_weight_twice_at_most(peak_live_bytes):
     """donate=True: one weight per jit (an expert stack whole), each einsum-layout weight
     deleted once its rows exist: the live bytes never exceed those before the call plus the
     largest projection."""
-    import models.weights.transforms as transforms
-
     cfg, mesh = QWEN.preset("qwen3_moe_step_tiny", num_layers=3), make_mesh(1)
     params = QWEN.random_params(cfg, mesh, seed=8)
     largest = max(a.nbytes for a in jax.tree.leaves(params))
-
-    def live() -> int:
-        return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted())
-
-    peak, real = [0], jax.block_until_ready
-
-    def watch(x):
-        out = real(x)
-        peak[0] = max(peak[0], live())
-        return out
-
-    before = live()
-    monkeypatch.setattr(transforms.jax, "block_until_ready", watch)
-    rows = to_rows(params, cfg, donate=True)
+    before, peak, rows = peak_live_bytes(lambda: to_rows(params, cfg, donate=True))
     assert isinstance(rows["layers"][2]["moe"]["down"], RowWeight)
     assert params["layers"][2]["moe"]["gate_up"].is_deleted()
-    assert before < peak[0] <= before + largest, (peak[0], before, largest)
+    assert before < peak <= before + largest, (peak, before, largest)
 
 
 def test_to_rows_errors(tiny):

@@ -201,30 +201,15 @@ def test_params_for_step_moves_only_what_the_step_will_read():
     assert qkv.is_deleted()  # donated: one copy of the weights
 
 
-def test_to_rows_donating_holds_one_weight_twice_at_most(monkeypatch):
+def test_to_rows_donating_holds_one_weight_twice_at_most(peak_live_bytes):
     """donate=True converts one weight per jit and deletes it once its rows exist: the live
     bytes never exceed those before the call plus the largest projection."""
     cfg, mesh = _config(num_layers=4), make_mesh(1)
     params = LLAMA.random_params(cfg, mesh, seed=7)
     largest = max(a.nbytes for a in jax.tree.leaves(params))
-
-    def live() -> int:
-        return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted())
-
-    peak, real = [0], jax.block_until_ready
-
-    def watch(x):
-        out = real(x)
-        peak[0] = max(peak[0], live())
-        return out
-
-    import models.weights.transforms as q
-
-    before = live()
-    monkeypatch.setattr(q.jax, "block_until_ready", watch)
-    rows = to_rows(params, cfg, donate=True)
+    before, peak, rows = peak_live_bytes(lambda: to_rows(params, cfg, donate=True))
     assert isinstance(rows["layers"][3]["mlp"]["down"], RowWeight)
-    assert before < peak[0] <= before + largest, (peak[0], before, largest)
+    assert before < peak <= before + largest, (peak, before, largest)
 
 
 def test_to_rows_errors(dense):
